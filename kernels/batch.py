@@ -1,0 +1,86 @@
+"""Per-step metadata of a paged attention call: built once per step, shared by all layers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class PagedBatch:
+    """Packed queries of S sub-requests over a paged KV pool.
+
+    cu_q:        [S + 1] int   offsets of each sub-request's rows in the packed query (cu_q[0] = 0).
+    q_pos:       [T] int       absolute position of each query row; row t of sub-request i sees that
+                               sub-request's keys at positions <= q_pos[t] (and > q_pos[t] - window).
+    kv_len:      [S] int       keys of sub-request i are positions 0 .. kv_len[i] - 1.
+    block_table: [S, M] int    block ids: position p of sub-request i lives in block
+                               block_table[i, p // block_size] at offset p % block_size.
+                               Entries past ceil(kv_len / block_size) are ignored (any value).
+
+    Positions need not be contiguous: a dropped-prefix recompute and a new prompt of one session are
+    rows of the same batch (their own sub-requests, or one sub-request with a gap in q_pos).
+    Python copies of the small tensors are taken once here, so no layer syncs on them.
+    """
+
+    cu_q: torch.Tensor
+    q_pos: torch.Tensor
+    kv_len: torch.Tensor
+    block_table: torch.Tensor
+    host: tuple[list[int], list[int]] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("cu_q", "q_pos", "kv_len", "block_table"):
+            t = getattr(self, name)
+            if not isinstance(t, torch.Tensor) or t.dtype not in (torch.int32, torch.int64):
+                raise TypeError(f"PagedBatch.{name} must be an int32/int64 tensor, got {type(t).__name__}"
+                                f"{'' if not isinstance(t, torch.Tensor) else ' of ' + str(t.dtype)}")
+        if self.cu_q.dim() != 1 or self.kv_len.dim() != 1 or self.q_pos.dim() != 1:
+            raise ValueError("PagedBatch: cu_q, q_pos and kv_len must be 1-D")
+        if self.block_table.dim() != 2:
+            raise ValueError(f"PagedBatch.block_table must be 2-D [S, M], got shape {tuple(self.block_table.shape)}")
+        s = self.kv_len.numel()
+        if self.cu_q.numel() != s + 1 or self.block_table.shape[0] != s:
+            raise ValueError(f"PagedBatch: {s} sub-requests in kv_len but cu_q has {self.cu_q.numel()} entries "
+                             f"and block_table {self.block_table.shape[0]} rows")
+        cu_q = self.cu_q.tolist()
+        kv_len = self.kv_len.tolist()
+        if cu_q[0] != 0 or any(b < a for a, b in zip(cu_q, cu_q[1:])) or cu_q[-1] != self.q_pos.numel():
+            raise ValueError(f"PagedBatch.cu_q must rise from 0 to the {self.q_pos.numel()} query rows, got {cu_q}")
+        if any(n < 0 for n in kv_len):
+            raise ValueError(f"PagedBatch.kv_len must be >= 0, got {kv_len}")
+        object.__setattr__(self, "host", (cu_q, kv_len))
+
+    @property
+    def num_seqs(self) -> int:
+        return self.kv_len.numel()
+
+    @property
+    def num_tokens(self) -> int:
+        return self.q_pos.numel()
+
+    def to(self, device: torch.device | str) -> PagedBatch:
+        return PagedBatch(*(t.to(device) for t in (self.cu_q, self.q_pos, self.kv_len, self.block_table)))
+
+    def validate(self, num_blocks: int, block_size: int) -> None:
+        """Raise unless every row reads only blocks that exist and positions its context covers."""
+        cu_q, kv_len = self.host
+        needed = [-(-n // block_size) for n in kv_len]
+        if max(needed, default=0) > self.block_table.shape[1]:
+            i = max(range(len(needed)), key=needed.__getitem__)
+            raise ValueError(f"PagedBatch: sub-request {i} has kv_len {kv_len[i]} = {needed[i]} blocks of "
+                             f"{block_size} but its block_table row has {self.block_table.shape[1]} entries")
+        table = self.block_table.cpu()
+        for i, n in enumerate(needed):
+            row = table[i, :n]
+            if n and (int(row.min()) < 0 or int(row.max()) >= num_blocks):
+                raise ValueError(f"PagedBatch: sub-request {i} names block ids {row.tolist()} outside the pool's "
+                                 f"0..{num_blocks - 1}")
+        if self.num_tokens:
+            pos = self.q_pos.cpu()
+            for i, (a, b) in enumerate(zip(cu_q, cu_q[1:])):
+                if b > a and (int(pos[a:b].min()) < 0 or int(pos[a:b].max()) >= kv_len[i]):
+                    raise ValueError(f"PagedBatch: sub-request {i} has query positions "
+                                     f"{int(pos[a:b].min())}..{int(pos[a:b].max())} outside its context "
+                                     f"0..{kv_len[i] - 1}")
