@@ -1,0 +1,48 @@
+"""One forward step's metadata over the store: built once per step by the store, read by every layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..kernels import PagedBatch
+from .pool import BlockPool
+
+
+@dataclass(frozen=True, slots=True)
+class StepEntry:
+    """One session's rows in a step: token ids computed at `positions` (recomputed history and/or
+    new tokens appended at the end). `old_len` is the session length before the step."""
+
+    session_id: str
+    token_ids: tuple[int, ...]
+    positions: tuple[int, ...]
+    old_len: int
+    new_blocks: tuple[int, ...]         # chunk indices that received a block in this step
+
+
+@dataclass(frozen=True, slots=True)
+class StepBatch:
+    """What the attention of every layer needs: where to write each row's K/V (`slots`, [T]) and how
+    to attend (`paged`, one sub-request per entry). Rows are packed in entry order."""
+
+    entries: tuple[StepEntry, ...]
+    paged: PagedBatch
+    slots: torch.Tensor                 # [T] block * block_size + offset
+    input_ids: torch.Tensor             # [1, T]
+    position_ids: torch.Tensor          # [1, T]
+    pool: BlockPool
+    backend: str = "torch"
+    window: int | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.slots.numel()
+
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.pool.layer(layer)
+
+    def last_rows(self) -> torch.Tensor:
+        """[S] index of each entry's last row (where its next-token logits come from)."""
+        return self.paged.cu_q[1:] - 1

@@ -1,0 +1,165 @@
+"""Triton paged attention: fused online softmax over the block table, no gathered copy of the context.
+
+One program per (query tile of one sub-request, query head). A tile is up to BLOCK_M consecutive
+packed rows of one sub-request; it walks that sub-request's blocks from the first key any of its rows
+can see to the last (one pool block = one BLOCK_N step), masking each (row, key) by absolute position:
+    key j visible to row t  <=>  j <= q_pos[t]  and  j < kv_len[i]  and  j > q_pos[t] - window.
+Caches are read through their strides, so `pool[l, :, 0]` views of a
+[layers, blocks, 2, block_size, kv_heads, head_dim] pool work without a copy.
+
+triton is imported only when this backend is first used. On a machine without a GPU it runs under
+the interpreter: set TRITON_INTERPRET=1 before the first call (the kernel is built on first use and
+triton reads the variable when the kernel is decorated).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .batch import PagedBatch
+
+BLOCK_M = 16        # query rows per program (tl.dot needs >= 16)
+HEAD_DIMS = (64, 80, 96, 128, 256)
+_KERNEL = None      # built on first use: the jit-decorated kernel
+
+
+def interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def available(device: torch.device | str) -> bool:
+    """True when triton is importable and can run on `device` (CUDA, or any device interpreted)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return torch.device(device).type == "cuda" or interpreted()
+
+
+def _build():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def paged_attention_kernel(
+        Q, K, V, O,                       # Q/O [T, Hq, D]; K/V [num_blocks, block_size, Hkv, D] (strided)
+        tile_seq, tile_row,               # [num_tiles] sub-request of the tile, its first packed row
+        cu_q, q_pos, kv_len, block_table,  # the PagedBatch tensors
+        scale, window,                    # window <= 0: no sliding window
+        sq_t, sq_h, sq_d, so_t, so_h, so_d,
+        sk_b, sk_s, sk_h, sk_d, sv_b, sv_s, sv_h, sv_d,
+        sbt_s, sbt_m,
+        GROUP: tl.constexpr,              # Hq // Hkv
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,   # BLOCK_D = next power of two >= HEAD_DIM
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,    # BLOCK_N = the pool's block_size
+        PRECISION: tl.constexpr,          # "ieee" for fp32 (no tf32), "tf32" otherwise (ignored by fp16/bf16)
+    ):
+        tile = tl.program_id(0)
+        head = tl.program_id(1)
+        kv_head = head // GROUP
+        seq = tl.load(tile_seq + tile)
+        row0 = tl.load(tile_row + tile)
+        row_end = tl.load(cu_q + seq + 1)
+        n_kv = tl.load(kv_len + seq)
+
+        rows = row0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < row_end
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < HEAD_DIM
+        pos = tl.load(q_pos + rows, mask=row_ok, other=-1)              # [BLOCK_M]
+
+        q = tl.load(Q + rows[:, None] * sq_t + head * sq_h + offs_d[None, :] * sq_d,
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)    # [BLOCK_M, BLOCK_D]
+
+        # keys any row of the tile can see: [lo, hi)
+        hi = tl.minimum(n_kv, tl.max(pos, axis=0) + 1)
+        lo = 0
+        if window > 0:
+            lo = tl.maximum(tl.min(tl.where(row_ok, pos, 2147483647), axis=0) - window + 1, 0)
+            lo = (lo // BLOCK_N) * BLOCK_N
+
+        m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)   # finite floor: fully masked rows give p = 0, not nan
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        offs_n = tl.arange(0, BLOCK_N)
+        for start in range(lo, hi, BLOCK_N):
+            block = tl.load(block_table + seq * sbt_s + (start // BLOCK_N) * sbt_m).to(tl.int64)
+            keys = start + offs_n                                         # absolute key positions [BLOCK_N]
+            k_ok = keys < hi
+            kv_mask = k_ok[:, None] & d_ok[None, :]
+            k = tl.load(K + block * sk_b + offs_n[:, None] * sk_s + kv_head * sk_h + offs_d[None, :] * sk_d,
+                        mask=kv_mask, other=0.0)                          # [BLOCK_N, BLOCK_D]
+            v = tl.load(V + block * sv_b + offs_n[:, None] * sv_s + kv_head * sv_h + offs_d[None, :] * sv_d,
+                        mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_M, BLOCK_N] fp32
+            visible = (keys[None, :] <= pos[:, None]) & k_ok[None, :]
+            if window > 0:
+                visible = visible & (keys[None, :] > pos[:, None] - window)
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(O + rows[:, None] * so_t + head * so_h + offs_d[None, :] * so_d,
+                 out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+    return paged_attention_kernel
+
+
+def query_tiles(batch: PagedBatch, block_m: int = BLOCK_M) -> tuple[torch.Tensor, torch.Tensor]:
+    """([num_tiles] sub-request, [num_tiles] first packed row) of every BLOCK_M-row query tile."""
+    cu_q, _ = batch.host
+    seqs, rows = [], []
+    for i, (a, b) in enumerate(zip(cu_q, cu_q[1:])):
+        for r in range(a, b, block_m):
+            seqs.append(i)
+            rows.append(r)
+    device = batch.cu_q.device
+    return (torch.tensor(seqs, dtype=torch.int32, device=device),
+            torch.tensor(rows, dtype=torch.int32, device=device))
+
+
+def triton_paged_attention(
+    query: torch.Tensor,        # [T, Hq, D]
+    key_cache: torch.Tensor,    # [num_blocks, block_size, Hkv, D], any strides
+    value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], any strides
+    batch: PagedBatch,
+    scale: float,
+    window: int | None = None,
+    tiles: tuple[torch.Tensor, torch.Tensor] | None = None,   # query_tiles(batch), precomputed per step
+) -> torch.Tensor:              # [T, Hq, D]
+    global _KERNEL
+    t, hq, d = query.shape
+    block_size, hkv = key_cache.shape[1], key_cache.shape[2]
+    if d not in HEAD_DIMS:
+        raise ValueError(f"triton paged attention: head_dim {d} not supported; use one of {HEAD_DIMS}")
+    if block_size < 16 or block_size & (block_size - 1):
+        raise ValueError(f"triton paged attention: block_size {block_size} must be a power of two >= 16")
+    if query.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"triton paged attention: dtype {query.dtype} not supported")
+    out = torch.empty_like(query)
+    seqs, rows = query_tiles(batch) if tiles is None else tiles
+    if t == 0 or seqs.numel() == 0:
+        return out
+    if _KERNEL is None:
+        _KERNEL = _build()
+    grid = (seqs.numel(), hq)
+    _KERNEL[grid](
+        query, key_cache, value_cache, out,
+        seqs, rows,
+        batch.cu_q, batch.q_pos, batch.kv_len, batch.block_table,
+        float(scale), int(window or 0),
+        *query.stride(), *out.stride(),
+        *key_cache.stride(), *value_cache.stride(),
+        *batch.block_table.stride(),
+        GROUP=hq // hkv, HEAD_DIM=d, BLOCK_D=max(16, 1 << (d - 1).bit_length()),
+        BLOCK_M=BLOCK_M, BLOCK_N=block_size,
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+    )
+    return out

@@ -1,0 +1,46 @@
+"""The attention implementation registered with transformers: writes each row's K/V into the
+session blocks of the step and attends through the paged kernel. Without a step (any ordinary call
+of the same model) it is plain SDPA."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from .cache.step import StepBatch
+from .kernels import paged_attention, write_kv
+
+NAME = "stateful"
+
+
+def stateful_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,   # [1, Hq, T, D]
+    key: torch.Tensor,     # [1, Hkv, T, D]
+    value: torch.Tensor,   # [1, Hkv, T, D]
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    stateful_step: StepBatch | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:  # [1, T, Hq, D]
+    if stateful_step is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
+    if query.shape[0] != 1:
+        raise ValueError("a stateful step packs all rows into batch dimension 1")
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))   # [T, H, D]
+    key_cache, value_cache = stateful_step.layer_kv(module.layer_idx)
+    write_kv(key_cache, value_cache, k, v, stateful_step.slots)
+    out = paged_attention(q, key_cache, value_cache, stateful_step.paged, scale=scaling,
+                          backend=stateful_step.backend, window=stateful_step.window, validate=False)
+    return out.unsqueeze(0), None
+
+
+def register() -> str:
+    """Register the implementation (idempotent); returns its name for `set_attn_implementation`."""
+    AttentionInterface.register(NAME, stateful_attention)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
+    return NAME

@@ -1,0 +1,156 @@
+"""How an unmodified transformers model becomes stateful: `enable(model)` registers the attention,
+installs forward hooks that plan one store step per forward, and wraps `generate` so that the full
+conversation ids are checked against the session's history before transformers sees them."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+
+from . import attention
+from .adapter import ModelAdapter, adapter_for
+from .cache import TurnStats
+from .stateful_cache import StatefulCache
+
+_ENABLED = "_stateful_hf_adapter"
+
+
+def enable(model: torch.nn.Module) -> ModelAdapter:
+    """Make `model` accept a StatefulCache in `generate` (also as `cache=`) and plain forward.
+    Idempotent. Other calls of the model keep working: without a stateful step the attention is SDPA."""
+    adapter = getattr(model, _ENABLED, None)
+    if adapter is not None:
+        return adapter
+    adapter = adapter_for(model)
+    model.set_attn_implementation(attention.register())
+    model.register_forward_pre_hook(_pre_forward, with_kwargs=True)
+    model.register_forward_hook(_post_forward, with_kwargs=True)
+    model.generate = functools.partial(_generate, model, model.generate)
+    setattr(model, _ENABLED, adapter)
+    return adapter
+
+
+def _pre_forward(module, args, kwargs):
+    cache = kwargs.get("past_key_values")
+    if not isinstance(cache, StatefulCache) or "stateful_step" in kwargs:
+        return None
+    if cache.pending is not None:           # the previous forward raised: take its step back
+        cache.store.abort(cache.pending)
+        cache.pending = None
+    input_ids = kwargs.get("input_ids", args[0] if args else None)
+    if input_ids is None or kwargs.get("inputs_embeds") is not None:
+        raise ValueError("a StatefulCache needs input_ids (inputs_embeds cannot be recorded for recomputation)")
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"a StatefulCache serves one sequence; got input_ids of shape {tuple(input_ids.shape)} "
+                         "(use stateful_hf.Engine for many sessions)")
+    ids = input_ids[0].tolist()
+    start = cache.get_seq_length()
+    step = cache.store.plan_step([(cache.session_id, ids, range(start, start + len(ids)))])
+    cache.pending = step
+    kwargs = {k: v for k, v in kwargs.items() if k != "attention_mask"}
+    kwargs.update(input_ids=step.input_ids, position_ids=step.position_ids, stateful_step=step)
+    return (), kwargs
+
+
+def _post_forward(module, args, kwargs, output):
+    cache, step = kwargs.get("past_key_values"), kwargs.get("stateful_step")
+    if isinstance(cache, StatefulCache) and step is not None and cache.pending is step:
+        cache.store.commit(step)
+        cache.pending = None
+        cache.store.session(cache.session_id).last_turn.computed_tokens += step.num_tokens
+    return None
+
+
+def run_step(model: torch.nn.Module, step) -> torch.Tensor:
+    """One forward of the base model (no LM head) over a planned step; returns hidden states [1, T, H]."""
+    return model.base_model(input_ids=step.input_ids, position_ids=step.position_ids, stateful_step=step,
+                            use_cache=False).last_hidden_state
+
+
+def restore(model: torch.nn.Module, cache: StatefulCache) -> int:
+    """Recompute the session's dropped history in one forward (its rows attend by absolute
+    position, so any mix of dropped and present chunks is one sub-request). Returns tokens recomputed."""
+    store, sid = cache.store, cache.session_id
+    missing = store.missing_positions(sid)
+    if not missing:
+        return 0
+    history = store.session(sid).token_ids
+    step = store.plan_step([(sid, [history[p] for p in missing], missing)])
+    try:
+        with torch.inference_mode():
+            run_step(model, step)
+    except BaseException:
+        store.abort(step)
+        raise
+    store.commit(step)
+    return len(missing)
+
+
+def check_input_ids(input_ids, adapter: ModelAdapter) -> list[int]:
+    """Validate one sequence of prompt ids; returns them as a list."""
+    if not isinstance(input_ids, torch.Tensor):
+        input_ids = torch.as_tensor(input_ids)
+    if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+        raise TypeError(f"input_ids must be integer token ids, got {input_ids.dtype}")
+    if input_ids.dim() == 2:
+        if input_ids.shape[0] != 1:
+            raise ValueError(f"generate with a StatefulCache serves one session (batch size 1), got batch "
+                             f"{input_ids.shape[0]}; use stateful_hf.Engine to serve many sessions together")
+        input_ids = input_ids[0]
+    if input_ids.dim() != 1:
+        raise ValueError(f"input_ids must be [1, n] or [n], got shape {tuple(input_ids.shape)}")
+    ids = input_ids.tolist()
+    if not ids:
+        raise ValueError("empty prompt: input_ids has no tokens")
+    bad = [t for t in ids if not 0 <= t < adapter.vocab_size]
+    if bad:
+        raise ValueError(f"invalid token ids {bad[:5]}: the model's vocabulary is 0..{adapter.vocab_size - 1}")
+    if len(ids) >= adapter.max_positions:
+        raise ValueError(f"prompt of {len(ids)} tokens does not fit the model's context of {adapter.max_positions}")
+    return ids
+
+
+def prepare_turn(model: torch.nn.Module, cache: StatefulCache, ids: Sequence[int]) -> TurnStats:
+    """Cut what diverges from `ids`, restore what is missing; the session then holds a prefix of `ids`
+    (at least one token short of it, so the turn computes logits)."""
+    store, sid = cache.store, cache.session_id
+    keep = min(store.match_prefix(sid, ids), len(ids) - 1)
+    truncated = store.truncate(sid, keep)
+    recomputed = restore(model, cache)
+    stats = TurnStats(reused_tokens=keep - recomputed, recomputed_tokens=recomputed, truncated_tokens=truncated)
+    store.session(sid).last_turn = stats
+    return stats
+
+
+def _generate(model, original_generate, *args, cache=None, past_key_values=None, **kwargs):
+    if cache is not None and past_key_values is not None and cache is not past_key_values:
+        raise ValueError("pass the cache once: as cache= or as past_key_values=")
+    cache = cache if cache is not None else past_key_values
+    if not isinstance(cache, StatefulCache):
+        return original_generate(*args, past_key_values=cache, **kwargs)
+    if cache.store.model is not model:
+        raise ValueError("this StatefulCache belongs to a store of another model")
+    input_ids = args[0] if args else kwargs.pop("input_ids", kwargs.pop("inputs", None))
+    if input_ids is None or kwargs.get("inputs_embeds") is not None:
+        raise ValueError("generate with a StatefulCache needs input_ids")
+    mask = kwargs.get("attention_mask")
+    if mask is not None and not bool(torch.as_tensor(mask).all()):
+        raise ValueError("padding is not supported with a StatefulCache: pass one unpadded sequence")
+    ids = check_input_ids(input_ids, getattr(model, _ENABLED))
+    input_ids = torch.tensor([ids], dtype=torch.long, device=model.device)
+    kwargs.pop("attention_mask", None)
+    store = cache.store
+    with store.lease(cache.session_id):
+        try:
+            prepare_turn(model, cache, ids)
+            out = original_generate(input_ids, past_key_values=cache, **kwargs)
+        finally:
+            if cache.pending is not None:
+                store.abort(cache.pending)
+                cache.pending = None
+        seqs = out if isinstance(out, torch.Tensor) else out.sequences
+        stats = store.session(cache.session_id).last_turn
+        stats.generated_tokens = seqs.shape[1] - len(ids)
+        return out
