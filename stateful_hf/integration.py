@@ -11,7 +11,7 @@ import torch
 
 from . import attention
 from .adapter import ModelAdapter, adapter_for
-from .cache import TurnStats
+from .cache import StepBatch, TurnStats
 from .stateful_cache import StatefulCache
 
 _ENABLED = "_stateful_hf_adapter"
@@ -63,10 +63,21 @@ def _post_forward(module, args, kwargs, output):
     return None
 
 
-def run_step(model: torch.nn.Module, step) -> torch.Tensor:
-    """One forward of the base model (no LM head) over a planned step; returns hidden states [1, T, H]."""
-    return model.base_model(input_ids=step.input_ids, position_ids=step.position_ids, stateful_step=step,
-                            use_cache=False).last_hidden_state
+# A prepared 4-D mask makes transformers skip building its own (the kernel masks by position).
+_MASK_UNUSED = torch.ones(1, 1, 1, 1, dtype=torch.bool)
+
+
+def run_step(model: torch.nn.Module, step: StepBatch, logit_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """One forward over a planned step, outside `generate`.
+
+    Returns the logits [len(logit_rows), vocab] of the given packed rows, or, without `logit_rows`,
+    the final hidden states [T, hidden] (no LM head: a pure restore pass).
+    """
+    hidden = model.base_model(input_ids=step.input_ids, position_ids=step.position_ids, stateful_step=step,
+                              attention_mask=_MASK_UNUSED, use_cache=False).last_hidden_state[0]
+    if logit_rows is None:
+        return hidden
+    return model.get_output_embeddings()(hidden[logit_rows])
 
 
 def restore(model: torch.nn.Module, cache: StatefulCache) -> int:
