@@ -138,6 +138,27 @@ class SessionStore:
             return [p for k, c in enumerate(s.chunks) if c.state is not ChunkState.DEVICE
                     for p in s.chunk_range(k, self.block_size)]
 
+    def evict(self, session_id: str) -> int:
+        """Move the session's device chunks down a tier; returns how many device blocks were freed.
+
+        For now there is no lower tier, so they are dropped (the token ids stay, so the KV can be
+        recomputed; `missing_positions` lists them). Allowed on a busy session: the engine suspends a
+        running request this way when decoding runs out of blocks, keeping the session's lease.
+        """
+        with self._lock:
+            s = self.session(session_id)
+            on_device = [k for k, c in enumerate(s.chunks) if c.state is ChunkState.DEVICE]
+            self._drop_chunks(s, on_device)
+            return len(on_device)
+
+    def available_blocks(self) -> int:
+        """Device blocks a step could get now: the free ones plus those held by idle (non-busy)
+        sessions, which `plan_step` may evict. Blocks of busy sessions are not counted."""
+        with self._lock:
+            idle = sum(1 for s in self._sessions.values() if not s.busy
+                       for c in s.chunks if c.state is ChunkState.DEVICE)
+            return self.device_pool.num_free + idle
+
     # ---- steps ----------------------------------------------------------------------------------
 
     def plan_step(self, requests: Sequence[tuple[str, Sequence[int], Sequence[int]]]) -> StepBatch:
