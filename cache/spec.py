@@ -28,7 +28,8 @@ class KVSpec:
     @property
     def bytes_per_token(self) -> int:
         """K + V of all layers for one token."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
 
     @property
     def bytes_per_block(self) -> int:

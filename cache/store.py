@@ -121,7 +121,7 @@ class SessionStore:
         """Cut the session's history to its first `length` tokens; returns how many were cut."""
         with self._lock:
             s = self.session(session_id)
-            if not 0 <= length:
+            if not length >= 0:
                 raise ValueError(f"cannot truncate to {length} tokens")
             cut = max(len(s.token_ids) - length, 0)
             if cut:
@@ -175,7 +175,7 @@ class SessionStore:
             if len({s.session_id for s in sessions}) != len(sessions):
                 raise ValueError("plan_step: at most one entry per session in a step")
             need: list[list[int]] = []
-            for s, (sid, ids, pos) in zip(sessions, requests):
+            for s, (_, ids, pos) in zip(sessions, requests):
                 need.append(self._chunks_to_fill(s, list(ids), list(pos)))
             self._reserve(sum(map(len, need)), exclude={s.session_id for s in sessions})
             entries = []
@@ -216,11 +216,13 @@ class SessionStore:
             owner: dict[int, tuple[str, int]] = {}
             for s in self._sessions.values():
                 n_chunks = -(-len(s.token_ids) // self.block_size)
-                assert len(s.chunks) == n_chunks, f"{s.session_id}: {len(s.chunks)} chunks for {len(s.token_ids)} tokens"
+                assert len(s.chunks) == n_chunks, (
+                    f"{s.session_id}: {len(s.chunks)} chunks for {len(s.token_ids)} tokens")
                 for k, c in enumerate(s.chunks):
                     if c.state is ChunkState.DEVICE:
                         assert c.block is not None and 0 <= c.block < self.device_pool.num_blocks, (s.session_id, k, c)
-                        assert c.block not in owner, f"block {c.block} owned by {owner[c.block]} and {(s.session_id, k)}"
+                        assert c.block not in owner, (
+                            f"block {c.block} owned by {owner[c.block]} and {(s.session_id, k)}")
                         owner[c.block] = (s.session_id, k)
                     else:
                         assert c.block is None, (s.session_id, k, c)
@@ -264,7 +266,8 @@ class SessionStore:
             raise ValueError(f"session {s.session_id!r}: new positions must continue the history at {n} without gaps")
         for p, t in zip(pos, ids):
             if p < n and s.token_ids[p] != t:
-                raise ValueError(f"session {s.session_id!r}: recomputed token at {p} is {t}, history has {s.token_ids[p]}")
+                raise ValueError(f"session {s.session_id!r}: recomputed token at {p} is {t}, "
+                                 f"history has {s.token_ids[p]}")
         end = max(pos) + 1
         rows = set(pos)
         fill = []

@@ -15,7 +15,8 @@ def _check(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tens
         raise ValueError(f"paged_attention: query must be [T, Hq, D] and caches [blocks, block_size, Hkv, D], "
                          f"got {tuple(query.shape)} and {tuple(key_cache.shape)}")
     if key_cache.shape != value_cache.shape:
-        raise ValueError(f"paged_attention: key cache {tuple(key_cache.shape)} != value cache {tuple(value_cache.shape)}")
+        raise ValueError(f"paged_attention: key cache {tuple(key_cache.shape)} "
+                         f"!= value cache {tuple(value_cache.shape)}")
     if not (query.dtype == key_cache.dtype == value_cache.dtype):
         raise TypeError(f"paged_attention: dtypes differ: query {query.dtype}, key cache {key_cache.dtype}, "
                         f"value cache {value_cache.dtype}")

@@ -1,0 +1,52 @@
+"""Shared fixtures. Every store a test makes through `make_store` is integrity-checked at teardown."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import stateful_hf
+from stateful_hf.testing import tiny_llama, tiny_opt
+
+FAMILIES = {
+    "llama": lambda: tiny_llama("llama"),
+    "mistral": lambda: tiny_llama("mistral"),
+    "qwen2": lambda: tiny_llama("qwen2"),
+    "opt": lambda: tiny_opt(),
+    "opt-post-ln": lambda: tiny_opt(do_layer_norm_before=False),
+    "opt-proj": lambda: tiny_opt(word_embed_proj_dim=32),
+}
+
+
+@pytest.fixture
+def make_store():
+    stores = []
+
+    def make(model, *args, **kwargs):
+        store = stateful_hf.SessionStore(model, *args, **kwargs)
+        stores.append(store)
+        return store
+
+    yield make
+    for store in stores:
+        store.check_integrity()
+        assert not any(store.session(s).busy for s in store.session_ids()), "a session was left busy"
+
+
+def greedy(model, ids: torch.Tensor, n: int = 10, **kwargs) -> torch.Tensor:
+    return model.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=0, **kwargs)
+
+
+class Conversation:
+    """Random user turns appended to the model's replies: the stateless oracle sees the whole thing."""
+
+    def __init__(self, seed: int, first: int = 20, turn: int = 9, vocab: int = 300):
+        self.gen = torch.Generator().manual_seed(seed)
+        self.turn, self.vocab = turn, vocab
+        self.ids = self._user(first)
+
+    def _user(self, n: int) -> torch.Tensor:
+        return torch.randint(3, self.vocab, (1, n), generator=self.gen)
+
+    def reply(self, out: torch.Tensor) -> None:
+        self.ids = torch.cat([out, self._user(self.turn)], dim=1)

@@ -1,0 +1,185 @@
+"""The store alone (no transformers): blocks, steps, truncation, eviction order, integrity, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from stateful_hf.cache import (
+    CapacityError,
+    ChunkState,
+    CostProfile,
+    KVSpec,
+    LRUPolicy,
+    RetentionPolicy,
+    SessionBusyError,
+    SessionStore,
+    UnknownSessionError,
+    capacity_in_blocks,
+)
+
+SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4)
+
+
+def new_store(capacity=32, **kw) -> SessionStore:
+    return SessionStore(SPEC, capacity, **kw)
+
+
+def append(store, sid, ids):
+    n = store.open(sid).num_tokens
+    step = store.plan_step([(sid, ids, range(n, n + len(ids)))])
+    store.commit(step)
+    return step
+
+
+def test_capacity_parsing():
+    assert capacity_in_blocks(10, SPEC) == 3
+    assert SPEC.bytes_per_token == 2 * 2 * 2 * 4 * 4
+    assert capacity_in_blocks("1KiB", SPEC) == 1024 // SPEC.bytes_per_block
+    assert capacity_in_blocks("0.5 MB", SPEC) == 500_000 // SPEC.bytes_per_block
+    for bad in ("lots", "1 parsec", 0, -3, 1.5):
+        with pytest.raises((ValueError, TypeError)):
+            capacity_in_blocks(bad, SPEC)
+
+
+def test_step_writes_slots_and_tables():
+    store = new_store()
+    step = append(store, "a", list(range(10)))
+    s = store.session("a")
+    assert s.token_ids == list(range(10)) and len(s.chunks) == 3
+    blocks = [c.block for c in s.chunks]
+    assert step.slots.tolist() == [blocks[p // 4] * 4 + p % 4 for p in range(10)]
+    assert step.paged.kv_len.tolist() == [10] and step.paged.block_table[0].tolist() == blocks
+    step = append(store, "a", [7, 8])
+    assert step.paged.q_pos.tolist() == [10, 11] and step.slots.tolist()[0] == blocks[2] * 4 + 2
+    store.check_integrity()
+
+
+def test_abort_restores_exactly():
+    store = new_store()
+    append(store, "a", list(range(6)))
+    s = store.session("a")
+    before = (list(s.token_ids), [c.block for c in s.chunks], store.device_pool.num_free)
+    step = store.plan_step([("a", [1, 2, 3, 4, 5], range(6, 11))])
+    store.abort(step)
+    s = store.session("a")
+    assert (s.token_ids, [c.block for c in s.chunks], store.device_pool.num_free) == before
+    store.check_integrity()
+
+
+def test_truncate_frees_whole_chunks_only():
+    store = new_store()
+    append(store, "a", list(range(13)))
+    free = store.device_pool.num_free
+    assert store.truncate("a", 5) == 8
+    assert store.session("a").token_ids == list(range(5)) and len(store.session("a").chunks) == 2
+    assert store.device_pool.num_free == free + 2
+    assert store.truncate("a", 9) == 0
+    store.check_integrity()
+
+
+def test_eviction_takes_idle_sessions_leading_chunks_first():
+    store = new_store(capacity=16)                  # 4 blocks
+    append(store, "old", list(range(8)))            # 2 blocks
+    append(store, "new", list(range(8)))            # 2 blocks
+    store.session("old").last_active -= 100.0       # idler
+    append(store, "x", [1, 2, 3, 4])                # needs 1 block: evicts old's leading chunk
+    old = store.session("old")
+    assert [c.state for c in old.chunks] == [ChunkState.DROPPED, ChunkState.DEVICE]
+    assert store.missing_positions("old") == [0, 1, 2, 3]
+    store.check_integrity()
+
+
+def test_recompute_dropped_chunks_in_a_step():
+    store = new_store(capacity=16)
+    append(store, "a", list(range(10)))
+    store.session("a").last_active -= 50
+    append(store, "b", list(range(12)))             # evicts a's leading chunks
+    missing = store.missing_positions("a")
+    assert missing
+    with pytest.raises(ValueError, match="restore it"):
+        store.plan_step([("a", [5], [10])])         # cannot attend to dropped chunks
+    with pytest.raises(ValueError, match="history has"):
+        store.plan_step([("a", [99] * len(missing), missing)])
+    hist = store.session("a").token_ids
+    step = store.plan_step([("a", [hist[p] for p in missing] + [42], missing + [10])])
+    assert step.paged.q_pos.tolist() == missing + [10]
+    store.commit(step)
+    assert store.missing_positions("a") == [] and store.session("a").token_ids[-1] == 42
+    store.check_integrity()
+
+
+def test_request_larger_than_pool_is_refused_without_change():
+    store = new_store(capacity=8)
+    append(store, "a", [1, 2, 3])
+    with pytest.raises(CapacityError, match="in all"):
+        store.plan_step([("a", list(range(20)), range(3, 23))])
+    assert store.session("a").token_ids == [1, 2, 3]
+    store.check_integrity()
+
+
+def test_busy_sessions_are_not_evicted():
+    store = new_store(capacity=8)                   # 2 blocks
+    append(store, "a", list(range(8)))
+    with store.lease("a"):
+        with pytest.raises(SessionBusyError), store.lease("a"):
+            pass
+        with pytest.raises(CapacityError, match="busy"):
+            append(store, "b", [1])
+    assert store.session("a").tokens_in(ChunkState.DEVICE, 4) == 8
+    append(store, "b", [1])                         # idle now: evictable
+    store.check_integrity()
+
+
+def test_errors_leave_store_intact():
+    store = new_store()
+    append(store, "a", [1, 2])
+    with pytest.raises(UnknownSessionError):
+        store.session("nobody")
+    with pytest.raises(UnknownSessionError):
+        store.plan_step([("nobody", [1], [0])])
+    with pytest.raises(ValueError):
+        store.plan_step([("a", [], [])])
+    with pytest.raises(ValueError, match="without gaps"):
+        store.plan_step([("a", [1], [5])])
+    with pytest.raises(ValueError, match="one entry per session"):
+        store.plan_step([("a", [1], [2]), ("a", [1], [3])])
+    with pytest.raises(ValueError):
+        store.open("")
+    assert store.session("a").token_ids == [1, 2]
+    store.check_integrity()
+
+
+def test_integrity_catches_corruption():
+    store = new_store()
+    append(store, "a", list(range(6)))
+    store.device_pool.free([store.session("a").chunks[0].block])
+    with pytest.raises(AssertionError, match="both free and owned"):
+        store.check_integrity()
+
+
+def test_policies_order():
+    store = new_store(capacity=64)
+    append(store, "idle", list(range(12)))
+    append(store, "recent", list(range(12)))
+    store.session("idle").last_active -= 1000
+    store.session("recent").last_active -= 1
+    sessions = [store.session("recent"), store.session("idle")]
+    now = store.session("recent").last_active + 1
+    order = [(s.session_id, k) for s, k in RetentionPolicy().order(sessions, 4, now)]
+    assert order[:3] == [("idle", 0), ("idle", 1), ("idle", 2)]      # idler first, leading chunks first
+    lru = [(s.session_id, k) for s, k in LRUPolicy().order(sessions, 4, 0.0)]
+    assert lru[0] == ("idle", 0)
+    prof = CostProfile()
+    assert prof.cost(64) < prof.cost(1000) < prof.cost(10_000)
+
+
+def test_stats():
+    store = new_store()
+    append(store, "a", list(range(6)))
+    st = store.stats()
+    assert st.device_tokens == 6 and st.dropped_tokens == 0 and st.sessions == 1
+    assert st.kv_bytes_per_token == SPEC.bytes_per_token and st.device_bytes == 2 * SPEC.bytes_per_block
+    assert store.stats("a").num_tokens == 6
+    store.delete("a")
+    assert store.device_pool.num_free == store.device_pool.num_blocks
+    assert torch.is_tensor(store.device_pool.data)
