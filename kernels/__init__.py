@@ -2,5 +2,7 @@
 
 from .attention import BACKENDS, paged_attention, write_kv
 from .batch import PagedBatch
+from .plan import StepPlan, available_backends, plan, resolve_backend
 
-__all__ = ["BACKENDS", "PagedBatch", "paged_attention", "write_kv"]
+__all__ = ["BACKENDS", "PagedBatch", "StepPlan", "available_backends", "paged_attention", "plan",
+           "resolve_backend", "write_kv"]

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from .batch import PagedBatch
-from .torch_backend import torch_paged_attention
+from .plan import BACKENDS, StepPlan, plan_for, resolve_backend
 
-BACKENDS = ("torch",)
+__all__ = ["BACKENDS", "paged_attention", "write_kv"]
 
 
 def _check(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch: PagedBatch) -> None:
@@ -27,27 +27,44 @@ def _check(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tens
                          "head dims must match and query heads be a multiple of KV heads")
     if query.shape[0] != batch.num_tokens:
         raise ValueError(f"paged_attention: query has {query.shape[0]} rows, batch describes {batch.num_tokens}")
+    devices = {query.device, key_cache.device, value_cache.device, batch.cu_q.device, batch.block_table.device}
+    if len(devices) > 1:
+        raise ValueError("paged_attention: query, caches and batch must be on one device, "
+                         f"got {sorted(map(str, devices))}")
 
 
 def paged_attention(
     query: torch.Tensor,        # [T, Hq, D] packed rows of all sub-requests
-    key_cache: torch.Tensor,    # [num_blocks, block_size, Hkv, D] one layer
+    key_cache: torch.Tensor,    # [num_blocks, block_size, Hkv, D] one layer (strided views are fine)
     value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     batch: PagedBatch,
     scale: float | None = None,
-    backend: str = "torch",
+    backend: str = "auto",
     window: int | None = None,
     validate: bool = True,
+    plan: StepPlan | None = None,
 ) -> torch.Tensor:              # [T, Hq, D]
     """Causal attention by absolute position: row t of sub-request i attends to that sub-request's
-    keys at positions <= q_pos[t] (and > q_pos[t] - window when a sliding window is given)."""
+    keys at positions <= q_pos[t] (and > q_pos[t] - window when a sliding window is given).
+
+    `plan` (kernels.plan(batch, block_size, backend), made once per step) carries the backend's
+    per-batch work; without one, the plan is made on the first call and cached on the batch, so
+    later layers of the same step reuse it. Validation runs once per plan and pool size."""
     _check(query, key_cache, value_cache, batch)
-    if validate:
-        batch.validate(key_cache.shape[0], key_cache.shape[1])
+    if window is not None and window < 1:
+        raise ValueError(f"paged_attention: window must be >= 1 or None, got {window}")
+    num_blocks, block_size = key_cache.shape[:2]
+    if plan is None:
+        plan = plan_for(batch, block_size, backend, query.dtype)
+    elif plan.batch is not batch or plan.block_size != block_size:
+        raise ValueError("paged_attention: the plan was made for another batch or block size")
+    elif backend != "auto" and resolve_backend(backend, query.device, query.dtype) != plan.backend:
+        raise ValueError(f"paged_attention: backend {backend!r} but the plan is for {plan.backend!r}")
+    if validate and plan.validated_for != num_blocks:
+        batch.validate(num_blocks, block_size)
+        plan.validated_for = num_blocks
     scale = query.shape[-1] ** -0.5 if scale is None else scale
-    if backend == "torch":
-        return torch_paged_attention(query, key_cache, value_cache, batch, scale, window)
-    raise ValueError(f"unknown paged attention backend {backend!r}; choose from {BACKENDS}")
+    return plan.run(query, key_cache, value_cache, scale, window)
 
 
 def write_kv(

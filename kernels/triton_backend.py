@@ -44,7 +44,7 @@ def _build():
 
     @triton.jit
     def paged_attention_kernel(
-        Q, K, V, O,                       # Q/O [T, Hq, D]; K/V [num_blocks, block_size, Hkv, D] (strided)
+        Q, K, V, Out,                     # Q/O [T, Hq, D]; K/V [num_blocks, block_size, Hkv, D] (strided)
         tile_seq, tile_row,               # [num_tiles] sub-request of the tile, its first packed row
         cu_q, q_pos, kv_len, block_table,  # the PagedBatch tensors
         scale, window,                    # window <= 0: no sliding window
@@ -106,8 +106,8 @@ def _build():
             m_i = m_new
 
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(O + rows[:, None] * so_t + head * so_h + offs_d[None, :] * so_d,
-                 out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(Out + rows[:, None] * so_t + head * so_h + offs_d[None, :] * so_d,
+                 out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
     return paged_attention_kernel
 

@@ -1,0 +1,81 @@
+"""flash-attn (FA2) backend: flash_attn_varlen_func over runs, paged when FA2 allows it.
+
+Mask convention: FA2's causal mask is bottom-right aligned (row r of q_len rows over kv_len keys sits at
+kv_len - q_len + r), so sub-requests are first cut into runs of consecutive positions (runs.py); each
+run is one varlen sequence with kv_len' = its last position + 1. Window w (keys j > pos - w) is
+window_size=(w - 1, 0).
+
+Layouts: q/out are [total_q, Hq, D] as we pack them (cu_seqlens_q = the runs' row offsets).
+FA2 reads a paged cache only when page_block_size % 256 == 0 (flash_api.cpp checks it), so:
+  - block_size % 256 == 0: k/v are our caches [num_blocks, block_size, Hkv, D] as FA2's paged
+    (num_blocks, page_block_size, nheads_k, headdim), block_table [R, max_pages] int32 per run,
+    cu_seqlens_k the runs' kv_len' prefix sums. No copy.
+  - smaller blocks (our 16/32/64): each layer gathers the runs' keys into varlen [total_k, Hkv, D]
+    tensors with one index per step (slot = block * block_size + offset, computed here once) and
+    calls the dense varlen kernel. This is a copy of the context; prefer the flashinfer or triton
+    backend for small pages.
+FA2 computes in fp16/bf16 only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .batch import PagedBatch
+from .runs import as_int32, contiguous_runs, window_left
+
+
+def available(device: torch.device | str) -> bool:
+    if torch.device(device).type != "cuda" or not torch.cuda.is_available():
+        return False
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class FlashAttnPlan:
+    """Per-step metadata for flash_attn_varlen_func; reuse for every layer of the step."""
+
+    def __init__(self, batch: PagedBatch, block_size: int):
+        self.batch, self.block_size = batch, block_size
+        device = batch.cu_q.device
+        self.runs = contiguous_runs(batch)
+        cu_k = [0]
+        for n in self.runs.kv_len:
+            cu_k.append(cu_k[-1] + n)
+        self.cu_q = as_int32(self.runs.cu_q, device)
+        self.cu_k = as_int32(cu_k, device)
+        rows = self.runs.block_rows(batch, block_size)
+        self.paged = block_size % 256 == 0
+        if self.paged:
+            width = max((len(r) for r in rows), default=1)
+            self.block_table = as_int32([r + [r[0]] * (width - len(r)) for r in rows], device).view(len(rows), width)
+        else:
+            # [total_k] (block, offset) of every key of every run, in run order
+            blocks, offsets = [], []
+            for row, n in zip(rows, self.runs.kv_len):
+                blocks += [row[j // block_size] for j in range(n)]
+                offsets += [j % block_size for j in range(n)]
+            self.key_blocks = torch.tensor(blocks, dtype=torch.long, device=device)
+            self.key_offsets = torch.tensor(offsets, dtype=torch.long, device=device)
+
+    def run(self, query, key_cache, value_cache, scale: float, window: int | None = None) -> torch.Tensor:
+        # query [T, Hq, D]; caches [num_blocks, block_size, Hkv, D]  ->  [T, Hq, D]
+        from flash_attn import flash_attn_varlen_func
+
+        if query.dtype not in (torch.float16, torch.bfloat16):
+            raise TypeError(f"flash_attn backend computes in fp16/bf16, got {query.dtype}; use torch or triton")
+        if query.shape[0] == 0:
+            return torch.empty_like(query)
+        common = dict(
+            cu_seqlens_q=self.cu_q, cu_seqlens_k=self.cu_k,
+            max_seqlen_q=self.runs.max_q, max_seqlen_k=self.runs.max_kv,
+            softmax_scale=scale, causal=True, window_size=(window_left(window), 0 if window else -1),
+        )
+        if self.paged:
+            return flash_attn_varlen_func(query, key_cache, value_cache, block_table=self.block_table, **common)
+        k = key_cache[self.key_blocks, self.key_offsets]     # [total_k, Hkv, D]
+        v = value_cache[self.key_blocks, self.key_offsets]
+        return flash_attn_varlen_func(query, k, v, **common)

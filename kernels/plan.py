@@ -1,0 +1,94 @@
+"""Backend choice and the per-step plan every layer of one engine step reuses.
+
+    plan = kernels.plan(batch, block_size, backend="auto")      # once per step, after the batch is built
+    out = kernels.paged_attention(q, k_cache, v_cache, batch, plan=plan)   # in every layer
+
+A plan holds what a backend derives from the batch alone (groups and gather indices, query tiles,
+FlashInfer's planned wrapper, run metadata), so layers do no host work and no host-device syncs.
+No globals: the caller owns the plan (and, for FlashInfer, a workspace buffer it keeps across steps).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import flash_attn_backend, flashinfer_backend, triton_backend
+from .batch import PagedBatch
+from .torch_batched import TorchPlan
+
+BACKENDS = ("auto", "torch", "triton", "flashinfer", "flash_attn")
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def available_backends(device: torch.device | str, dtype: torch.dtype | None = None) -> list[str]:
+    """Concrete backends usable on `device` (for `dtype`, when given), fastest first."""
+    found = []
+    if dtype is None or dtype in _HALF:
+        found += [n for n, mod in (("flashinfer", flashinfer_backend), ("flash_attn", flash_attn_backend))
+                  if mod.available(device)]
+    if torch.device(device).type == "cuda" and triton_backend.available(device):
+        found.append("triton")
+    found.append("torch")     # on the CPU the interpreted triton kernel is a test vehicle, not a fast path
+    return found
+
+
+def resolve_backend(name: str, device: torch.device | str, dtype: torch.dtype | None = None) -> str:
+    """The concrete backend for `name` on `device`: "auto" -> fastest available (torch on the CPU)."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown paged attention backend {name!r}; choose from {BACKENDS}")
+    if name == "auto":
+        return available_backends(device, dtype)[0]
+    if name == "triton" and not triton_backend.available(device):
+        raise RuntimeError(f"triton backend unavailable on {device}: needs the triton package and CUDA, "
+                           "or TRITON_INTERPRET=1 set before first use")
+    if name == "flashinfer" and not flashinfer_backend.available(device):
+        raise RuntimeError(f"flashinfer backend unavailable on {device}: needs CUDA and flashinfer-python")
+    if name == "flash_attn" and not flash_attn_backend.available(device):
+        raise RuntimeError(f"flash_attn backend unavailable on {device}: needs CUDA and flash-attn")
+    return name
+
+
+class TritonPlan:
+    def __init__(self, batch: PagedBatch, block_size: int):
+        self.batch, self.block_size = batch, block_size
+        self.tiles = triton_backend.query_tiles(batch)
+
+    def run(self, query, key_cache, value_cache, scale: float, window: int | None = None) -> torch.Tensor:
+        return triton_backend.triton_paged_attention(query, key_cache, value_cache, self.batch, scale, window,
+                                                     tiles=self.tiles)
+
+
+class StepPlan:
+    """A backend's per-step state for one PagedBatch. `run` has the signature of every backend."""
+
+    def __init__(self, batch: PagedBatch, block_size: int, backend: str = "auto",
+                 dtype: torch.dtype | None = None, workspace: torch.Tensor | None = None):
+        self.batch, self.block_size = batch, block_size
+        self.validated_for: int | None = None      # num_blocks the batch was last validated against
+        self.backend = resolve_backend(backend, batch.cu_q.device, dtype)
+        if self.backend == "torch":
+            self.impl = TorchPlan(batch, block_size)
+        elif self.backend == "triton":
+            self.impl = TritonPlan(batch, block_size)
+        elif self.backend == "flashinfer":
+            self.impl = flashinfer_backend.FlashInferPlan(batch, block_size, workspace)
+        else:
+            self.impl = flash_attn_backend.FlashAttnPlan(batch, block_size)
+
+    def run(self, query, key_cache, value_cache, scale: float, window: int | None = None) -> torch.Tensor:
+        return self.impl.run(query, key_cache, value_cache, scale, window)
+
+
+def plan(batch: PagedBatch, block_size: int, backend: str = "auto", dtype: torch.dtype | None = None,
+         workspace: torch.Tensor | None = None) -> StepPlan:
+    """Plan one step: call once after building the batch, pass the result to every layer."""
+    return StepPlan(batch, block_size, backend, dtype, workspace)
+
+
+def plan_for(batch: PagedBatch, block_size: int, backend: str = "auto", dtype: torch.dtype | None = None) -> StepPlan:
+    """The plan cached on `batch` for (block_size, backend, dtype), made on first use: lets callers that
+    pass no plan still do the per-batch work once per step rather than once per layer."""
+    key = (block_size, backend, dtype)
+    if key not in batch.plans:
+        batch.plans[key] = StepPlan(batch, block_size, backend, dtype)
+    return batch.plans[key]
