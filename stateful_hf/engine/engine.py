@@ -1,0 +1,295 @@
+"""`Engine`: many sessions served together; one forward per step mixes prompt chunks, recomputed
+history and decode tokens. Submit from any thread; steps run on a background loop (`start()`) or,
+without one, in whichever thread waits on a handle."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..cache import SessionBusyError
+from ..integration import check_input_ids
+from ..store import SessionStore
+from .frontends import ChatMixin
+from .handle import RequestHandle
+from .request import Request, RequestOutput, RequestStatus
+from .runner import ModelRunner, StepRecord
+from .sampling import SamplingParams, eos_ids, make_generator
+from .scheduler import Scheduler, SchedulerConfig
+from .text import OutputText
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    steps: int
+    finished_requests: int
+    prompt_tokens: int           # new prompt rows computed
+    recomputed_tokens: int       # history rows recomputed (dropped or evicted KV)
+    generated_tokens: int
+    busy_seconds: float          # time spent in steps
+    tokens_per_second: float     # generated tokens per busy second
+    mean_batch_tokens: float
+    mean_occupancy: float        # mean share of device blocks in use after a step
+    running: int
+    waiting: int
+
+
+class Engine(ChatMixin):
+    """Serve many sessions of one model. Args:
+    store: a SessionStore of this model (made with `device_capacity`/`chunk_size` if None).
+    max_batch_tokens: rows per forward; prefills are chunked to fit. max_num_seqs: running requests.
+    reserve_fraction: admit new work only while more than this share of device blocks is available.
+    on_busy: a submit for a session that has a turn in flight "wait"s for it or is "refuse"d.
+    """
+
+    def __init__(self, model: torch.nn.Module, tokenizer=None, store: SessionStore | None = None, *,
+                 device_capacity: int | str = "1GiB", chunk_size: int = 32, max_batch_tokens: int = 512,
+                 max_num_seqs: int = 128, reserve_fraction: float = 0.1, on_busy: str = "wait",
+                 keep_step_records: int = 4096):
+        if on_busy not in ("wait", "refuse"):
+            raise ValueError(f"on_busy must be 'wait' or 'refuse', got {on_busy!r}")
+        self.store = store if store is not None else SessionStore(model, device_capacity, chunk_size=chunk_size)
+        if self.store.model is not model:
+            raise ValueError("the store belongs to another model")
+        self.model, self.tokenizer, self.on_busy = model, tokenizer, on_busy
+        self.adapter = self.store.adapter
+        self.eos = eos_ids(model)
+        self.scheduler = Scheduler(self.store, SchedulerConfig(max_batch_tokens, max_num_seqs, reserve_fraction),
+                                   self.adapter.max_positions)
+        self.runner = ModelRunner(model, self.store)
+        self.steps: deque[StepRecord] = deque(maxlen=keep_step_records)
+        self._cv = threading.Condition()           # guards inbox, registry; notified after every step
+        self._step_lock = threading.Lock()         # one stepping thread at a time
+        self._inbox: list[Request] = []
+        self._handles: dict[int, RequestHandle] = {}
+        self._requests: dict[int, Request] = {}
+        self._active = Counter()                   # session id -> unfinished requests
+        self._on_finish: dict[int, Callable[[RequestOutput], None]] = {}
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._totals = Counter()
+        self._chats: dict[str, list[dict]] = {}
+        self._last_chat: dict[str, RequestHandle] = {}
+
+    # ---- submitting -----------------------------------------------------------------------------
+
+    def encode(self, prompt) -> list[int]:
+        """Token ids of a prompt: ids (list / 1-D or [1, n] tensor), a string, or chat messages."""
+        if isinstance(prompt, str) or (isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict)):
+            if self.tokenizer is None:
+                raise ValueError("text or chat-message prompts need a tokenizer: Engine(model, tokenizer=...)")
+            if isinstance(prompt, str):
+                return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            return list(self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True,
+                                                           tokenize=True)["input_ids"])
+        if isinstance(prompt, (list, tuple)) and not prompt:
+            raise ValueError("empty prompt: no token ids")
+        return check_input_ids(prompt, self.adapter)
+
+    def submit(self, session_id: str, prompt, sampling: SamplingParams | None = None) -> RequestHandle:
+        """Queue one turn: `prompt` is the whole conversation (ids, text or messages). Never raises for
+        a bad prompt or a busy session: the error is on the returned handle (`result()` raises it)."""
+        if not isinstance(session_id, str) or not session_id:
+            raise ValueError(f"session id must be a non-empty string, got {session_id!r}")
+        sampling = sampling or SamplingParams()
+        rid = next(self._ids)
+        handle = RequestHandle(self, rid, session_id)
+        r = Request(rid, session_id, [], sampling, None)
+        try:
+            r.prompt = check_input_ids(self.encode(prompt), self.adapter)
+            r.generator = make_generator(sampling, self.store.device_pool.device)
+            r.text = OutputText(self.tokenizer, sampling.stop, sampling.skip_special_tokens) \
+                if self.tokenizer is not None or sampling.stop else None
+        except (ValueError, TypeError) as e:
+            return self._reject(handle, r, e)
+        with self._cv:
+            busy = session_id in self.store and self.store.session(session_id).busy
+            if self.on_busy == "refuse" and (self._active[session_id] or busy):
+                return self._reject(handle, r, SessionBusyError(session_id))
+            self._handles[rid], self._requests[rid] = handle, r
+            self._active[session_id] += 1
+            self._inbox.append(r)
+            self._cv.notify_all()
+        return handle
+
+    def _reject(self, handle: RequestHandle, r: Request, error: BaseException) -> RequestHandle:
+        r.status, r.finish_reason, r.error, r.finished_at = RequestStatus.FAILED, "error", error, time.monotonic()
+        handle._publish([], "", 0, self._output(r))
+        return handle
+
+    def _cancel(self, request_id: int) -> None:
+        with self._cv:
+            r = self._requests.get(request_id)
+            if r is not None:
+                r.cancel_requested = True
+                self._cv.notify_all()
+
+    # ---- stepping -------------------------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        return bool(self._inbox) or self.scheduler.has_work()
+
+    def step(self) -> StepRecord | None:
+        """Run one engine iteration (admit, schedule, forward, sample, publish). Returns what ran."""
+        with self._step_lock:
+            with self._cv:
+                for r in self._inbox:
+                    self.scheduler.add(r)
+                self._inbox.clear()
+            t0 = time.monotonic()
+            items = self.scheduler.schedule()
+            record = None
+            if items:
+                for it in items:
+                    it.request.scheduled_at = it.request.scheduled_at or t0
+                # rows feeding a sampled token (decode) vs prompt rows, told apart before `complete`
+                decode_rows = sum(1 for it in items if it.request.output_ids and it.new_ids)
+                try:
+                    _, tokens = self.runner.execute(items)
+                except Exception as e:      # the step was aborted: the store is as before
+                    self.scheduler.fail(items, e)
+                else:
+                    self.scheduler.complete(items, tokens, self.eos)
+                    record = self.runner.record(self._totals["steps"], items, time.monotonic() - t0)
+                    self.steps.append(record)
+                    self._account(items, record, decode_rows)
+            self._publish(items)
+            return record
+
+    def _account(self, items, record: StepRecord, decode_rows: int) -> None:
+        t = self._totals
+        t["steps"] += 1
+        t["prompt"] += sum(len(it.new_ids) for it in items) - decode_rows
+        t["recomputed"] += sum(len(it.recompute) for it in items)
+        t["generated"] += sum(it.needs_logits for it in items)
+        t["rows"] += record.num_tokens
+        t["busy_us"] += int(record.seconds * 1e6)
+        t["occupancy_ppm"] += int(1e6 * record.used_blocks / max(record.total_blocks, 1))
+
+    def _publish(self, items) -> None:
+        finished = self.scheduler.drain_finished()
+        callbacks = []
+        with self._cv:
+            for it in items:
+                r = it.request
+                if not r.status.done and it.needs_logits:
+                    text = r.text.text if r.text else ""
+                    self._handles[r.request_id]._publish(r.output_ids, text, r.text.stable if r.text else 0)
+            for r in finished:
+                if r.text is not None:
+                    r.text.finish()
+                out = self._output(r)
+                self._handles.pop(r.request_id)._publish(r.output_ids, out.text or "", len(out.text or ""), out)
+                self._requests.pop(r.request_id, None)
+                self._active[r.session_id] -= 1
+                if not self._active[r.session_id]:
+                    del self._active[r.session_id]
+                self._totals["finished"] += 1
+                if r.request_id in self._on_finish:
+                    callbacks.append((self._on_finish.pop(r.request_id), out))
+            self._cv.notify_all()
+        for fn, out in callbacks:
+            fn(out)
+
+    def _output(self, r: Request) -> RequestOutput:
+        return RequestOutput(r.request_id, r.session_id, tuple(r.output_ids), r.text.text if r.text else None,
+                             r.finish_reason, r.metrics(), r.error)
+
+    def _wait_until(self, pred: Callable[[], bool], timeout: float | None = None) -> None:
+        """Wait for `pred`; drive steps in this thread when no background loop runs."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not pred():
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return
+            if self.running or not self.has_work():
+                with self._cv:
+                    self._cv.wait_for(pred, timeout=0.05 if left is None else min(left, 0.05))
+            else:
+                self.step()
+
+    # ---- background loop ------------------------------------------------------------------------
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> Engine:
+        """Start the background loop (idempotent)."""
+        with self._cv:
+            if not self.running:
+                self._stopping = False
+                self._thread = threading.Thread(target=self._loop, name="stateful-hf-engine", daemon=True)
+                self._thread.start()
+        return self
+
+    def stop(self, cancel: bool = False, timeout: float | None = None) -> None:
+        """Stop the loop after the requests in flight finish (or are cancelled, with `cancel`)."""
+        if cancel:
+            with self._cv:
+                for r in list(self._requests.values()):
+                    r.cancel_requested = True
+        if self.running:
+            self._wait_until(lambda: not self.has_work(), timeout)
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._stopping or self.has_work())
+                if self._stopping:
+                    return
+            self.step()
+
+    def __enter__(self) -> Engine:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop(cancel=exc[0] is not None)
+
+    # ---- convenience ----------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        t = self._totals
+        busy = t["busy_us"] / 1e6
+        return EngineStats(steps=t["steps"], finished_requests=t["finished"], prompt_tokens=t["prompt"],
+                           recomputed_tokens=t["recomputed"], generated_tokens=t["generated"], busy_seconds=busy,
+                           tokens_per_second=t["generated"] / busy if busy else 0.0,
+                           mean_batch_tokens=t["rows"] / max(t["steps"], 1),
+                           mean_occupancy=t["occupancy_ppm"] / 1e6 / max(t["steps"], 1),
+                           running=len(self.scheduler.running), waiting=len(self.scheduler.waiting))
+
+    def generate(self, session_ids: Sequence[str], prompts: Sequence, sampling: SamplingParams |
+                 Sequence[SamplingParams] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Submit one turn per (session, prompt) and wait for all. Failed requests are returned with
+        finish_reason "error" and `.error` set (they do not raise here)."""
+        if len(session_ids) != len(prompts):
+            raise ValueError(f"{len(session_ids)} session ids for {len(prompts)} prompts")
+        params = sampling if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
+        handles = [self.submit(s, p, sp) for s, p, sp in zip(session_ids, prompts, params, strict=True)]
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(handles), desc="generate", unit="req")
+        done = 0
+        while done < len(handles):
+            self._wait_until(lambda seen=done: sum(h.done for h in handles) > seen)
+            now = sum(h.done for h in handles)
+            if bar is not None:
+                bar.update(now - done)
+            done = now
+        if bar is not None:
+            bar.close()
+        return [h.output() for h in handles]

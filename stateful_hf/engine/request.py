@@ -1,0 +1,104 @@
+"""A request (one turn of one session): its state, owned by the scheduler, and its results."""
+
+from __future__ import annotations
+
+import enum
+import time
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+
+import torch
+
+from .sampling import SamplingParams
+from .text import OutputText
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"        # queued; no lease on the session yet
+    RUNNING = "running"        # admitted: holds the session's lease; prefilling or decoding
+    SUSPENDED = "suspended"    # holds the lease, its KV was moved down (evicted); requeued
+    FINISHED = "finished"      # ended by EOS / stop / max_new_tokens (see finish_reason)
+    CANCELLED = "cancelled"
+    FAILED = "failed"          # error set on the request; other requests are unaffected
+
+    @property
+    def done(self) -> bool:
+        return self in (RequestStatus.FINISHED, RequestStatus.CANCELLED, RequestStatus.FAILED)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestMetrics:
+    """Times in seconds (time.monotonic clock); token counts of this turn."""
+
+    arrival_time: float
+    queue_time: float | None           # arrival -> first scheduled in a step
+    ttft: float | None                 # arrival -> first generated token
+    tpot: float | None                 # mean time per output token after the first
+    latency: float | None              # arrival -> finished
+    prompt_tokens: int                 # the conversation ids submitted
+    output_tokens: int
+    reused_tokens: int                 # history tokens whose KV was served from the device
+    swapped_tokens: int                # history tokens swapped in from a lower tier (no host tier yet: 0)
+    recomputed_tokens: int             # history tokens recomputed (dropped, or evicted by a suspension)
+    truncated_tokens: int              # history cut because the prompt diverged from it (an edit)
+    suspensions: int
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    request_id: int
+    session_id: str
+    token_ids: tuple[int, ...]         # generated ids (a stop token / EOS included, as generate does)
+    text: str | None                   # decoded generated text (None without a tokenizer)
+    finish_reason: str | None          # "stop", "length", "cancelled", "error"
+    metrics: RequestMetrics
+    error: BaseException | None = None
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """Mutable state of one turn. Only the scheduler (on the stepping thread) changes it, except
+    `cancel_requested`, a flag any thread may set."""
+
+    request_id: int
+    session_id: str
+    prompt: list[int]                    # the whole conversation's ids
+    sampling: SamplingParams
+    generator: torch.Generator | None
+    arrival: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    # Set at admission, consumed by steps:
+    pending: list[int] = field(default_factory=list)      # ids to append to the session, not yet fed
+    missing: list[int] = field(default_factory=list)      # history positions to recompute (ascending)
+    output_ids: list[int] = field(default_factory=list)
+    text: OutputText | None = None                        # decoded output (with a tokenizer)
+    lease: AbstractContextManager | None = None
+    finish_reason: str | None = None
+    error: BaseException | None = None
+    cancel_requested: bool = False
+    # Metrics.
+    scheduled_at: float | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    reused: int = 0
+    computed: int = 0
+    recomputed: int = 0
+    truncated: int = 0
+    suspensions: int = 0
+
+    @property
+    def decoding(self) -> bool:
+        """One sampled token to feed and nothing to recompute: a 1-row step entry."""
+        return bool(self.output_ids) and len(self.pending) == 1 and not self.missing
+
+    def metrics(self) -> RequestMetrics:
+        a, first, end, n = self.arrival, self.first_token_at, self.finished_at, len(self.output_ids)
+        return RequestMetrics(
+            arrival_time=a,
+            queue_time=None if self.scheduled_at is None else self.scheduled_at - a,
+            ttft=None if first is None else first - a,
+            tpot=(end - first) / (n - 1) if first is not None and end is not None and n > 1 else None,
+            latency=None if end is None else end - a,
+            prompt_tokens=len(self.prompt), output_tokens=n, reused_tokens=self.reused, swapped_tokens=0,
+            recomputed_tokens=self.recomputed, truncated_tokens=self.truncated, suspensions=self.suspensions,
+        )

@@ -1,0 +1,99 @@
+"""Sampling parameters of one request and the sampler that turns a step's logits into tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How one turn is decoded.
+
+    temperature 0 means greedy (argmax; top_p / top_k / seed are then unused). EOS ids come from the
+    model's generation config and end the turn unless `ignore_eos`. `stop_token_ids` end it too (the
+    stop token is kept in `token_ids`, as `generate` keeps EOS). `stop` strings need a tokenizer; the
+    text is cut before the first occurrence.
+    """
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0                           # 0 = no top-k filter
+    seed: int | None = None                  # per-request torch.Generator when sampling
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True         # for the decoded text only
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def eos_ids(model: torch.nn.Module) -> frozenset[int]:
+    """EOS token ids of the model's generation config (int, list or None)."""
+    cfg = getattr(model, "generation_config", None)
+    eos = getattr(cfg, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(getattr(model, "config", None), "eos_token_id", None)
+    if eos is None:
+        return frozenset()
+    return frozenset([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
+
+
+def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
+    if params.greedy:
+        return None
+    gen = torch.Generator(device=device)
+    if params.seed is not None:
+        gen.manual_seed(params.seed)
+    else:
+        gen.seed()
+    return gen
+
+
+def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """logits [V] (already divided by temperature) with tokens outside top-k / top-p set to -inf."""
+    if top_k and top_k < logits.numel():
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # keep the smallest prefix whose mass reaches top_p (always at least the top token)
+        drop = probs.cumsum(-1) - probs >= top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
+           generators: Sequence[torch.Generator | None]) -> list[int]:
+    """logits [R, V] (one row per request that needs a token) -> R token ids."""
+    if logits.shape[0] != len(params):
+        raise ValueError(f"sample: {logits.shape[0]} logit rows for {len(params)} requests")
+    out = logits.argmax(-1).tolist()          # greedy rows are done; sampled rows overwritten below
+    for i, (p, gen) in enumerate(zip(params, generators, strict=True)):
+        if p.greedy:
+            continue
+        row = _filter(logits[i].float() / p.temperature, p.top_k, p.top_p)
+        out[i] = int(torch.multinomial(row.softmax(-1), 1, generator=gen))
+    return out

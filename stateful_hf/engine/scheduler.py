@@ -1,0 +1,261 @@
+"""The scheduler: the one owner of request state. Iteration-level, FCFS, a per-step token budget.
+
+Every step it (1) continues running requests oldest first (a decode token each, then chunks of
+their prefills and recomputations), suspending the latest-arrived ones when their session blocks
+do not fit; (2) admits queued requests in arrival order while more than a reserve of device blocks
+stays available. The store owns KV state; the scheduler only reads it and asks for steps/evictions.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from ..cache import CapacityError, ChunkState, SessionBusyError, SessionStore, TurnStats
+from .request import Request, RequestStatus
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_batch_tokens: int = 512        # rows per forward (prompt chunks + recomputed + decode tokens)
+    max_num_seqs: int = 128            # running requests at most
+    reserve_fraction: float = 0.1      # admit only while more than this share of device blocks is available
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if not 0.0 <= self.reserve_fraction < 1.0:
+            raise ValueError(f"reserve_fraction must be in [0, 1), got {self.reserve_fraction}")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkItem:
+    """One request's rows in a step: recomputed history positions (whole chunks, ascending), then new
+    ids appended at positions start .. start + len(new_ids) - 1. One store entry."""
+
+    request: Request
+    recompute: tuple[int, ...]
+    recompute_ids: tuple[int, ...]
+    new_ids: tuple[int, ...]
+    start: int                         # session length before the step
+    needs_logits: bool                 # the last row is the last pending token: sample after it
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.recompute) + len(self.new_ids)
+
+    def entry(self) -> tuple[str, list[int], list[int]]:
+        pos = list(self.recompute) + list(range(self.start, self.start + len(self.new_ids)))
+        return self.request.session_id, list(self.recompute_ids) + list(self.new_ids), pos
+
+
+class Scheduler:
+    def __init__(self, store: SessionStore, config: SchedulerConfig, max_positions: int):
+        if config.max_batch_tokens < store.block_size:
+            raise ValueError(f"max_batch_tokens ({config.max_batch_tokens}) must be >= the store's chunk size "
+                             f"({store.block_size}): recomputation goes by whole chunks")
+        self.store, self.config, self.max_positions = store, config, max_positions
+        self.waiting: list[Request] = []    # WAITING and SUSPENDED, by arrival
+        self.running: list[Request] = []    # RUNNING, by arrival
+        self.finished: list[Request] = []   # ended since the engine last drained them
+
+    # ---- queue ----------------------------------------------------------------------------------
+
+    def add(self, r: Request) -> None:
+        bisect.insort(self.waiting, r, key=_order)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def drain_finished(self) -> list[Request]:
+        out, self.finished = self.finished, []
+        return out
+
+    def finish(self, r: Request, status: RequestStatus, reason: str, error: BaseException | None = None) -> None:
+        """End a request in any state: release its lease, leave the queues."""
+        if r.status.done:
+            return
+        if r.lease is not None:
+            s = self.store.session(r.session_id)
+            s.last_turn = TurnStats(reused_tokens=r.reused, computed_tokens=r.computed,
+                                    recomputed_tokens=r.recomputed, generated_tokens=len(r.output_ids),
+                                    truncated_tokens=r.truncated)
+            r.lease.__exit__(None, None, None)
+            r.lease = None
+        for q in (self.waiting, self.running):
+            if r in q:
+                q.remove(r)
+        r.status, r.finish_reason, r.error, r.finished_at = status, reason, error, time.monotonic()
+        self.finished.append(r)
+
+    def reap_cancelled(self) -> None:
+        for r in [r for r in self.running + self.waiting if r.cancel_requested]:
+            self.finish(r, RequestStatus.CANCELLED, "cancelled")
+
+    # ---- one step -------------------------------------------------------------------------------
+
+    def schedule(self) -> list[WorkItem]:
+        self.reap_cancelled()
+        budget = self.config.max_batch_tokens
+        avail = self.store.available_blocks()
+        items: list[WorkItem] = []
+        # (1) running requests, oldest first; decode tokens are counted out of the budget first.
+        prefill_budget = budget - sum(r.decoding for r in self.running)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            r = self.running[i]
+            item = self._item(r, 1 if r.decoding else min(prefill_budget, budget), self._length(r))
+            if item is None:
+                i += 1
+                continue
+            need = self._blocks_needed(r, item)
+            while need > avail and self.running[-1] is not r:
+                avail += self._suspend(self.running[-1])
+            if need > avail:
+                if i == 0:
+                    self.finish(r, RequestStatus.FAILED, "error", CapacityError(
+                        f"request {r.request_id} (session {r.session_id!r}) needs {need} more device blocks of "
+                        f"{self.store.block_size} tokens and only {avail} can be made available; raise "
+                        "device_capacity"))
+                else:
+                    avail += self._suspend(r)
+                continue
+            avail -= need
+            budget -= item.num_tokens
+            if not r.decoding:
+                prefill_budget -= item.num_tokens
+            items.append(item)
+            i += 1
+        # (2) admission, FCFS, while more than the reserve stays available.
+        reserve = math.ceil(self.config.reserve_fraction * self.store.device_pool.num_blocks)
+        for r in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            admitted = self._admit(r, budget, avail, reserve, first=not items)
+            if admitted is None:       # head of line does not fit: strict FCFS, stop here
+                break
+            if admitted is False:      # its session is busy with an earlier turn: let later sessions pass
+                continue
+            item, cost = admitted
+            avail -= cost
+            budget -= item.num_tokens
+            items.append(item)
+        return items
+
+    def _admit(self, r: Request, budget: int, avail: int, reserve: int, first: bool):
+        """Admit `r` if its first work item fits. Returns (item, blocks it takes from `avail`), None
+        if it does not fit (and must wait), or False if its session is busy."""
+        store = self.store
+        if r.status is RequestStatus.WAITING:
+            s = store.open(r.session_id)
+            if s.busy:
+                return False
+            keep = min(store.match_prefix(r.session_id, r.prompt), len(r.prompt) - 1)
+            r.pending = r.prompt[keep:]
+            r.missing = [p for p in store.missing_positions(r.session_id) if p < keep]
+            held = sum(1 for c in s.chunks[: -(-keep // store.block_size)] if c.state is ChunkState.DEVICE)
+        else:                          # SUSPENDED: lease held, KV evicted
+            keep, held = self._length(r), 0
+            r.missing = store.missing_positions(r.session_id)
+        item = self._item(r, budget, keep)
+        if item is None:
+            return None
+        need = self._blocks_needed(r, item, keep)
+        if need + held > avail or (need + held > avail - reserve and not (first and not self.running)):
+            if first and not self.running and need + held > avail:
+                self.finish(r, RequestStatus.FAILED, "error", CapacityError(
+                    f"request {r.request_id} (session {r.session_id!r}) needs {need + held} device blocks of "
+                    f"{store.block_size} tokens; only {avail} can be made available: raise device_capacity"))
+                return False
+            return None
+        if r.status is RequestStatus.WAITING:
+            try:
+                lease = store.lease(r.session_id)
+                lease.__enter__()
+            except SessionBusyError:
+                return False
+            r.lease = lease
+            r.truncated = store.truncate(r.session_id, keep)
+            r.reused = keep - len(r.missing)
+        self.waiting.remove(r)
+        bisect.insort(self.running, r, key=_order)
+        r.status = RequestStatus.RUNNING
+        return item, need + held
+
+    def _suspend(self, r: Request) -> int:
+        """Move a running request's KV down (for now: evict it) and requeue it. Returns blocks freed."""
+        freed = self.store.evict(r.session_id)
+        self.running.remove(r)
+        r.status = RequestStatus.SUSPENDED
+        r.suspensions += 1
+        r.missing = self.store.missing_positions(r.session_id)
+        bisect.insort(self.waiting, r, key=_order)
+        return freed
+
+    def _item(self, r: Request, budget: int, length: int) -> WorkItem | None:
+        """The next rows of `r` within `budget` tokens: whole missing chunks first; new ids only once
+        nothing before them is missing. None if nothing fits."""
+        bs = self.store.block_size
+        recompute: list[int] = []
+        for k in sorted({p // bs for p in r.missing}):
+            chunk = [p for p in r.missing if p // bs == k]
+            if len(recompute) + len(chunk) > budget:
+                break
+            recompute += chunk
+        new: list[int] = []
+        if len(recompute) == len(r.missing):
+            new = r.pending[: budget - len(recompute)]
+        if not recompute and not new:
+            return None
+        history = self.store.session(r.session_id).token_ids
+        return WorkItem(r, tuple(recompute), tuple(history[p] for p in recompute), tuple(new), length,
+                        needs_logits=bool(new) and len(new) == len(r.pending))
+
+    def _blocks_needed(self, r: Request, item: WorkItem, length: int | None = None) -> int:
+        """Device blocks the store must give this item: chunks up to its last row that are not on the
+        device (chunks past the history `length` are new or will be cut, so they count)."""
+        bs = self.store.block_size
+        chunks = self.store.session(r.session_id).chunks
+        length = self._length(r) if length is None else length
+        end = max(item.start + len(item.new_ids), max(item.recompute, default=-1) + 1)
+        have = -(-length // bs)
+        return sum(1 for k in range(-(-end // bs)) if k >= have or chunks[k].state is not ChunkState.DEVICE)
+
+    def _length(self, r: Request) -> int:
+        return self.store.session(r.session_id).num_tokens
+
+    # ---- after the forward ----------------------------------------------------------------------
+
+    def complete(self, items: Iterable[WorkItem], sampled: Iterable[int], eos: frozenset[int]) -> None:
+        """Account the rows of a committed step; `sampled` has one token per item with needs_logits."""
+        now, sampled = time.monotonic(), iter(sampled)
+        for item in items:
+            r = item.request
+            r.missing = r.missing[len(item.recompute):]
+            r.recomputed += len(item.recompute)
+            r.pending = r.pending[len(item.new_ids):]
+            r.computed += item.num_tokens
+            if not item.needs_logits:
+                continue
+            t = next(sampled)
+            r.output_ids.append(t)
+            r.first_token_at = r.first_token_at or now
+            p = r.sampling
+            stop_string = r.text.update(r.output_ids) if r.text is not None else False
+            if (t in eos and not p.ignore_eos) or t in p.stop_token_ids or stop_string:
+                self.finish(r, RequestStatus.FINISHED, "stop")
+            elif len(r.output_ids) >= p.max_new_tokens or self._length(r) >= self.max_positions:
+                self.finish(r, RequestStatus.FINISHED, "length")
+            else:
+                r.pending = [t]
+
+    def fail(self, items: Iterable[WorkItem], error: BaseException) -> None:
+        for item in items:
+            self.finish(item.request, RequestStatus.FAILED, "error", error)
+
+
+def _order(r: Request) -> tuple[float, int]:
+    return r.arrival, r.request_id
