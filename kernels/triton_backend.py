@@ -23,6 +23,7 @@ from .batch import PagedBatch
 BLOCK_M = 16        # query rows per program (tl.dot needs >= 16)
 HEAD_DIMS = (64, 80, 96, 128, 256)
 _KERNEL = None      # built on first use: the jit-decorated kernel
+tl = None           # triton.language once _build() ran; the kernels look it up as a module global
 
 
 def interpreted() -> bool:
@@ -38,9 +39,30 @@ def available(device: torch.device | str) -> bool:
     return torch.device(device).type == "cuda" or interpreted()
 
 
+def _max_fn(a, b):
+    return tl.maximum(a, b)  # noqa: F821 - `tl` is bound when _build() decorates these
+
+
+def _min_fn(a, b):
+    return tl.minimum(a, b)  # noqa: F821
+
+
+def _add_fn(a, b):
+    return a + b
+
+
 def _build():
+    global tl
     import triton
     import triton.language as tl
+
+    # Reductions go through tl.reduce with combine functions decorated now (module globals, where the
+    # jit looks names up), not tl.max/tl.min/tl.sum: those are @jit functions of triton's standard
+    # library, decorated when triton is first imported. If that import happened before TRITON_INTERPRET
+    # was set (transformers imports torch._dynamo, which imports triton), they are compiled-mode
+    # functions the interpreter refuses to call; functions decorated here follow the current setting.
+    global _max, _min, _add
+    _max, _min, _add = (triton.jit(f) for f in (_max_fn, _min_fn, _add_fn))
 
     @triton.jit
     def paged_attention_kernel(
@@ -55,6 +77,7 @@ def _build():
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,   # BLOCK_D = next power of two >= HEAD_DIM
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,    # BLOCK_N = the pool's block_size
         PRECISION: tl.constexpr,          # "ieee" for fp32 (no tf32), "tf32" otherwise (ignored by fp16/bf16)
+        UPCAST: tl.constexpr,             # compute the dots in fp32 (interpreted bf16, see below)
     ):
         tile = tl.program_id(0)
         head = tl.program_id(1)
@@ -72,17 +95,19 @@ def _build():
 
         q = tl.load(Q + rows[:, None] * sq_t + head * sq_h + offs_d[None, :] * sq_d,
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)    # [BLOCK_M, BLOCK_D]
+        if UPCAST:
+            q = q.to(tl.float32)
 
         # keys any row of the tile can see: [lo, hi)
-        hi = tl.minimum(n_kv, tl.max(pos, axis=0) + 1)
+        hi = tl.minimum(n_kv, tl.reduce(pos, 0, _max) + 1)
         lo = 0
         if window > 0:
-            lo = tl.maximum(tl.min(tl.where(row_ok, pos, 2147483647), axis=0) - window + 1, 0)
+            lo = tl.maximum(tl.reduce(tl.where(row_ok, pos, 2147483647), 0, _min) - window + 1, 0)
             lo = (lo // BLOCK_N) * BLOCK_N
 
         m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)   # finite floor: fully masked rows give p = 0, not nan
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        l_i = tl.full([BLOCK_M], 0.0, tl.float32)   # tl.zeros is a stdlib @jit: see _build
+        acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
         offs_n = tl.arange(0, BLOCK_N)
         for start in range(lo, hi, BLOCK_N):
             block = tl.load(block_table + seq * sbt_s + (start // BLOCK_N) * sbt_m).to(tl.int64)
@@ -93,15 +118,18 @@ def _build():
                         mask=kv_mask, other=0.0)                          # [BLOCK_N, BLOCK_D]
             v = tl.load(V + block * sv_b + offs_n[:, None] * sv_s + kv_head * sv_h + offs_d[None, :] * sv_d,
                         mask=kv_mask, other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_M, BLOCK_N] fp32
             visible = (keys[None, :] <= pos[:, None]) & k_ok[None, :]
             if window > 0:
                 visible = visible & (keys[None, :] > pos[:, None] - window)
             s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_new = tl.maximum(m_i, tl.reduce(s, 1, _max))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
+            l_i = l_i * alpha + tl.reduce(p, 1, _add)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
 
@@ -149,6 +177,9 @@ def triton_paged_attention(
         return out
     if _KERNEL is None:
         _KERNEL = _build()
+    # triton 3.9's interpreter returns garbage from tl.dot on bf16 operands (a 16x16 bf16 a @ a is off by
+    # 1e10), so interpreted bf16 runs its dots in fp32; compiled bf16 uses the tensor-core bf16 dot.
+    upcast = query.dtype == torch.bfloat16 and interpreted()
     grid = (seqs.numel(), hq)
     _KERNEL[grid](
         query, key_cache, value_cache, out,
@@ -160,6 +191,7 @@ def triton_paged_attention(
         *batch.block_table.stride(),
         GROUP=hq // hkv, HEAD_DIM=d, BLOCK_D=max(16, 1 << (d - 1).bit_length()),
         BLOCK_M=BLOCK_M, BLOCK_N=block_size,
-        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if query.dtype == torch.float32 or upcast else "tf32",
+        UPCAST=upcast,
     )
     return out

@@ -1,0 +1,68 @@
+"""The Triton kernel against the naive dense reference, under the Triton interpreter on the CPU.
+
+TRITON_INTERPRET must be set before the kernel is decorated; kernels/triton_backend.py decorates it on
+first use, so setting it here (at collection, before any test runs) is enough even though triton itself
+was imported earlier (transformers pulls it in). On a GPU machine the kernel is compiled for real.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from stateful_hf.kernels import paged_attention
+from test_kernels import assert_close_to_reference, ragged_case, small_case
+
+from stateful_hf import kernels
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(not kernels.triton_backend.available(DEVICE),
+                                reason="triton cannot run here (no CUDA and TRITON_INTERPRET=0)")
+
+
+def run_triton(query, kc, vc, batch, window):
+    batch = batch.to(DEVICE)
+    return paged_attention(query.to(DEVICE), kc.to(DEVICE), vc.to(DEVICE), batch, backend="triton",
+                           window=window).cpu()
+
+
+@settings(max_examples=200, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(ragged_case(head_dims=(64, 80), max_len=40))
+def test_triton_matches_dense_reference_fp32(case):
+    query, kc, vc, batch, window = case
+    assert not kc.is_contiguous()                 # a [layers, blocks, 2, bs, Hkv, D] pool view
+    assert_close_to_reference(run_triton(query, kc, vc, batch, window), query, kc, vc, batch, window)
+
+
+@pytest.mark.parametrize("d", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("bs", [16, 32, 64])
+def test_triton_head_dims_and_block_sizes(d, bs):
+    query, kc, vc, batch = small_case(d=d, bs=bs)
+    for window in (None, 3):
+        assert_close_to_reference(run_triton(query, kc, vc, batch, window), query, kc, vc, batch, window)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_triton_half_precision(dtype):
+    query, kc, vc, batch = small_case(dtype=dtype, d=80)
+    out = run_triton(query, kc, vc, batch, None)
+    assert out.dtype == dtype
+    assert_close_to_reference(out.float(), query.float(), kc.float(), vc.float(), batch, None,
+                              atol=2e-2 if dtype == torch.bfloat16 else 5e-3)
+
+
+def test_triton_plan_reused_and_unsupported_shapes_rejected():
+    query, kc, vc, batch = small_case()
+    plan = kernels.plan(batch, block_size=16, backend="triton")
+    assert plan.backend == "triton"
+    out = paged_attention(query, kc, vc, batch, plan=plan)
+    assert torch.equal(out, paged_attention(query, kc, vc, batch, plan=plan))
+    assert_close_to_reference(out, query, kc, vc, batch, None)
+    query72, kc72, vc72, _ = small_case(d=72)
+    with pytest.raises(ValueError, match="head_dim 72"):
+        paged_attention(query72, kc72, vc72, batch, backend="triton")
