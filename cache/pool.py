@@ -1,4 +1,8 @@
-"""A physical pool of KV blocks: preallocated tensor + free list. No policy lives here."""
+"""A physical pool of KV blocks: preallocated tensor + free list. No policy lives here.
+
+Every tier (device, host, disk) is a BlockPool of the same geometry, so one copy routine moves
+chunks between any two of them, layer by layer.
+"""
 
 from __future__ import annotations
 
@@ -11,18 +15,21 @@ class BlockPool:
     """`data` is [layers, num_blocks, 2, block_size, kv_heads, head_dim]; dim 2 is (K, V).
 
     Contract: `allocate` and `free` are the only mutations of the free list; the caller (the store)
-    owns the mapping of blocks to sessions. Not thread-safe on its own: the store holds its lock.
+    owns the mapping of blocks to sessions and holds its lock around every call.
     """
 
-    def __init__(self, spec: KVSpec, num_blocks: int, device: torch.device | str | None = None,
-                 pin_memory: bool = False):
+    def __init__(self, spec: KVSpec, num_blocks: int, device: torch.device | str | None = None, *,
+                 pin_memory: bool = False, data: torch.Tensor | None = None):
         self.spec = spec
         self.num_blocks = num_blocks
-        device = torch.device(device) if device is not None else spec.device
-        self.data = torch.zeros(
-            (spec.num_layers, num_blocks, 2, spec.block_size, spec.num_kv_heads, spec.head_dim),
-            dtype=spec.dtype, device=device, pin_memory=pin_memory and device.type == "cpu",
-        )
+        shape = (spec.num_layers, num_blocks, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        if data is None:
+            device = torch.device(device) if device is not None else spec.device
+            data = torch.zeros(shape, dtype=spec.dtype, device=device,
+                               pin_memory=pin_memory and device.type == "cpu" and torch.cuda.is_available())
+        elif tuple(data.shape) != shape or data.dtype != spec.dtype:
+            raise ValueError(f"pool data must be {shape} {spec.dtype}, got {tuple(data.shape)} {data.dtype}")
+        self.data = data
         # Pop from the end: low block ids are handed out first.
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
 
@@ -34,6 +41,10 @@ class BlockPool:
     def num_free(self) -> int:
         return len(self._free)
 
+    @property
+    def bytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
     def free_ids(self) -> list[int]:
         return list(self._free)
 
@@ -43,6 +54,13 @@ class BlockPool:
         out = self._free[len(self._free) - n:][::-1]
         del self._free[len(self._free) - n:]
         return out
+
+    def take(self, blocks: list[int]) -> None:
+        """Mark specific blocks used (reopening a persisted tier)."""
+        wanted = set(blocks)
+        if len(wanted) != len(blocks) or not wanted <= set(self._free):
+            raise ValueError("blocks to take must be distinct and free")
+        self._free = [b for b in self._free if b not in wanted]
 
     def free(self, blocks: list[int]) -> None:
         self._free.extend(reversed(blocks))

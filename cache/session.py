@@ -9,26 +9,46 @@ from dataclasses import dataclass, field
 
 class ChunkState(enum.Enum):
     DEVICE = "device"    # KV in a block of the device pool
+    HOST = "host"        # KV in a slot of the host pool (maybe still cached in a device block: `shadow`)
+    DISK = "disk"        # KV in a slot of the disk tier
     DROPPED = "dropped"  # only the token ids remain; recomputed when needed
+
+
+TIERS = ("device", "host", "disk", "dropped")
 
 
 @dataclass(slots=True)
 class Chunk:
-    """`block_size` consecutive tokens of a session; its KV lives in exactly one place."""
+    """`block_size` consecutive tokens of a session; its KV lives in exactly one place.
+
+    loc:    block of the device pool (DEVICE), slot of the host pool (HOST) or of the disk tier
+            (DISK); None when DROPPED.
+    shadow: HOST only: a device block still holding the same KV (Pensieve's lazy reclamation). A
+            returning session takes it back without a copy; the store reclaims it when it needs blocks.
+    """
 
     state: ChunkState = ChunkState.DROPPED
-    block: int | None = None    # device block id when state is DEVICE, else None
+    loc: int | None = None
+    shadow: int | None = None
+
+    @property
+    def block(self) -> int | None:
+        """The device block this chunk's KV can be read from now, if any."""
+        return self.loc if self.state is ChunkState.DEVICE else None
 
 
 @dataclass(slots=True)
 class TurnStats:
-    """What the last turn of a session cost."""
+    """What the last turn of a session cost (tokens)."""
 
-    reused_tokens: int = 0       # history tokens whose KV was served from the cache
-    computed_tokens: int = 0     # tokens the model ran on (prompt tail + generated, minus the last)
-    recomputed_tokens: int = 0   # history tokens recomputed because their KV had been dropped
+    reused_tokens: int = 0         # history served from stored KV (any tier)
+    reused_device: int = 0         #   of which already on the device (or still cached there)
+    swapped_in_host: int = 0       #   of which copied up from the host tier
+    swapped_in_disk: int = 0       #   of which copied up from the disk tier
+    computed_tokens: int = 0       # tokens the model ran on in generate's steps
+    recomputed_tokens: int = 0     # history recomputed because its KV had been dropped
     generated_tokens: int = 0
-    truncated_tokens: int = 0    # history tokens cut because the new prompt diverged from them
+    truncated_tokens: int = 0      # history cut because the new prompt diverged from it
 
 
 @dataclass(slots=True)
@@ -42,14 +62,22 @@ class Session:
     chunks: list[Chunk] = field(default_factory=list)
     last_active: float = field(default_factory=time.monotonic)
     busy: bool = False
+    turn_started: bool = False    # set by a lease, cleared by the turn's first step (for hit counting)
     last_turn: TurnStats = field(default_factory=TurnStats)
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
+    def chunk_len(self, k: int, block_size: int) -> int:
+        return max(min(block_size, len(self.token_ids) - k * block_size), 0)
+
     def chunk_range(self, k: int, block_size: int) -> range:
-        return range(k * block_size, min((k + 1) * block_size, len(self.token_ids)))
+        return range(k * block_size, k * block_size + self.chunk_len(k, block_size))
 
     def tokens_in(self, state: ChunkState, block_size: int) -> int:
-        return sum(len(self.chunk_range(k, block_size)) for k, c in enumerate(self.chunks) if c.state is state)
+        return sum(self.chunk_len(k, block_size) for k, c in enumerate(self.chunks) if c.state is state)
+
+    def residency(self, block_size: int) -> dict[str, int]:
+        """Tokens per tier, e.g. {"device": 64, "host": 32, "disk": 0, "dropped": 5}."""
+        return {st.value: self.tokens_in(st, block_size) for st in ChunkState}

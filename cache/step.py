@@ -35,12 +35,18 @@ class StepBatch:
     pool: BlockPool
     backend: str = "torch"
     window: int | None = None
+    layer_events: tuple | None = None   # per layer, CUDA events of swap-in copies its KV waits for
 
     @property
     def num_tokens(self) -> int:
         return self.slots.numel()
 
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V) views of one layer of the device pool, once that layer's swap-in has landed."""
+        if self.layer_events is not None:
+            stream = torch.cuda.current_stream(self.pool.device)
+            for event in self.layer_events[layer]:
+                stream.wait_event(event)
         return self.pool.layer(layer)
 
     def last_rows(self) -> torch.Tensor:

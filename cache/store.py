@@ -1,61 +1,64 @@
 """The session store: owns the pools and the sessions; the one place session KV state changes.
 
-Contract: every public method takes the store lock; state (chunk states, block ownership, token ids)
-changes only here. A method that raises leaves the store as it was. `check_integrity()` states the
-invariants: every device block is free or owned by exactly one DEVICE chunk of one session.
+Contract: every public method takes the store lock; chunk states, slot ownership and token ids
+change only here. A method that raises leaves every session's token ids as they were and the
+invariants of `check_integrity()` intact: every slot of every tier is free or owned by exactly one
+chunk (device blocks: by a DEVICE chunk, or as the cached `shadow` of one HOST chunk).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 
 from ..kernels import PagedBatch
-from .errors import CapacityError, SessionBusyError, UnknownSessionError
+from .disk import DiskTier
+from .errors import CapacityError, SessionBusyError, StoreError, UnknownSessionError
 from .policy import EvictionPolicy, RetentionPolicy
 from .pool import BlockPool
-from .session import Chunk, ChunkState, Session, TurnStats
+from .session import TIERS, Chunk, ChunkState, Session
 from .spec import KVSpec, capacity_in_blocks
+from .stats import Counters, SessionStats, StoreStats, summary
 from .step import StepBatch, StepEntry
+from .tiering import DEVICE, DISK, DROPPED, HOST, TieringMixin
+from .transfer import Transfer
 
 
-@dataclass(frozen=True, slots=True)
-class StoreStats:
-    sessions: int
-    device_tokens: int            # tokens whose KV is in the device pool
-    dropped_tokens: int           # tokens with only their ids kept
-    device_bytes: int             # bytes of device blocks in use
-    device_capacity_tokens: int
-    device_capacity_bytes: int
-    device_free_blocks: int
-    block_size: int
-    kv_bytes_per_token: int
+class SessionStore(TieringMixin):
+    """device_capacity / host_capacity / disk_capacity: tokens (int) or sizes ("2GiB"); a host or
+    disk tier exists only when given (the disk tier also needs `disk_dir`). `swap_out_threshold`:
+    share of device blocks kept free or reclaimable by ahead-of-time swap-out after each turn."""
 
-
-@dataclass(frozen=True, slots=True)
-class SessionStats:
-    session_id: str
-    num_tokens: int
-    device_tokens: int
-    dropped_tokens: int
-    last_turn: TurnStats
-
-
-class SessionStore:
-    def __init__(self, spec: KVSpec, device_capacity: int | str = 4096, *,
-                 policy: EvictionPolicy | None = None, attn_backend: str = "torch"):
+    def __init__(self, spec: KVSpec, device_capacity: int | str = 4096, *, host_capacity: int | str | None = None,
+                 disk_dir: str | os.PathLike | None = None, disk_capacity: int | str | None = None,
+                 policy: EvictionPolicy | None = None, attn_backend: str = "torch",
+                 swap_out_threshold: float = 0.25):
+        if not 0 <= swap_out_threshold < 1:
+            raise ValueError(f"swap_out_threshold must be in [0, 1), got {swap_out_threshold}")
+        if disk_capacity is not None and disk_dir is None:
+            raise ValueError("disk_capacity needs a disk_dir")
         self.spec = spec
         self.block_size = spec.block_size
         self.device_pool = BlockPool(spec, capacity_in_blocks(device_capacity, spec))
+        self.host_pool = None if host_capacity is None else BlockPool(
+            spec, capacity_in_blocks(host_capacity, spec), "cpu", pin_memory=spec.device.type == "cuda")
+        self.disk = None if disk_dir is None else DiskTier(
+            spec, disk_dir, capacity_in_blocks(disk_capacity if disk_capacity is not None else "1GiB", spec))
         self.policy = policy or RetentionPolicy()
         self.attn_backend = attn_backend
+        self.swap_out_threshold = swap_out_threshold
+        self.transfer = Transfer(self.device_pool.device)
+        self.counters = Counters()
         self._sessions: dict[str, Session] = {}
         self._lock = threading.RLock()
+        self._disk_dirty = False
+        if self.disk is not None:
+            self._load_disk_sessions()
 
     # ---- sessions -------------------------------------------------------------------------------
 
@@ -87,23 +90,28 @@ class SessionStore:
             s = self.session(session_id)
             if s.busy:
                 raise SessionBusyError(session_id)
-            self._drop_chunks(s, range(len(s.chunks)))
+            for k in range(len(s.chunks)):
+                self._release(s, k)
             del self._sessions[session_id]
+            self._sync_disk()
 
     @contextmanager
     def lease(self, session_id: str) -> Iterator[Session]:
-        """Mark the session busy for one turn; a second lease raises SessionBusyError."""
+        """Mark the session busy for one turn; a second lease raises SessionBusyError. When the turn
+        ends, chunks move down ahead of time if free device blocks fell under the threshold."""
         with self._lock:
             s = self.session(session_id)
             if s.busy:
                 raise SessionBusyError(session_id)
-            s.busy = True
+            s.busy = s.turn_started = True
         try:
             yield s
         finally:
             with self._lock:
-                s.busy = False
+                s.busy = s.turn_started = False
                 s.last_active = time.monotonic()
+                self._swap_out_ahead()
+                self._sync_disk()
 
     # ---- history --------------------------------------------------------------------------------
 
@@ -119,45 +127,96 @@ class SessionStore:
 
     def truncate(self, session_id: str, length: int) -> int:
         """Cut the session's history to its first `length` tokens; returns how many were cut."""
+        if length < 0:
+            raise ValueError(f"cannot truncate to {length} tokens")
         with self._lock:
             s = self.session(session_id)
-            if not length >= 0:
-                raise ValueError(f"cannot truncate to {length} tokens")
             cut = max(len(s.token_ids) - length, 0)
             if cut:
                 keep = -(-length // self.block_size)
-                self._drop_chunks(s, range(keep, len(s.chunks)))
+                for k in range(keep, len(s.chunks)):
+                    self._release(s, k)
                 del s.chunks[keep:]
                 del s.token_ids[length:]
+                if s.chunks and s.chunks[-1].state is DISK:
+                    self._disk_dirty = True
+                self._sync_disk()
             return cut
 
     def missing_positions(self, session_id: str) -> list[int]:
-        """History positions whose KV is not on the device (they must be restored before use)."""
+        """History positions whose KV is stored nowhere (DROPPED): a step must recompute them.
+        Host and disk chunks are not missing: `plan_step` copies them up."""
         with self._lock:
             s = self.session(session_id)
-            return [p for k, c in enumerate(s.chunks) if c.state is not ChunkState.DEVICE
-                    for p in s.chunk_range(k, self.block_size)]
+            return [p for k, c in enumerate(s.chunks) if c.state is DROPPED for p in s.chunk_range(k, self.block_size)]
+
+    def residency(self, session_id: str) -> dict[str, int]:
+        """Tokens of the session per tier."""
+        with self._lock:
+            return self.session(session_id).residency(self.block_size)
+
+    # ---- movement -------------------------------------------------------------------------------
+
+    def move(self, session_id: str, chunks: Iterable[int], tier: str) -> None:
+        """Move chosen chunks of an idle session to `tier` ("device", "host", "disk", "dropped").
+        An operator and test hook; making room moves other idle sessions' chunks down by the policy.
+        Dropped chunks cannot move up (only their ids remain: the next turn recomputes them)."""
+        if tier not in TIERS:
+            raise ValueError(f"unknown tier {tier!r}; choose from {TIERS}")
+        target = ChunkState(tier)
+        with self._lock:
+            s = self.session(session_id)
+            if s.busy:
+                raise SessionBusyError(session_id)
+            ks = sorted(set(chunks))
+            if any(not 0 <= k < len(s.chunks) for k in ks):
+                raise IndexError(f"session {session_id!r} has chunks 0..{len(s.chunks) - 1}, got {ks}")
+            if target is not DROPPED and self._pool(target) is None:
+                raise ValueError(f"this store has no {tier} tier")
+            ks = [k for k in ks if s.chunks[k].state is not target]
+            if target is not DROPPED and any(s.chunks[k].state is DROPPED for k in ks):
+                raise ValueError(f"session {session_id!r}: dropped chunks keep only token ids and cannot move "
+                                 f"to {tier}; the next turn recomputes them")
+            up = [k for k in ks if list(ChunkState).index(s.chunks[k].state) > list(ChunkState).index(target)]
+            down = [k for k in ks if k not in up]
+            excl = {session_id}
+            for state in (DEVICE, HOST, DISK):
+                self._move_down([(s, k) for k in down if s.chunks[k].state is state], state, excl,
+                                target=target, strict=True)
+            if up:
+                self._move_up([(s, k) for k in up], target, excl)
+                self.transfer.synchronize()
+            self._sync_disk()
 
     def evict(self, session_id: str) -> int:
-        """Move the session's device chunks down a tier; returns how many device blocks were freed.
-
-        For now there is no lower tier, so they are dropped (the token ids stay, so the KV can be
-        recomputed; `missing_positions` lists them). Allowed on a busy session: the engine suspends a
-        running request this way when decoding runs out of blocks, keeping the session's lease.
-        """
+        """Move the session's device chunks one tier down (host if present, else dropped); returns
+        the device blocks freed. Allowed on a busy session: the engine suspends a running request
+        this way when decoding runs out of blocks, keeping the session's lease."""
         with self._lock:
             s = self.session(session_id)
-            on_device = [k for k, c in enumerate(s.chunks) if c.state is ChunkState.DEVICE]
-            self._drop_chunks(s, on_device)
-            return len(on_device)
+            items = [(s, k) for k, c in enumerate(s.chunks) if c.state is DEVICE]
+            self._move_down(items, DEVICE, {session_id})
+            for k, c in enumerate(s.chunks):          # cached shadows of host chunks go too
+                if c.shadow is not None:
+                    self.device_pool.free([c.shadow])
+                    c.shadow = None
+                    items.append((s, k))
+            self._sync_disk()
+            return len(items)
 
     def available_blocks(self) -> int:
-        """Device blocks a step could get now: the free ones plus those held by idle (non-busy)
-        sessions, which `plan_step` may evict. Blocks of busy sessions are not counted."""
+        """Device blocks a step could get now: free, cached shadows of idle sessions, and device
+        chunks of idle sessions (which `plan_step` moves down). Busy sessions' blocks do not count."""
         with self._lock:
-            idle = sum(1 for s in self._sessions.values() if not s.busy
-                       for c in s.chunks if c.state is ChunkState.DEVICE)
+            idle = sum(1 for s in self._sessions.values() if not s.busy for c in s.chunks
+                       if c.state is DEVICE or c.shadow is not None)
             return self.device_pool.num_free + idle
+
+    def maintain(self) -> None:
+        """Run ahead-of-time swap-out now (it also runs whenever a lease ends)."""
+        with self._lock:
+            self._swap_out_ahead()
+            self._sync_disk()
 
     # ---- steps ----------------------------------------------------------------------------------
 
@@ -166,169 +225,231 @@ class SessionStore:
 
         `requests`: (session_id, token_ids, positions) per session, at most one per session. A
         position < the session's length recomputes that history token (its id must match); positions
-        >= length append new tokens and must continue the history without gaps. Every other context
-        position a row attends to must be on the device. The new tokens join the session's history
-        now; `commit` makes them permanent, `abort` takes them (and the blocks) back.
+        >= length append new tokens and must continue the history without gaps. Host and disk chunks
+        of the context are copied up (layer by layer; on CUDA the step carries per-layer events);
+        dropped chunks of the context must be among the rows. The new tokens join the session's
+        history now; `commit` makes them permanent, `abort` takes them back.
         """
         with self._lock:
             sessions = [self.session(sid) for sid, _, _ in requests]
             if len({s.session_id for s in sessions}) != len(sessions):
                 raise ValueError("plan_step: at most one entry per session in a step")
-            need: list[list[int]] = []
-            for s, (_, ids, pos) in zip(sessions, requests):
-                need.append(self._chunks_to_fill(s, list(ids), list(pos)))
-            self._reserve(sum(map(len, need)), exclude={s.session_id for s in sessions})
+            plans = [self._plan_entry(s, list(ids), list(pos)) for s, (_, ids, pos) in zip(sessions, requests)]
+            exclude = {s.session_id for s in sessions}
+            fresh = sum(len(f) + sum(1 for k in sw if s.chunks[k].shadow is None)
+                        for s, (f, sw) in zip(sessions, plans))
+            held = sum(1 for s in sessions for c in s.chunks if c.state is DEVICE or c.shadow is not None)
+            if fresh + held > self.device_pool.num_blocks:
+                raise CapacityError(
+                    f"request needs {fresh + held} device blocks of {self.block_size} tokens but the pool has "
+                    f"{self.device_pool.num_blocks} in all ({self.device_pool.num_blocks * self.block_size} tokens); "
+                    "raise device_capacity")
+            n_fill = sum(len(f) for f, _ in plans)
+            if fresh > self.device_pool.num_free:
+                self._make_room(DEVICE, fresh - self.device_pool.num_free, exclude)
+            events = self._move_up([(s, k) for s, (_, sw) in zip(sessions, plans) for k in sw], DEVICE, exclude)
+            fills = self._take(DEVICE, n_fill, exclude)
             entries = []
-            for s, (sid, ids, pos), chunks in zip(sessions, requests, need):
+            for s, (_, ids, pos), (fill, swap) in zip(sessions, requests, plans):
                 old_len = len(s.token_ids)
-                new = [t for p, t in zip(pos, ids) if p >= old_len]
-                s.token_ids.extend(new)
+                if s.turn_started:   # count what a returning turn found on the device, once per turn
+                    s.turn_started = False
+                    self.counters.device_hits += sum(self._ntok(s, k) for k, c in enumerate(s.chunks)
+                                                     if c.state is DEVICE and k not in fill and k not in swap
+                                                     and k * self.block_size < max(pos))
+                recomputed = sum(1 for p in pos if p < old_len)
+                self.counters.recomputed += recomputed
+                s.token_ids.extend(t for p, t in zip(pos, ids) if p >= old_len)
                 while len(s.chunks) * self.block_size < len(s.token_ids):
                     s.chunks.append(Chunk())
-                for k, b in zip(chunks, self.device_pool.allocate(len(chunks))):
-                    s.chunks[k] = Chunk(ChunkState.DEVICE, b)
-                entries.append(StepEntry(sid, tuple(ids), tuple(pos), old_len, tuple(chunks)))
-            return self._build(entries)
+                for k in fill:
+                    self._release(s, k)
+                    s.chunks[k] = Chunk(DEVICE, fills.pop())
+                entries.append(StepEntry(s.session_id, tuple(ids), tuple(pos), old_len, tuple(fill)))
+            self._sync_disk()
+            return self._build(entries, events)
 
     def commit(self, step: StepBatch) -> None:
         with self._lock:
             now = time.monotonic()
             for e in step.entries:
-                self._sessions[e.session_id].last_active = now
+                if e.session_id in self._sessions:
+                    self._sessions[e.session_id].last_active = now
 
     def abort(self, step: StepBatch) -> None:
-        """Undo `plan_step`: new tokens leave the history, blocks given in the step return."""
+        """Undo `plan_step`: new tokens leave the history, chunks filled in the step are dropped again
+        (chunks it copied up stay on the device: their KV is valid)."""
         with self._lock:
             for e in step.entries:
                 s = self._sessions.get(e.session_id)
                 if s is None:
                     continue
-                self._drop_chunks(s, [k for k in e.new_blocks if k < len(s.chunks)])
+                for k in e.new_blocks:
+                    if k < len(s.chunks):
+                        self._release(s, k)
                 del s.token_ids[e.old_len:]
                 del s.chunks[-(-e.old_len // self.block_size):]
 
-    # ---- integrity and stats --------------------------------------------------------------------
-
-    def check_integrity(self) -> None:
-        """Raise AssertionError unless: every device block is free or owned by exactly one DEVICE chunk;
-        chunk tables match token counts; only DEVICE chunks hold blocks."""
-        with self._lock:
-            owner: dict[int, tuple[str, int]] = {}
-            for s in self._sessions.values():
-                n_chunks = -(-len(s.token_ids) // self.block_size)
-                assert len(s.chunks) == n_chunks, (
-                    f"{s.session_id}: {len(s.chunks)} chunks for {len(s.token_ids)} tokens")
-                for k, c in enumerate(s.chunks):
-                    if c.state is ChunkState.DEVICE:
-                        assert c.block is not None and 0 <= c.block < self.device_pool.num_blocks, (s.session_id, k, c)
-                        assert c.block not in owner, (
-                            f"block {c.block} owned by {owner[c.block]} and {(s.session_id, k)}")
-                        owner[c.block] = (s.session_id, k)
-                    else:
-                        assert c.block is None, (s.session_id, k, c)
-            free = self.device_pool.free_ids()
-            assert len(free) == len(set(free)), "a block is free twice"
-            both = set(free) & owner.keys()
-            assert not both, f"blocks both free and owned: {sorted(both)}"
-            assert len(free) + len(owner) == self.device_pool.num_blocks, (
-                f"{self.device_pool.num_blocks - len(free) - len(owner)} device blocks are neither free nor owned")
-
-    def stats(self, session_id: str | None = None) -> StoreStats | SessionStats:
-        with self._lock:
-            bs = self.block_size
-            if session_id is not None:
-                s = self.session(session_id)
-                return SessionStats(session_id, s.num_tokens, s.tokens_in(ChunkState.DEVICE, bs),
-                                    s.tokens_in(ChunkState.DROPPED, bs), s.last_turn)
-            pool = self.device_pool
-            used = pool.num_blocks - pool.num_free
-            return StoreStats(
-                sessions=len(self._sessions),
-                device_tokens=sum(s.tokens_in(ChunkState.DEVICE, bs) for s in self._sessions.values()),
-                dropped_tokens=sum(s.tokens_in(ChunkState.DROPPED, bs) for s in self._sessions.values()),
-                device_bytes=used * self.spec.bytes_per_block,
-                device_capacity_tokens=pool.num_blocks * bs,
-                device_capacity_bytes=pool.num_blocks * self.spec.bytes_per_block,
-                device_free_blocks=pool.num_free,
-                block_size=bs,
-                kv_bytes_per_token=self.spec.bytes_per_token,
-            )
-
-    # ---- internals (lock held) ------------------------------------------------------------------
-
-    def _chunks_to_fill(self, s: Session, ids: list[int], pos: list[int]) -> list[int]:
-        """Validate one entry; return the chunk indices that need a device block."""
+    def _plan_entry(self, s: Session, ids: list[int], pos: list[int]) -> tuple[list[int], list[int]]:
+        """Validate one entry; return (chunks the rows fill: need a fresh block, chunks to copy up)."""
         n, bs = len(s.token_ids), self.block_size
         if len(ids) != len(pos) or not ids:
             raise ValueError(f"session {s.session_id!r}: step needs >= 1 token and one position per token")
         new = [p for p in pos if p >= n]
-        if new != list(range(n, n + len(new))) or any(p < 0 for p in pos) or sorted(set(pos)) != sorted(pos):
+        if new != list(range(n, n + len(new))) or min(pos) < 0 or len(set(pos)) != len(pos):
             raise ValueError(f"session {s.session_id!r}: new positions must continue the history at {n} without gaps")
         for p, t in zip(pos, ids):
             if p < n and s.token_ids[p] != t:
                 raise ValueError(f"session {s.session_id!r}: recomputed token at {p} is {t}, "
                                  f"history has {s.token_ids[p]}")
-        end = max(pos) + 1
-        rows = set(pos)
-        fill = []
+        rows, end = set(pos), max(pos) + 1
+        fill, swap = [], []
         for k in range(-(-end // bs)):
-            if k < len(s.chunks) and s.chunks[k].state is ChunkState.DEVICE:
+            state = s.chunks[k].state if k < len(s.chunks) else DROPPED
+            if state is DEVICE:
                 continue
-            covered = range(k * bs, min((k + 1) * bs, n))   # history positions of this chunk
-            if any(p not in rows for p in covered if p < end):
-                raise ValueError(f"session {s.session_id!r}: chunk {k} is {s.chunks[k].state.value}, "
-                                 "restore it before attending to it")
-            fill.append(k)
-        return fill
+            history = [p for p in range(k * bs, min((k + 1) * bs, n, end))]
+            if all(p in rows for p in history):
+                fill.append(k)                 # every stored token of it is recomputed: fresh block
+            elif state is DROPPED:
+                raise ValueError(f"session {s.session_id!r}: chunk {k} is dropped; its positions must be "
+                                 "recomputed in the step (missing_positions)")
+            else:
+                swap.append(k)
+        return fill, swap
 
-    def _reserve(self, n_blocks: int, exclude: set[str]) -> None:
-        pool = self.device_pool
-        held = sum(1 for sid in exclude for c in self._sessions[sid].chunks if c.state is ChunkState.DEVICE)
-        if n_blocks + held > pool.num_blocks:
-            raise CapacityError(
-                f"request needs {n_blocks + held} device blocks of {self.block_size} tokens but the pool has "
-                f"{pool.num_blocks} in all ({pool.num_blocks * self.block_size} tokens); raise device_capacity")
-        if n_blocks <= pool.num_free:
-            return
-        idle = [s for s in self._sessions.values() if not s.busy and s.session_id not in exclude]
-        victims = []
-        for s, k in self.policy.order(idle, self.block_size, time.monotonic()):
-            victims.append((s, k))
-            if len(victims) >= n_blocks - pool.num_free:
-                break
-        if len(victims) < n_blocks - pool.num_free:
-            raise CapacityError(f"request needs {n_blocks} device blocks; {pool.num_free} are free and only "
-                                f"{len(victims)} can be taken from idle sessions (the others are busy)")
-        for s, k in victims:
-            self._drop_chunks(s, [k])
-
-    def _drop_chunks(self, s: Session, chunks) -> None:
-        blocks = []
-        for k in chunks:
-            c = s.chunks[k]
-            if c.state is ChunkState.DEVICE:
-                blocks.append(c.block)
-            s.chunks[k] = Chunk(ChunkState.DROPPED, None)
-        self.device_pool.free(blocks)
-
-    def _build(self, entries: list[StepEntry]) -> StepBatch:
+    def _build(self, entries: list[StepEntry], events: list) -> StepBatch:
         bs, dev = self.block_size, self.device_pool.device
         ids, pos, slots, cu, kv_len, tables = [], [], [], [0], [], []
         for e in entries:
             s = self._sessions[e.session_id]
             ids += e.token_ids
             pos += e.positions
-            slots += [s.chunks[p // bs].block * bs + p % bs for p in e.positions]
+            slots += [s.chunks[p // bs].loc * bs + p % bs for p in e.positions]
             cu.append(len(pos))
             kv_len.append(max(e.positions) + 1)
-            tables.append([c.block if c.block is not None else 0 for c in s.chunks[: -(-kv_len[-1] // bs)]])
+            tables.append([c.loc for c in s.chunks[: -(-kv_len[-1] // bs)]])
         width = max(map(len, tables))
-        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
         paged = PagedBatch(torch.tensor(cu, dtype=torch.int32), torch.tensor(pos, dtype=torch.int64),
-                           torch.tensor(kv_len, dtype=torch.int32), table).to(dev)
+                           torch.tensor(kv_len, dtype=torch.int32),
+                           torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32))
+        paged.validate(self.device_pool.num_blocks, bs)
+        layer_events = None
+        if events:   # per layer, the events of every copy group
+            layer_events = tuple(tuple(group[layer] for group in events) for layer in range(self.spec.num_layers))
         return StepBatch(
-            entries=tuple(entries), paged=paged, slots=torch.tensor(slots, dtype=torch.int64, device=dev),
+            entries=tuple(entries), paged=paged.to(dev), slots=torch.tensor(slots, dtype=torch.int64, device=dev),
             input_ids=torch.tensor([ids], dtype=torch.long, device=dev),
             position_ids=torch.tensor([pos], dtype=torch.long, device=dev),
-            pool=self.device_pool, backend=self.attn_backend, window=self.spec.window,
+            pool=self.device_pool, backend=self.attn_backend, window=self.spec.window, layer_events=layer_events,
         )
+
+    # ---- integrity and stats --------------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless every slot of every tier is free or owned by exactly one chunk,
+        chunk tables match token counts, and only HOST chunks have shadows."""
+        with self._lock:
+            owners: dict[ChunkState, dict[int, tuple[str, int]]] = {DEVICE: {}, HOST: {}, DISK: {}}
+
+            def own(tier, slot, who):
+                pool = self._pool(tier)
+                assert pool is not None, f"{who} is {tier.value} but the store has no such tier"
+                assert 0 <= slot < pool.num_blocks, f"{who}: {tier.value} slot {slot} out of range"
+                assert slot not in owners[tier], f"{tier.value} slot {slot} owned by {owners[tier][slot]} and {who}"
+                owners[tier][slot] = who
+
+            for s in self._sessions.values():
+                n_chunks = -(-len(s.token_ids) // self.block_size)
+                assert len(s.chunks) == n_chunks, (
+                    f"{s.session_id}: {len(s.chunks)} chunks for {len(s.token_ids)} tokens")
+                for k, c in enumerate(s.chunks):
+                    who = (s.session_id, k)
+                    if c.state is DROPPED:
+                        assert c.loc is None and c.shadow is None, (who, c)
+                    else:
+                        assert c.loc is not None, (who, c)
+                        own(c.state, c.loc, who)
+                    if c.shadow is not None:
+                        assert c.state is HOST, f"{who}: only host chunks keep a device shadow, {c}"
+                        own(DEVICE, c.shadow, who)
+            for tier, owned in owners.items():
+                pool = self._pool(tier)
+                if pool is None:
+                    continue
+                free = pool.free_ids()
+                assert len(free) == len(set(free)), f"a {tier.value} slot is free twice"
+                both = set(free) & owned.keys()
+                assert not both, f"{tier.value} slots both free and owned: {sorted(both)}"
+                assert len(free) + len(owned) == pool.num_blocks, (
+                    f"{pool.num_blocks - len(free) - len(owned)} {tier.value} slots are neither free nor owned")
+
+    def stats(self, session_id: str | None = None) -> StoreStats | SessionStats:
+        with self._lock:
+            bs = self.block_size
+            if session_id is not None:
+                s = self.session(session_id)
+                r = s.residency(bs)
+                return SessionStats(session_id, s.num_tokens, r["device"], r["host"], r["disk"], r["dropped"],
+                                    s.busy, s.last_turn)
+            tot = {t: 0 for t in TIERS}
+            for s in self._sessions.values():
+                for t, n in s.residency(bs).items():
+                    tot[t] += n
+            cached = sum(s.chunk_len(k, bs) for s in self._sessions.values()
+                         for k, c in enumerate(s.chunks) if c.shadow is not None)
+            per_block = self.spec.bytes_per_block
+
+            def used(pool):
+                return 0 if pool is None else (pool.num_blocks - pool.num_free) * per_block
+
+            def cap(pool):
+                return 0 if pool is None else pool.num_blocks * bs
+
+            disk_pool = self.disk.pool if self.disk is not None else None
+            return StoreStats(
+                sessions=len(self._sessions), device_tokens=tot["device"], host_tokens=tot["host"],
+                disk_tokens=tot["disk"], dropped_tokens=tot["dropped"], device_cached_tokens=cached,
+                device_bytes=used(self.device_pool), host_bytes=used(self.host_pool), disk_bytes=used(disk_pool),
+                device_capacity_tokens=cap(self.device_pool), host_capacity_tokens=cap(self.host_pool),
+                disk_capacity_tokens=cap(disk_pool), device_free_blocks=self.device_pool.num_free,
+                block_size=bs, kv_bytes_per_token=self.spec.bytes_per_token,
+                counters=Counters(**{f: getattr(self.counters, f) for f in Counters.__slots__}),
+            )
+
+    def summary(self) -> str:
+        """The store's tiers and traffic, for a person."""
+        return summary(self.stats())
+
+    # ---- disk persistence -----------------------------------------------------------------------
+
+    def _sync_disk(self) -> None:
+        if self.disk is None or not self._disk_dirty:
+            return
+        self.disk.write_index({
+            s.session_id: {"token_ids": s.token_ids,
+                           "disk_chunks": {str(k): c.loc for k, c in enumerate(s.chunks) if c.state is DISK}}
+            for s in self._sessions.values() if any(c.state is DISK for c in s.chunks)})
+        self._disk_dirty = False
+
+    def _load_disk_sessions(self) -> None:
+        taken = []
+        for sid, saved in self.disk.saved_sessions.items():
+            s = Session(sid, list(saved["token_ids"]))
+            s.chunks = [Chunk() for _ in range(-(-len(s.token_ids) // self.block_size))]
+            for k, slot in saved["disk_chunks"].items():
+                k = int(k)
+                if not (0 <= k < len(s.chunks) and 0 <= slot < self.disk.pool.num_blocks):
+                    raise StoreError(f"disk tier index names chunk {k} slot {slot} of {sid!r} out of range")
+                s.chunks[k] = Chunk(DISK, slot)
+                taken.append(slot)
+            self._sessions[sid] = s
+        self.disk.pool.take(taken)
+
+    def close(self) -> None:
+        """Write the disk index and release the disk tier's lock (device and host contents are lost)."""
+        with self._lock:
+            if self.disk is not None:
+                self._disk_dirty = True
+                self._sync_disk()
+                self.disk.close()

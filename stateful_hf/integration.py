@@ -11,7 +11,7 @@ import torch
 
 from . import attention
 from .adapter import ModelAdapter, adapter_for
-from .cache import StepBatch, TurnStats
+from .cache import ChunkState, StepBatch, TurnStats
 from .stateful_cache import StatefulCache
 
 _ENABLED = "_stateful_hf_adapter"
@@ -129,9 +129,19 @@ def prepare_turn(model: torch.nn.Module, cache: StatefulCache, ids: Sequence[int
     store, sid = cache.store, cache.session_id
     keep = min(store.match_prefix(sid, ids), len(ids) - 1)
     truncated = store.truncate(sid, keep)
-    recomputed = restore(model, cache)
-    stats = TurnStats(reused_tokens=keep - recomputed, recomputed_tokens=recomputed, truncated_tokens=truncated)
-    store.session(sid).last_turn = stats
+    stats = TurnStats(truncated_tokens=truncated)
+    s, bs = store.session(sid), store.block_size
+    for k, c in enumerate(s.chunks):
+        n = s.chunk_len(k, bs)
+        if c.state is ChunkState.DEVICE or c.shadow is not None:
+            stats.reused_device += n
+        elif c.state is ChunkState.HOST:
+            stats.swapped_in_host += n
+        elif c.state is ChunkState.DISK:
+            stats.swapped_in_disk += n
+    stats.reused_tokens = stats.reused_device + stats.swapped_in_host + stats.swapped_in_disk
+    stats.recomputed_tokens = restore(model, cache)
+    s.last_turn = stats
     return stats
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 
@@ -34,7 +36,15 @@ def make_store():
 
 
 def greedy(model, ids: torch.Tensor, n: int = 10, **kwargs) -> torch.Tensor:
+    """Greedy generate. The explicit all-ones mask matters: without it transformers treats every
+    occurrence of the pad id inside the sequence as padding, which is not the oracle we want."""
+    kwargs.setdefault("attention_mask", torch.ones_like(ids))
     return model.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=0, **kwargs)
+
+
+def seed_of(name: str) -> int:
+    """A stable seed from a name (hash() of a str changes between processes)."""
+    return zlib.crc32(name.encode())
 
 
 class Conversation:

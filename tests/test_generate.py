@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from conftest import FAMILIES, Conversation, greedy
+from conftest import FAMILIES, Conversation, greedy, seed_of
 
 import stateful_hf
 
@@ -16,7 +16,7 @@ def test_eight_turns_exact(family, spelling, make_store):
     model, oracle = FAMILIES[family](), FAMILIES[family]()
     store = make_store(model, device_capacity=1024)
     cache = store.cache("alice")
-    conv = Conversation(seed=hash(family) % 1000)
+    conv = Conversation(seed=seed_of(family))
     for _ in range(8):
         out = greedy(model, conv.ids, **{spelling: cache})
         assert torch.equal(out, greedy(oracle, conv.ids))
@@ -127,6 +127,8 @@ def test_bad_input_leaves_store_intact(make_store):
         store.check_integrity()
     with pytest.raises(ValueError, match="padding"):
         greedy(model, ok, cache=cache, attention_mask=torch.cat([torch.zeros(1, 1), torch.ones(1, 26)], 1).long())
+    with pytest.raises(ValueError, match="once"):
+        greedy(model, ok, cache=cache, past_key_values=store.cache("b"))
     with pytest.raises(stateful_hf.UnknownSessionError):
         store.stats("nobody")
     with store.lease("a"), pytest.raises(stateful_hf.SessionBusyError):

@@ -1,0 +1,79 @@
+"""Statistics of the store, as frozen dataclasses, and a summary a person can read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .session import TurnStats
+
+
+@dataclass(slots=True)
+class Counters:
+    """Cumulative token counts since the store was created."""
+
+    device_hits: int = 0          # history tokens a step found on the device (incl. cached shadows)
+    swapped_in_host: int = 0      # host -> device
+    swapped_in_disk: int = 0      # disk -> device
+    swapped_out_host: int = 0     # device -> host (ahead of time or under pressure)
+    swapped_out_disk: int = 0     # host/device -> disk
+    dropped: int = 0              # KV discarded, token ids kept
+    recomputed: int = 0           # dropped history computed again
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    sessions: int
+    device_tokens: int            # tokens whose KV is in device blocks
+    host_tokens: int              # ... in host slots (device_cached_tokens of them also still on device)
+    disk_tokens: int
+    dropped_tokens: int           # tokens with only their ids kept
+    device_cached_tokens: int     # host tokens whose device block is not reclaimed yet
+    device_bytes: int             # bytes of device blocks in use (incl. cached shadows)
+    host_bytes: int
+    disk_bytes: int
+    device_capacity_tokens: int
+    host_capacity_tokens: int
+    disk_capacity_tokens: int
+    device_free_blocks: int
+    block_size: int
+    kv_bytes_per_token: int
+    counters: Counters = field(default_factory=Counters)
+
+    @property
+    def hit_rate(self) -> float:
+        """Share of history tokens steps needed that were served from stored KV rather than recomputed."""
+        c = self.counters
+        served = c.device_hits + c.swapped_in_host + c.swapped_in_disk
+        return served / (served + c.recomputed) if served + c.recomputed else 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class SessionStats:
+    session_id: str
+    num_tokens: int
+    device_tokens: int
+    host_tokens: int
+    disk_tokens: int
+    dropped_tokens: int
+    busy: bool
+    last_turn: TurnStats
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def summary(st: StoreStats) -> str:
+    c = st.counters
+    rows = [
+        f"sessions: {st.sessions}   block: {st.block_size} tokens   KV: {st.kv_bytes_per_token} B/token",
+        f"device : {st.device_tokens:>8} tokens {_mib(st.device_bytes):>12} of {st.device_capacity_tokens} tokens"
+        f"  ({st.device_cached_tokens} more cached ahead of swap-out, {st.device_free_blocks} blocks free)",
+        f"host   : {st.host_tokens:>8} tokens {_mib(st.host_bytes):>12} of {st.host_capacity_tokens} tokens",
+        f"disk   : {st.disk_tokens:>8} tokens {_mib(st.disk_bytes):>12} of {st.disk_capacity_tokens} tokens",
+        f"dropped: {st.dropped_tokens:>8} tokens (ids only)",
+        f"traffic: hits {c.device_hits}, in host {c.swapped_in_host}, in disk {c.swapped_in_disk}, "
+        f"out host {c.swapped_out_host}, out disk {c.swapped_out_disk}, dropped {c.dropped}, "
+        f"recomputed {c.recomputed}   hit rate {st.hit_rate:.1%}",
+    ]
+    return "\n".join(rows)
