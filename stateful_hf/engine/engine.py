@@ -18,6 +18,7 @@ from ..integration import check_input_ids
 from ..store import SessionStore
 from .frontends import ChatMixin
 from .handle import RequestHandle
+from .hints import HintMixin
 from .request import Request, RequestOutput, RequestStatus
 from .runner import ModelRunner, StepRecord
 from .sampling import SamplingParams, eos_ids, make_generator
@@ -40,7 +41,7 @@ class EngineStats:
     waiting: int
 
 
-class Engine(ChatMixin):
+class Engine(ChatMixin, HintMixin):
     """Serve many sessions of one model. Args:
     store: a SessionStore of this model (made with `device_capacity`/`chunk_size` if None).
     max_batch_tokens: rows per forward; prefills are chunked to fit. max_num_seqs: running requests.
