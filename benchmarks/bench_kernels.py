@@ -21,10 +21,10 @@ import time
 
 import torch
 import torch.nn.functional as F
-from stateful_hf.kernels import PagedBatch, paged_attention
-from stateful_hf.kernels.torch_backend import torch_paged_attention
 
 from stateful_hf import kernels
+from stateful_hf.kernels import PagedBatch, paged_attention
+from stateful_hf.kernels.torch_backend import torch_paged_attention
 
 
 def timed(fn, reps: int, device: torch.device) -> float:

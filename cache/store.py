@@ -180,9 +180,9 @@ class SessionStore(TieringMixin):
             up = [k for k in ks if list(ChunkState).index(s.chunks[k].state) > list(ChunkState).index(target)]
             down = [k for k in ks if k not in up]
             excl = {session_id}
-            for state in (DEVICE, HOST, DISK):
-                self._move_down([(s, k) for k in down if s.chunks[k].state is state], state, excl,
-                                target=target, strict=True)
+            groups = {state: [(s, k) for k in down if s.chunks[k].state is state] for state in (DEVICE, HOST, DISK)}
+            for state, items in groups.items():
+                self._move_down(items, state, excl, target=target, strict=True)
             if up:
                 self._move_up([(s, k) for k in up], target, excl)
                 self.transfer.synchronize()

@@ -74,8 +74,9 @@ def write_kv(
     value: torch.Tensor,
     slots: torch.Tensor,        # [T] int: block * block_size + offset of each row
 ) -> None:
-    """Store each row's K/V at its slot (vLLM's reshape_and_cache)."""
+    """Store each row's K/V at its slot (vLLM's reshape_and_cache). The cache keeps values, not
+    autograd history: gradients never flow into stored KV."""
     block_size = key_cache.shape[1]
     blocks, offsets = slots // block_size, slots % block_size
-    key_cache[blocks, offsets] = key.to(key_cache.dtype)
-    value_cache[blocks, offsets] = value.to(value_cache.dtype)
+    key_cache[blocks, offsets] = key.detach().to(key_cache.dtype)
+    value_cache[blocks, offsets] = value.detach().to(value_cache.dtype)

@@ -9,11 +9,11 @@ import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from stateful_hf import kernels
 from stateful_hf.kernels import PagedBatch, paged_attention
 from stateful_hf.kernels.runs import contiguous_runs
 from stateful_hf.kernels.torch_backend import dense_reference, torch_paged_attention
-
-from stateful_hf import kernels
 
 KINDS = ("empty", "decode", "append", "scattered", "single", "dropped_prefix")
 

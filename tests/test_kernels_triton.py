@@ -12,10 +12,10 @@ import os
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
-from stateful_hf.kernels import paged_attention
 from test_kernels import assert_close_to_reference, ragged_case, small_case
 
 from stateful_hf import kernels
+from stateful_hf.kernels import paged_attention
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

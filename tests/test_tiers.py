@@ -11,9 +11,9 @@ import torch
 from conftest import FAMILIES, Conversation, greedy, seed_of
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from stateful_hf.cache import ChunkState, CostProfile, StoreError
 
 import stateful_hf
+from stateful_hf.cache import ChunkState, CostProfile, StoreError
 
 PROFILE = CostProfile()   # skip measuring in tests that do not test the profile
 TIERS = ["device", "host", "disk", "dropped"]

@@ -1,0 +1,106 @@
+"""Restore cost of a returning session, per tier, vs recomputing its history.
+
+    python -m benchmarks.bench_tiers [--lengths 512 1024 2048 4096] [--reps 3]
+
+For each history length N, one session's N tokens are placed wholly in one tier, then the time to
+make them usable on the device again is measured (median of --reps): `host` and `disk` copy the
+chunks up (the disk file's pages are evicted from the page cache first, so reads are cold where the
+OS honours it), `recompute` runs the model over the N tokens (the dropped-history path). `ttft` adds
+the forward of a 16-token new prompt with its next-token logits: the returning turn's time to first
+token. Ratios are against recompute, measured side by side in one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+
+import stateful_hf
+from stateful_hf.cache import CostProfile
+from stateful_hf.integration import restore, run_step
+
+from .models import llama_100m, n_params
+
+
+def _evict_page_cache(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _new_turn(model, store, sid: str, ids: list[int]) -> None:
+    n = store.session(sid).num_tokens
+    step = store.plan_step([(sid, ids, range(n, n + len(ids)))])
+    run_step(model, step, step.last_rows())
+    store.abort(step)
+
+
+@torch.inference_mode()
+def bench(lengths: list[int], reps: int) -> list[dict]:
+    model = llama_100m()
+    total = max(lengths) + 64
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        store = stateful_hf.SessionStore(model, device_capacity=total, host_capacity=total, disk_dir=tmp,
+                                         disk_capacity=total, cost_profile=CostProfile(), swap_out_threshold=0)
+        kv_file = os.path.join(tmp, "kv.bin")
+        prompt = torch.randint(0, 32000, (16,)).tolist()
+        for n in lengths:
+            ids = torch.randint(0, 32000, (n,)).tolist()
+            store.open("s")
+            step = store.plan_step([("s", ids, range(n))])
+            run_step(model, step)
+            store.commit(step)
+            chunks = range(len(store.session("s").chunks))
+            cache = store.cache("s")
+            names = [f"{t}{x}" for t in ("host", "disk", "recompute") for x in ("", "_ttft")]
+            times: dict[str, list[float]] = {name: [] for name in names}
+            for _ in range(reps):
+                for tier in ("host", "disk", "recompute"):
+                    store.move("s", chunks, "dropped" if tier == "recompute" else tier)
+                    if tier == "disk":
+                        _evict_page_cache(kv_file)
+                    t0 = time.perf_counter()
+                    if tier == "recompute":
+                        restore(model, cache)
+                    else:
+                        store.move("s", chunks, "device")
+                    t1 = time.perf_counter()
+                    _new_turn(model, store, "s", prompt)
+                    t2 = time.perf_counter()
+                    times[tier].append(t1 - t0)
+                    times[f"{tier}_ttft"].append(t2 - t0)
+            store.check_integrity()
+            store.delete("s")
+            row = {"tokens": n, **{k: statistics.median(v) for k, v in times.items()}}
+            rows.append(row)
+            print(f"N={n:5d}  restore: host {row['host'] * 1e3:8.1f} ms  disk {row['disk'] * 1e3:8.1f} ms  "
+                  f"recompute {row['recompute'] * 1e3:8.1f} ms   "
+                  f"recompute/host {row['recompute'] / row['host']:6.1f}x  "
+                  f"recompute/disk {row['recompute'] / row['disk']:6.1f}x   TTFT ratio recompute/host "
+                  f"{row['recompute_ttft'] / row['host_ttft']:5.1f}x  recompute/disk "
+                  f"{row['recompute_ttft'] / row['disk_ttft']:5.1f}x", flush=True)
+        store.close()
+    print(f"model: {n_params(model) / 1e6:.0f}M params, float32, {torch.get_num_threads()} threads, "
+          f"torch {torch.__version__}; KV {store.spec.bytes_per_token} B/token")
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096])
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+    bench(args.lengths, args.reps)
+
+
+if __name__ == "__main__":
+    main()
