@@ -1,0 +1,240 @@
+"""Multi-turn serving on the CPU: the same closed-loop workload through three systems, in one run.
+
+    python -m benchmarks.bench_engine                    # ~100M-parameter Llama, random weights
+    python -m benchmarks.bench_engine --sessions 4 --turns 2 --new 8 --layers 2   # smoke run
+
+Workload: `sessions` conversations of `turns` turns, all starting at t=0. A session's next turn
+arrives as soon as its previous answer is complete (think time 0): the prompt is the whole
+conversation so far plus `user` new tokens; every answer is exactly `new` greedy tokens (EOS off).
+
+  (a) stateless `model.generate`, one request at a time in arrival order (re-prefills everything);
+  (b) transformers' continuous batching (`ContinuousBatchingManager`, block sharing = prefix caching);
+  (c) stateful_hf.Engine (session KV kept across turns, unified prefill + decode steps).
+
+Throughput = generated tokens / wall time. TTFT = arrival of a turn -> its first generated token
+(queueing included). Not run by CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+import transformers
+from transformers import GenerationConfig
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
+from transformers.generation.streamers import BaseStreamer
+
+from stateful_hf import Engine, SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    sessions: int
+    turns: int
+    first: int           # tokens of the first user message
+    user: int            # tokens of each later user message
+    new: int             # generated tokens per turn
+    vocab: int
+    seed: int = 0
+
+    def user_tokens(self, session: int, turn: int) -> list[int]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + session * 1009 + turn)
+        return torch.randint(3, self.vocab, (self.first if turn == 0 else self.user,), generator=g).tolist()
+
+    @property
+    def max_context(self) -> int:
+        return self.first + (self.turns - 1) * self.user + self.turns * self.new
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    name: str
+    wall: float
+    generated: int
+    ttft: tuple[float, ...]
+    outputs: dict          # (session, turn) -> generated ids
+
+    @property
+    def throughput(self) -> float:
+        return self.generated / self.wall
+
+    def ttft_p(self, q: float) -> float:
+        return statistics.quantiles(self.ttft, n=100, method="inclusive")[int(q) - 1]
+
+
+def build_model(layers: int, seed: int = 0) -> transformers.LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=16384, hidden_size=768, intermediate_size=2048, num_hidden_layers=layers,
+                                   num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=4096,
+                                   tie_word_embeddings=False, eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    model.generation_config.eos_token_id = None     # every answer is exactly `new` tokens
+    return model
+
+
+class _FirstToken(BaseStreamer):
+    """Records when generate emits its first generated token (the first `put` is the prompt)."""
+
+    def __init__(self):
+        self.calls, self.first = 0, None
+
+    def put(self, value):
+        self.calls += 1
+        if self.calls == 2:
+            self.first = time.perf_counter()
+
+    def end(self):
+        pass
+
+
+def run_stateless(model, wl: Workload) -> Result:
+    conv = {s: [] for s in range(wl.sessions)}
+    start = time.perf_counter()
+    queue = deque((start, s, 0) for s in range(wl.sessions))
+    ttft, outputs = [], {}
+    with torch.inference_mode():
+        while queue:
+            arrival, s, t = queue.popleft()
+            ids = conv[s] + wl.user_tokens(s, t)
+            x = torch.tensor([ids])
+            streamer = _FirstToken()
+            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=wl.new, min_new_tokens=wl.new,
+                                 do_sample=False, pad_token_id=0, streamer=streamer)
+            gen = out[0, len(ids):].tolist()
+            ttft.append(streamer.first - arrival)
+            outputs[(s, t)] = gen
+            conv[s] = ids + gen
+            if t + 1 < wl.turns:
+                queue.append((time.perf_counter(), s, t + 1))
+    wall = time.perf_counter() - start
+    return Result("(a) stateless generate", wall, sum(map(len, outputs.values())), tuple(ttft), outputs)
+
+
+def run_transformers_cb(model, wl: Workload, max_batch_tokens: int, page_size: int = 32) -> Result:
+    pages = wl.sessions * (-(-wl.max_context // page_size) + 2)
+    gen_cfg = GenerationConfig(max_new_tokens=wl.new, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    cb_cfg = ContinuousBatchingConfig(allow_block_sharing=True, num_blocks=pages, page_size=page_size,
+                                      max_batch_tokens=max_batch_tokens, max_requests_per_batch=wl.sessions)
+    manager = model.init_continuous_batching(generation_config=gen_cfg, continuous_batching_config=cb_cfg)
+    manager.start()
+    conv = {s: [] for s in range(wl.sessions)}
+    arrival, first, ttft, outputs = {}, {}, [], {}
+
+    def submit(s: int, t: int) -> None:
+        ids = conv[s] + wl.user_tokens(s, t)
+        conv[s] = ids
+        arrival[f"{s}-{t}"] = time.perf_counter()
+        manager.add_request(ids, request_id=f"{s}-{t}", max_new_tokens=wl.new, streaming=True, eos_token_id=-1)
+
+    start = time.perf_counter()
+    try:
+        for s in range(wl.sessions):
+            submit(s, 0)
+        while len(outputs) < wl.sessions * wl.turns:
+            r = manager.get_result(timeout=60)
+            if r is None:
+                raise RuntimeError("transformers continuous batching stopped producing results")
+            if r.error:
+                raise RuntimeError(f"transformers continuous batching failed: {r.error}")
+            if r.request_id not in first and r.generated_tokens:
+                first[r.request_id] = time.perf_counter()
+                ttft.append(first[r.request_id] - arrival[r.request_id])
+            if r.is_finished():
+                s, t = map(int, r.request_id.split("-"))
+                outputs[(s, t)] = list(r.generated_tokens)
+                conv[s] = conv[s] + outputs[(s, t)]
+                if t + 1 < wl.turns:
+                    submit(s, t + 1)
+        wall = time.perf_counter() - start
+    finally:
+        manager.stop(block=True, timeout=30)
+    return Result("(b) transformers CB", wall, sum(map(len, outputs.values())), tuple(ttft), outputs)
+
+
+def run_engine(model, wl: Workload, max_batch_tokens: int) -> tuple[Result, Engine]:
+    engine = Engine(model, device_capacity=wl.sessions * (wl.max_context + 64), max_batch_tokens=max_batch_tokens,
+                    max_num_seqs=wl.sessions)
+    params = SamplingParams(max_new_tokens=wl.new, ignore_eos=True)
+    ttft, outputs, errors = [], {}, []
+
+    def user(s: int) -> None:
+        conv = []
+        try:
+            for t in range(wl.turns):
+                ids = conv + wl.user_tokens(s, t)
+                out = engine.submit(f"s{s}", ids, params).result()
+                ttft.append(out.metrics.ttft)
+                outputs[(s, t)] = list(out.token_ids)
+                conv = ids + outputs[(s, t)]
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=user, args=(s,)) for s in range(wl.sessions)]
+    start = time.perf_counter()
+    with engine:
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    wall = time.perf_counter() - start
+    if errors:
+        raise errors[0]
+    engine.store.check_integrity()
+    return Result("(c) stateful_hf.Engine", wall, sum(map(len, outputs.values())), tuple(ttft), outputs), engine
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sessions", type=int, default=12)
+    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--first", type=int, default=48)
+    ap.add_argument("--user", type=int, default=16)
+    ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--layers", type=int, default=12, help="12 layers of hidden 768 = ~100M parameters")
+    ap.add_argument("--max-batch-tokens", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    ap.add_argument("--skip", default="", help="comma-separated systems to skip: a,b,c")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    wl = Workload(args.sessions, args.turns, args.first, args.user, args.new, vocab=16000)
+    models = [build_model(args.layers) for _ in range(3)]        # identical weights, one per system
+    n_params = sum(p.numel() for p in models[0].parameters())
+    print(f"model: Llama {args.layers} layers, hidden 768, {n_params / 1e6:.1f}M parameters, float32, "
+          f"{torch.get_num_threads()} torch threads")
+    print(f"workload: {wl}; {wl.sessions * wl.turns} turns, {wl.sessions * wl.turns * wl.new} generated tokens")
+    skip = set(filter(None, args.skip.split(",")))
+    with torch.inference_mode():                                  # warm up torch's kernels once
+        models[0].generate(torch.tensor([wl.user_tokens(0, 0)]), max_new_tokens=2, do_sample=False, pad_token_id=0)
+    results = []
+    if "a" not in skip:
+        results.append(run_stateless(models[0], wl))
+    if "b" not in skip:
+        results.append(run_transformers_cb(models[1], wl, args.max_batch_tokens))
+    engine = None
+    if "c" not in skip:
+        res, engine = run_engine(models[2], wl, args.max_batch_tokens)
+        results.append(res)
+    print(f"\n{'system':<26}{'wall s':>8}{'tok/s':>8}{'TTFT p50':>10}{'TTFT p90':>10}")
+    for r in results:
+        print(f"{r.name:<26}{r.wall:8.1f}{r.throughput:8.2f}{r.ttft_p(50):10.2f}{r.ttft_p(90):10.2f}")
+    if engine is not None:
+        c = results[-1]
+        for r in results[:-1]:
+            same = sum(r.outputs[k] == c.outputs[k] for k in c.outputs)
+            print(f"engine vs {r.name}: throughput x{c.throughput / r.throughput:.2f}, "
+                  f"TTFT p50 x{r.ttft_p(50) / c.ttft_p(50):.2f} lower, p90 x{r.ttft_p(90) / c.ttft_p(90):.2f} lower; "
+                  f"identical answers {same}/{len(c.outputs)}")
+        st = engine.stats()
+        print(f"engine: {st.steps} steps, mean {st.mean_batch_tokens:.1f} rows/step, prompt rows {st.prompt_tokens}, "
+              f"recomputed {st.recomputed_tokens}, occupancy {st.mean_occupancy:.0%}")
+
+
+if __name__ == "__main__":
+    main()
