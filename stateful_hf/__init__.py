@@ -3,7 +3,9 @@
 from .adapter import UnsupportedModelError
 from .cache import CapacityError, SessionBusyError, StoreError, UnknownSessionError
 from .engine import Engine, RequestOutput, SamplingParams
+from .engine.hints import Hint
 from .integration import enable
+from .pipeline import StatefulTextGenerationPipeline, pipeline
 from .stateful_cache import StatefulCache
 from .store import SessionStore
 
@@ -12,4 +14,5 @@ __all__ = [
     "UnsupportedModelError", "enable",
 ]
 __all__ += ["Engine", "RequestOutput", "SamplingParams"]
+__all__ += ["Hint", "StatefulTextGenerationPipeline", "pipeline"]
 __version__ = "0.1.0"
