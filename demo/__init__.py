@@ -1,0 +1,1 @@
+"""Gradio multi-turn chat demo of stateful-hf: `python -m demo --help`."""

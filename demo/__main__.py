@@ -1,0 +1,3 @@
+from demo.app import main
+
+main()

@@ -1,0 +1,167 @@
+"""The Gradio demo, launched as `python -m demo` on 127.0.0.1: two concurrent users driven through
+gradio_client, and the page in headless Chromium (Debian's chromium + chromium-driver)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("gradio", reason="the demo needs gradio: pip install -e '.[demo]'")
+gradio_client = pytest.importorskip("gradio_client", reason="pip install -e '.[demo]' (gradio_client)")
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_NEW = 24
+USERS = {
+    "alice": ["Hello! How are you today?", "Tell me about the sea.", "Summarize that in one sentence."],
+    "bob": ["What would you like to talk about?", "The mountains and the stars at night.", "Thank you."],
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def demo_url(tmp_path_factory):
+    port = _free_port()
+    log = tmp_path_factory.mktemp("demo") / "demo.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "demo", "--host", "127.0.0.1", "--port", str(port),
+                                 "--max-new-tokens", str(MAX_NEW), "--backend", "torch"],
+                                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"the demo exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(url, timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"the demo did not serve {url} within 120 s:\n{log.read_text()[-3000:]}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=15)
+
+
+def _texts(chat: list[dict]) -> list[tuple[str, str]]:
+    """(role, text) of each message the Chatbot returned (its content is a list of parts)."""
+    out = []
+    for m in chat:
+        c = m["content"]
+        out.append((m["role"], c if isinstance(c, str) else "".join(p.get("text", "") for p in c)))
+    return out
+
+
+def test_two_concurrent_sessions_three_turns(demo_url):
+    from stateful_hf import Engine, SamplingParams
+    from stateful_hf.testing import tiny_llama, tiny_tokenizer
+
+    results: dict[str, list] = {}
+    errors = []
+
+    def user(name: str) -> None:
+        try:
+            client = gradio_client.Client(demo_url, verbose=False)     # its own Gradio session
+            for msg in USERS[name]:
+                job = client.submit(msg, MAX_NEW, 0.0, api_name="/send")
+                final = job.result(timeout=120)
+                results.setdefault(name, []).append((len(job.outputs()), final))
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=user, args=(n,)) for n in USERS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(240)
+    assert not errors, errors
+    # The engine's own chat front-end on the same model gives the same replies.
+    engine = Engine(tiny_llama(), tiny_tokenizer(), device_capacity=4096)
+    greedy = SamplingParams(max_new_tokens=MAX_NEW)
+    for name, turns in results.items():
+        assert len(turns) == 3
+        for i, (n_updates, (chat, box, turns_html, tiers_html, raw)) in enumerate(turns):
+            want = engine.chat_submit(name, USERS[name][i], greedy).result().text
+            msgs = _texts(chat)
+            assert len(msgs) == 2 * (i + 1)
+            assert msgs[-2] == ("user", USERS[name][i]) and msgs[-1] == ("assistant", want)
+            assert n_updates > 3, "the reply was not streamed"
+            assert raw["turn"] == i + 1 and raw["output_tokens"] > 0 and raw["ttft_ms"] > 0
+            if i == 0:
+                assert raw["reused_tokens"] == 0
+            else:
+                assert raw["reused_tokens"] > 0 and raw["at_send_device"] + raw["at_send_host"] > 0, raw
+            assert "TTFT" in turns_html and "device" in tiers_html and box == ""
+    engine.stop()
+
+
+def test_runs_as_a_script():
+    out = subprocess.run([sys.executable, "demo/app.py", "--help"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "--model" in out.stdout and "--hidden-states" in out.stdout and "--port" in out.stdout
+
+
+CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+
+
+@pytest.mark.skipif(CHROMIUM is None or DRIVER is None,
+                    reason="Debian's chromium and chromium-driver are not installed "
+                           "(apt-get install -y chromium chromium-driver)")
+def test_page_in_headless_chromium(demo_url, tmp_path):
+    webdriver = pytest.importorskip("selenium.webdriver", reason="pip install selenium (the demo-test extra)")
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run", "--window-size=1400,1000",
+                 f"--user-data-dir={tmp_path / 'profile'}"):
+        opts.add_argument(flag)
+    driver = webdriver.Chrome(service=webdriver.ChromeService(executable_path=DRIVER), options=opts)
+    try:
+        driver.set_page_load_timeout(60)
+        driver.get(demo_url)
+        wait = WebDriverWait(driver, 60)
+        box = wait.until(lambda d: d.find_element(By.CSS_SELECTOR, "#shf-input textarea"))
+        assert "random" in driver.find_element(By.ID, "shf-random-note").text
+        for turn, msg in enumerate(["Hello! How are you today?", "Tell me about the sea."], start=1):
+            box.send_keys(msg)
+            box.send_keys(Keys.ENTER)
+            # Streamed: the reply bubble appears, then the turn's row lands in the side panel.
+            wait.until(lambda d, n=turn: len(d.find_elements(By.CSS_SELECTOR, "#shf-turns tr")) == n + 1)
+        bubbles = driver.find_elements(By.CSS_SELECTOR, "#shf-chat .message")
+        assert len(bubbles) >= 4 and any("Tell me about the sea." in b.text for b in bubbles)
+        rows = driver.find_elements(By.CSS_SELECTOR, "#shf-turns tr")
+        reused = int(rows[2].find_elements(By.TAG_NAME, "td")[3].text)
+        assert reused > 0, rows[2].text
+        time.sleep(0.5)
+        shot = Path(os.environ.get("STATEFUL_HF_SCREENSHOT", tmp_path / "demo.png"))
+        shot.parent.mkdir(parents=True, exist_ok=True)
+        assert driver.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
+    finally:
+        driver.quit()
