@@ -1,0 +1,32 @@
+"""The drop-in pipeline: transformers' text-generation pipeline, plus `session_id=`.
+
+Code written for `transformers.pipeline("text-generation", ...)` keeps working; passing the growing
+message list with a session id each turn computes only the new tokens.
+    python examples/pipeline_chat.py [MODEL_PATH]
+"""
+
+import sys
+
+import transformers
+
+import stateful_hf
+from stateful_hf.testing import tiny_llama, tiny_tokenizer
+
+if len(sys.argv) > 1:
+    model, tokenizer = sys.argv[1], None          # a path: the pipeline loads model and tokenizer
+else:
+    model, tokenizer = tiny_llama(), tiny_tokenizer()
+
+chat = stateful_hf.pipeline("text-generation", model=model, tokenizer=tokenizer, device_capacity=4096)
+messages = [{"role": "system", "content": "You are brief."}]
+for user in ["Hello! How are you today?", "Tell me about the sea.", "Summarize that in one sentence."]:
+    messages.append({"role": "user", "content": user})
+    out = chat(messages, session_id="alice", max_new_tokens=16, do_sample=False)
+    messages = out[0]["generated_text"]                      # the chat, with the new assistant message
+    turn = chat.store.stats("alice").last_turn
+    print(f"user: {user}\nassistant: {messages[-1]['content']!r}")
+    print(f"  [{turn.reused_tokens} tokens reused, {turn.computed_tokens} computed]")
+
+# The same task is registered with transformers (importing stateful_hf registers it):
+same = transformers.pipeline("stateful-text-generation", model=chat.model, tokenizer=chat.tokenizer)
+print(type(same).__name__, same("The quick brown fox", max_new_tokens=8, do_sample=False)[0]["generated_text"][:40])
