@@ -1,0 +1,200 @@
+"""The HTTP app (FastAPI): OpenAI-compatible completions over a `Router` of engine replicas.
+
+Endpoints: POST /v1/chat/completions, POST /v1/completions (both stream with server-sent events when
+`"stream": true`), POST /v1/hints, GET /v1/models, GET /metrics, GET /health.
+
+The session of a request is, first found: the `X-Session-Id` header, the body's `session_id`, the
+body's `user`. Without one the turn runs in a throwaway session (nothing is kept).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    HintRequest,
+    chat_chunk,
+    chat_response,
+    completion_chunk,
+    completion_response,
+    new_id,
+    usage,
+)
+
+SESSION_HEADER = "x-session-id"
+
+
+class ServeConfig:
+    """What the app needs besides the router: the model's name, its tokenizer (prompts are
+    tokenized here, once), its context length, and the default max_tokens."""
+
+    def __init__(self, model_name: str, tokenizer, max_model_len: int, default_max_tokens: int = 256):
+        self.model_name, self.tokenizer = model_name, tokenizer
+        self.max_model_len, self.default_max_tokens = max_model_len, default_max_tokens
+
+
+def _error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+async def _parse(request: Request, model_cls):
+    try:
+        body = json.loads(await request.body())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"We could not parse the JSON body of your request: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    try:
+        return model_cls.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = ".".join(str(p) for p in err["loc"]) or None
+        raise APIError(400, f"{param}: {err['msg']}" if param else err["msg"], param=param,
+                       code="missing_required_parameter" if err["type"] == "missing" else "invalid_value") from None
+
+
+def create_app(router, config: ServeConfig) -> FastAPI:
+    app = FastAPI(title="stateful-hf", docs_url=None, redoc_url=None)
+    app.state.router, app.state.config = router, config
+    tok = config.tokenizer
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        return _error_response(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return _error_response(APIError(e.status_code, str(e.detail), type=kind, code=kind))
+
+    @app.exception_handler(Exception)
+    async def _server_error(request: Request, e: Exception):
+        return _error_response(APIError(500, f"{type(e).__name__}: {e}", type="server_error", code="internal_error"))
+
+    def check_model(model: str | None) -> None:
+        if model is not None and model != config.model_name:
+            raise APIError(404, f"The model `{model}` does not exist; this server serves `{config.model_name}`",
+                           param="model", code="model_not_found")
+
+    def session_of(request: Request, body) -> str | None:
+        return request.headers.get(SESSION_HEADER) or body.session_id or body.user or None
+
+    def check_length(ids: list[int], max_tokens: int, param: str) -> None:
+        if len(ids) + max_tokens > config.max_model_len:
+            raise APIError(400, f"This model's maximum context length is {config.max_model_len} tokens. However, "
+                           f"you requested {len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} "
+                           "for the completion). Please reduce the prompt or max_tokens.", param=param,
+                           code="context_length_exceeded")
+
+    async def run(request: Request, sid, ids, sampling, stream: bool, include_usage: bool, kind: str):
+        rid, model, created = new_id("chatcmpl" if kind == "chat" else "cmpl"), config.model_name, int(time.time())
+        events = router.stream(sid, ids, sampling)
+        first = await anext(events, None)
+        if first is None or first["type"] == "error":
+            await events.aclose()
+            raise APIError.from_dict(first["error"]) if first else APIError(500, "no output", type="server_error")
+        if not stream:
+            final = first
+            async with contextlib.aclosing(events):
+                async for ev in events:
+                    final = ev
+            if final["type"] == "error":
+                raise APIError.from_dict(final["error"])
+            return (chat_response if kind == "chat" else completion_response)(rid, model, final)
+        if kind == "chat":
+            piece = lambda text, reason=None, use=None, choices=True: chat_chunk(
+                rid, model, created, {"content": text} if text or reason is None else {}, reason, use, choices)
+        else:
+            piece = lambda text, reason=None, use=None, choices=True: completion_chunk(
+                rid, model, created, text, reason, use, choices)
+
+        async def sse() -> AsyncIterator[str]:
+            async with contextlib.aclosing(events):
+                if kind == "chat":
+                    yield _sse(chat_chunk(rid, model, created, {"role": "assistant", "content": ""}))
+                ev = first
+                while ev is not None:
+                    if ev["type"] == "delta" and ev["text"]:
+                        yield _sse(piece(ev["text"]))
+                    elif ev["type"] == "error":
+                        yield _sse(APIError.from_dict(ev["error"]).body())
+                        break
+                    elif ev["type"] == "done":
+                        yield _sse(piece("", ev["finish_reason"]))
+                        if include_usage:
+                            yield _sse(piece("", use=usage(ev), choices=False))
+                    ev = await anext(events, None)
+                yield "data: [DONE]\n\n"
+
+        return StreamingResponse(sse(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Session-Id": sid or ""})
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await _parse(request, ChatCompletionRequest)
+        check_model(body.model)
+        sampling = body.sampling(config.default_max_tokens)
+        try:
+            ids = list(tok.apply_chat_template(body.chat(), add_generation_prompt=True, tokenize=True)["input_ids"])
+        except APIError:
+            raise
+        except Exception as e:
+            raise APIError(400, f"the chat template failed on these messages: {e}", param="messages",
+                           code="invalid_messages") from None
+        check_length(ids, sampling.max_new_tokens, "messages")
+        out = await run(request, session_of(request, body), ids, sampling, body.stream,
+                        bool(body.stream_options and body.stream_options.include_usage), "chat")
+        return out if isinstance(out, StreamingResponse) else JSONResponse(out)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await _parse(request, CompletionRequest)
+        check_model(body.model)
+        sampling = body.sampling(16)                          # OpenAI's default for completions
+        prompt = body.prompt_one()
+        ids = tok(prompt, add_special_tokens=False)["input_ids"] if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise APIError(400, "the prompt has no tokens", param="prompt", code="invalid_value")
+        check_length(ids, sampling.max_new_tokens, "prompt")
+        out = await run(request, session_of(request, body), ids, sampling, body.stream,
+                        bool(body.stream_options and body.stream_options.include_usage), "completion")
+        return out if isinstance(out, StreamingResponse) else JSONResponse(out)
+
+    @app.post("/v1/hints")
+    async def hints(request: Request):
+        body = await _parse(request, HintRequest)
+        check_model(body.model)
+        return JSONResponse(await router.hint(body.session_id, body.expected_arrival, body.priority))
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0,
+                                            "owned_by": "stateful-hf", "max_model_len": config.max_model_len}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(await router.metrics_text(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/health")
+    async def health():
+        replicas = await router.health()
+        ok = all(r.get("engine_running", True) for r in replicas)
+        return JSONResponse({"status": "ok" if ok else "unhealthy", "model": config.model_name, "replicas": replicas},
+                            status_code=200 if ok else 503)
+
+    return app
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"

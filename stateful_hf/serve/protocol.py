@@ -1,0 +1,190 @@
+"""OpenAI-compatible request and response bodies, and OpenAI-style errors.
+
+Requests are validated with pydantic; anything invalid becomes an `APIError` with the status code
+and body OpenAI uses: `{"error": {"message", "type", "param", "code"}}`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from ..engine import SamplingParams
+
+
+class APIError(Exception):
+    """An error the server reports to the client (never a bug: those are 500s)."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def to_dict(self) -> dict:              # crosses process boundaries (Ray) as plain data
+        return {"status": self.status, **self.body()["error"]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> APIError:
+        return cls(d["status"], d["message"], d["type"], d.get("param"), d.get("code"))
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """Fields shared by both endpoints. Extra OpenAI fields we do not act on are accepted and ignored
+    (`extra="allow"`), except the ones that would change the answer's shape (checked below)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None                      # extension (vLLM spelling)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None        # extension
+    ignore_eos: bool = False                       # extension
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    session_id: str | None = None                  # extension: the conversation's session (see README)
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError("only n=1 is supported")
+        return v
+
+    def sampling(self, default_max_tokens: int) -> SamplingParams:
+        max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
+        if max_tokens < 1:
+            raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens",
+                           code="invalid_value")
+        temperature = 1.0 if self.temperature is None else self.temperature
+        if not 0.0 <= temperature <= 2.0:
+            raise APIError(400, f"temperature must be in [0, 2], got {temperature}", param="temperature",
+                           code="invalid_value")
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        try:
+            return SamplingParams(max_new_tokens=max_tokens, temperature=temperature,
+                                  top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
+                                  seed=self.seed, stop=stop, stop_token_ids=tuple(self.stop_token_ids or ()),
+                                  ignore_eos=self.ignore_eos)
+        except ValueError as e:
+            raise APIError(400, str(e), code="invalid_value") from None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for p in self.content:
+            if p.get("type") != "text":
+                raise APIError(400, f"only text content parts are supported, got {p.get('type')!r}",
+                               param="messages", code="unsupported_content")
+            parts.append(p.get("text", ""))
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+
+    def sampling(self, default_max_tokens: int) -> SamplingParams:
+        if self.max_tokens is None and self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
+        return super().sampling(default_max_tokens)
+
+    def chat(self) -> list[dict]:
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+
+    def prompt_one(self) -> str | list[int]:
+        """The single prompt (a string or token ids); lists of prompts are refused."""
+        if self.echo or self.logprobs is not None or self.suffix is not None:
+            raise APIError(400, "echo, logprobs and suffix are not supported", param="prompt", code="unsupported")
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise APIError(400, "one prompt per request (got a list of prompts)", param="prompt",
+                               code="unsupported")
+            p = p[0]
+        if not p:
+            raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
+        return p
+
+
+class HintRequest(BaseModel):
+    """Symphony's advisory request: `session_id` will send a turn soon."""
+
+    model_config = ConfigDict(extra="forbid")
+    session_id: str = Field(min_length=1)
+    expected_arrival: float | None = Field(default=None, ge=0)   # seconds from now, if known
+    priority: int | None = None
+    model: str | None = None
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(out: dict) -> dict:
+    """OpenAI usage; reuse is reported as `prompt_tokens_details.cached_tokens`."""
+    return {"prompt_tokens": out["prompt_tokens"], "completion_tokens": out["completion_tokens"],
+            "total_tokens": out["prompt_tokens"] + out["completion_tokens"],
+            "prompt_tokens_details": {"cached_tokens": out["reused_tokens"]}}
+
+
+def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: str | None = None,
+               use: dict | None = None, choices: bool = True) -> dict:
+    body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+            if choices else []}
+    if use is not None:
+        body["usage"] = use
+    return body
+
+
+def completion_chunk(rid: str, model: str, created: int, text: str, finish_reason: str | None = None,
+                     use: dict | None = None, choices: bool = True) -> dict:
+    body = {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]
+            if choices else []}
+    if use is not None:
+        body["usage"] = use
+    return body
+
+
+def chat_response(rid: str, model: str, out: dict) -> dict:
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": out["text"]}, "logprobs": None,
+                         "finish_reason": out["finish_reason"]}],
+            "usage": usage(out)}
+
+
+def completion_response(rid: str, model: str, out: dict) -> dict:
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": out["text"], "logprobs": None, "finish_reason": out["finish_reason"]}],
+            "usage": usage(out)}

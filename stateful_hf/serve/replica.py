@@ -1,0 +1,253 @@
+"""`Replica`: one engine behind the server (the single-machine server has one; a cluster N).
+
+Streams a turn as plain-dict events (so they cross process boundaries unchanged):
+`{"type": "delta", "text", "token_ids"}`..., then `{"type": "done", ...final...}` or
+`{"type": "error", "error": APIError.to_dict()}`. Also hints, session export/import (migration),
+load and metrics. Everything is async-friendly: no request parks a thread; one watcher thread
+wakes after each engine step and forwards progress to the waiting coroutines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from ..cache import CapacityError, SessionBusyError
+from ..engine import Engine, SamplingParams
+from .metrics import ReplicaMetrics, store_snapshot
+from .migrate import SessionExport, export_session, import_session
+from .protocol import APIError
+
+
+def api_error(e: BaseException) -> APIError:
+    """An engine error as the HTTP error a client gets."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, SessionBusyError):
+        return APIError(409, f"session {e.args[0]!r} has a turn in flight; retry when it has finished",
+                        param="session_id", code="session_busy")
+    if isinstance(e, CapacityError):
+        return APIError(400, str(e), code="capacity_exceeded")
+    if isinstance(e, (ValueError, TypeError)):
+        return APIError(400, str(e), param="prompt", code="invalid_prompt")
+    return APIError(500, f"{type(e).__name__}: {e}", type="server_error", code="internal_error")
+
+
+class _Stream:
+    __slots__ = ("handle", "loop", "event", "seen", "latest")
+
+    def __init__(self, handle, loop):
+        self.handle, self.loop, self.event = handle, loop, asyncio.Event()
+        self.seen, self.latest = (-1, -1, False), None
+
+
+class StreamHub:
+    """Forwards request progress from the engine's stepping thread to asyncio: one thread for all
+    streams, woken by the engine's condition (notified after every step)."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._streams: set[_Stream] = set()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="stateful-hf-serve-hub", daemon=True)
+        self._thread.start()
+
+    def open(self, handle) -> _Stream:
+        st = _Stream(handle, asyncio.get_running_loop())
+        with self._lock:
+            self._streams.add(st)
+        self._wake.set()
+        return st
+
+    def close(self, st: _Stream) -> None:
+        with self._lock:
+            self._streams.discard(st)
+
+    def shutdown(self) -> None:
+        self._closed = True
+        self._wake.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        cv = self.engine._cv
+        while not self._closed:
+            with self._lock:
+                streams = list(self._streams)
+            if not streams:
+                self._wake.wait(0.5)
+                self._wake.clear()
+                continue
+            with cv:
+                ready = self._collect(streams)
+                if not ready:
+                    cv.wait(timeout=0.05)
+                    ready = self._collect(streams)
+            for st, snap in ready:
+                st.loop.call_soon_threadsafe(self._deliver, st, snap)
+
+    @staticmethod
+    def _collect(streams):
+        out = []
+        for st in streams:      # the handle's published state (RequestHandle._publish), read under engine._cv
+            h = st.handle
+            key = (len(h._tokens), h._stable, h._output is not None)
+            if key != st.seen:
+                st.seen = key
+                out.append((st, (list(h._tokens), h._text[:h._stable], h._output)))
+        return out
+
+    @staticmethod
+    def _deliver(st: _Stream, snap) -> None:
+        st.latest = snap
+        st.event.set()
+
+
+class Replica:
+    """An engine (started here) plus what the server needs around it. `name` labels its metrics."""
+
+    def __init__(self, engine: Engine, name: str = "0"):
+        self.engine, self.name = engine.start(), name
+        self.store = engine.store
+        self.metrics = ReplicaMetrics()
+        self.hub = StreamHub(engine)
+        self.inflight = 0
+        self._gates: dict[str, threading.Event] = {}   # sessions being imported: turns wait
+
+    # ---- turns ----------------------------------------------------------------------------------
+
+    async def stream(self, session_id: str | None, prompt: list[int], sampling: SamplingParams | dict
+                     ) -> AsyncIterator[dict]:
+        """One turn. `session_id` None: a throwaway session, deleted when the turn ends."""
+        if isinstance(sampling, dict):
+            sampling = SamplingParams(**sampling)
+        ephemeral = session_id is None
+        sid = session_id or f"anon-{uuid.uuid4().hex}"
+        gate = self._gates.get(sid)
+        if gate is not None:
+            await asyncio.to_thread(gate.wait, 60)
+        self.inflight += 1
+        handle, done = self.engine.submit(sid, prompt, sampling), False
+        st = self.hub.open(handle)
+        sent_text, sent_tok = 0, 0
+        try:
+            while True:
+                await st.event.wait()
+                st.event.clear()
+                tokens, text, out = st.latest
+                if out is not None:
+                    if out.error is not None:
+                        done = True
+                        yield {"type": "error", "error": api_error(out.error).to_dict()}
+                        return
+                    text = out.text or ""
+                if len(text) > sent_text or len(tokens) > sent_tok:
+                    yield {"type": "delta", "text": text[sent_text:], "token_ids": tokens[sent_tok:]}
+                    sent_text, sent_tok = len(text), len(tokens)
+                if out is not None:
+                    done = True
+                    self.metrics.finished(out)
+                    yield self._final(out)
+                    return
+        finally:
+            self.hub.close(st)
+            self.inflight -= 1
+            if not done:
+                handle.cancel()               # the client went away: account the turn when it ends
+            if not done or ephemeral:
+                self._when_done(handle, lambda out: self._after(out, sid, ephemeral, done))
+
+    def _final(self, out) -> dict:
+        m = out.metrics
+        reason = out.finish_reason if out.finish_reason in ("stop", "length") else out.finish_reason
+        return {"type": "done", "text": out.text or "", "token_ids": list(out.token_ids), "finish_reason": reason,
+                "prompt_tokens": m.prompt_tokens, "completion_tokens": m.output_tokens,
+                "reused_tokens": m.reused_tokens, "recomputed_tokens": m.recomputed_tokens,
+                "ttft": m.ttft, "tpot": m.tpot, "replica": self.name}
+
+    def _after(self, out, sid: str, ephemeral: bool, accounted: bool) -> None:
+        if not accounted:
+            self.metrics.finished(out)
+        if ephemeral:
+            with contextlib.suppress(Exception):   # gone already, or busy again (then it ages out by policy)
+                self.store.delete(sid)
+
+    def _when_done(self, handle, fn) -> None:
+        """Call fn(output) when the request has ended (now, if it has)."""
+        with self.engine._cv:
+            if not handle.done:
+                self.engine._on_finish[handle.request_id] = fn
+                return
+        fn(handle.output())
+
+    # ---- hints and migration --------------------------------------------------------------------
+
+    def hint(self, session_id: str, expected_arrival: float | None = None, priority: int | None = None) -> dict:
+        h = self.engine.hint(session_id, expected_arrival, priority)
+        self.metrics.inc("hints_total")
+
+        def account():
+            if h.wait(120):
+                self.metrics.inc("hint_prefetched_tokens_total", h.moved_tokens)
+        threading.Thread(target=account, daemon=True).start()
+        return {"session_id": session_id, "replica": self.name, "accepted": True}
+
+    def has_session(self, session_id: str) -> bool:
+        return session_id in self.store
+
+    def session_tokens(self, session_id: str) -> int:
+        return self.store.session(session_id).num_tokens if session_id in self.store else 0
+
+    def export_session(self, session_id: str) -> SessionExport | None:
+        """The session's history and stored KV (None if this replica does not have it)."""
+        if session_id not in self.store:
+            return None
+        exp = export_session(self.store, session_id)
+        self.metrics.inc("migrations_out_total")
+        return exp
+
+    def import_session(self, exp: SessionExport | None) -> dict:
+        """Take over a session exported by another replica; its KV lands on the device. Turns of the
+        session submitted here meanwhile wait for the import."""
+        if exp is None:
+            return {"imported_tokens": 0, "seconds": 0.0}
+        gate = self._gates[exp.session_id] = threading.Event()
+        t0 = time.monotonic()
+        try:
+            n = import_session(self.store, exp)
+        finally:
+            del self._gates[exp.session_id]
+            gate.set()
+        dt = time.monotonic() - t0
+        self.metrics.inc("migrations_in_total")
+        self.metrics.inc("migrated_tokens_total", n)
+        self.metrics.inc("migration_seconds_total", dt)
+        return {"imported_tokens": n, "seconds": dt, "residency": self.store.residency(exp.session_id)}
+
+    def release_session(self, session_id: str) -> bool:
+        """Forget a session that moved to another replica (its KV was imported there)."""
+        try:
+            self.store.delete(session_id)
+            return True
+        except Exception:   # noqa: BLE001 - busy (a turn arrived here after all) or already gone
+            return False
+
+    # ---- state ----------------------------------------------------------------------------------
+
+    def load(self) -> int:
+        return self.inflight
+
+    def snapshot(self) -> dict:
+        return {"metrics": self.metrics.snapshot(), "store": store_snapshot(self.store, self.engine)}
+
+    def health(self) -> dict:
+        return {"replica": self.name, "engine_running": self.engine.running, "inflight": self.inflight}
+
+    def shutdown(self) -> None:
+        self.engine.stop(cancel=True, timeout=10)
+        self.hub.shutdown()

@@ -1,0 +1,216 @@
+"""Session-aware router over engine replicas, with hint-driven KV migration (Symphony).
+
+- A request goes where it is cheapest: to the replica holding its session's KV, unless that
+  replica has more than `overload_slack` more requests in flight than the least-loaded one (soft
+  affinity); then to the least-loaded replica, which first pulls the session's KV from the holder.
+- A hint picks the target per request, by load (in flight + hinted arrivals, then requests served
+  over the run: balanced even under skewed sessions), preferring the holder on a tie, and starts
+  moving the session's KV there off the critical path: the holder exports it (history + stored
+  chunks of every tier), the target imports it onto its device, the holder forgets it. The hinted
+  request then goes to the target; if it arrives mid-migration it waits for the migration.
+- Turns of one session never run on two replicas at once: while one is in flight the next goes to
+  the same replica (where the engine's busy rule applies), and a migration waits for it to end.
+
+Replicas are reached through clients with one async interface (`LocalClient` in-process here;
+`cluster.RayClient` for Ray Serve handles).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+
+from .metrics import _labels, render
+from .replica import Replica
+
+log = logging.getLogger(__name__)
+
+
+class LocalClient:
+    """A replica in this process."""
+
+    def __init__(self, replica: Replica):
+        self.replica, self.name = replica, replica.name
+
+    def stream(self, session_id, prompt, sampling) -> AsyncIterator[dict]:
+        return self.replica.stream(session_id, prompt, sampling)
+
+    async def hint(self, session_id, expected_arrival, priority) -> dict:
+        return self.replica.hint(session_id, expected_arrival, priority)
+
+    async def export(self, session_id):
+        return await asyncio.to_thread(self.replica.export_session, session_id)
+
+    async def import_(self, payload) -> dict:
+        return await asyncio.to_thread(self.replica.import_session, payload)
+
+    async def release(self, session_id) -> bool:
+        return await asyncio.to_thread(self.replica.release_session, session_id)
+
+    async def snapshot(self) -> dict:
+        return self.replica.snapshot()
+
+    async def health(self) -> dict:
+        return self.replica.health()
+
+    async def shutdown(self) -> None:
+        await asyncio.to_thread(self.replica.shutdown)
+
+
+class Router:
+    def __init__(self, clients: list, overload_slack: int = 2):
+        if not clients:
+            raise ValueError("a router needs at least one replica")
+        self.clients, self.overload_slack = list(clients), overload_slack
+        n = len(self.clients)
+        self.location: dict[str, int] = {}        # session -> replica holding its KV
+        self.planned: dict[str, int] = {}         # hinted session -> replica its next request goes to
+        self.migrations: dict[str, asyncio.Task] = {}
+        self.load, self.expected, self.assigned = [0] * n, [0] * n, [0] * n
+        self._running: dict[str, tuple[int, int]] = {}   # session -> (replica, requests in flight)
+        self._idle: dict[str, asyncio.Event] = {}
+        self.stats = Counter()
+        self.migration_seconds = 0.0
+
+    @property
+    def names(self) -> list[str]:
+        return [c.name for c in self.clients]
+
+    def _least_loaded(self, prefer: int | None = None) -> int:
+        key = lambda i: (self.load[i] + self.expected[i], self.assigned[i], i != prefer, i)
+        return min(range(len(self.clients)), key=key)
+
+    def _route(self, sid: str | None) -> tuple[int, bool]:
+        """(replica, whether the session's KV must be pulled there first)."""
+        if sid is None:
+            return self._least_loaded(), False
+        if sid in self._running:                  # a turn of it is in flight: same replica
+            return self._running[sid][0], False
+        if sid in self.planned:
+            i = self.planned.pop(sid)
+            self.expected[i] -= 1
+            return i, self.location.get(sid, i) != i
+        holder = self.location.get(sid)
+        least = self._least_loaded(prefer=holder)
+        if holder is None:
+            return least, False
+        if self.load[holder] - self.load[least] > self.overload_slack:
+            self.stats["affinity_overridden"] += 1
+            return least, True
+        return holder, False
+
+    # ---- requests -------------------------------------------------------------------------------
+
+    async def stream(self, session_id: str | None, prompt: list[int], sampling) -> AsyncIterator[dict]:
+        sid = session_id
+        if sid is not None and sid in self.migrations:
+            await asyncio.shield(self.migrations[sid])             # mid-migration: wait, don't recompute
+        i, pull = self._route(sid)
+        if pull:
+            await asyncio.shield(self._start_migration(sid, i))    # no hint came: pull at arrival
+        self.load[i] += 1
+        self.assigned[i] += 1
+        self.stats[f"requests_{i}"] += 1
+        if sid is not None:
+            r, n = self._running.get(sid, (i, 0))
+            self._running[sid] = (r, n + 1)
+            self._idle.setdefault(sid, asyncio.Event()).clear()
+        try:
+            async with contextlib.aclosing(self.clients[i].stream(sid, prompt, sampling)) as events:
+                async for ev in events:
+                    yield ev
+        finally:
+            self.load[i] -= 1
+            if sid is not None:
+                r, n = self._running[sid]
+                if n > 1:
+                    self._running[sid] = (r, n - 1)
+                else:
+                    del self._running[sid]
+                    self._idle.pop(sid).set()
+                self.location[sid] = i
+
+    # ---- hints and migration --------------------------------------------------------------------
+
+    async def hint(self, session_id: str, expected_arrival: float | None = None, priority: int | None = None) -> dict:
+        if session_id in self._running or session_id in self.planned:
+            i = self._running[session_id][0] if session_id in self._running else self.planned[session_id]
+            migrating = session_id in self.migrations
+        else:
+            holder = self.location.get(session_id)
+            i = self._least_loaded(prefer=holder)
+            self.planned[session_id] = i
+            self.expected[i] += 1
+            migrating = holder is not None and holder != i
+            if migrating:
+                self._start_migration(session_id, i)
+        self.stats["hints"] += 1
+        if not migrating:   # KV already there (or nowhere): the replica prefetches its lower tiers
+            await self.clients[i].hint(session_id, expected_arrival, priority)
+        return {"session_id": session_id, "replica": self.clients[i].name, "migrating": migrating}
+
+    def _start_migration(self, sid: str, dst: int) -> asyncio.Task:
+        """Start moving the session's KV to `dst`; registered at once, so a request arriving from now
+        on waits for it. One migration per session at a time (a new one runs after the previous)."""
+        task = asyncio.create_task(self._migrate(sid, dst, self.migrations.get(sid)))
+        self.migrations[sid] = task
+
+        def done(t: asyncio.Task) -> None:
+            if self.migrations.get(sid) is t:
+                del self.migrations[sid]
+        task.add_done_callback(done)
+        return task
+
+    async def _migrate(self, sid: str, dst: int, previous: asyncio.Task | None) -> None:
+        if previous is not None:
+            await asyncio.gather(previous, return_exceptions=True)
+        if self.location.get(sid, dst) == dst:
+            return
+        if sid in self._idle:                                      # a turn still runs on the holder
+            await self._idle[sid].wait()
+        src = self.location[sid]
+        t0 = time.monotonic()
+        try:
+            payload = await self.clients[src].export(sid)
+            await self.clients[dst].import_(payload)
+        except Exception:                                          # the turn recomputes instead
+            self.stats["migrations_failed"] += 1
+            log.exception("migrating session %r from replica %s to %s failed",
+                          sid, self.clients[src].name, self.clients[dst].name)
+            return
+        self.location[sid] = dst
+        await self.clients[src].release(sid)
+        self.stats["migrations"] += 1
+        self.migration_seconds += time.monotonic() - t0
+
+    async def wait_migrations(self) -> None:
+        while self.migrations:
+            await asyncio.gather(*self.migrations.values(), return_exceptions=True)
+
+    # ---- state ----------------------------------------------------------------------------------
+
+    async def metrics_text(self) -> str:
+        snaps = await asyncio.gather(*(c.snapshot() for c in self.clients))
+        text = render(dict(zip(self.names, snaps)))
+        lines = ["# HELP stateful_hf_router_requests_total Requests the router sent to each replica",
+                 "# TYPE stateful_hf_router_requests_total counter"]
+        lines += [f"stateful_hf_router_requests_total{_labels({'replica': n})} {self.assigned[i]}"
+                  for i, n in enumerate(self.names)]
+        lines += ["# HELP stateful_hf_router_migrations_total Session KV migrations between replicas",
+                  "# TYPE stateful_hf_router_migrations_total counter",
+                  f'stateful_hf_router_migrations_total{{result="ok"}} {self.stats["migrations"]}',
+                  f'stateful_hf_router_migrations_total{{result="failed"}} {self.stats["migrations_failed"]}',
+                  "# HELP stateful_hf_router_migration_seconds_total Wall time of migrations",
+                  "# TYPE stateful_hf_router_migration_seconds_total counter",
+                  f"stateful_hf_router_migration_seconds_total {self.migration_seconds!r}"]
+        return text + "\n".join(lines) + "\n"
+
+    async def health(self) -> list[dict]:
+        return list(await asyncio.gather(*(c.health() for c in self.clients)))
+
+    async def shutdown(self) -> None:
+        await asyncio.gather(*(c.shutdown() for c in self.clients))
