@@ -22,17 +22,11 @@ from __future__ import annotations
 import torch
 
 from .batch import PagedBatch
-from .runs import as_int32, contiguous_runs, window_left
+from .runs import as_int32, contiguous_runs, cuda_package_available, window_left
 
 
 def available(device: torch.device | str) -> bool:
-    if torch.device(device).type != "cuda" or not torch.cuda.is_available():
-        return False
-    try:
-        import flash_attn  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return cuda_package_available(device, "flash_attn")
 
 
 class FlashAttnPlan:

@@ -17,19 +17,13 @@ from __future__ import annotations
 import torch
 
 from .batch import PagedBatch
-from .runs import as_int32, contiguous_runs, window_left
+from .runs import as_int32, contiguous_runs, cuda_package_available, window_left
 
 WORKSPACE_BYTES = 128 * 1024 * 1024   # FlashInfer's recommended float workspace
 
 
 def available(device: torch.device | str) -> bool:
-    if torch.device(device).type != "cuda" or not torch.cuda.is_available():
-        return False
-    try:
-        import flashinfer  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return cuda_package_available(device, "flashinfer")
 
 
 def new_workspace(device: torch.device | str) -> torch.Tensor:

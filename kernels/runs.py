@@ -13,6 +13,7 @@ row order, so the query and output tensors are passed through unpermuted. A slid
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 
 import torch
@@ -69,3 +70,14 @@ def window_left(window: int | None) -> int:
 
 def as_int32(xs: list[int], device: torch.device | str) -> torch.Tensor:
     return torch.tensor(xs, dtype=torch.int32, device=device)
+
+
+def cuda_package_available(device: torch.device | str, package: str) -> bool:
+    """True when `device` is a CUDA device here and `package` imports (the GPU backends' gate)."""
+    if torch.device(device).type != "cuda" or not torch.cuda.is_available():
+        return False
+    try:
+        importlib.import_module(package)
+    except ImportError:
+        return False
+    return True
