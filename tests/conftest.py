@@ -60,3 +60,16 @@ class Conversation:
 
     def reply(self, out: torch.Tensor) -> None:
         self.ids = torch.cat([out, self._user(self.turn)], dim=1)
+
+
+def engine_round(engine, convs: dict[str, Conversation], oracle, n: int) -> None:
+    """One turn of every conversation through `engine.generate` together; each reply must equal
+    stateless greedy generate on the whole conversation; then the replies join the conversations."""
+    from stateful_hf import SamplingParams
+
+    sids = list(convs)
+    outs = engine.generate(sids, [convs[s].ids[0].tolist() for s in sids], SamplingParams(max_new_tokens=n))
+    for sid, out in zip(sids, outs):
+        want = greedy(oracle, convs[sid].ids, n=n)
+        assert list(out.token_ids) == want[0, convs[sid].ids.shape[1]:].tolist(), sid
+        convs[sid].reply(want)

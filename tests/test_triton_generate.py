@@ -8,7 +8,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")   # before the first Triton launc
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from conftest import Conversation, greedy  # noqa: E402
+from conftest import Conversation, engine_round, greedy  # noqa: E402
 
 from stateful_hf.cache import CostProfile  # noqa: E402
 from stateful_hf.testing import tiny_llama  # noqa: E402
@@ -38,16 +38,11 @@ def test_unknown_backend_is_refused(make_store):
 
 
 def test_engine_exact_with_triton_backend(make_store):
-    from stateful_hf import Engine, SamplingParams
+    from stateful_hf import Engine
 
     model, oracle = (tiny_llama(hidden_size=128, num_attention_heads=2, num_key_value_heads=1) for _ in range(2))
     store = make_store(model, device_capacity=512, attn_backend="triton", cost_profile=CostProfile())
     convs = {f"s{i}": Conversation(seed=20 + i, first=15 + 9 * i, turn=6) for i in range(3)}
     with Engine(model, store=store, max_batch_tokens=64) as engine:
         for _ in range(2):
-            sids = list(convs)
-            outs = engine.generate(sids, [convs[s].ids[0].tolist() for s in sids], SamplingParams(max_new_tokens=4))
-            for sid, o in zip(sids, outs):
-                want = greedy(oracle, convs[sid].ids, n=4)
-                assert list(o.token_ids) == want[0, convs[sid].ids.shape[1]:].tolist(), sid
-                convs[sid].reply(want)
+            engine_round(engine, convs, oracle, n=4)
