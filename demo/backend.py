@@ -8,11 +8,12 @@ longest prefix that is still valid and recomputes only the rest.
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
-from stateful_hf import Engine, SamplingParams
+from stateful_hf import Engine, SamplingParams, SessionBusyError
 
 TIER_ORDER = ("device", "host", "hidden", "disk", "dropped")
 
@@ -65,6 +66,14 @@ class ChatBackend:
             return None
         self._hints[session_id] = h = self.engine.hint(session_id)
         return h
+
+    def forget(self, session_id: str | None) -> None:
+        """Delete a chat's session from the store (its user left). A session mid-turn is left to the
+        store's policy (it moves down and drops like any idle session)."""
+        self._hints.pop(session_id, None)
+        if session_id and session_id in self.store:
+            with contextlib.suppress(SessionBusyError):
+                self.store.delete(session_id)
 
     def _at_send(self, session_id: str, ids: list[int]) -> dict[str, int]:
         """Tokens of the prefix this turn keeps, per tier, now."""

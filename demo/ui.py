@@ -85,7 +85,8 @@ def build_app(backend: ChatBackend, random_weights: bool, hints: bool = True):
                     "attention state, so only the new tokens are computed.")
         if random_weights:
             gr.Markdown(RANDOM_NOTE, elem_id="shf-random-note")
-        state = gr.State(None)
+        # One chat per browser session; when Gradio drops it (tab closed, or an hour unused), so do we.
+        state = gr.State(None, time_to_live=3600, delete_callback=lambda st: backend.forget(st and st["sid"]))
         with gr.Row():
             with gr.Column(scale=3):
                 chatbot = gr.Chatbot(editable="user", height=440, elem_id="shf-chat", label="Chat")

@@ -80,3 +80,6 @@ def test_typing_hint_prefetches_a_parked_session(backend):
     assert info.at_send_host == 0 and info.at_send_device == info.reused_tokens > 0
     html = b.tiers_html(sid) + b.turns_html([info.as_dict()])
     assert "device" in html and "host" in html and "TTFT" in html
+    b.forget(sid)                                      # the browser session ended
+    assert sid not in b.store
+    b.forget(sid)
