@@ -97,7 +97,8 @@ def create_app(router, config: ServeConfig) -> FastAPI:
                            "for the completion). Please reduce the prompt or max_tokens.", param=param,
                            code="context_length_exceeded")
 
-    async def run(request: Request, sid, ids, sampling, stream: bool, include_usage: bool, kind: str):
+    async def run(request: Request, sid, ids, sampling, stream: bool, include_usage: bool, kind: str,
+                  token_ids: bool = False):
         rid, model, created = new_id("chatcmpl" if kind == "chat" else "cmpl"), config.model_name, int(time.time())
         events = router.stream(sid, ids, sampling)
         first = await anext(events, None)
@@ -111,7 +112,8 @@ def create_app(router, config: ServeConfig) -> FastAPI:
                     final = ev
             if final["type"] == "error":
                 raise APIError.from_dict(final["error"])
-            return (chat_response if kind == "chat" else completion_response)(rid, model, final)
+            body = (chat_response if kind == "chat" else completion_response)(rid, model, final, token_ids)
+            return JSONResponse(body, headers={"X-Replica": str(final.get("replica", ""))})
         if kind == "chat":
             piece = lambda text, reason=None, use=None, choices=True: chat_chunk(
                 rid, model, created, {"content": text} if text or reason is None else {}, reason, use, choices)
@@ -154,8 +156,8 @@ def create_app(router, config: ServeConfig) -> FastAPI:
                            code="invalid_messages") from None
         check_length(ids, sampling.max_new_tokens, "messages")
         out = await run(request, session_of(request, body), ids, sampling, body.stream,
-                        bool(body.stream_options and body.stream_options.include_usage), "chat")
-        return out if isinstance(out, StreamingResponse) else JSONResponse(out)
+                        bool(body.stream_options and body.stream_options.include_usage), "chat", body.return_token_ids)
+        return out
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -168,8 +170,9 @@ def create_app(router, config: ServeConfig) -> FastAPI:
             raise APIError(400, "the prompt has no tokens", param="prompt", code="invalid_value")
         check_length(ids, sampling.max_new_tokens, "prompt")
         out = await run(request, session_of(request, body), ids, sampling, body.stream,
-                        bool(body.stream_options and body.stream_options.include_usage), "completion")
-        return out if isinstance(out, StreamingResponse) else JSONResponse(out)
+                        bool(body.stream_options and body.stream_options.include_usage), "completion",
+                        body.return_token_ids)
+        return out
 
     @app.post("/v1/hints")
     async def hints(request: Request):

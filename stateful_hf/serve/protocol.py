@@ -58,6 +58,7 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     session_id: str | None = None                  # extension: the conversation's session (see README)
+    return_token_ids: bool = False                 # extension (vLLM spelling): choices[0].token_ids
 
     @field_validator("n")
     @classmethod
@@ -177,14 +178,18 @@ def completion_chunk(rid: str, model: str, created: int, text: str, finish_reaso
     return body
 
 
-def chat_response(rid: str, model: str, out: dict) -> dict:
+def chat_response(rid: str, model: str, out: dict, token_ids: bool = False) -> dict:
+    choice = {"index": 0, "message": {"role": "assistant", "content": out["text"]}, "logprobs": None,
+              "finish_reason": out["finish_reason"]}
+    if token_ids:
+        choice["token_ids"] = out["token_ids"]
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": out["text"]}, "logprobs": None,
-                         "finish_reason": out["finish_reason"]}],
-            "usage": usage(out)}
+            "choices": [choice], "usage": usage(out)}
 
 
-def completion_response(rid: str, model: str, out: dict) -> dict:
+def completion_response(rid: str, model: str, out: dict, token_ids: bool = False) -> dict:
+    choice = {"index": 0, "text": out["text"], "logprobs": None, "finish_reason": out["finish_reason"]}
+    if token_ids:
+        choice["token_ids"] = out["token_ids"]
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": out["text"], "logprobs": None, "finish_reason": out["finish_reason"]}],
-            "usage": usage(out)}
+            "choices": [choice], "usage": usage(out)}

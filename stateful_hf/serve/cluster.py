@@ -1,0 +1,156 @@
+"""Cluster mode on Ray Serve: N engine replicas (one Serve deployment each, so the router can address
+a chosen one), and an ingress deployment running the HTTP app and the session-aware `Router`.
+
+This layer is thin: the routing and migration logic is `router.py` (tested in-process); here a
+`RayClient` makes a replica's deployment handle look like a `LocalClient`. A migration passes the
+holder's export *response* straight into the target's import call, so the KV travels through Ray's
+object store from holder to target without passing through the router.
+
+    ray start --head
+    python -m stateful_hf.serve --ray --replicas 2 --model PATH --port 8000
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from ray import serve
+
+from .app import ServeConfig, create_app
+from .replica import Replica
+from .router import Router
+from .server import EngineOptions, load_model
+
+log = logging.getLogger(__name__)
+APP_NAME = "stateful-hf"
+
+
+@serve.deployment(num_replicas=1, max_ongoing_requests=1024)
+class EngineReplica:
+    """One engine (one device). Each instance is its own deployment: `replica-0`, `replica-1`, ..."""
+
+    def __init__(self, model_path: str | None, options: dict, name: str, dtype: str = "float32",
+                 device: str = "cpu"):
+        model, tokenizer, _ = load_model(model_path, dtype, device)
+        self.replica = Replica(EngineOptions(**options).build(model, tokenizer), name)
+
+    async def stream(self, session_id, prompt, sampling: dict) -> AsyncIterator[dict]:
+        async for ev in self.replica.stream(session_id, prompt, sampling):
+            yield ev
+
+    async def hint(self, session_id, expected_arrival=None, priority=None) -> dict:
+        return self.replica.hint(session_id, expected_arrival, priority)
+
+    async def export_session(self, session_id):
+        return await asyncio.to_thread(self.replica.export_session, session_id)
+
+    async def import_session(self, exp) -> dict:
+        return await asyncio.to_thread(self.replica.import_session, exp)
+
+    async def release_session(self, session_id) -> bool:
+        return await asyncio.to_thread(self.replica.release_session, session_id)
+
+    async def snapshot(self) -> dict:
+        return self.replica.snapshot()
+
+    async def health(self) -> dict:
+        return self.replica.health()
+
+
+class RayClient:
+    """A replica deployment's handle with the `LocalClient` interface."""
+
+    def __init__(self, handle, name: str):
+        self.handle, self.name = handle, name
+
+    async def stream(self, session_id, prompt, sampling) -> AsyncIterator[dict]:
+        if dataclasses.is_dataclass(sampling):
+            sampling = {f.name: getattr(sampling, f.name) for f in dataclasses.fields(sampling)}
+        gen = self.handle.options(stream=True).stream.remote(session_id, list(prompt), sampling)
+        finished = False
+        try:
+            async for ev in gen:
+                yield ev
+            finished = True
+        finally:
+            if not finished:
+                gen.cancel()              # the client went away: the replica cancels the turn
+
+    async def hint(self, session_id, expected_arrival, priority) -> dict:
+        return await self.handle.hint.remote(session_id, expected_arrival, priority)
+
+    async def export(self, session_id):
+        return self.handle.export_session.remote(session_id)     # not awaited: passed on by reference
+
+    async def import_(self, payload) -> dict:
+        return await self.handle.import_session.remote(payload)
+
+    async def release(self, session_id) -> bool:
+        return await self.handle.release_session.remote(session_id)
+
+    async def snapshot(self) -> dict:
+        return await self.handle.snapshot.remote()
+
+    async def health(self) -> dict:
+        return await self.handle.health.remote()
+
+    async def shutdown(self) -> None:
+        pass                               # Serve owns the replicas' lifetime
+
+
+@serve.deployment(num_replicas=1, max_ongoing_requests=4096)
+@serve.ingress()
+class Ingress:
+    """The HTTP app and the router (one instance: the router's view of sessions is global)."""
+
+    def __init__(self, model_path: str | None, served_name: str | None, default_max_tokens: int, *replicas):
+        from transformers import AutoConfig, AutoTokenizer
+        if model_path is None:
+            from ..testing import tiny_llama, tiny_tokenizer
+            from .server import TINY_NAME
+            tokenizer, max_len, name = tiny_tokenizer(), tiny_llama().config.max_position_embeddings, TINY_NAME
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(model_path)
+            max_len, name = AutoConfig.from_pretrained(model_path).max_position_embeddings, model_path.rstrip("/")
+        self.router = Router([RayClient(h, f"replica-{i}") for i, h in enumerate(replicas)])
+        self.config = ServeConfig(served_name or name, tokenizer, max_len, default_max_tokens)
+
+    def __serve_build_asgi_app__(self):
+        return create_app(self.router, self.config)
+
+
+def build_app(model_path: str | None, options: EngineOptions, replicas: int, served_name: str | None = None,
+              default_max_tokens: int = 256, replica_cpus: float = 1.0, replica_gpus: float = 0.0,
+              dtype: str = "float32", device: str = "cpu"):
+    """The Serve application: `replicas` engine deployments behind the ingress."""
+    opts = dataclasses.asdict(options)
+    engines = [EngineReplica.options(name=f"replica-{i}", ray_actor_options={
+        "num_cpus": replica_cpus, "num_gpus": replica_gpus}).bind(model_path, opts, f"replica-{i}", dtype, device)
+        for i in range(replicas)]
+    return Ingress.options(ray_actor_options={"num_cpus": 0}).bind(model_path, served_name, default_max_tokens,
+                                                                    *engines)
+
+
+def start(model_path: str | None, options: EngineOptions, replicas: int, *, host: str = "127.0.0.1",
+          port: int = 8000, **kwargs):
+    """Deploy on the connected Ray cluster; HTTP on host:port. Returns the ingress handle."""
+    serve.start(http_options={"host": host, "port": port})
+    return serve.run(build_app(model_path, options, replicas, **kwargs), name=APP_NAME, route_prefix="/")
+
+
+def run_cluster(model_path, options: EngineOptions, replicas: int, *, host: str, port: int, address: str,
+                **kwargs) -> None:
+    """`python -m stateful_hf.serve --ray`: connect, deploy, serve until interrupted."""
+    import ray
+    ray.init(address=address)
+    start(model_path, options, replicas, host=host, port=port, **kwargs)
+    print(f"stateful-hf cluster: {replicas} replicas on Ray Serve, http://{host}:{port}/v1 (Ctrl-C stops)", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        serve.delete(APP_NAME)
