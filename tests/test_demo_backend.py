@@ -3,12 +3,17 @@ replies equal the engine on a fresh session, and a typing hint prefetches a park
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
 import stateful_hf
-from demo.backend import ChatBackend
 from stateful_hf import Engine, SamplingParams
 from stateful_hf.testing import tiny_llama, tiny_tokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # demo/ is not an installed package
+from demo.backend import ChatBackend  # noqa: E402
 
 USER = ["Hello! How are you today?", "Tell me about the sea.", "Summarize that in one sentence."]
 
