@@ -182,3 +182,37 @@ def test_busy_session_waits_or_is_refused(make_engine):
         r2.result()
     assert isinstance(r2.output().error, stateful_hf.SessionBusyError)
     assert len(r1.result().token_ids) == 3
+
+
+def test_a_failing_forward_fails_only_its_step_and_the_engine_goes_on(make_engine, monkeypatch):
+    from stateful_hf.engine import runner
+
+    model, oracle = FAMILIES["llama"](), FAMILIES["llama"]()
+    engine = make_engine(model, device_capacity=512, chunk_size=16)
+    real, calls = runner.run_step, []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected forward failure")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "run_step", flaky)
+    p = Conversation(seed=70).ids[0].tolist()
+    doomed = engine.submit("a", p, SamplingParams(max_new_tokens=4))
+    with pytest.raises(RequestFailed, match="injected"):
+        doomed.result()
+    engine.store.check_integrity()
+    assert engine.store.session("a").num_tokens == 0          # the aborted step's tokens were taken back
+    out = engine.submit("a", p, SamplingParams(max_new_tokens=4)).result()
+    assert list(out.token_ids) == expected(oracle, p, 4)
+
+
+def test_stop_with_cancel_releases_everything(make_engine):
+    engine = make_engine(FAMILIES["opt"](), device_capacity=512, chunk_size=16)
+    handles = [engine.submit(f"s{i}", Conversation(seed=i).ids[0].tolist(), SamplingParams(max_new_tokens=50))
+               for i in range(3)]
+    engine.step()
+    engine.stop(cancel=True)
+    assert all(h.result().finish_reason == "cancelled" for h in handles)
+    assert not engine.has_work()

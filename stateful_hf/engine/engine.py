@@ -155,7 +155,7 @@ class Engine(ChatMixin, HintMixin):
                 try:
                     _, tokens = self.runner.execute(items)
                 except Exception as e:      # the step was aborted: the store is as before
-                    self.scheduler.fail(items, e)
+                    self.scheduler.fail([it.request for it in items], e)
                 else:
                     self.scheduler.complete(items, tokens, self.eos)
                     record = self.runner.record(self._totals["steps"], items, time.monotonic() - t0)
@@ -237,8 +237,7 @@ class Engine(ChatMixin, HintMixin):
             with self._cv:
                 for r in list(self._requests.values()):
                     r.cancel_requested = True
-        if self.running:
-            self._wait_until(lambda: not self.has_work(), timeout)
+        self._wait_until(lambda: not self.has_work(), timeout)     # inline: drives the steps itself
         with self._cv:
             self._stopping = True
             self._cv.notify_all()
@@ -252,7 +251,12 @@ class Engine(ChatMixin, HintMixin):
                 self._cv.wait_for(lambda: self._stopping or self.has_work())
                 if self._stopping:
                     return
-            self.step()
+            try:
+                self.step()
+            except Exception as e:          # a bug, not a request's fault: fail what is in flight, go on
+                with self._step_lock:
+                    self.scheduler.fail(self.scheduler.running + self.scheduler.waiting, e)
+                    self._publish(())
 
     def __enter__(self) -> Engine:
         return self.start()

@@ -107,7 +107,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             r = self.running[i]
-            item = self._item(r, 1 if r.decoding else min(prefill_budget, budget), self._length(r))
+            tokens = 1 if r.decoding else min(prefill_budget, budget)
+            item = self._item(r, tokens, self._length(r)) if tokens > 0 else None
             if item is None:
                 i += 1
                 continue
@@ -252,9 +253,9 @@ class Scheduler:
             else:
                 r.pending = [t]
 
-    def fail(self, items: Iterable[WorkItem], error: BaseException) -> None:
-        for item in items:
-            self.finish(item.request, RequestStatus.FAILED, "error", error)
+    def fail(self, requests: Iterable[Request], error: BaseException) -> None:
+        for r in list(requests):
+            self.finish(r, RequestStatus.FAILED, "error", error)
 
 
 def _order(r: Request) -> tuple[float, int]:
