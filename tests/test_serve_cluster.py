@@ -192,3 +192,25 @@ def test_concurrent_hints_and_turns_many_sessions():
         await router.shutdown()
 
     asyncio.run(main())
+
+
+def test_new_router_finds_sessions_on_replicas(tmp_path):
+    """A router that has never seen a session (restarted) asks the replicas where it is; a hint
+    then migrates it from there, and the turn reuses it rather than recomputing."""
+    router, tok, model = _cluster(), tiny_tokenizer(), tiny_llama()
+
+    async def main():
+        msgs = [{"role": "user", "content": "Chunks of thirty-two tokens move between the tiers."}]
+        first = await _turn(router, "carl", _ids(tok, msgs))
+        fresh = Router(router.clients)                     # same replicas, no memory of sessions
+        fresh.assigned[router.names.index(first["replica"])] = 1
+        hint = await fresh.hint("carl")
+        assert hint["migrating"] and hint["replica"] != first["replica"]
+        msgs += [{"role": "assistant", "content": first["text"]}, {"role": "user", "content": "Which tiers?"}]
+        ids = _ids(tok, msgs)
+        out = await _turn(fresh, "carl", ids)
+        assert out["replica"] == hint["replica"] and out["reused_tokens"] > 0 and out["recomputed_tokens"] == 0
+        assert out["token_ids"] == _stateless(model, ids, N)
+        await router.shutdown()
+
+    asyncio.run(main())

@@ -45,6 +45,9 @@ class EngineReplica:
     async def hint(self, session_id, expected_arrival=None, priority=None) -> dict:
         return self.replica.hint(session_id, expected_arrival, priority)
 
+    async def session_tokens(self, session_id) -> int:
+        return self.replica.session_tokens(session_id)
+
     async def export_session(self, session_id):
         return await asyncio.to_thread(self.replica.export_session, session_id)
 
@@ -82,6 +85,9 @@ class RayClient:
 
     async def hint(self, session_id, expected_arrival, priority) -> dict:
         return await self.handle.hint.remote(session_id, expected_arrival, priority)
+
+    async def session_tokens(self, session_id) -> int:
+        return await self.handle.session_tokens.remote(session_id)
 
     async def export(self, session_id):
         return self.handle.export_session.remote(session_id)     # not awaited: passed on by reference

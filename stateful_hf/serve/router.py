@@ -42,6 +42,9 @@ class LocalClient:
     async def hint(self, session_id, expected_arrival, priority) -> dict:
         return self.replica.hint(session_id, expected_arrival, priority)
 
+    async def session_tokens(self, session_id) -> int:
+        return self.replica.session_tokens(session_id)
+
     async def export(self, session_id):
         return await asyncio.to_thread(self.replica.export_session, session_id)
 
@@ -105,8 +108,19 @@ class Router:
 
     # ---- requests -------------------------------------------------------------------------------
 
+    async def _locate(self, sid: str) -> None:
+        """A session this router has not seen may still be stored on a replica (a restarted router,
+        replicas reopening their disk tiers): ask them once; the one holding most tokens is the holder."""
+        if sid in self.location or sid in self._running or len(self.clients) == 1:
+            return
+        held = await asyncio.gather(*(c.session_tokens(sid) for c in self.clients))
+        if max(held) > 0 and sid not in self.location:
+            self.location[sid] = max(range(len(held)), key=lambda i: held[i])
+
     async def stream(self, session_id: str | None, prompt: list[int], sampling) -> AsyncIterator[dict]:
         sid = session_id
+        if sid is not None:
+            await self._locate(sid)
         if sid is not None and sid in self.migrations:
             await asyncio.shield(self.migrations[sid])             # mid-migration: wait, don't recompute
         i, pull = self._route(sid)
@@ -137,6 +151,7 @@ class Router:
     # ---- hints and migration --------------------------------------------------------------------
 
     async def hint(self, session_id: str, expected_arrival: float | None = None, priority: int | None = None) -> dict:
+        await self._locate(session_id)
         if session_id in self._running or session_id in self.planned:
             i = self._running[session_id][0] if session_id in self._running else self.planned[session_id]
             migrating = session_id in self.migrations
