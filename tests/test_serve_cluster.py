@@ -214,3 +214,20 @@ def test_new_router_finds_sessions_on_replicas(tmp_path):
         await router.shutdown()
 
     asyncio.run(main())
+
+
+def test_unused_hint_expires():
+    """A hint whose request never comes stops counting as expected load after expected_arrival + ttl."""
+    router = _cluster()
+    router.hint_ttl = 0.05
+
+    async def main():
+        hint = await router.hint("ghost", expected_arrival=0.0)
+        i = router.names.index(hint["replica"])
+        assert router.expected[i] == 1 and "ghost" in router.planned
+        await asyncio.sleep(0.1)
+        await router.hint("other")                   # any routing decision drops expired plans
+        assert "ghost" not in router.planned and sum(router.expected) == 1      # only "other" counts
+        await router.shutdown()
+
+    asyncio.run(main())

@@ -65,13 +65,14 @@ class LocalClient:
 
 
 class Router:
-    def __init__(self, clients: list, overload_slack: int = 2):
+    def __init__(self, clients: list, overload_slack: int = 2, hint_ttl: float = 60.0):
         if not clients:
             raise ValueError("a router needs at least one replica")
-        self.clients, self.overload_slack = list(clients), overload_slack
+        self.clients, self.overload_slack, self.hint_ttl = list(clients), overload_slack, hint_ttl
         n = len(self.clients)
         self.location: dict[str, int] = {}        # session -> replica holding its KV
         self.planned: dict[str, int] = {}         # hinted session -> replica its next request goes to
+        self._plan_expiry: dict[str, float] = {}  # ... until then (a hint whose request never came)
         self.migrations: dict[str, asyncio.Task] = {}
         self.load, self.expected, self.assigned = [0] * n, [0] * n, [0] * n
         self._running: dict[str, tuple[int, int]] = {}   # session -> (replica, requests in flight)
@@ -83,19 +84,30 @@ class Router:
     def names(self) -> list[str]:
         return [c.name for c in self.clients]
 
+    def _expire_plans(self) -> None:
+        now = time.monotonic()
+        for sid in [s for s, t in self._plan_expiry.items() if t < now]:
+            self._unplan(sid)
+
+    def _unplan(self, sid: str) -> int:
+        i = self.planned.pop(sid)
+        del self._plan_expiry[sid]
+        self.expected[i] -= 1
+        return i
+
     def _least_loaded(self, prefer: int | None = None) -> int:
         key = lambda i: (self.load[i] + self.expected[i], self.assigned[i], i != prefer, i)
         return min(range(len(self.clients)), key=key)
 
     def _route(self, sid: str | None) -> tuple[int, bool]:
         """(replica, whether the session's KV must be pulled there first)."""
+        self._expire_plans()
         if sid is None:
             return self._least_loaded(), False
         if sid in self._running:                  # a turn of it is in flight: same replica
             return self._running[sid][0], False
         if sid in self.planned:
-            i = self.planned.pop(sid)
-            self.expected[i] -= 1
+            i = self._unplan(sid)
             return i, self.location.get(sid, i) != i
         holder = self.location.get(sid)
         least = self._least_loaded(prefer=holder)
@@ -152,6 +164,7 @@ class Router:
 
     async def hint(self, session_id: str, expected_arrival: float | None = None, priority: int | None = None) -> dict:
         await self._locate(session_id)
+        self._expire_plans()
         if session_id in self._running or session_id in self.planned:
             i = self._running[session_id][0] if session_id in self._running else self.planned[session_id]
             migrating = session_id in self.migrations
@@ -159,6 +172,7 @@ class Router:
             holder = self.location.get(session_id)
             i = self._least_loaded(prefer=holder)
             self.planned[session_id] = i
+            self._plan_expiry[session_id] = time.monotonic() + (expected_arrival or 0.0) + self.hint_ttl
             self.expected[i] += 1
             migrating = holder is not None and holder != i
             if migrating:
