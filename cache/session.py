@@ -10,26 +10,32 @@ from dataclasses import dataclass, field
 class ChunkState(enum.Enum):
     DEVICE = "device"    # KV in a block of the device pool
     HOST = "host"        # KV in a slot of the host pool (maybe still cached in a device block: `shadow`)
+    HIDDEN = "hidden"    # per-layer hidden states (+ KV of the layers the plan keeps as KV) in the host hidden pool
     DISK = "disk"        # KV in a slot of the disk tier
     DROPPED = "dropped"  # only the token ids remain; recomputed when needed
 
 
-TIERS = ("device", "host", "disk", "dropped")
+TIERS = ("device", "host", "hidden", "disk", "dropped")
 
 
 @dataclass(slots=True)
 class Chunk:
     """`block_size` consecutive tokens of a session; its KV lives in exactly one place.
 
-    loc:    block of the device pool (DEVICE), slot of the host pool (HOST) or of the disk tier
-            (DISK); None when DROPPED.
-    shadow: HOST only: a device block still holding the same KV (Pensieve's lazy reclamation). A
-            returning session takes it back without a copy; the store reclaims it when it needs blocks.
+    loc:    block of the device pool (DEVICE), slot of the host pool (HOST), of the hidden pool
+            (HIDDEN) or of the disk tier (DISK); None when DROPPED.
+    shadow: HOST / HIDDEN only: a device block still holding the same KV (Pensieve's lazy
+            reclamation). A returning session takes it back without a copy; the store reclaims it
+            when it needs blocks.
+    source: DEVICE only, while a step is in flight: the hidden-pool slot this block's KV is being
+            rebuilt from layer by layer. Freed when the step commits; on abort of an unfinished
+            rebuild the chunk returns to HIDDEN at that slot.
     """
 
     state: ChunkState = ChunkState.DROPPED
     loc: int | None = None
     shadow: int | None = None
+    source: int | None = None
 
     @property
     def block(self) -> int | None:
@@ -45,6 +51,7 @@ class TurnStats:
     reused_device: int = 0         #   of which already on the device (or still cached there)
     swapped_in_host: int = 0       #   of which copied up from the host tier
     swapped_in_disk: int = 0       #   of which copied up from the disk tier
+    restored_hidden: int = 0       #   of which rebuilt from hidden states (projection per layer)
     computed_tokens: int = 0       # tokens the model ran on in generate's steps
     recomputed_tokens: int = 0     # history recomputed because its KV had been dropped
     generated_tokens: int = 0
@@ -79,5 +86,5 @@ class Session:
         return sum(self.chunk_len(k, block_size) for k, c in enumerate(self.chunks) if c.state is state)
 
     def residency(self, block_size: int) -> dict[str, int]:
-        """Tokens per tier, e.g. {"device": 64, "host": 32, "disk": 0, "dropped": 5}."""
+        """Tokens per chunk state, e.g. {"device": 64, "host": 32, "hidden": 0, "disk": 0, "dropped": 5}."""
         return {st.value: self.tokens_in(st, block_size) for st in ChunkState}

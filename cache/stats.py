@@ -18,6 +18,9 @@ class Counters:
     swapped_out_disk: int = 0     # host/device -> disk
     dropped: int = 0              # KV discarded, token ids kept
     recomputed: int = 0           # dropped history computed again
+    swapped_out_hidden: int = 0   # device -> hidden states on the host (HCache)
+    restored_hidden: int = 0      # hidden -> device K/V by projection
+    restore_seconds: float = 0.0  # wall time spent rebuilding K/V from hidden states
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,12 +41,23 @@ class StoreStats:
     block_size: int
     kv_bytes_per_token: int
     counters: Counters = field(default_factory=Counters)
+    hidden_tokens: int = 0        # of host_tokens, kept as hidden states (their bytes are in host_bytes)
+    hidden_bytes: int = 0         # of host_bytes, used by hidden chunks
+    hidden_capacity_tokens: int = 0
+    hidden_bytes_per_token: int = 0   # bytes a hidden chunk stores per token (0: no hidden tier)
+
+    @property
+    def bytes_per_token(self) -> dict[str, float]:
+        """Bytes stored per token in each tier (used bytes / tokens; shadows count on the device)."""
+        used = {"device": (self.device_bytes, self.device_tokens + self.device_cached_tokens),
+                "host": (self.host_bytes, self.host_tokens), "disk": (self.disk_bytes, self.disk_tokens)}
+        return {t: (b / n if n else 0.0) for t, (b, n) in used.items()}
 
     @property
     def hit_rate(self) -> float:
         """Share of history tokens steps needed that were served from stored KV rather than recomputed."""
         c = self.counters
-        served = c.device_hits + c.swapped_in_host + c.swapped_in_disk
+        served = c.device_hits + c.swapped_in_host + c.swapped_in_disk + c.restored_hidden
         return served / (served + c.recomputed) if served + c.recomputed else 1.0
 
 
@@ -57,6 +71,7 @@ class SessionStats:
     dropped_tokens: int
     busy: bool
     last_turn: TurnStats
+    hidden_tokens: int = 0        # of host_tokens, kept as hidden states
 
 
 def _mib(n: int) -> str:
@@ -69,11 +84,15 @@ def summary(st: StoreStats) -> str:
         f"sessions: {st.sessions}   block: {st.block_size} tokens   KV: {st.kv_bytes_per_token} B/token",
         f"device : {st.device_tokens:>8} tokens {_mib(st.device_bytes):>12} of {st.device_capacity_tokens} tokens"
         f"  ({st.device_cached_tokens} more cached ahead of swap-out, {st.device_free_blocks} blocks free)",
-        f"host   : {st.host_tokens:>8} tokens {_mib(st.host_bytes):>12} of {st.host_capacity_tokens} tokens",
+        f"host   : {st.host_tokens:>8} tokens {_mib(st.host_bytes):>12} of {st.host_capacity_tokens} tokens"
+        + (f"  ({st.hidden_tokens} as hidden states, {st.hidden_bytes_per_token} B/token vs KV "
+           f"{st.kv_bytes_per_token}; hidden capacity {st.hidden_capacity_tokens})"
+           if st.hidden_capacity_tokens else ""),
         f"disk   : {st.disk_tokens:>8} tokens {_mib(st.disk_bytes):>12} of {st.disk_capacity_tokens} tokens",
         f"dropped: {st.dropped_tokens:>8} tokens (ids only)",
         f"traffic: hits {c.device_hits}, in host {c.swapped_in_host}, in disk {c.swapped_in_disk}, "
         f"out host {c.swapped_out_host}, out disk {c.swapped_out_disk}, dropped {c.dropped}, "
-        f"recomputed {c.recomputed}   hit rate {st.hit_rate:.1%}",
+        f"recomputed {c.recomputed}, out hidden {c.swapped_out_hidden}, restored from hidden {c.restored_hidden} "
+        f"({c.restore_seconds * 1e3:.1f} ms)   hit rate {st.hit_rate:.1%}",
     ]
     return "\n".join(rows)

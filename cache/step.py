@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import PagedBatch
+from .hidden import StepHidden
 from .pool import BlockPool
 
 
@@ -36,18 +37,28 @@ class StepBatch:
     backend: str = "torch"
     window: int | None = None
     layer_events: tuple | None = None   # per layer, CUDA events of swap-in copies its KV waits for
+    hidden: StepHidden | None = None    # capture of the rows' hidden states, restore of hidden chunks
 
     @property
     def num_tokens(self) -> int:
         return self.slots.numel()
 
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(K, V) views of one layer of the device pool, once that layer's swap-in has landed."""
+        """(K, V) views of one layer of the device pool, once that layer's swap-in has landed and the
+        K/V of the context's hidden chunks has been rebuilt for this layer (HCache, layer-wise)."""
         if self.layer_events is not None:
             stream = torch.cuda.current_stream(self.pool.device)
             for event in self.layer_events[layer]:
                 stream.wait_event(event)
-        return self.pool.layer(layer)
+        kv = self.pool.layer(layer)
+        if self.hidden is not None and self.hidden.restore is not None:
+            self.hidden.restore.run(layer, *kv)
+        return kv
+
+    def capture_hidden(self, layer: int, hidden: torch.Tensor) -> None:
+        """Keep the rows' hidden state entering `layer` ([1, T, D]) when the store uses hidden states."""
+        if self.hidden is not None:
+            self.hidden.capture(layer, hidden)
 
     def last_rows(self) -> torch.Tensor:
         """[S] index of each entry's last row (where its next-token logits come from)."""

@@ -19,25 +19,31 @@ import torch
 from ..kernels import PagedBatch
 from .disk import DiskTier
 from .errors import CapacityError, SessionBusyError, StoreError, UnknownSessionError
+from .hidden import HiddenSpec, Projector, StepHidden
+from .hidden_tier import HiddenTierMixin
 from .policy import EvictionPolicy, RetentionPolicy
 from .pool import BlockPool
 from .session import TIERS, Chunk, ChunkState, Session
 from .spec import KVSpec, capacity_in_blocks
 from .stats import Counters, SessionStats, StoreStats, summary
 from .step import StepBatch, StepEntry
-from .tiering import DEVICE, DISK, DROPPED, HOST, TieringMixin
+from .tiering import DEVICE, DISK, DROPPED, HIDDEN, HOST, SHADOWED, TieringMixin
 from .transfer import Transfer
 
 
-class SessionStore(TieringMixin):
+class SessionStore(TieringMixin, HiddenTierMixin):
     """device_capacity / host_capacity / disk_capacity: tokens (int) or sizes ("2GiB"); a host or
     disk tier exists only when given (the disk tier also needs `disk_dir`). `swap_out_threshold`:
-    share of device blocks kept free or reclaimable by ahead-of-time swap-out after each turn."""
+    share of device blocks kept free or reclaimable by ahead-of-time swap-out after each turn.
+    hidden_states ("auto" | "always" | "never"), hidden_spec, hidden_capacity (default: host_capacity)
+    and project (hidden -> K/V per layer): HCache's hidden-state tier, see `hidden_tier.py`."""
 
     def __init__(self, spec: KVSpec, device_capacity: int | str = 4096, *, host_capacity: int | str | None = None,
                  disk_dir: str | os.PathLike | None = None, disk_capacity: int | str | None = None,
                  policy: EvictionPolicy | None = None, attn_backend: str = "torch",
-                 swap_out_threshold: float = 0.25):
+                 swap_out_threshold: float = 0.25, hidden_states: str = "never",
+                 hidden_spec: HiddenSpec | None = None, hidden_capacity: int | str | None = None,
+                 project: Projector | None = None):
         if not 0 <= swap_out_threshold < 1:
             raise ValueError(f"swap_out_threshold must be in [0, 1), got {swap_out_threshold}")
         if disk_capacity is not None and disk_dir is None:
@@ -57,6 +63,7 @@ class SessionStore(TieringMixin):
         self._sessions: dict[str, Session] = {}
         self._lock = threading.RLock()
         self._disk_dirty = False
+        self._init_hidden(hidden_states, hidden_spec, hidden_capacity, host_capacity, project)
         if self.disk is not None:
             self._load_disk_sessions()
 
@@ -158,9 +165,11 @@ class SessionStore(TieringMixin):
     # ---- movement -------------------------------------------------------------------------------
 
     def move(self, session_id: str, chunks: Iterable[int], tier: str) -> None:
-        """Move chosen chunks of an idle session to `tier` ("device", "host", "disk", "dropped").
-        An operator and test hook; making room moves other idle sessions' chunks down by the policy.
-        Dropped chunks cannot move up (only their ids remain: the next turn recomputes them)."""
+        """Move chosen chunks of an idle session to `tier` ("device", "host", "hidden", "disk",
+        "dropped"). An operator and test hook; making room moves other idle sessions' chunks down by
+        the policy. Dropped chunks cannot move up (only their ids remain: the next turn recomputes
+        them). Only device chunks whose hidden states were captured become "hidden"; hidden chunks
+        move to the device (K/V rebuilt by projection) or are dropped."""
         if tier not in TIERS:
             raise ValueError(f"unknown tier {tier!r}; choose from {TIERS}")
         target = ChunkState(tier)
@@ -171,20 +180,33 @@ class SessionStore(TieringMixin):
             ks = sorted(set(chunks))
             if any(not 0 <= k < len(s.chunks) for k in ks):
                 raise IndexError(f"session {session_id!r} has chunks 0..{len(s.chunks) - 1}, got {ks}")
+            if target is HIDDEN:
+                self._check_hidden_source([(s, k) for k in ks if s.chunks[k].state is DEVICE], DEVICE)
             if target is not DROPPED and self._pool(target) is None:
                 raise ValueError(f"this store has no {tier} tier")
             ks = [k for k in ks if s.chunks[k].state is not target]
+            if target is HIDDEN and any(s.chunks[k].state is not DEVICE for k in ks):
+                raise ValueError(f"session {session_id!r}: only device chunks can become hidden (host and disk "
+                                 "chunks keep K/V only; their hidden states are gone)")
+            if target not in (DEVICE, DROPPED) and any(s.chunks[k].state is HIDDEN for k in ks):
+                raise ValueError(f"session {session_id!r}: hidden chunks move to the device (their K/V is rebuilt "
+                                 "there) or are dropped")
             if target is not DROPPED and any(s.chunks[k].state is DROPPED for k in ks):
                 raise ValueError(f"session {session_id!r}: dropped chunks keep only token ids and cannot move "
                                  f"to {tier}; the next turn recomputes them")
             up = [k for k in ks if list(ChunkState).index(s.chunks[k].state) > list(ChunkState).index(target)]
             down = [k for k in ks if k not in up]
             excl = {session_id}
-            groups = {state: [(s, k) for k in down if s.chunks[k].state is state] for state in (DEVICE, HOST, DISK)}
+            groups = {state: [(s, k) for k in down if s.chunks[k].state is state]
+                      for state in (DEVICE, HOST, HIDDEN, DISK)}
             for state, items in groups.items():
                 self._move_down(items, state, excl, target=target, strict=True)
             if up:
-                self._move_up([(s, k) for k in up], target, excl)
+                restore = self._new_restore()
+                self._move_up([(s, k) for k in up], target, excl, restore=restore)
+                if restore is not None:
+                    restore.finish(self.device_pool)
+                    self._settle_restore(restore, ok=True)
                 self.transfer.synchronize()
             self._sync_disk()
 
@@ -247,7 +269,9 @@ class SessionStore(TieringMixin):
             n_fill = sum(len(f) for f, _ in plans)
             if fresh > self.device_pool.num_free:
                 self._make_room(DEVICE, fresh - self.device_pool.num_free, exclude)
-            events = self._move_up([(s, k) for s, (_, sw) in zip(sessions, plans) for k in sw], DEVICE, exclude)
+            restore = self._new_restore()
+            events = self._move_up([(s, k) for s, (_, sw) in zip(sessions, plans) for k in sw], DEVICE, exclude,
+                                   restore=restore)
             fills = self._take(DEVICE, n_fill, exclude)
             entries = []
             for s, (_, ids, pos), (fill, swap) in zip(sessions, requests, plans):
@@ -265,12 +289,18 @@ class SessionStore(TieringMixin):
                 for k in fill:
                     self._release(s, k)
                     s.chunks[k] = Chunk(DEVICE, fills.pop())
+                    if self.capture is not None:     # every token of it is computed while capturing
+                        self.capture.valid[s.chunks[k].loc] = True
                 entries.append(StepEntry(s.session_id, tuple(ids), tuple(pos), old_len, tuple(fill)))
             self._sync_disk()
-            return self._build(entries, events)
+            return self._build(entries, events, restore)
 
     def commit(self, step: StepBatch) -> None:
         with self._lock:
+            restore = step.hidden.restore if step.hidden is not None else None
+            if restore is not None:
+                restore.finish(self.device_pool)     # layers a forward did not reach, if any
+                self._settle_restore(restore, ok=True)
             now = time.monotonic()
             for e in step.entries:
                 if e.session_id in self._sessions:
@@ -278,8 +308,12 @@ class SessionStore(TieringMixin):
 
     def abort(self, step: StepBatch) -> None:
         """Undo `plan_step`: new tokens leave the history, chunks filled in the step are dropped again
-        (chunks it copied up stay on the device: their KV is valid)."""
+        (chunks it copied up stay on the device: their KV is valid; chunks whose K/V was being
+        rebuilt from hidden states stay on the device only if every layer was rebuilt)."""
         with self._lock:
+            restore = step.hidden.restore if step.hidden is not None else None
+            if restore is not None:
+                self._settle_restore(restore, ok=restore.complete)
             for e in step.entries:
                 s = self._sessions.get(e.session_id)
                 if s is None:
@@ -318,7 +352,7 @@ class SessionStore(TieringMixin):
                 swap.append(k)
         return fill, swap
 
-    def _build(self, entries: list[StepEntry], events: list) -> StepBatch:
+    def _build(self, entries: list[StepEntry], events: list, restore=None) -> StepBatch:
         bs, dev = self.block_size, self.device_pool.device
         ids, pos, slots, cu, kv_len, tables = [], [], [], [0], [], []
         for e in entries:
@@ -342,15 +376,17 @@ class SessionStore(TieringMixin):
             input_ids=torch.tensor([ids], dtype=torch.long, device=dev),
             position_ids=torch.tensor([pos], dtype=torch.long, device=dev),
             pool=self.device_pool, backend=self.attn_backend, window=self.spec.window, layer_events=layer_events,
+            hidden=None if self.capture is None else StepHidden(
+                self.capture, torch.tensor(slots, dtype=torch.long), restore if restore and restore.chunks else None),
         )
 
     # ---- integrity and stats --------------------------------------------------------------------
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless every slot of every tier is free or owned by exactly one chunk,
-        chunk tables match token counts, and only HOST chunks have shadows."""
+        chunk tables match token counts, and only HOST/HIDDEN chunks have shadows."""
         with self._lock:
-            owners: dict[ChunkState, dict[int, tuple[str, int]]] = {DEVICE: {}, HOST: {}, DISK: {}}
+            owners: dict[ChunkState, dict[int, tuple[str, int]]] = {DEVICE: {}, HOST: {}, HIDDEN: {}, DISK: {}}
 
             def own(tier, slot, who):
                 pool = self._pool(tier)
@@ -371,8 +407,11 @@ class SessionStore(TieringMixin):
                         assert c.loc is not None, (who, c)
                         own(c.state, c.loc, who)
                     if c.shadow is not None:
-                        assert c.state is HOST, f"{who}: only host chunks keep a device shadow, {c}"
+                        assert c.state in SHADOWED, f"{who}: only host/hidden chunks keep a device shadow, {c}"
                         own(DEVICE, c.shadow, who)
+                    if c.source is not None:
+                        assert c.state is DEVICE, f"{who}: only device chunks are rebuilt from a hidden slot, {c}"
+                        own(HIDDEN, c.source, who)
             for tier, owned in owners.items():
                 pool = self._pool(tier)
                 if pool is None:
@@ -390,8 +429,8 @@ class SessionStore(TieringMixin):
             if session_id is not None:
                 s = self.session(session_id)
                 r = s.residency(bs)
-                return SessionStats(session_id, s.num_tokens, r["device"], r["host"], r["disk"], r["dropped"],
-                                    s.busy, s.last_turn)
+                return SessionStats(session_id, s.num_tokens, r["device"], r["host"] + r["hidden"], r["disk"],
+                                    r["dropped"], s.busy, s.last_turn, hidden_tokens=r["hidden"])
             tot = {t: 0 for t in TIERS}
             for s in self._sessions.values():
                 for t, n in s.residency(bs).items():
@@ -407,14 +446,18 @@ class SessionStore(TieringMixin):
                 return 0 if pool is None else pool.num_blocks * bs
 
             disk_pool = self.disk.pool if self.disk is not None else None
+            hid = self.hidden_pool
             return StoreStats(
-                sessions=len(self._sessions), device_tokens=tot["device"], host_tokens=tot["host"],
+                sessions=len(self._sessions), device_tokens=tot["device"], host_tokens=tot["host"] + tot["hidden"],
                 disk_tokens=tot["disk"], dropped_tokens=tot["dropped"], device_cached_tokens=cached,
-                device_bytes=used(self.device_pool), host_bytes=used(self.host_pool), disk_bytes=used(disk_pool),
-                device_capacity_tokens=cap(self.device_pool), host_capacity_tokens=cap(self.host_pool),
+                device_bytes=used(self.device_pool), host_bytes=used(self.host_pool) + self._hidden_used_bytes(),
+                disk_bytes=used(disk_pool), device_capacity_tokens=cap(self.device_pool),
+                host_capacity_tokens=cap(self.host_pool) + cap(hid),
                 disk_capacity_tokens=cap(disk_pool), device_free_blocks=self.device_pool.num_free,
                 block_size=bs, kv_bytes_per_token=self.spec.bytes_per_token,
                 counters=Counters(**{f: getattr(self.counters, f) for f in Counters.__slots__}),
+                hidden_tokens=tot["hidden"], hidden_bytes=self._hidden_used_bytes(), hidden_capacity_tokens=cap(hid),
+                hidden_bytes_per_token=0 if hid is None else hid.hidden_spec.bytes_per_token,
             )
 
     def summary(self) -> str:

@@ -3,7 +3,9 @@
 Every method here runs with the store lock held and keeps the invariant that each chunk's KV lives
 in exactly one place (plus, for HOST chunks, an optional device `shadow` that is a cached copy).
 Moving down follows the policy; making room in a tier moves its lowest-value chunks one tier down:
-device -> host -> disk -> dropped (a tier that is absent is skipped).
+device -> host -> disk -> dropped (a tier that is absent is skipped). With hidden states in use
+(`_hidden_down`), device chunks whose hidden states were captured go down to HIDDEN instead of
+HOST, and hidden chunks go down to dropped (HCache, `hidden.py`).
 """
 
 from __future__ import annotations
@@ -16,11 +18,13 @@ from .pool import BlockPool
 from .session import Chunk, ChunkState, Session
 
 DEVICE, HOST, DISK, DROPPED = ChunkState.DEVICE, ChunkState.HOST, ChunkState.DISK, ChunkState.DROPPED
+HIDDEN = ChunkState.HIDDEN
+SHADOWED = (HOST, HIDDEN)     # states whose chunks may keep a device shadow
 
 
 class TieringMixin:
     # provided by SessionStore: device_pool, host_pool, disk, transfer, policy, counters, block_size,
-    # _sessions, swap_out_threshold, _disk_dirty
+    # _sessions, swap_out_threshold, _disk_dirty, hidden_pool, capture, project, _hidden_down
 
     def _pool(self, state: ChunkState) -> BlockPool | None:
         if state is DEVICE:
@@ -29,9 +33,13 @@ class TieringMixin:
             return self.host_pool
         if state is DISK:
             return self.disk.pool if self.disk is not None else None
+        if state is HIDDEN:
+            return self.hidden_pool
         return None
 
     def _below(self, state: ChunkState) -> ChunkState:
+        if state is HIDDEN:
+            return DROPPED
         order = [t for t in (DEVICE, HOST, DISK) if self._pool(t) is not None] + [DROPPED]
         return order[order.index(state) + 1]
 
@@ -45,6 +53,8 @@ class TieringMixin:
             self._pool(c.state).free([c.loc])
         if c.shadow is not None:
             self.device_pool.free([c.shadow])
+        if c.source is not None:
+            self.hidden_pool.free([c.source])
         if c.state is DISK:
             self._disk_dirty = True
         s.chunks[k] = Chunk()
@@ -70,20 +80,21 @@ class TieringMixin:
 
     def _make_room(self, state: ChunkState, n: int, exclude: set[str]) -> None:
         if state is DEVICE:
-            for s, k in self._candidates(HOST, exclude, shadowed=True)[:n]:   # lazy reclamation: no copy
+            shadowed = self._candidates(HOST, exclude, shadowed=True) + self._candidates(HIDDEN, exclude, shadowed=True)
+            for s, k in shadowed[:n]:   # lazy reclamation: no copy
                 self.device_pool.free([s.chunks[k].shadow])
                 s.chunks[k].shadow = None
                 n -= 1
             if n > 0:
                 self._move_down(self._candidates(DEVICE, exclude)[:n], DEVICE, exclude)
-        elif state is HOST:
-            for s, k in self._candidates(HOST, exclude, shadowed=True)[:n]:   # still on device: revert
+        elif state in SHADOWED:
+            for s, k in self._candidates(state, exclude, shadowed=True)[:n]:   # still on device: revert
                 c = s.chunks[k]
-                self.host_pool.free([c.loc])
+                self._pool(state).free([c.loc])
                 s.chunks[k] = Chunk(DEVICE, c.shadow)
                 n -= 1
             if n > 0:
-                self._move_down(self._candidates(HOST, exclude, shadowed=False)[:n], HOST, exclude)
+                self._move_down(self._candidates(state, exclude, shadowed=False)[:n], state, exclude)
         elif state is DISK:
             self._move_down(self._candidates(DISK, exclude)[:n], DISK, exclude)
 
@@ -93,6 +104,12 @@ class TieringMixin:
         has no room they are dropped instead, or, if `strict`, CapacityError is raised unchanged."""
         if not items:
             return
+        if target is None and state is DEVICE and self._hidden_down:   # the policy keeps hidden states
+            hid = [(s, k) for s, k in items if self.capture.valid[s.chunks[k].loc]]
+            items = [(s, k) for s, k in items if not self.capture.valid[s.chunks[k].loc]]
+            self._move_down(hid, DEVICE, exclude | {s.session_id for s, _ in items}, target=HIDDEN)
+            if not items:
+                return
         target = target or self._below(state)
         exclude = exclude | {s.session_id for s, _ in items}
         if target is not DROPPED:
@@ -107,30 +124,56 @@ class TieringMixin:
                 self.counters.dropped += self._ntok(s, k)
                 self._release(s, k)
             return
-        self.transfer.copy(self._pool(state), [s.chunks[k].loc for s, k in items], self._pool(target), slots)
+        if target is HIDDEN:
+            self._check_hidden_source(items, state)
+            self.hidden_pool.store_from(self.capture, self.device_pool, [s.chunks[k].loc for s, k in items], slots)
+        else:
+            self.transfer.copy(self._pool(state), [s.chunks[k].loc for s, k in items], self._pool(target), slots)
         for (s, k), slot in zip(items, slots):
             self._release(s, k)
             s.chunks[k] = Chunk(target, slot)
             n = self._ntok(s, k)
-            if target is HOST:
+            if target is HIDDEN:
+                self.counters.swapped_out_hidden += n
+            elif target is HOST:
                 self.counters.swapped_out_host += n
             else:
                 self.counters.swapped_out_disk += n
         if target is DISK:
             self._disk_dirty = True
 
-    def _move_up(self, items: list[tuple[Session, int]], target: ChunkState, exclude: set[str]) -> list:
-        """Copy HOST/DISK chunks up to `target` (DEVICE or HOST); returns per-layer copy events (CUDA)."""
+    def _check_hidden_source(self, items: list[tuple[Session, int]], state: ChunkState) -> None:
+        if self.capture is None:
+            raise ValueError("this store keeps no hidden states (hidden_states='never', or 'auto' on a model "
+                             "whose K/V is not larger than its hidden states): use hidden_states='always'")
+        bad = [(s.session_id, k) for s, k in items if state is not DEVICE or not self.capture.valid[s.chunks[k].loc]]
+        if bad:
+            raise ValueError(f"chunks {bad[:4]} cannot become hidden: their hidden states were not captured "
+                             "(only device chunks computed or rebuilt from hidden states while capturing can)")
+
+    def _move_up(self, items: list[tuple[Session, int]], target: ChunkState, exclude: set[str],
+                 restore=None) -> list:
+        """Copy HOST/DISK chunks up to `target` (DEVICE or HOST); returns per-layer copy events (CUDA).
+        HIDDEN chunks (target DEVICE only) join `restore` (a HiddenRestore run layer by layer by the
+        step) and keep their hidden slot as `source` until the step commits."""
         events = []
         flips = [(s, k) for s, k in items if target is DEVICE and s.chunks[k].shadow is not None]
         for s, k in flips:                     # cached on the device still: no copy
             c = s.chunks[k]
-            self.host_pool.free([c.loc])
+            self._pool(c.state).free([c.loc])
             s.chunks[k] = Chunk(DEVICE, c.shadow)
             self.counters.device_hits += self._ntok(s, k)
         flipped = {(id(s), k) for s, k in flips}
         rest = [(s, k) for s, k in items if (id(s), k) not in flipped]
         slots = self._take(target, len(rest), exclude) if rest else []
+        for i, (s, k) in enumerate(rest):
+            c = s.chunks[k]
+            if c.state is HIDDEN:
+                if target is not DEVICE or restore is None:
+                    raise ValueError("hidden chunks move up to the device only (their K/V is rebuilt there)")
+                restore.add(self.hidden_pool, c.loc, slots[i], k * self.block_size, s.session_id, k)
+                s.chunks[k] = Chunk(DEVICE, slots[i], source=c.loc)
+                self.counters.restored_hidden += self._ntok(s, k)
         for source in (HOST, DISK):
             group = [(i, s, k) for i, (s, k) in enumerate(rest) if s.chunks[k].state is source]
             if not group:
@@ -142,6 +185,8 @@ class TieringMixin:
             for i, s, k in group:
                 self._release(s, k)
                 s.chunks[k] = Chunk(target, slots[i])
+                if target is DEVICE and self.capture is not None:
+                    self.capture.valid[slots[i]] = False        # K/V only: its hidden states are unknown
                 if target is DEVICE:
                     n = self._ntok(s, k)
                     if source is HOST:
@@ -154,7 +199,7 @@ class TieringMixin:
         """Pensieve's ahead-of-time swap-out: while fewer than `swap_out_threshold` of device blocks
         are free or reclaimable, copy the lowest-value idle device chunks to the host and keep their
         blocks as shadows (reclaimed only when the blocks are needed)."""
-        if self.host_pool is None or self.transfer.swap_in_pending():
+        if (self.host_pool is None and self.hidden_pool is None) or self.transfer.swap_in_pending():
             return
         pool = self.device_pool
         shadows = sum(1 for s in self._sessions.values() for c in s.chunks if c.shadow is not None)
@@ -162,13 +207,25 @@ class TieringMixin:
         if want <= 0:
             return
         items = self._candidates(DEVICE, set())[:want]
-        if not items:
-            return
-        try:
-            slots = self._take(HOST, len(items), {s.session_id for s, _ in items})
-        except CapacityError:
-            return
-        self.transfer.copy(pool, [s.chunks[k].loc for s, k in items], self.host_pool, slots)
-        for (s, k), slot in zip(items, slots):
-            s.chunks[k] = Chunk(HOST, slot, shadow=s.chunks[k].loc)
-            self.counters.swapped_out_host += self._ntok(s, k)
+        keep_hidden = [self._hidden_down and self.capture.valid[s.chunks[k].loc] for s, k in items]
+        hid = [sk for sk, h in zip(items, keep_hidden) if h]
+        kv = [sk for sk, h in zip(items, keep_hidden) if not h]
+        for group, target in ((hid, HIDDEN), (kv, HOST)):
+            if not group or self._pool(target) is None:
+                continue
+            try:
+                slots = self._take(target, len(group), {s.session_id for s, _ in items})
+            except CapacityError:
+                continue
+            blocks = [s.chunks[k].loc for s, k in group]
+            if target is HIDDEN:
+                self.hidden_pool.store_from(self.capture, pool, blocks, slots)
+            else:
+                self.transfer.copy(pool, blocks, self.host_pool, slots)
+            for (s, k), slot in zip(group, slots):
+                s.chunks[k] = Chunk(target, slot, shadow=s.chunks[k].loc)
+                n = self._ntok(s, k)
+                if target is HIDDEN:
+                    self.counters.swapped_out_hidden += n
+                else:
+                    self.counters.swapped_out_host += n

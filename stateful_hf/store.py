@@ -6,8 +6,13 @@ import os
 
 import torch
 
+from .adapter import kv_projector
 from .cache import CostProfile, EvictionPolicy, KVSpec, LRUPolicy, RetentionPolicy
 from .cache import SessionStore as _TensorStore
+from .cache.hidden import HiddenSpec
+from .cache.hidden_tier import HIDDEN_MODES
+from .cache.hplan import HiddenCosts, HiddenPlan, min_hidden_layers, plan_layers
+from .hidden import install_capture, measure_hidden_costs
 from .integration import enable
 from .kernels import resolve_backend
 from .profile import measure_cost_profile
@@ -26,13 +31,24 @@ class SessionStore(_TensorStore):
         share of device blocks is free.
     attn_backend: "auto" (the fastest available for the model's device and dtype), "torch",
         "triton", "flashinfer" or "flash_attn"; resolved once here, so a missing one fails now.
+    hidden_states: HCache. "never" (default): K/V only, nothing captured. "always": hidden states are
+        captured while tokens are computed and chunks moving down from the device are kept as
+        hidden states. "auto": "always" when a layer's hidden state is smaller than its K+V (MHA),
+        else "never" (GQA keeps K/V). `move(sid, chunks, "hidden")` needs a capturing store.
+    hidden_layers: layers kept as hidden states (the rest as K/V); None: HCache's planner decides
+        from `hidden_costs` (measured on the model if None) under `hidden_budget`.
+    hidden_budget: most bytes per token a hidden chunk may store, as a share of its K/V bytes
+        (default 0.55; None: fastest restore whatever the size). Where it cannot be met (GQA) it is
+        ignored. hidden_capacity: room for hidden chunks (tokens or size; default host_capacity).
     """
 
     def __init__(self, model: torch.nn.Module, device_capacity: int | str = 4096, *, chunk_size: int = 32,
                  host_capacity: int | str | None = None, disk_dir: str | os.PathLike | None = None,
                  disk_capacity: int | str | None = None, policy: str | EvictionPolicy = "pensieve",
                  cost_profile: CostProfile | None = None, attn_backend: str = "auto",
-                 swap_out_threshold: float = 0.25):
+                 swap_out_threshold: float = 0.25, hidden_states: str = "never", hidden_layers: int | None = None,
+                 hidden_capacity: int | str | None = None, hidden_budget: float | None = 0.55,
+                 hidden_costs: HiddenCosts | None = None):
         adapter = enable(model)
         param = next(model.parameters())
         spec = KVSpec(adapter.num_layers, adapter.num_kv_heads, adapter.head_dim, dtype=param.dtype,
@@ -44,9 +60,25 @@ class SessionStore(_TensorStore):
             policy = LRUPolicy()
         elif not isinstance(policy, EvictionPolicy):
             raise ValueError(f"policy must be 'pensieve', 'lru' or an EvictionPolicy, got {policy!r}")
+        if hidden_states not in HIDDEN_MODES:
+            raise ValueError(f"hidden_states must be one of {HIDDEN_MODES}, got {hidden_states!r}")
+        kv_per_layer = 2 * adapter.num_kv_heads * adapter.head_dim
+        uses_hidden = hidden_states == "always" or (hidden_states == "auto" and adapter.hidden_size < kv_per_layer)
+        self.hidden_plan: HiddenPlan | None = None
+        hidden_spec = None
+        if uses_hidden:
+            if hidden_layers is None:
+                costs = hidden_costs or measure_hidden_costs(model, adapter, spec)
+                floor = min_hidden_layers(hidden_budget, adapter.num_layers, adapter.hidden_size, kv_per_layer)
+                self.hidden_plan = plan_layers(costs, adapter.num_layers, complement="kv", min_hidden=floor)
+                hidden_layers = self.hidden_plan.hidden_layers
+            hidden_spec = HiddenSpec(spec, adapter.hidden_size, hidden_layers)
+            install_capture(model)
         super().__init__(spec, device_capacity, host_capacity=host_capacity, disk_dir=disk_dir,
                          disk_capacity=disk_capacity, policy=policy, attn_backend=attn_backend,
-                         swap_out_threshold=swap_out_threshold)
+                         swap_out_threshold=swap_out_threshold, hidden_states=hidden_states if uses_hidden else "never",
+                         hidden_spec=hidden_spec, hidden_capacity=hidden_capacity,
+                         project=kv_projector(model, adapter) if uses_hidden else None)
         self.model = model
         self.adapter = adapter
 

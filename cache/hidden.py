@@ -1,0 +1,221 @@
+"""HCache storage: chunks kept as per-layer hidden states, and their layer-by-layer restore to KV.
+
+A HIDDEN chunk stores, for layers [0, L_H), the hidden state entering the layer (the residual
+stream, `hidden_size` values per token) and, for layers [L_H, num_layers), plain K/V: the layer
+split chosen by HCache's bubble-free planner (`hplan.py`). K/V of a hidden layer are rebuilt by
+`project(layer, hidden [n, D], positions [n]) -> (K, V) [n, kv_heads, head_dim]`, a callable the
+integration builds from the model's own modules (this package never imports transformers).
+
+Hidden states are captured while tokens are computed: a forward pre-hook of each decoder layer
+hands the step's rows to `StepHidden.capture`, which writes them into `HiddenCapture` at the
+step's slots (same addressing as the device pool). No second forward pass.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .pool import BlockPool
+from .spec import KVSpec
+
+# (layer, hidden [n, D], positions [n]) -> (K, V), each [n, kv_heads, head_dim], on the hidden's device
+Projector = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True, slots=True)
+class HiddenSpec:
+    """Geometry of a hidden chunk: layers [0, hidden_layers) as hidden states, the rest as K/V."""
+
+    kv: KVSpec
+    hidden_size: int
+    hidden_layers: int
+
+    def __post_init__(self) -> None:
+        if self.hidden_size <= 0:
+            raise ValueError(f"hidden_size must be positive, got {self.hidden_size}")
+        if not 0 <= self.hidden_layers <= self.kv.num_layers:
+            raise ValueError(f"hidden_layers must be in [0, {self.kv.num_layers}], got {self.hidden_layers}")
+
+    @property
+    def kv_layers(self) -> int:
+        return self.kv.num_layers - self.hidden_layers
+
+    @property
+    def bytes_per_token(self) -> int:
+        itemsize = torch.empty((), dtype=self.kv.dtype).element_size()
+        per_kv_layer = 2 * self.kv.num_kv_heads * self.kv.head_dim
+        return (self.hidden_layers * self.hidden_size + self.kv_layers * per_kv_layer) * itemsize
+
+    @property
+    def block_size(self) -> int:
+        return self.kv.block_size
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token * self.kv.block_size
+
+
+class HiddenPool(BlockPool):
+    """Slots of hidden chunks; the free list is BlockPool's.
+
+    hidden: [hidden_layers, num_blocks, block_size, hidden_size]
+    kv:     [kv_layers, num_blocks, 2, block_size, kv_heads, head_dim]  (layer i is model layer L_H + i)
+    """
+
+    def __init__(self, spec: HiddenSpec, num_blocks: int, device: torch.device | str = "cpu", *,
+                 pin_memory: bool = False, data: tuple[torch.Tensor, torch.Tensor] | None = None):
+        kv, bs = spec.kv, spec.kv.block_size
+        shapes = ((spec.hidden_layers, num_blocks, bs, spec.hidden_size),
+                  (spec.kv_layers, num_blocks, 2, bs, kv.num_kv_heads, kv.head_dim))
+        if data is None:
+            pin = pin_memory and torch.device(device).type == "cpu" and torch.cuda.is_available()
+            data = tuple(torch.zeros(sh, dtype=kv.dtype, device=device, pin_memory=pin) for sh in shapes)
+        elif tuple(tuple(t.shape) for t in data) != shapes or any(t.dtype != kv.dtype for t in data):
+            raise ValueError(f"hidden pool data must be {shapes} {kv.dtype}")
+        self.spec, self.hidden_spec, self.num_blocks = kv, spec, num_blocks
+        self.hidden, self.kv = data
+        self.data = self.kv          # BlockPool.device reads it; `bytes` is overridden below
+        self._free = list(range(num_blocks - 1, -1, -1))
+
+    @property
+    def device(self) -> torch.device:
+        return self.hidden.device if self.hidden.numel() else self.kv.device
+
+    @property
+    def bytes(self) -> int:
+        return self.num_blocks * self.hidden_spec.bytes_per_block
+
+    def layer(self, layer: int):
+        raise TypeError("a hidden pool has no K/V view per layer; restore it through HiddenRestore")
+
+    def store_from(self, capture: HiddenCapture, device_pool: BlockPool, blocks: list[int], slots: list[int]) -> None:
+        """Keep device blocks' chunks here: hidden layers from the capture, KV layers from the pool."""
+        src = torch.tensor(blocks, dtype=torch.long)
+        dst = torch.tensor(slots, dtype=torch.long, device=self.device)
+        for layer in range(self.hidden_spec.hidden_layers):
+            self.hidden[layer].index_copy_(0, dst, capture.data[layer].index_select(0, src).to(self.device))
+        src_dev = src.to(device_pool.device)
+        for i in range(self.hidden_spec.kv_layers):
+            part = device_pool.data[self.hidden_spec.hidden_layers + i].index_select(0, src_dev)
+            self.kv[i].index_copy_(0, dst, part.to(self.device))
+
+    def copy_slots(self, src_ids: list[int], dst: HiddenPool, dst_ids: list[int]) -> None:
+        """dst[:, dst_ids] = self[:, src_ids] (hidden <-> hidden tiers, e.g. host and disk)."""
+        s, d = torch.tensor(src_ids, device=self.device), torch.tensor(dst_ids, device=dst.device)
+        for a, b in ((self.hidden, dst.hidden), (self.kv, dst.kv)):
+            for layer in range(a.shape[0]):
+                b[layer].index_copy_(0, d, a[layer].index_select(0, s).to(dst.device))
+
+
+class HiddenCapture:
+    """Hidden states of the device-resident tokens for layers [0, L_H), addressed like the device
+    pool: data [hidden_layers, device_blocks, block_size, hidden_size], kept in host memory.
+
+    `valid[b]` is True when every token of device block b was computed (or rebuilt from hidden
+    states) while capturing, so the block's chunk can become HIDDEN; blocks filled by a KV swap-in
+    are not valid (their hidden states were never seen)."""
+
+    def __init__(self, spec: HiddenSpec, device_blocks: int):
+        self.spec = spec
+        pin = spec.kv.device.type == "cuda"
+        self.data = torch.zeros((spec.hidden_layers, device_blocks, spec.kv.block_size, spec.hidden_size),
+                                dtype=spec.kv.dtype, pin_memory=pin)
+        self.valid = [False] * device_blocks
+
+    def write(self, layer: int, slots_cpu: torch.Tensor, hidden: torch.Tensor) -> None:
+        """hidden [T, D] of the rows at slots [T] (block * block_size + offset)."""
+        if layer < self.spec.hidden_layers:
+            flat = self.data[layer].view(-1, self.spec.hidden_size)
+            flat.index_copy_(0, slots_cpu, hidden.detach().to("cpu", flat.dtype))
+
+
+@dataclass(slots=True)
+class _Group:
+    pool: HiddenPool
+    src: list[int]           # slots in `pool`
+    dst: list[int]           # device blocks
+    first_pos: list[int]     # absolute position of each chunk's first token
+
+
+class HiddenRestore:
+    """Device blocks to rebuild from hidden chunks, one layer at a time (HCache's layer-wise restore).
+
+    `run(layer, key_cache, value_cache)` is called at the start of that layer's attention (through
+    `StepBatch.layer_kv`): hidden layers are projected to K/V by the model's modules, KV layers are
+    copied. Each layer runs once; `finish` runs whatever a forward did not reach."""
+
+    def __init__(self, capture: HiddenCapture, project: Projector, counters=None):
+        self.capture, self.project, self.counters = capture, project, counters
+        self.groups: list[_Group] = []
+        self.chunks: list[tuple[str, int, int, int]] = []   # (session_id, chunk index, block, hidden slot)
+        self.done: set[int] = set()
+
+    def add(self, pool: HiddenPool, src: int, block: int, first_pos: int, session_id: str, k: int) -> None:
+        """Plan one chunk. Its hidden states go back into the capture buffer now, before any row of
+        the step is captured into the same block (a layer's pre-hook runs before its attention)."""
+        self.capture.data[:, block] = pool.hidden[:, src].to("cpu")
+        g = next((g for g in self.groups if g.pool is pool), None)
+        if g is None:
+            g = _Group(pool, [], [], [])
+            self.groups.append(g)
+        g.src.append(src)
+        g.dst.append(block)
+        g.first_pos.append(first_pos)
+        self.chunks.append((session_id, k, block, src))
+
+    @property
+    def complete(self) -> bool:
+        return len(self.done) == self.capture.spec.kv.num_layers
+
+    @torch.no_grad()
+    def run(self, layer: int, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+        """key_cache / value_cache: [device_blocks, block_size, kv_heads, head_dim] of `layer`."""
+        if layer in self.done or not self.groups:
+            self.done.add(layer)
+            return
+        t0 = time.perf_counter()
+        spec = self.capture.spec
+        bs, dev = spec.kv.block_size, key_cache.device
+        for g in self.groups:
+            src = torch.tensor(g.src, device=g.pool.device)
+            dst = torch.tensor(g.dst, device=dev)
+            if layer < spec.hidden_layers:
+                h = g.pool.hidden[layer].index_select(0, src)                       # [n, bs, D]
+                pos = (torch.tensor(g.first_pos)[:, None] + torch.arange(bs)).reshape(-1).to(dev)   # [n * bs]
+                k, v = self.project(layer, h.reshape(-1, spec.hidden_size).to(dev), pos)     # [n * bs, Hkv, hd]
+                shape = (len(g.dst), bs, spec.kv.num_kv_heads, spec.kv.head_dim)
+                key_cache.index_copy_(0, dst, k.reshape(shape).to(key_cache.dtype))
+                value_cache.index_copy_(0, dst, v.reshape(shape).to(value_cache.dtype))
+            else:
+                kv = g.pool.kv[layer - spec.hidden_layers].index_select(0, src).to(dev)   # [n, 2, bs, Hkv, hd]
+                key_cache.index_copy_(0, dst, kv[:, 0])
+                value_cache.index_copy_(0, dst, kv[:, 1])
+        self.done.add(layer)
+        if self.complete:
+            for g in self.groups:
+                for b in g.dst:
+                    self.capture.valid[b] = True
+        if self.counters is not None:
+            self.counters.restore_seconds += time.perf_counter() - t0
+
+    def finish(self, device_pool: BlockPool) -> None:
+        """Run every layer not run yet (a restore outside a forward, or a forward that skipped some)."""
+        for layer in range(device_pool.spec.num_layers):
+            if layer not in self.done:
+                self.run(layer, *device_pool.layer(layer))
+
+
+class StepHidden:
+    """The hidden-state side of one step: capture of its rows and restore of its context."""
+
+    def __init__(self, capture: HiddenCapture | None, slots_cpu: torch.Tensor, restore: HiddenRestore | None):
+        self.capture_buf, self.slots_cpu, self.restore = capture, slots_cpu, restore
+
+    def capture(self, layer: int, hidden: torch.Tensor) -> None:
+        """hidden: [1, T, D] or [T, D], the input of decoder layer `layer` for the step's rows."""
+        if self.capture_buf is not None:
+            self.capture_buf.write(layer, self.slots_cpu, hidden.reshape(-1, hidden.shape[-1]))

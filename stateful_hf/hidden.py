@@ -1,0 +1,102 @@
+"""HCache in the transformers integration: capture of hidden states while tokens are computed, and
+the per-layer costs that HCache's planner (`cache/hplan.py`) splits layers by.
+
+Capture: one forward pre-hook per decoder layer hands the layer's input (the residual stream,
+[1, T, D]) of a stateful step to `StepBatch.capture_hidden`, which writes it at the step's slots.
+Steps of a store without hidden states carry no capture buffer: the hook then returns at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+
+import torch
+
+from .adapter import ModelAdapter, decoder_layers, kv_projector
+from .cache.hidden import HiddenCapture, HiddenPool, HiddenRestore, HiddenSpec
+from .cache.hplan import HiddenCosts
+from .cache.pool import BlockPool
+from .cache.spec import KVSpec
+
+_HOOKED = "_stateful_hf_capture_hooks"
+
+
+def install_capture(model: torch.nn.Module) -> None:
+    """Register the capture pre-hooks once per model (idempotent)."""
+    if getattr(model, _HOOKED, False):
+        return
+    for idx, layer in enumerate(decoder_layers(model)):
+        layer.register_forward_pre_hook(_capture_hook(idx), with_kwargs=True)
+    setattr(model, _HOOKED, True)
+
+
+def _capture_hook(idx: int):
+    def hook(module, args, kwargs):
+        step = kwargs.get("stateful_step")
+        if step is not None and step.hidden is not None:
+            step.capture_hidden(idx, args[0] if args else kwargs["hidden_states"])
+        return None
+    return hook
+
+
+_MEASURED: dict[str, HiddenCosts] = {}
+
+
+def _median_seconds(fn, repeats: int, sync) -> float:
+    fn()                                        # warm up: allocation and dispatch stay out of timings
+    runs = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        runs.append(time.perf_counter() - t0)
+    return sorted(runs)[len(runs) // 2]
+
+
+@torch.inference_mode()
+def measure_hidden_costs(model: torch.nn.Module, adapter: ModelAdapter, spec: KVSpec, tokens: int = 1024,
+                         repeats: int = 3) -> HiddenCosts:
+    """HCache's per-layer profile for `tokens` tokens (a whole number of chunks), measured on the
+    model's device through the same code the store restores with:
+    io_hidden: copy one layer of hidden chunks from the host pool up; io_kv: copy one layer of K/V
+    chunks from a host pool into the device pool; c_hidden: project one layer's hidden states to K/V
+    and write them into the pool; c_token: a forward of the whole model on the tokens, per layer.
+    Layers of these families are identical, so one layer stands for each. Memoized per geometry."""
+    key = hashlib.sha1(f"{json.dumps(model.config.to_dict(), sort_keys=True, default=str)}|{spec}|{tokens}"
+                       .encode()).hexdigest()
+    if key in _MEASURED:
+        return _MEASURED[key]
+    bs, dev = spec.block_size, spec.device
+    n = max(tokens // bs, 1)
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    hspec = HiddenSpec(spec, adapter.hidden_size, 1)          # layer 0 hidden, layers 1.. KV
+    host = HiddenPool(hspec, n, "cpu", pin_memory=dev.type == "cuda")
+    host.hidden.normal_()
+    host.kv.normal_()
+    device_pool = BlockPool(spec, n)
+    ids = list(range(n))
+    src = torch.tensor(ids)
+    restore = HiddenRestore(HiddenCapture(hspec, n), kv_projector(model, adapter))
+    for b in ids:
+        restore.add(host, b, b, b * bs, "profile", b)
+
+    def project_layer0():
+        restore.done.clear()
+        restore.run(0, *device_pool.layer(0))
+
+    def copy_kv_layer1():
+        restore.done.clear()
+        restore.run(1, *device_pool.layer(1))
+
+    io_h = _median_seconds(lambda: host.hidden[0].index_select(0, src).to(dev), repeats, sync)
+    io_kv = _median_seconds(copy_kv_layer1, repeats, sync)
+    c_h = max(_median_seconds(project_layer0, repeats, sync) - io_h, io_h * 1e-3)
+    x = torch.randint(0, adapter.vocab_size, (1, n * bs), device=dev)
+    c_tok = _median_seconds(lambda: model.base_model(input_ids=x, use_cache=False), repeats, sync) / adapter.num_layers
+    costs = HiddenCosts(io_hidden=io_h, io_kv=io_kv, c_hidden=c_h, c_token=c_tok, overlap=dev.type == "cuda",
+                        tokens=n * bs)
+    _MEASURED[key] = costs
+    return costs
