@@ -18,6 +18,7 @@ Throughput = generated tokens / wall time. TTFT = arrival of a turn -> its first
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import threading
 import time
@@ -209,18 +210,24 @@ def main() -> None:
     print(f"model: Llama {args.layers} layers, hidden 768, {n_params / 1e6:.1f}M parameters, float32, "
           f"{torch.get_num_threads()} torch threads")
     print(f"workload: {wl}; {wl.sessions * wl.turns} turns, {wl.sessions * wl.turns * wl.new} generated tokens")
+    print("load average at start (1/5/15 min): {:.1f} {:.1f} {:.1f}".format(*os.getloadavg()))
     skip = set(filter(None, args.skip.split(",")))
     with torch.inference_mode():                                  # warm up torch's kernels once
         models[0].generate(torch.tensor([wl.user_tokens(0, 0)]), max_new_tokens=2, do_sample=False, pad_token_id=0)
     results = []
     if "a" not in skip:
         results.append(run_stateless(models[0], wl))
+        print(f"  {results[-1].name}: {results[-1].wall:.1f} s, 1-min load {os.getloadavg()[0]:.1f}", flush=True)
     if "b" not in skip:
         results.append(run_transformers_cb(models[1], wl, args.max_batch_tokens))
+        print(f"  {results[-1].name}: {results[-1].wall:.1f} s, 1-min load {os.getloadavg()[0]:.1f}", flush=True)
     engine = None
     if "c" not in skip:
         res, engine = run_engine(models[2], wl, args.max_batch_tokens)
         results.append(res)
+        print(f"  {res.name}: {res.wall:.1f} s, 1-min load {os.getloadavg()[0]:.1f}", flush=True)
+    # Systems run one after another: on a shared machine, other processes change the CPU they get.
+    print("load average at end (1/5/15 min): {:.1f} {:.1f} {:.1f}".format(*os.getloadavg()))
     print(f"\n{'system':<26}{'wall s':>8}{'tok/s':>8}{'TTFT p50':>10}{'TTFT p90':>10}")
     for r in results:
         print(f"{r.name:<26}{r.wall:8.1f}{r.throughput:8.2f}{r.ttft_p(50):10.2f}{r.ttft_p(90):10.2f}")
