@@ -39,10 +39,11 @@ def _question(i: int, turn: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def server_process():
+def server_process(tmp_path_factory):
     port = _free_port()
+    log = open(tmp_path_factory.mktemp("serve") / "server.log", "w+")  # noqa: SIM115 - a file: a full pipe blocks
     proc = subprocess.Popen([sys.executable, "-m", "stateful_hf.serve", "--port", str(port), "--max-batch-tokens",
-                             "1024"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             "1024"], stdout=log, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 90
     while True:
@@ -53,7 +54,8 @@ def server_process():
             pass
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
-            pytest.fail(f"server did not start: {proc.stdout.read()[-2000:]}")
+            log.seek(0)
+            pytest.fail(f"server did not start: {log.read()[-2000:]}")
         time.sleep(0.2)
     yield url, proc
     proc.terminate()
@@ -62,6 +64,7 @@ def server_process():
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(5)
+    log.close()
 
 
 async def _one(http: httpx.AsyncClient, url: str, sid: str, messages: list[dict]) -> tuple[str, str, float]:
