@@ -231,3 +231,23 @@ def test_unused_hint_expires():
         await router.shutdown()
 
     asyncio.run(main())
+
+
+def test_export_hidden_state_chunks_is_exact():
+    """HCache chunks (hidden states, no K/V) are projected back to K/V before export; the importer
+    (a store without a hidden tier) continues exactly, recomputing nothing."""
+    tok, model = tiny_tokenizer(), tiny_llama()
+    a = EngineOptions(device_capacity=4096, host_capacity=4096, chunk_size=8,
+                      store_kwargs={"hidden_states": "always"}).build(model, tok)
+    other = tiny_llama()
+    b = EngineOptions(device_capacity=4096, chunk_size=8).build(other, tok)
+    msgs = [{"role": "user", "content": "Please summarize the previous answer in one sentence."}]
+    out = a.submit("h", _ids(tok, msgs), SamplingParams(max_new_tokens=N)).result()
+    a.store.move("h", [0, 1], "hidden")
+    assert a.store.residency("h")["hidden"] == 16
+    import_session(b.store, export_session(a.store, "h"))
+    assert b.store.residency("h")["dropped"] == 0
+    msgs += [{"role": "assistant", "content": out.text}, {"role": "user", "content": "Shorter."}]
+    ids = _ids(tok, msgs)
+    nxt = b.submit("h", ids, SamplingParams(max_new_tokens=N)).result()
+    assert list(nxt.token_ids) == _stateless(model, ids, N) and nxt.metrics.recomputed_tokens == 0
