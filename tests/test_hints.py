@@ -27,11 +27,12 @@ def _park(engine, sid: str, tier: str) -> int:
     return n
 
 
-@pytest.mark.parametrize("tier", ["host", "disk"])
+@pytest.mark.parametrize("tier", ["host", "disk", "hidden"])
 def test_hint_prefetches_then_the_turn_is_exact(tier, make_engine, tmp_path):  # noqa: F811
     model, oracle = FAMILIES["llama"](), FAMILIES["llama"]()
     from stateful_hf import SessionStore
-    store = SessionStore(model, 1024, chunk_size=16, host_capacity=1024, disk_dir=tmp_path / "kv", policy="lru")
+    store = SessionStore(model, 1024, chunk_size=16, host_capacity=1024, disk_dir=tmp_path / "kv", policy="lru",
+                         hidden_states="always" if tier == "hidden" else "never")
     engine = make_engine(model, store=store)
     conv = Conversation(seed=7, first=50)
     _turn(engine, "a", conv)
@@ -47,6 +48,7 @@ def test_hint_prefetches_then_the_turn_is_exact(tier, make_engine, tmp_path):  #
     assert list(out.token_ids) == expected(oracle, ids, 8)
     after = store.stats().counters
     assert after.swapped_in_host == before.swapped_in_host and after.swapped_in_disk == before.swapped_in_disk
+    assert after.restored_hidden == before.restored_hidden
     assert store.stats("a").last_turn.recomputed_tokens == 0
     store.close()
 

@@ -1,7 +1,8 @@
 """Hints (Symphony's advisory requests): "this session will send a turn soon".
 
 `engine.hint(session_id)` queues the session for prefetching: a background thread copies its host
-and disk chunks up to the device, one chunk per store call, off the critical path of every request.
+and disk chunks up to the device (and rebuilds hidden-state chunks' K/V there by projection), one
+chunk per store call, off the critical path of every request.
 
 Rules that keep a hint harmless:
 - It only uses device blocks that are free now, above the engine's admission reserve: it never
@@ -25,6 +26,8 @@ import time
 from dataclasses import dataclass, field
 
 from ..cache import CapacityError, ChunkState, SessionBusyError, StoreError
+
+_BELOW = (ChunkState.HOST, ChunkState.HIDDEN, ChunkState.DISK)   # what a hint brings up to the device
 
 
 @dataclass(eq=False)
@@ -139,11 +142,11 @@ class Prefetcher:
             if s.busy:
                 return "busy"
             # Next chunk below the device, leading chunks first (a turn's first layer reads them first).
-            below = [(k, c) for k, c in enumerate(list(s.chunks)) if c.state in (ChunkState.HOST, ChunkState.DISK)]
+            below = [(k, c) for k, c in enumerate(list(s.chunks)) if c.state in _BELOW]
             if not below:
                 return "done"
             k, c = below[0]
-            cost = 0 if c.shadow is not None else 1   # a host chunk still cached on the device flips for free
+            cost = 0 if c.shadow is not None else 1   # a chunk still cached on the device flips for free
             if cost and store.device_pool.num_free - cost < self._reserve_blocks():
                 return "no room"
             try:
@@ -173,7 +176,8 @@ class HintMixin:
     def hint(self, session_id: str, expected_arrival: float | None = None, priority: int | None = None) -> Hint:
         """Tell the engine that `session_id` will send a turn soon (e.g. its user started typing;
         `expected_arrival` in seconds if known; higher `priority` is served first). Its host and disk
-        chunks start moving up to the device in the background. Returns at once with a `Hint` you
-        may `cancel()` or `wait()` for. Harmless if no request follows: prefetched chunks stay
-        evictable, and only free device blocks above the admission reserve are used."""
+        chunks start moving up to the device in the background (hidden-state chunks are rebuilt there).
+        Returns at once with a `Hint` you may `cancel()` or `wait()` for. Harmless if no request
+        follows: prefetched chunks stay evictable, and only free device blocks above the admission
+        reserve are used."""
         return self.hints.hint(session_id, expected_arrival, priority)
