@@ -11,6 +11,7 @@ prefix. The side panel shows each turn's TTFT and where its tokens came from, an
 import argparse
 import inspect
 import os
+import signal
 import sys
 
 if __package__ in (None, ""):           # run as a script: make `demo` and `stateful_hf` importable
@@ -76,6 +77,10 @@ def build_engine(args):
     return Engine(model, tokenizer, store=store, max_batch_tokens=args.max_batch_tokens)
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
@@ -87,11 +92,13 @@ def main(argv=None) -> None:
     app = build_app(backend, random_weights=args.model is None, hints=not args.no_hints)
     app.queue(default_concurrency_limit=32)
     engine.start()
+    signal.signal(signal.SIGTERM, _interrupt)    # terminate = Ctrl+C: Gradio closes, then the engine stops
     try:
         app.launch(server_name=args.host, server_port=args.port, css=CSS, show_error=True)
     finally:
         engine.stop(cancel=True, timeout=10)
         engine.store.close()
+        print("stateful-hf demo: engine stopped, store closed", flush=True)
 
 
 if __name__ == "__main__":

@@ -59,10 +59,13 @@ def demo_url(tmp_path_factory):
     finally:
         proc.terminate()
         try:
-            proc.wait(timeout=15)
+            proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=15)
+            pytest.fail(f"the demo did not shut down within 20 s of SIGTERM:\n{log.read_text()[-3000:]}")
+    assert proc.returncode == 0, log.read_text()[-3000:]
+    assert "engine stopped, store closed" in log.read_text()
 
 
 def _texts(chat: list[dict]) -> list[tuple[str, str]]:
