@@ -1,0 +1,1 @@
+"""Multi-turn serving benchmark: `python -m benchmarks.multiturn --help`."""

@@ -1,0 +1,153 @@
+"""Multi-turn serving benchmark: stateful_hf vs stateless generate vs transformers' continuous batching.
+
+    python -m benchmarks.multiturn --quick --json multiturn.json --plots plots/
+    python -m benchmarks.multiturn --data benchmarks/multiturn/data/sample_sharegpt.json --rate 0.5
+    python -m benchmarks.multiturn --users 8 --think-time 2 --conversations 32
+
+Conversations (ShareGPT-format file via `datasets`, or synthesized with Pensieve's ShareGPT/UltraChat
+statistics, lengths scaled by --scale) arrive as a Poisson process (--rate conversations/s) or through
+--users concurrent users; a conversation's next turn is sent only after the previous answer plus an
+exponential think time (--think-time mean). Every system serves the same schedule on the same model
+(a ~100M-parameter Llama with random weights unless --layers changes it), float32, greedy, EOS
+ignored so every answer has the workload's length, and the same device KV budget (--kv-budget).
+
+Pensieve's think time is 60 s and its lengths are full size; on this CPU (a 100M model decodes a few
+tens of tokens per second) both are scaled down: the values used are printed and stored in the JSON.
+Not run by CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+from ..models import llama_100m, n_params
+from . import report
+from .arrivals import Arrivals
+from .bench import ALL_SYSTEMS, Bench, Config, budget_for, experiment, policy_budget_for, warm_up
+from .workload import load_sharegpt, synthesize
+
+QUICK = dict(conversations=5, scale=0.15, max_turns=4, max_output=32, rate=4.0, think_time=0.5, rates="1",
+             memory_fraction=0.5, sweep_systems="hf_continuous_batching,stateful_hf")
+FULL = dict(conversations=24, scale=0.5, max_turns=8, max_output=256, rate=0.5, think_time=2.0, rates="0.25,0.5,1,2",
+            memory_fraction=0.5, sweep_systems="hf_stateless,hf_continuous_batching,stateful_hf")
+
+
+def parse(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.multiturn", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small run, under 3 minutes on a 2-core CPU")
+    w = ap.add_argument_group("workload")
+    w.add_argument("--data", help="ShareGPT-format JSON/JSONL file (loaded offline with datasets)")
+    w.add_argument("--dataset", choices=("sharegpt", "ultrachat"), default="sharegpt",
+                   help="statistics to synthesize from when no --data is given")
+    w.add_argument("--conversations", type=int, help="number of conversations (limit for --data)")
+    w.add_argument("--scale", type=float, help="multiply every input/output length by this (CPU scaling)")
+    w.add_argument("--max-turns", type=int)
+    w.add_argument("--max-input", type=int, default=512)
+    w.add_argument("--max-output", type=int)
+    a = ap.add_argument_group("arrivals")
+    a.add_argument("--rate", type=float, help="Poisson conversation arrivals per second (open loop)")
+    a.add_argument("--users", type=int, default=0, help="closed loop: this many concurrent users instead of --rate")
+    a.add_argument("--think-time", type=float, help="mean exponential think time between turns, seconds")
+    a.add_argument("--rates", help="comma-separated rates for the throughput-vs-latency sweep ('' = none)")
+    a.add_argument("--sweep-systems", help="systems run in the sweep")
+    s = ap.add_argument_group("systems")
+    s.add_argument("--systems", default=",".join(ALL_SYSTEMS),
+                   help="comma-separated subset of " + ",".join(ALL_SYSTEMS))
+    s.add_argument("--layers", type=int, default=12, help="Llama layers (12 = ~100M parameters)")
+    s.add_argument("--kv-budget", type=int, help="device KV budget in tokens, same for every system")
+    s.add_argument("--memory-fraction", type=float,
+                   help="without --kv-budget: budget = this share of the KV all conversations reach")
+    s.add_argument("--policy-budget", type=int,
+                   help="device tokens for the serial LRU vs cost-aware replay (default: 30%% of all KV; 0: skip)")
+    s.add_argument("--max-batch-tokens", type=int, default=256)
+    s.add_argument("--host-factor", type=float, default=4.0, help="host/disk tier size, times the device budget")
+    o = ap.add_argument_group("output")
+    o.add_argument("--json", help="write every figure and the environment here")
+    o.add_argument("--plots", help="directory for PNG plots")
+    o.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    o.add_argument("--seed", type=int, default=0)
+    o.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+    for k, v in (QUICK if args.quick else FULL).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    t_start = time.monotonic()
+    env = report.environment()
+    model = llama_100m(num_hidden_layers=args.layers)
+    vocab = model.config.vocab_size
+    if args.data:
+        wl = load_sharegpt(args.data, args.conversations, args.scale, args.max_turns, args.max_input,
+                           args.max_output, vocab)
+    else:
+        wl = synthesize(args.conversations, args.dataset, args.scale, args.max_turns, args.max_input,
+                        args.max_output, vocab, args.seed)
+    arr = Arrivals(rate=0.0 if args.users else args.rate, think_s=args.think_time, users=args.users, seed=args.seed)
+    budget = args.kv_budget or budget_for(wl, args.memory_fraction)
+    cfg = Config(budget, args.max_batch_tokens, max_seqs=max(len(wl.conversations), 1),
+                 host_factor=args.host_factor)
+    systems = [x for x in args.systems.split(",") if x]
+    rates = [float(x) for x in args.rates.split(",") if x] if args.rates else []
+    print(f"model: Llama {args.layers} layers, {n_params(model) / 1e6:.1f}M parameters, float32, random weights; "
+          f"{env['torch_threads']} torch threads; load average {env['load_average_at_start']}")
+    print(f"workload: {wl.describe()}")
+    print(f"arrivals: {arr.describe()} (scaled for this CPU; Pensieve uses a 60 s mean think time)")
+    print(f"KV budget: {budget} tokens on the device for every system "
+          f"({budget * 2 * args.layers * 768 * 4 / 2**20:.0f} MiB); host/disk tiers of variants: x{args.host_factor:g}")
+    warm_up(model, vocab)
+    bench = Bench(model, cfg, progress=not args.no_progress)
+    warm_up(bench.cb_model, vocab)
+    pbudget = policy_budget_for(wl) if args.policy_budget is None else args.policy_budget
+    res = experiment(bench, wl, arr, systems, rates, [x for x in args.sweep_systems.split(",") if x], pbudget)
+    out = {"command": "python -m benchmarks.multiturn " + " ".join(sys.argv[1:] if argv is None else argv),
+           "environment": env, "model": {"layers": args.layers, "params": n_params(model), "dtype": "float32"},
+           "workload": wl.describe(), "arrivals": arr.describe(), "kv_budget_tokens": budget,
+           "max_batch_tokens": args.max_batch_tokens, "rates": rates, **res,
+           "ratios_vs_baselines": report.ratios(res["systems"]),
+           "load_average_at_end": os.getloadavg(), "elapsed_s": time.monotonic() - t_start}
+    if args.plots:
+        out["plots"] = report.plots(out, args.plots)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1, default=str)
+    print_summary(out)
+    return out
+
+
+def print_summary(out: dict) -> None:
+    print("\n" + report.table(out["systems"]))
+    print("\nTTFT by turn index (mean, s):\n" + report.ttft_by_turn_table(out["systems"]))
+    for name, r in out["ratios_vs_baselines"].items():
+        print(f"stateful_hf vs {name}: throughput x{r['throughput_x']:.2f}, p90 TTFT {r['ttft_p90_reduction_x']:.2f}x "
+              f"lower, mean normalized latency {r['norm_latency_mean_reduction_x']:.2f}x lower")
+    if "same_tokens_as_stateless" in out:
+        print("identical greedy tokens vs hf_stateless (share of turns): "
+              + ", ".join(f"{k} {v:.0%}" for k, v in out["same_tokens_as_stateless"].items()))
+    if "policy" in out:
+        p = out["policy"]
+        print(f"policy replay at {p['budget_tokens']} device tokens ({p['turns']} turns served one at a time): "
+              f"cost-aware recomputed {p['cost_aware_recomputed']} tokens, LRU {p['lru_recomputed']} "
+              f"({p['reduction']:+.1%} fewer with cost-aware); same tokens: {p['same_tokens']}")
+    for name, pts in out.get("sweep", {}).items():
+        print(f"sweep {name}: " + "; ".join(f"rate {p['rate_conv_s']:g}: {p['throughput_tok_s']:.2f} tok/s, "
+                                            f"{p['norm_latency_mean_s']:.4f} s/tok" for p in pts))
+    for name, why in out.get("skipped", {}).items():
+        print(f"skipped {name}: {why}")
+    print(f"elapsed {out['elapsed_s']:.0f} s; load average at end {out['load_average_at_end']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""One benchmark run: build the systems on one model and one KV budget, drive each through the same
+scheduled workload, collect the figures."""
+
+from __future__ import annotations
+
+import copy
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+
+import stateful_hf
+from stateful_hf.profile import measure_cost_profile
+
+from . import driver, metrics, policy
+from .arrivals import Arrivals, schedule
+from .systems import HFContinuousBatching, StatefulEngine, Stateless, store_options
+from .workload import Workload
+
+ALL_SYSTEMS = ("hf_stateless", "hf_continuous_batching", "stateful_hf", "stateful_hf_host", "stateful_hf_disk",
+               "stateful_hf_hidden", "stateful_hf_lru")
+
+
+@dataclass(slots=True)
+class Config:
+    budget_tokens: int                   # device KV budget, the same for every system
+    max_batch_tokens: int = 256
+    max_seqs: int = 64
+    host_factor: float = 4.0             # host / disk tiers of the variants: this many times the budget
+    chunk: int = 32
+
+
+def budget_for(wl: Workload, fraction: float, chunk: int = 32) -> int:
+    """`fraction` of the KV all conversations would hold at their end, but at least room for the two
+    longest conversations plus a chunk each (so any single turn fits), in whole chunks."""
+    ctx = sorted((c.max_context for c in wl.conversations), reverse=True)
+    need = sum(-(-n // chunk) + 1 for n in ctx[:2]) * chunk
+    want = int(fraction * sum(ctx))
+    return max(need, -(-want // chunk) * chunk)
+
+
+def policy_budget_for(wl: Workload, fraction: float = 0.3, chunk: int = 32) -> int:
+    """For the serial policy replay: `fraction` of the total KV, at least the longest conversation
+    plus two chunks (one turn at a time is served)."""
+    need = (-(-max(c.max_context for c in wl.conversations) // chunk) + 2) * chunk
+    return max(need, -(-int(fraction * sum(c.max_context for c in wl.conversations)) // chunk) * chunk)
+
+
+class Bench:
+    def __init__(self, model, cfg: Config, progress: bool = True):
+        self.model, self.cfg, self.progress = model, cfg, progress
+        self.cb_model = copy.deepcopy(model)     # CB swaps the attention implementation of its model
+        self.tmp = tempfile.TemporaryDirectory(prefix="multiturn-disk-")
+        self.profile = self.hcosts = None
+        self.skipped: dict[str, str] = {}
+
+    def cost_profile(self, max_context: int):
+        if self.profile is None:         # Pensieve's Cost(l), measured once up to the longest context used
+            spec = stateful_hf.SessionStore(self.model, self.cfg.chunk * 2, policy="lru").spec
+            limit = 64
+            while limit < max_context:
+                limit *= 2
+            self.profile = measure_cost_profile(self.model, spec, max_length=limit)
+        return self.profile
+
+    def hidden_costs(self, max_context: int):
+        """HCache's per-layer profile, measured once over the longest context used (whole chunks)."""
+        if self.hcosts is None:
+            from stateful_hf.hidden import measure_hidden_costs
+            store = stateful_hf.SessionStore(self.model, self.cfg.chunk * 2, policy="lru")
+            tokens = -(-max_context // self.cfg.chunk) * self.cfg.chunk
+            self.hcosts = measure_hidden_costs(self.model, store.adapter, store.spec, tokens=tokens)
+        return self.hcosts
+
+    def make(self, name: str, wl: Workload, budget: int | None = None) -> Callable[[], object] | None:
+        c = self.cfg
+        b = budget or c.budget_tokens
+        common = (self.model, b, c.max_batch_tokens, c.max_seqs)
+        lower = int(c.host_factor * b)
+        if name == "hf_stateless":
+            return lambda: Stateless(self.model)
+        if name == "hf_continuous_batching":
+            return lambda: HFContinuousBatching(self.cb_model, b, c.max_batch_tokens, c.max_seqs, c.chunk)
+        profile = self.cost_profile(max(x.max_context for x in wl.conversations))
+        kw = {"chunk_size": c.chunk, "cost_profile": profile}
+        variants = {
+            "stateful_hf": {},
+            "stateful_hf_lru": {"policy": "lru"},
+            "stateful_hf_host": {"host_capacity": lower},
+            "stateful_hf_disk": {"disk_dir": None, "disk_capacity": lower},
+            "stateful_hf_hidden": {"host_capacity": lower, "hidden_states": "always"},
+        }
+        if name not in variants:
+            raise ValueError(f"unknown system {name!r}; choose from {ALL_SYSTEMS}")
+        extra = dict(variants[name])
+        if "hidden_states" in extra and "hidden_states" not in store_options():
+            self.skipped[name] = "stateful_hf.SessionStore has no hidden_states option in this checkout"
+            return None
+        if "hidden_states" in extra and "hidden_costs" in store_options():
+            extra["hidden_costs"] = self.hidden_costs(max(x.max_context for x in wl.conversations))
+        if "disk_dir" in extra:
+            extra["disk_dir"] = tempfile.mkdtemp(dir=self.tmp.name)
+        return lambda: StatefulEngine(name, *common, **kw, **extra)
+
+    def run(self, names: list[str], wl: Workload, users: int = 0, budget: int | None = None,
+            label: str = "") -> dict[str, driver.RunResult]:
+        results = {}
+        for name in names:
+            factory = self.make(name, wl, budget)
+            if factory is None:
+                continue
+            try:
+                system = factory()
+            except Exception as e:          # an optional variant this checkout cannot build
+                self.skipped[name] = f"{type(e).__name__}: {e}"
+                continue
+            results[name] = self._drive(system, wl, users, label)
+        return results
+
+    def _drive(self, system, wl: Workload, users: int, label: str) -> driver.RunResult:
+        bar = None
+        if self.progress:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=wl.num_turns, desc=f"{label}{system.name}", unit="turn", leave=False)
+        t0 = time.monotonic()
+        res = driver.run(system, wl, users, on_turn=(lambda r: bar.update(1)) if bar else None)
+        if bar is not None:
+            bar.close()
+        m = metrics.summarize(res)
+        print(f"  {label}{system.name}: {wl.num_turns} turns in {time.monotonic() - t0:.1f} s, "
+              f"{m['throughput_tok_s']:.1f} tok/s, TTFT p90 {m['ttft_p90_s']:.3f} s", flush=True)
+        return res
+
+
+def warm_up(model, vocab: int) -> None:
+    with torch.inference_mode():
+        x = torch.randint(3, vocab, (1, 16))
+        model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=2, do_sample=False, pad_token_id=0)
+
+
+def experiment(bench: Bench, wl: Workload, arr: Arrivals, systems: list[str], rates: list[float],
+               sweep_systems: list[str], policy_budget: int | None) -> dict:
+    """The main comparison at `arr`, an optional rate sweep, and LRU vs cost-aware under pressure."""
+    scheduled = schedule(wl, arr)
+    runs = bench.run(systems, scheduled, arr.users)
+    out = {"systems": {n: metrics.summarize(r) for n, r in runs.items()}}
+    ref = runs.get("hf_stateless")
+    if ref is not None:
+        out["same_tokens_as_stateless"] = {n: metrics.agreement(ref, r) for n, r in runs.items()}
+    if rates:           # the main run is the sweep's point at its own rate (open loop)
+        point = lambda rate, m: {"rate_conv_s": rate, **{k: m[k] for k in (
+            "throughput_tok_s", "throughput_req_s", "norm_latency_mean_s", "norm_latency_p90_s", "ttft_p50_s",
+            "ttft_p90_s", "recomputed_tokens")}}
+        out["sweep"] = {n: [point(arr.rate, out["systems"][n])] for n in sweep_systems
+                        if n in out["systems"] and not arr.users}
+        for rate in rates:
+            if rate == arr.rate and not arr.users and all(n in out["systems"] for n in sweep_systems):
+                continue
+            sw = schedule(wl, replace(arr, rate=rate, users=0))
+            for n, r in bench.run(sweep_systems, sw, 0, label=f"rate {rate:g}: ").items():
+                out["sweep"].setdefault(n, []).append(point(rate, metrics.summarize(r)))
+    if policy_budget is not None and policy_budget > 0:
+        out["policy"] = compare_policies(bench, scheduled, policy_budget)
+    out["skipped"] = dict(bench.skipped)
+    return out
+
+
+def compare_policies(bench: Bench, wl: Workload, budget: int) -> dict:
+    """Cost-aware vs LRU on the same deterministic replay (policy.py) at `budget` device tokens."""
+    order = policy.virtual_order(wl)
+    res = {}
+    for name in ("stateful_hf", "stateful_hf_lru"):
+        res[name] = policy.replay(bench.make(name, wl, budget)(), wl, order, bench.profile)
+        print(f"  policy replay {name}: recomputed {res[name]['recomputed_tokens']} tokens, modeled cost "
+              f"{res[name]['modeled_recompute_cost_s']:.3f} s ({res[name]['seconds']:.1f} s)", flush=True)
+    a, b = res["stateful_hf"]["recomputed_tokens"], res["stateful_hf_lru"]["recomputed_tokens"]
+    same = res["stateful_hf"].pop("outputs") == res["stateful_hf_lru"].pop("outputs")
+    return {"budget_tokens": budget, "turns": len(order), "replay": "serial, virtual-clock order",
+            "systems": res, "cost_aware_recomputed": a, "lru_recomputed": b, "cost_aware_fewer_recomputed": a < b,
+            "reduction": (b - a) / b if b else 0.0, "same_tokens": same,
+            "cost_profile": {"lengths": list(bench.profile.lengths), "seconds": list(bench.profile.seconds)}}

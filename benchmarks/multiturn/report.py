@@ -1,0 +1,104 @@
+"""Environment, markdown tables and PNG plots of a benchmark run."""
+
+from __future__ import annotations
+
+import os
+import platform
+
+import torch
+import transformers
+
+
+def environment() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "cpu": cpu, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "platform": platform.platform(),
+            "load_average_at_start": os.getloadavg() if hasattr(os, "getloadavg") else None}
+
+
+def _mib(b: int | None) -> str:
+    return "-" if not b else f"{b / 2**20:.1f}"
+
+
+def table(systems: dict[str, dict]) -> str:
+    head = ("| system | tok/s | req/s | TTFT p50 s | TTFT p90 s | TTFT p99 s | norm. lat. mean s/tok | "
+            "norm. lat. p90 | prefill computed | reused | recomputed | peak KV MiB (device/host/disk) |")
+    rows = [head, "|" + "---|" * (head.count("|") - 1)]
+    for name, m in systems.items():
+        p = m["peak_kv_bytes"]
+        peak = "/".join(_mib(p.get(t)) for t in ("device", "host", "disk")) + \
+            (f" (+hidden {_mib(p['hidden'])})" if p.get("hidden") else "")
+        rows.append(f"| {name} | {m['throughput_tok_s']:.2f} | {m['throughput_req_s']:.3f} | {m['ttft_p50_s']:.3f} | "
+                    f"{m['ttft_p90_s']:.3f} | {m['ttft_p99_s']:.3f} | {m['norm_latency_mean_s']:.4f} | "
+                    f"{m['norm_latency_p90_s']:.4f} | {m['prefill_computed_tokens']} | {m['reused_tokens']} | "
+                    f"{m['recomputed_tokens']} | {peak} |")
+    return "\n".join(rows)
+
+
+def ratios(systems: dict[str, dict], ours: str = "stateful_hf") -> dict[str, dict]:
+    """Throughput ratio (ours / theirs) and p90 TTFT reduction (theirs / ours) against each baseline."""
+    if ours not in systems:
+        return {}
+    o = systems[ours]
+    return {name: {"throughput_x": o["throughput_tok_s"] / m["throughput_tok_s"],
+                   "ttft_p90_reduction_x": m["ttft_p90_s"] / o["ttft_p90_s"],
+                   "norm_latency_mean_reduction_x": m["norm_latency_mean_s"] / o["norm_latency_mean_s"]}
+            for name, m in systems.items() if name.startswith("hf_")}
+
+
+def ttft_by_turn_table(systems: dict[str, dict]) -> str:
+    turns = sorted({int(k) for m in systems.values() for k in m["ttft_by_turn_s"]})
+    rows = ["| system | " + " | ".join(f"turn {t}" for t in turns) + " |", "|---|" + "---|" * len(turns)]
+    for name, m in systems.items():
+        cells = [f"{m['ttft_by_turn_s'][str(t)]['mean']:.3f}" if str(t) in m["ttft_by_turn_s"] else "-"
+                 for t in turns]
+        rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def plots(out: dict, directory: str) -> list[str]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(directory, exist_ok=True)
+    paths = []
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, m in out["systems"].items():
+        turns = sorted(int(k) for k in m["ttft_by_turn_s"])
+        ax.plot(turns, [m["ttft_by_turn_s"][str(t)]["mean"] for t in turns], marker="o", label=name)
+    ax.set(xlabel="turn index", ylabel="mean TTFT (s)", title="TTFT by turn")
+    ax.legend(fontsize=7)
+    paths.append(_save(fig, directory, "ttft_by_turn.png"))
+    if out.get("sweep"):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for name, points in out["sweep"].items():
+            pts = sorted(points, key=lambda p: p["rate_conv_s"])
+            ax.plot([p["throughput_tok_s"] for p in pts], [p["norm_latency_mean_s"] for p in pts], marker="o",
+                    label=name)
+        ax.set(xlabel="throughput (generated tokens/s)", ylabel="normalized latency (s/token)",
+               title="throughput vs normalized latency (rate sweep)")
+        ax.legend(fontsize=7)
+        paths.append(_save(fig, directory, "throughput_vs_latency.png"))
+    if out.get("policy"):
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        names = list(out["policy"]["systems"])
+        ax.bar(names, [out["policy"]["systems"][n]["recomputed_tokens"] for n in names])
+        ax.set(ylabel="recomputed tokens", title="eviction policy under memory pressure")
+        paths.append(_save(fig, directory, "policy_recomputed.png"))
+    return paths
+
+
+def _save(fig, directory: str, name: str) -> str:
+    path = os.path.join(directory, name)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+    return path

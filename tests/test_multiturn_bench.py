@@ -1,0 +1,131 @@
+"""The multi-turn benchmark (benchmarks/multiturn): workloads, schedules, metrics, and equal work —
+every system must produce the same greedy tokens for the same conversations."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+
+import pytest
+
+from benchmarks.multiturn import metrics
+from benchmarks.multiturn.arrivals import Arrivals, schedule
+from benchmarks.multiturn.bench import Bench, Config, budget_for, compare_policies, policy_budget_for
+from benchmarks.multiturn.driver import RunResult, TurnRecord
+from benchmarks.multiturn.policy import virtual_order
+from benchmarks.multiturn.workload import DATASET_STATS, hash_tokenize, load_sharegpt, synthesize
+from stateful_hf.testing import VOCAB_SIZE, tiny_llama
+
+SAMPLE = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "multiturn", "data", "sample_sharegpt.json")
+
+
+def test_synthesized_statistics_follow_the_paper():
+    wl = synthesize(3000, "sharegpt", max_turns=200, max_input=100_000, max_output=100_000, seed=1)
+    d = wl.describe()
+    turns, inp, out = DATASET_STATS["sharegpt"]
+    assert d["mean_turns"] == pytest.approx(turns, rel=0.05)
+    assert d["mean_input_tokens"] == pytest.approx(inp, rel=0.08)
+    assert d["mean_output_tokens"] == pytest.approx(out, rel=0.08)
+    assert synthesize(5, seed=3) == synthesize(5, seed=3) != synthesize(5, seed=4)
+    small = synthesize(50, "ultrachat", scale=0.1, max_turns=3, max_output=20, vocab=100)
+    assert all(1 <= len(c.turns) <= 3 for c in small.conversations)
+    assert all(1 <= t.output_len <= 20 and all(3 <= i < 100 for i in t.user_ids)
+               for c in small.conversations for t in c.turns)
+
+
+def test_sharegpt_file_loads_offline_with_datasets(monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    wl = load_sharegpt(SAMPLE, vocab=VOCAB_SIZE)
+    with open(SAMPLE) as f:
+        raw = json.load(f)
+    assert [len(c.turns) for c in wl.conversations] == [
+        sum(m["from"] == "human" for m in r["conversations"]) for r in raw]
+    first = raw[0]["conversations"]
+    assert wl.conversations[0].turns[0].user_ids == tuple(hash_tokenize(first[0]["value"], VOCAB_SIZE))
+    assert wl.conversations[0].turns[0].output_len == len(hash_tokenize(first[1]["value"], VOCAB_SIZE))
+    assert len(load_sharegpt(SAMPLE, limit=2, vocab=VOCAB_SIZE).conversations) == 2
+
+
+def test_schedule_poisson_and_closed_loop():
+    wl = synthesize(200, scale=0.1, seed=0)
+    open_loop = schedule(wl, Arrivals(rate=2.0, think_s=3.0, seed=5))
+    starts = [c.start_s for c in open_loop.conversations]
+    assert starts[0] == 0 and starts == sorted(starts)
+    assert statistics.fmean(b - a for a, b in zip(starts, starts[1:])) == pytest.approx(0.5, rel=0.2)
+    thinks = [t.think_s for c in open_loop.conversations for t in c.turns]
+    assert statistics.fmean(thinks) == pytest.approx(3.0, rel=0.15)
+    assert schedule(wl, Arrivals(rate=2.0, think_s=3.0, seed=5)) == open_loop
+    closed = schedule(wl, Arrivals(users=4, think_s=0.0))
+    assert all(c.start_s == 0 and all(t.think_s == 0 for t in c.turns) for c in closed.conversations)
+    with pytest.raises(ValueError):
+        schedule(wl, Arrivals())
+
+
+def test_metrics_of_a_known_run():
+    recs = [TurnRecord("a", 0, 10, 0.0, 0.5, 1.0, [1, 2], 0), TurnRecord("a", 1, 14, 2.0, 2.1, 3.0, [3, 4, 5, 6], 12),
+            TurnRecord("b", 0, 8, 1.0, 1.3, 2.0, [7], 0)]
+    m = metrics.summarize(RunResult("x", recs, 3.5, {"device": 100}, {"recomputed_tokens": 2}))
+    assert m["throughput_tok_s"] == pytest.approx(7 / 3.0) and m["throughput_req_s"] == pytest.approx(1.0)
+    assert m["ttft_p50_s"] == pytest.approx(0.3) and m["ttft_p90_s"] == pytest.approx(0.46)
+    assert m["norm_latency_mean_s"] == pytest.approx((0.5 + 0.25 + 1.0) / 3)
+    assert (m["prompt_tokens"], m["reused_tokens"], m["prefill_computed_tokens"], m["recomputed_tokens"]) == \
+        (32, 12, 20, 2)
+    assert m["ttft_by_turn_s"]["0"]["n"] == 2 and m["ttft_by_turn_s"]["1"]["mean"] == pytest.approx(0.1)
+
+
+def test_every_system_produces_the_same_greedy_tokens(tmp_path):
+    """Equal work: stateless generate, transformers CB, and the engine (device only, host tier, disk
+    tier, LRU) under memory pressure serve the same conversations with identical tokens."""
+    model = tiny_llama()
+    wl = synthesize(8, scale=0.3, max_turns=3, max_output=12, vocab=VOCAB_SIZE, seed=2)
+    wl = schedule(wl, Arrivals(rate=20.0, think_s=0.01, seed=0))
+    budget = budget_for(wl, 0.3)
+    assert budget < sum(c.max_context for c in wl.conversations)       # memory pressure
+    bench = Bench(model, Config(budget, max_batch_tokens=64, max_seqs=4), progress=False)
+    names = ["hf_stateless", "hf_continuous_batching", "stateful_hf", "stateful_hf_host", "stateful_hf_disk",
+             "stateful_hf_lru", "stateful_hf_hidden"]
+    runs = bench.run(names, wl)
+    assert set(runs) | set(bench.skipped) == set(names) and "stateful_hf" in runs
+    assert set(bench.skipped) <= {"stateful_hf_hidden"}
+    ref = runs["hf_stateless"]
+    assert len(ref.records) == wl.num_turns
+    for name, r in runs.items():
+        assert metrics.outputs(r) == metrics.outputs(ref), name
+        m = metrics.summarize(r)
+        assert m["output_tokens"] == wl.output_tokens and m["throughput_tok_s"] > 0 and m["ttft_p90_s"] > 0
+    assert metrics.summarize(runs["stateful_hf"])["reused_tokens"] > 0
+    assert metrics.summarize(ref)["reused_tokens"] == 0
+
+
+def test_policy_replay_under_pressure_recomputes_and_stays_exact():
+    model = tiny_llama()
+    wl = schedule(synthesize(8, scale=0.3, max_turns=3, max_output=12, vocab=VOCAB_SIZE, seed=2),
+                  Arrivals(rate=4.0, think_s=1.0, seed=0))
+    order = virtual_order(wl)
+    assert sorted(order) == sorted((i, k) for i, c in enumerate(wl.conversations) for k in range(len(c.turns)))
+    assert all(order.index((i, k)) < order.index((i, k + 1)) for i, k in order if (i, k + 1) in order)
+    budget = policy_budget_for(wl, 0.3)
+    res = compare_policies(Bench(model, Config(budget, max_batch_tokens=64), progress=False), wl, budget)
+    assert res["same_tokens"] and res["turns"] == wl.num_turns
+    for name in ("stateful_hf", "stateful_hf_lru"):
+        r = res["systems"][name]
+        assert r["recomputed_tokens"] > 0 and r["modeled_recompute_cost_s"] > 0 and r["dropped_tokens"] > 0
+
+
+def test_cli_quick_path_writes_json_and_plots(tmp_path):
+    from benchmarks.multiturn.__main__ import main
+
+    out = main(["--quick", "--layers", "1", "--conversations", "2", "--scale", "0.05", "--max-output", "4",
+                "--max-turns", "2", "--systems", "hf_stateless,hf_continuous_batching,stateful_hf,stateful_hf_lru",
+                "--rates", "8", "--json", str(tmp_path / "r.json"), "--plots", str(tmp_path / "plots"),
+                "--no-progress"])
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert set(saved["systems"]) == {"hf_stateless", "hf_continuous_batching", "stateful_hf", "stateful_hf_lru"}
+    for m in saved["systems"].values():
+        assert m["throughput_tok_s"] > 0 and m["ttft_p90_s"] > 0
+    assert {"torch", "transformers", "cpu", "torch_threads"} <= set(saved["environment"])
+    assert set(saved["ratios_vs_baselines"]) == {"hf_stateless", "hf_continuous_batching"}
+    assert all(v == 1.0 for v in saved["same_tokens_as_stateless"].values())
+    assert "policy" in saved and len(saved["sweep"]["stateful_hf"]) == 2
+    assert all(os.path.exists(p) for p in out["plots"]) and len(out["plots"]) == 3
