@@ -176,7 +176,6 @@ class Engine(ChatMixin, HintMixin):
 
     def _publish(self, items) -> None:
         finished = self.scheduler.drain_finished()
-        callbacks = []
         with self._cv:
             for it in items:
                 r = it.request
@@ -187,17 +186,16 @@ class Engine(ChatMixin, HintMixin):
                 if r.text is not None:
                     r.text.finish()
                 out = self._output(r)
+                on_finish = self._on_finish.pop(r.request_id, None)
+                if on_finish is not None:     # before the handle reads as done (chat: the reply is kept first)
+                    on_finish(out)
                 self._handles.pop(r.request_id)._publish(r.output_ids, out.text or "", len(out.text or ""), out)
                 self._requests.pop(r.request_id, None)
                 self._active[r.session_id] -= 1
                 if not self._active[r.session_id]:
                     del self._active[r.session_id]
                 self._totals["finished"] += 1
-                if r.request_id in self._on_finish:
-                    callbacks.append((self._on_finish.pop(r.request_id), out))
             self._cv.notify_all()
-        for fn, out in callbacks:
-            fn(out)
 
     def _output(self, r: Request) -> RequestOutput:
         return RequestOutput(r.request_id, r.session_id, tuple(r.output_ids), r.text.text if r.text else None,
