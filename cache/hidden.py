@@ -100,7 +100,7 @@ class HiddenPool(BlockPool):
             self.hidden[layer].index_copy_(0, dst, capture.data[layer].index_select(0, src).to(self.device))
         src_dev = src.to(device_pool.device)
         for i in range(self.hidden_spec.kv_layers):
-            part = device_pool.data[self.hidden_spec.hidden_layers + i].index_select(0, src_dev)
+            part = device_pool.read(self.hidden_spec.hidden_layers + i, src_dev)
             self.kv[i].index_copy_(0, dst, part.to(self.device))
 
     def copy_slots(self, src_ids: list[int], dst: HiddenPool, dst_ids: list[int]) -> None:

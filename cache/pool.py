@@ -48,7 +48,8 @@ class BlockPool:
     def free_ids(self) -> list[int]:
         return list(self._free)
 
-    def allocate(self, n: int) -> list[int]:
+    def allocate(self, n: int, owners: list[tuple[str, int]] | None = None) -> list[int]:
+        """n free blocks (any; `owners` matters only to a VirtualPool, where ids follow from owners)."""
         if n > len(self._free):
             raise MemoryError(f"pool has {len(self._free)} free blocks, {n} requested")
         out = self._free[len(self._free) - n:][::-1]
@@ -64,6 +65,21 @@ class BlockPool:
 
     def free(self, blocks: list[int]) -> None:
         self._free.extend(reversed(blocks))
+
+    def check(self, owned: set[int]) -> None:
+        """Assert every block is free or in `owned` (the chunk tables' blocks), never both or neither."""
+        free = self._free
+        assert len(free) == len(set(free)), "a block is free twice"
+        both = set(free) & owned
+        assert not both, f"blocks both free and owned: {sorted(both)[:8]}"
+        assert len(free) + len(owned) == self.num_blocks, (
+            f"{self.num_blocks - len(free) - len(owned)} blocks are neither free nor owned")
+
+    def read(self, layer: int, ids: torch.Tensor) -> torch.Tensor:     # [n, 2, block_size, H, D]
+        return self.data[layer].index_select(0, ids)
+
+    def write(self, layer: int, ids: torch.Tensor, blocks: torch.Tensor) -> None:
+        self.data[layer].index_copy_(0, ids, blocks)
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views (K, V) of one layer, each [num_blocks, block_size, kv_heads, head_dim] (strided)."""

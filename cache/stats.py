@@ -45,6 +45,9 @@ class StoreStats:
     hidden_bytes: int = 0         # of host_bytes, used by hidden chunks
     hidden_capacity_tokens: int = 0
     hidden_bytes_per_token: int = 0   # bytes a hidden chunk stores per token (0: no hidden tier)
+    device_reserved_bytes: int = 0    # virtual layout: the reserved range (paged: the pool's bytes)
+    device_committed_bytes: int = 0   # virtual layout: resident pages of it (paged: the pool's bytes)
+    device_pages_released: int = 0    # virtual layout: pages given back to the OS so far
 
     @property
     def bytes_per_token(self) -> dict[str, float]:

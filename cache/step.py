@@ -38,6 +38,7 @@ class StepBatch:
     window: int | None = None
     layer_events: tuple | None = None   # per layer, CUDA events of swap-in copies its KV waits for
     hidden: StepHidden | None = None    # capture of the rows' hidden states, restore of hidden chunks
+    dense_slots: tuple[int, ...] | None = None  # virtual layout: each entry's slot (dense kernels, no table)
 
     @property
     def num_tokens(self) -> int:

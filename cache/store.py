@@ -29,6 +29,7 @@ from .stats import Counters, SessionStats, StoreStats, summary
 from .step import StepBatch, StepEntry
 from .tiering import DEVICE, DISK, DROPPED, HIDDEN, HOST, SHADOWED, TieringMixin
 from .transfer import Transfer
+from .virtual import VirtualPool
 
 
 class SessionStore(TieringMixin, HiddenTierMixin):
@@ -43,14 +44,22 @@ class SessionStore(TieringMixin, HiddenTierMixin):
                  policy: EvictionPolicy | None = None, attn_backend: str = "torch",
                  swap_out_threshold: float = 0.25, hidden_states: str = "never",
                  hidden_spec: HiddenSpec | None = None, hidden_capacity: int | str | None = None,
-                 project: Projector | None = None):
+                 project: Projector | None = None, layout: str = "paged", max_context: int | None = None):
         if not 0 <= swap_out_threshold < 1:
             raise ValueError(f"swap_out_threshold must be in [0, 1), got {swap_out_threshold}")
         if disk_capacity is not None and disk_dir is None:
             raise ValueError("disk_capacity needs a disk_dir")
         self.spec = spec
         self.block_size = spec.block_size
-        self.device_pool = BlockPool(spec, capacity_in_blocks(device_capacity, spec))
+        if layout == "paged":
+            self.device_pool = BlockPool(spec, capacity_in_blocks(device_capacity, spec))
+        elif layout == "virtual":
+            if max_context is None:
+                raise ValueError("layout='virtual' needs max_context (tokens per session slot)")
+            self.device_pool = VirtualPool(spec, capacity_in_blocks(device_capacity, spec), max_context)
+        else:
+            raise ValueError(f"unknown layout {layout!r}; choose 'paged' or 'virtual'")
+        self.layout = layout
         self.host_pool = None if host_capacity is None else BlockPool(
             spec, capacity_in_blocks(host_capacity, spec), "cpu", pin_memory=spec.device.type == "cuda")
         self.disk = None if disk_dir is None else DiskTier(
@@ -234,6 +243,19 @@ class SessionStore(TieringMixin, HiddenTierMixin):
                        if c.state is DEVICE or c.shadow is not None)
             return self.device_pool.num_free + idle
 
+    def available_slots(self, session_id: str) -> int | None:
+        """Virtual layout: device slots a step could still give to new sessions (free ones plus those
+        held by idle sessions), or a large number when `session_id` already holds one. None for the
+        paged layout, where only blocks count."""
+        if self.layout != "virtual":
+            return None
+        with self._lock:
+            pool = self.device_pool
+            if pool.slot_of(session_id) is not None:
+                return pool.num_slots
+            idle = sum(1 for s in self._sessions.values() if not s.busy and pool.slot_of(s.session_id) is not None)
+            return pool.free_slots + idle
+
     def maintain(self) -> None:
         """Run ahead-of-time swap-out now (it also runs whenever a lease ends)."""
         with self._lock:
@@ -272,7 +294,8 @@ class SessionStore(TieringMixin, HiddenTierMixin):
             restore = self._new_restore()
             events = self._move_up([(s, k) for s, (_, sw) in zip(sessions, plans) for k in sw], DEVICE, exclude,
                                    restore=restore)
-            fills = self._take(DEVICE, n_fill, exclude)
+            fills = self._take(DEVICE, n_fill, exclude,
+                               [(s.session_id, k) for s, (f, _) in zip(sessions, plans) for k in f][::-1])
             entries = []
             for s, (_, ids, pos), (fill, swap) in zip(sessions, requests, plans):
                 old_len = len(s.token_ids)
@@ -368,6 +391,9 @@ class SessionStore(TieringMixin, HiddenTierMixin):
                            torch.tensor(kv_len, dtype=torch.int32),
                            torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32))
         paged.validate(self.device_pool.num_blocks, bs)
+        dense_slots = None
+        if self.layout == "virtual":   # each entry's KV is one contiguous row of its session's slot
+            dense_slots = tuple(self.device_pool.slot_of(e.session_id) for e in entries)
         layer_events = None
         if events:   # per layer, the events of every copy group
             layer_events = tuple(tuple(group[layer] for group in events) for layer in range(self.spec.num_layers))
@@ -376,6 +402,7 @@ class SessionStore(TieringMixin, HiddenTierMixin):
             input_ids=torch.tensor([ids], dtype=torch.long, device=dev),
             position_ids=torch.tensor([pos], dtype=torch.long, device=dev),
             pool=self.device_pool, backend=self.attn_backend, window=self.spec.window, layer_events=layer_events,
+            dense_slots=dense_slots,
             hidden=None if self.capture is None else StepHidden(
                 self.capture, torch.tensor(slots, dtype=torch.long), restore if restore and restore.chunks else None),
         )
@@ -414,14 +441,11 @@ class SessionStore(TieringMixin, HiddenTierMixin):
                         own(HIDDEN, c.source, who)
             for tier, owned in owners.items():
                 pool = self._pool(tier)
-                if pool is None:
-                    continue
-                free = pool.free_ids()
-                assert len(free) == len(set(free)), f"a {tier.value} slot is free twice"
-                both = set(free) & owned.keys()
-                assert not both, f"{tier.value} slots both free and owned: {sorted(both)}"
-                assert len(free) + len(owned) == pool.num_blocks, (
-                    f"{pool.num_blocks - len(free) - len(owned)} {tier.value} slots are neither free nor owned")
+                if pool is not None:
+                    try:
+                        pool.check(set(owned))
+                    except AssertionError as e:
+                        raise AssertionError(f"{tier.value} tier: {e}") from None
 
     def stats(self, session_id: str | None = None) -> StoreStats | SessionStats:
         with self._lock:
@@ -458,6 +482,10 @@ class SessionStore(TieringMixin, HiddenTierMixin):
                 counters=Counters(**{f: getattr(self.counters, f) for f in Counters.__slots__}),
                 hidden_tokens=tot["hidden"], hidden_bytes=self._hidden_used_bytes(), hidden_capacity_tokens=cap(hid),
                 hidden_bytes_per_token=0 if hid is None else hid.hidden_spec.bytes_per_token,
+                device_reserved_bytes=self.device_pool.bytes,
+                device_committed_bytes=self.device_pool.committed_bytes() if self.layout == "virtual"
+                else self.device_pool.bytes,
+                device_pages_released=getattr(self.device_pool, "pages_released", 0),
             )
 
     def summary(self) -> str:

@@ -68,15 +68,37 @@ class TieringMixin:
         found.sort(key=lambda sk: self.policy.key(sk[0], sk[1], self.block_size, now))
         return found
 
-    def _take(self, state: ChunkState, n: int, exclude: set[str]) -> list[int]:
-        """Allocate n slots of a tier, first making room by moving its lowest-value chunks down."""
+    def _take(self, state: ChunkState, n: int, exclude: set[str],
+              owners: list[tuple[str, int]] | None = None) -> list[int]:
+        """Allocate n slots of a tier, first making room by moving its lowest-value chunks down.
+        `owners` ((session id, chunk) per slot) places device blocks in a virtual layout's slots."""
         pool = self._pool(state)
+        if getattr(pool, "virtual", False):
+            self._free_device_slots(pool.slots_needed(owners), exclude)
         if n > pool.num_free:
             self._make_room(state, n - pool.num_free, exclude)
         if n > pool.num_free:
             raise CapacityError(f"{state.value} tier: {n} blocks needed, {pool.num_free} free and no more "
                                 "can be freed from idle sessions (the others are busy)")
-        return pool.allocate(n)
+        return pool.allocate(n, owners)
+
+    def _free_device_slots(self, needed: int, exclude: set[str]) -> None:
+        """Virtual layout: while fewer slots are free than `needed`, the idle session of lowest value
+        holding a slot leaves the device (its chunks move down, its cached shadows are dropped)."""
+        pool, now = self.device_pool, time.monotonic()
+        while pool.free_slots < needed:
+            holders = [s for s in self._sessions.values() if not s.busy and s.session_id not in exclude
+                       and pool.slot_of(s.session_id) is not None]
+            if not holders:
+                raise CapacityError(f"all {pool.num_slots} device slots are held by busy sessions; "
+                                    "raise device_capacity or lower max_context")
+            victim = min(holders, key=lambda s: min(self.policy.key(s, k, self.block_size, now)
+                                                    for k in range(max(len(s.chunks), 1))))
+            self._move_down([(victim, k) for k, c in enumerate(victim.chunks) if c.state is DEVICE], DEVICE, exclude)
+            for c in victim.chunks:
+                if c.shadow is not None:
+                    pool.free([c.shadow])
+                    c.shadow = None
 
     def _make_room(self, state: ChunkState, n: int, exclude: set[str]) -> None:
         if state is DEVICE:
@@ -165,7 +187,7 @@ class TieringMixin:
             self.counters.device_hits += self._ntok(s, k)
         flipped = {(id(s), k) for s, k in flips}
         rest = [(s, k) for s, k in items if (id(s), k) not in flipped]
-        slots = self._take(target, len(rest), exclude) if rest else []
+        slots = self._take(target, len(rest), exclude, [(s.session_id, k) for s, k in rest]) if rest else []
         for i, (s, k) in enumerate(rest):
             c = s.chunks[k]
             if c.state is HIDDEN:
@@ -199,9 +221,10 @@ class TieringMixin:
         """Pensieve's ahead-of-time swap-out: while fewer than `swap_out_threshold` of device blocks
         are free or reclaimable, copy the lowest-value idle device chunks to the host and keep their
         blocks as shadows (reclaimed only when the blocks are needed)."""
-        if (self.host_pool is None and self.hidden_pool is None) or self.transfer.swap_in_pending():
-            return
         pool = self.device_pool
+        if (self.host_pool is None and self.hidden_pool is None) or self.transfer.swap_in_pending() \
+                or getattr(pool, "virtual", False):   # a virtual layout frees slots on demand instead
+            return
         shadows = sum(1 for s in self._sessions.values() for c in s.chunks if c.shadow is not None)
         want = math.ceil(self.swap_out_threshold * pool.num_blocks) - pool.num_free - shadows
         if want <= 0:

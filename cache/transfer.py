@@ -22,24 +22,24 @@ class Transfer:
         self._last: list = []   # events of the latest swap-in, to keep swap-out behind it
 
     def copy(self, src: BlockPool, src_ids: list[int], dst: BlockPool, dst_ids: list[int]) -> list | None:
-        """dst.data[:, dst_ids] = src.data[:, src_ids]; returns per-layer CUDA events, or None when done."""
+        """Blocks src_ids of `src` to dst_ids of `dst`, every layer; per-layer CUDA events, or None when done."""
         if not src_ids:
             return None
-        layers = src.data.shape[0]
+        layers = src.spec.num_layers
         s_idx = torch.tensor(src_ids, device=src.device)
         d_idx = torch.tensor(dst_ids, device=dst.device)
         if self.stream is None or (src.device.type != "cuda" and dst.device.type != "cuda"):
             for layer in range(layers):
-                dst.data[layer].index_copy_(0, d_idx, src.data[layer].index_select(0, s_idx).to(dst.device))
+                dst.write(layer, d_idx, src.read(layer, s_idx).to(dst.device))
             return None
         events = []
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             for layer in range(layers):
-                part = src.data[layer].index_select(0, s_idx)
+                part = src.read(layer, s_idx)
                 if part.device.type == "cpu":
                     part = part.pin_memory()
-                dst.data[layer].index_copy_(0, d_idx, part.to(dst.device, non_blocking=True))
+                dst.write(layer, d_idx, part.to(dst.device, non_blocking=True))
                 ev = torch.cuda.Event()
                 ev.record(self.stream)
                 events.append(ev)

@@ -11,6 +11,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .cache.step import StepBatch
 from .kernels import paged_attention, write_kv
+from .kernels.dense import dense_attention
 
 NAME = "stateful"
 
@@ -34,6 +35,12 @@ def stateful_attention(
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))   # [T, H, D]
     key_cache, value_cache = stateful_step.layer_kv(module.layer_idx)
     write_kv(key_cache, value_cache, k, v, stateful_step.slots)
+    if stateful_step.dense_slots is not None:   # vAttention layout: contiguous per session, no block table
+        key_slots, value_slots = stateful_step.pool.dense(module.layer_idx)
+        out = dense_attention(q, key_slots, value_slots, stateful_step.paged, list(stateful_step.dense_slots),
+                              scale=scaling if scaling is not None else q.shape[-1] ** -0.5,
+                              window=stateful_step.window)
+        return out.unsqueeze(0), None
     out = paged_attention(q, key_cache, value_cache, stateful_step.paged, scale=scaling,
                           backend=stateful_step.backend, window=stateful_step.window, validate=False)
     return out.unsqueeze(0), None

@@ -29,6 +29,10 @@ class SessionStore(_TensorStore):
     cost_profile: Pensieve's Cost(l); measured on the model (once per geometry and device) if None.
     swap_out_threshold: after a turn, chunks move to the host ahead of time while fewer than this
         share of device blocks is free.
+    layout: "paged" (a pool of blocks) or "virtual" (vAttention: device_capacity is reserved as
+        virtual memory, one contiguous slot of max_context tokens per session on the device, pages
+        committed as sessions grow and returned when they leave; dense kernels, no block tables).
+    max_context: tokens per slot of the virtual layout (default: the model's max positions).
     attn_backend: "auto" (the fastest available for the model's device and dtype), "torch",
         "triton", "flashinfer" or "flash_attn"; resolved once here, so a missing one fails now.
     hidden_states: HCache. "never" (default): K/V only, nothing captured. "always": hidden states are
@@ -48,7 +52,7 @@ class SessionStore(_TensorStore):
                  cost_profile: CostProfile | None = None, attn_backend: str = "auto",
                  swap_out_threshold: float = 0.25, hidden_states: str = "never", hidden_layers: int | None = None,
                  hidden_capacity: int | str | None = None, hidden_budget: float | None = 0.55,
-                 hidden_costs: HiddenCosts | None = None):
+                 hidden_costs: HiddenCosts | None = None, layout: str = "paged", max_context: int | None = None):
         adapter = enable(model)
         param = next(model.parameters())
         spec = KVSpec(adapter.num_layers, adapter.num_kv_heads, adapter.head_dim, dtype=param.dtype,
@@ -78,7 +82,8 @@ class SessionStore(_TensorStore):
                          disk_capacity=disk_capacity, policy=policy, attn_backend=attn_backend,
                          swap_out_threshold=swap_out_threshold, hidden_states=hidden_states if uses_hidden else "never",
                          hidden_spec=hidden_spec, hidden_capacity=hidden_capacity,
-                         project=kv_projector(model, adapter) if uses_hidden else None)
+                         project=kv_projector(model, adapter) if uses_hidden else None, layout=layout,
+                         max_context=max_context or adapter.max_positions)
         self.model = model
         self.adapter = adapter
 

@@ -1,0 +1,197 @@
+"""vAttention's device layout: each session's KV contiguous in virtual memory, physical pages on demand.
+
+Per layer one K and one V buffer `[slots, max_context, kv_heads, head_dim]` inside one reserved
+virtual range; a session owns a slot while it has device blocks; chunk k of the session in slot s
+is block `s * blocks_per_slot + k`. So the same memory is both a paged pool (blocks of
+`block_size` rows: the paged kernels and every tier copy work unchanged) and, per session, one
+contiguous `[length, kv_heads, head_dim]` tensor that dense kernels (SDPA) read without a block table.
+
+CPU: an anonymous `mmap` with MAP_NORESERVE (nothing committed), viewed by torch without a copy; the
+OS commits a page on first touch; freed blocks give their pages back with MADV_DONTNEED, which also
+zeroes them (a reused slot never shows another session's data). CUDA: the driver's virtual memory
+API (`CudaReservation`), mapping physical chunks of the allocation granularity as slots fill.
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import torch
+
+from .spec import KVSpec
+from .virtual_cuda import CudaReservation
+
+PAGE = mmap.PAGESIZE
+
+
+class NoSlotError(MemoryError):
+    """Every slot is owned by a session: one must leave the device before another enters."""
+
+
+class VirtualPool:
+    """Same contract as BlockPool (`allocate`/`free`/`layer`/`read`/`write`/`check`), except that
+    `allocate` needs the owner of each block, because a block's id follows from (slot, chunk)."""
+
+    virtual = True
+
+    def __init__(self, spec: KVSpec, capacity_blocks: int, max_context: int):
+        bs = spec.block_size
+        self.spec = spec
+        self.blocks_per_slot = -(-max_context // bs)
+        self.num_slots = capacity_blocks // self.blocks_per_slot
+        if self.num_slots < 1:
+            raise ValueError(f"virtual layout: the capacity ({capacity_blocks * bs} tokens) holds no slot of "
+                             f"max_context {self.blocks_per_slot * bs} tokens; raise device_capacity")
+        self.num_blocks = self.num_slots * self.blocks_per_slot
+        self.slot_len = self.blocks_per_slot * bs
+        shape = (spec.num_layers, 2, self.num_slots, self.slot_len, spec.num_kv_heads, spec.head_dim)
+        itemsize = torch.empty((), dtype=spec.dtype).element_size()
+        self.reserved_bytes = itemsize
+        for d in shape:
+            self.reserved_bytes *= d
+        if spec.device.type == "cuda":
+            self._mem = CudaReservation(self.reserved_bytes, spec.device)
+            self.data = self._mem.tensor(shape, spec.dtype)
+        else:
+            self._mem = mmap.mmap(-1, self.reserved_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+                                  | getattr(mmap, "MAP_NORESERVE", 0), prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            self.data = torch.frombuffer(self._mem, dtype=spec.dtype).view(shape)
+        self._row_bytes = spec.num_kv_heads * spec.head_dim * itemsize
+        self._used: dict[int, str] = {}              # block -> owning session
+        self._slot_of: dict[str, int] = {}
+        self._count: dict[int, int] = {}             # slot -> used blocks
+        self._free_slots = list(range(self.num_slots - 1, -1, -1))
+        self.pages_released = 0
+
+    # ---- the BlockPool contract -----------------------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
+    def num_free(self) -> int:
+        return self.num_blocks - len(self._used)
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free_slots)
+
+    @property
+    def bytes(self) -> int:
+        return self.reserved_bytes
+
+    def slots_needed(self, owners: list[tuple[str, int]]) -> int:
+        return len({sid for sid, _ in owners if sid not in self._slot_of})
+
+    def slot_of(self, session_id: str) -> int | None:
+        return self._slot_of.get(session_id)
+
+    def allocate(self, n: int, owners: list[tuple[str, int]] | None = None) -> list[int]:
+        if owners is None or len(owners) != n:
+            raise ValueError("a virtual pool allocates per (session, chunk): pass owners")
+        if self.slots_needed(owners) > len(self._free_slots):
+            raise NoSlotError(f"{self.slots_needed(owners)} sessions need a slot, {len(self._free_slots)} free")
+        out = []
+        for sid, k in owners:
+            if sid not in self._slot_of:
+                slot = self._free_slots.pop()
+                self._slot_of[sid], self._count[slot] = slot, 0
+            slot = self._slot_of[sid]
+            if not 0 <= k < self.blocks_per_slot:
+                raise ValueError(f"chunk {k} is past the slot's {self.blocks_per_slot} blocks (max_context)")
+            block = slot * self.blocks_per_slot + k
+            if block in self._used:
+                raise ValueError(f"block {block} (session {sid!r}, chunk {k}) is already in use")
+            self._used[block] = sid
+            self._count[slot] += 1
+            if not isinstance(self._mem, mmap.mmap):     # CUDA: map the block's pages first
+                for start, length in self._ranges(slot, k):
+                    self._mem.acquire(start, length)
+            out.append(block)
+        return out
+
+    def _ranges(self, slot: int, k: int):
+        """(byte offset, length) of block k of `slot` in every layer's K and V buffer."""
+        bs, first = self.spec.block_size, self.data.data_ptr()
+        for layer in range(self.spec.num_layers):
+            for kv in (0, 1):
+                yield self.data[layer, kv, slot, k * bs].data_ptr() - first, bs * self._row_bytes
+
+    def free(self, blocks: list[int]) -> None:
+        for block in blocks:
+            sid = self._used.pop(block)
+            slot = block // self.blocks_per_slot
+            self._release_pages(slot, block % self.blocks_per_slot)
+            self._count[slot] -= 1
+            if self._count[slot] == 0:
+                del self._count[slot], self._slot_of[sid]
+                self._free_slots.append(slot)
+
+    def check(self, owned: set[int]) -> None:
+        assert set(self._used) == owned, (
+            f"virtual pool: blocks in use {sorted(set(self._used) ^ owned)[:8]} disagree with the chunk tables")
+        assert sum(self._count.values()) == len(self._used) and len(self._count) + len(self._free_slots) == \
+            self.num_slots, "virtual pool: slot accounting is off"
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Paged views (K, V) of one layer: [num_blocks, block_size, kv_heads, head_dim], contiguous."""
+        shape = (self.num_blocks, self.spec.block_size, self.spec.num_kv_heads, self.spec.head_dim)
+        return self.data[layer, 0].view(shape), self.data[layer, 1].view(shape)
+
+    def dense(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V) of one layer as [slots, max_context, kv_heads, head_dim]: a session is one slot row."""
+        return self.data[layer, 0], self.data[layer, 1]
+
+    def read(self, layer: int, ids: torch.Tensor) -> torch.Tensor:        # [n, 2, block_size, H, D]
+        k, v = self.layer(layer)
+        return torch.stack((k.index_select(0, ids), v.index_select(0, ids)), dim=1)
+
+    def write(self, layer: int, ids: torch.Tensor, blocks: torch.Tensor) -> None:
+        k, v = self.layer(layer)
+        k.index_copy_(0, ids, blocks[:, 0])
+        v.index_copy_(0, ids, blocks[:, 1])
+
+    # ---- memory ---------------------------------------------------------------------------------
+
+    def committed_bytes(self) -> int:
+        """Resident bytes of the reservation (CPU: pages the OS has committed, from mincore)."""
+        if isinstance(self._mem, mmap.mmap):
+            return _resident_pages(self.data.data_ptr(), self.reserved_bytes) * PAGE
+        return self._mem.mapped_bytes
+
+    def _release_pages(self, slot: int, k: int) -> None:
+        """Give back the pages of one block (each layer, K and V). Rows on pages shared with
+        neighbouring blocks are zeroed instead, so a reused block reads as zeros either way."""
+        bs = self.spec.block_size
+        for layer in range(self.spec.num_layers):
+            for kv in (0, 1):
+                rows = self.data[layer, kv, slot, k * bs:(k + 1) * bs]
+                if not isinstance(self._mem, mmap.mmap):   # CUDA: zero (pieces are shared), unmap unused
+                    rows.zero_()
+                    self._mem.release(rows.data_ptr() - self.data.data_ptr(), bs * self._row_bytes)
+                    continue
+                start = rows.data_ptr() - self.data.data_ptr()
+                end = start + bs * self._row_bytes
+                a, b = -(-start // PAGE) * PAGE, end // PAGE * PAGE
+                if b <= a:                    # smaller than a page: nothing whole to give back
+                    rows.zero_()
+                    continue
+                self._mem.madvise(mmap.MADV_DONTNEED, a, b - a)
+                self.pages_released += (b - a) // PAGE
+                head = -(-(a - start) // self._row_bytes)      # rows touching the partial first page
+                tail = -(-(end - b) // self._row_bytes)        # rows touching the partial last page
+                rows[:head].zero_()
+                rows[bs - tail:].zero_()
+
+
+def _resident_pages(addr: int, length: int) -> int:
+    """Pages of [addr, addr + length) resident in RAM (mincore(2) through ctypes)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    n = (length + PAGE - 1) // PAGE
+    vec = (ctypes.c_ubyte * n)()
+    if libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(length), vec) != 0:
+        raise OSError(ctypes.get_errno(), "mincore failed")
+    return sum(b & 1 for b in bytes(vec))

@@ -1,0 +1,128 @@
+"""vAttention's layout (`layout="virtual"`): exact across chunk states, for generate and the engine,
+and honest about memory: resident memory follows committed KV, not the reservation."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+
+import pytest
+import torch
+from conftest import FAMILIES, Conversation, engine_round, greedy
+
+import stateful_hf
+from stateful_hf.cache import CostProfile
+from stateful_hf.cache.virtual import VirtualPool
+from stateful_hf.integration import run_step
+from stateful_hf.testing import tiny_llama
+
+PROFILE = CostProfile()
+
+
+@pytest.mark.parametrize("family", ["llama", "opt"])
+def test_generate_exact_across_chunk_states(family, make_store, tmp_path):
+    model, oracle = FAMILIES[family](), FAMILIES[family]()
+    store = make_store(model, device_capacity=8192, layout="virtual", host_capacity=1024,
+                       disk_dir=tmp_path / "d", disk_capacity=1024, cost_profile=PROFILE)
+    assert isinstance(store.device_pool, VirtualPool)
+    cache = store.cache("a")
+    conv = Conversation(seed=31, first=70, turn=20)
+    for tiers in (["host"], ["disk"], ["dropped"], ["host", "disk", "dropped"], ["device"], ["dropped", "host"]):
+        n = len(store.session("a").chunks)
+        for i, tier in enumerate(tiers):
+            ks = [k for k in range(i, n, len(tiers)) if tier == "dropped"
+                  or store.session("a").chunks[k].state.value != "dropped"]
+            store.move("a", ks, tier)
+        out = greedy(model, conv.ids, cache=cache)
+        assert torch.equal(out, greedy(oracle, conv.ids)), tiers
+        conv.reply(out)
+        store.check_integrity()
+
+
+def test_engine_exact_and_slots_recycled(make_store):
+    from stateful_hf import Engine
+
+    model, oracle = FAMILIES["llama"](), FAMILIES["llama"]()
+    # 3 slots of max_context 256 for 6 sessions: sessions must leave the device for others to enter
+    store = make_store(model, device_capacity=3 * 256, layout="virtual", max_context=256, host_capacity=2048,
+                       cost_profile=PROFILE)
+    assert store.device_pool.num_slots == 3
+    convs = {f"s{i}": Conversation(seed=40 + i, first=20 + i, turn=7) for i in range(6)}
+    with Engine(model, store=store, max_batch_tokens=96) as engine:
+        for _ in range(3):
+            engine_round(engine, convs, oracle, n=5)
+    st = store.stats()
+    assert st.counters.swapped_in_host > 0 and st.device_reserved_bytes == store.device_pool.reserved_bytes
+
+
+def _rss() -> int:
+    """Resident bytes, after handing freed heap memory back (so allocator caches do not count)."""
+    gc.collect()
+    ctypes.CDLL(None).malloc_trim(0)
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+@torch.inference_mode()
+def test_resident_memory_follows_committed_kv(make_store):
+    # 16 KiB of KV per token (4 layers x 8 KV heads x 64 dims x K,V x fp32): 7 sessions x 896 tokens ~ 100 MB
+    model = tiny_llama(hidden_size=512, num_attention_heads=8, num_key_value_heads=8, num_hidden_layers=4,
+                       intermediate_size=512)
+    with torch.inference_mode():
+        model(torch.randint(3, 300, (1, 896)))      # warm the allocator with one forward of the same size
+    before = _rss()
+    store = make_store(model, device_capacity="8GiB", layout="virtual", max_context=1024, cost_profile=PROFILE)
+    pool = store.device_pool
+    assert pool.reserved_bytes >= 8 * 2**30 and _rss() - before < 64 * 2**20   # reserving commits nothing
+    for i in range(7):
+        store.open(f"s{i}")
+        ids = torch.randint(3, 300, (896,)).tolist()
+        step = store.plan_step([(f"s{i}", ids, range(896))])
+        run_step(model, step)
+        store.commit(step)
+    kv = 7 * 896 * store.spec.bytes_per_token
+    committed = pool.committed_bytes()
+    grown = _rss() - before
+    assert kv <= committed <= kv * 1.1 + 2**20, (kv, committed)
+    assert committed * 0.8 <= grown <= committed + 96 * 2**20, (grown, committed)   # not the 8 GiB reservation
+    st = store.stats()
+    assert st.device_committed_bytes == committed and st.device_reserved_bytes == pool.reserved_bytes
+    for i in range(7):
+        store.delete(f"s{i}")
+    assert pool.committed_bytes() < 2**20 and pool.pages_released * 4096 >= kv * 0.9
+    assert before - 64 * 2**20 <= _rss() - 0 <= before + committed * 0.2 + 64 * 2**20, (_rss() - before, committed)
+
+
+def test_reused_slot_reads_zeros(make_store):
+    store = make_store(tiny_llama(hidden_size=256, num_attention_heads=4, num_key_value_heads=4), device_capacity=4096,
+                       layout="virtual", max_context=512, cost_profile=PROFILE)
+    pool = store.device_pool
+    blocks = pool.allocate(3, [("x", k) for k in range(3)])
+    k, v = pool.layer(0)
+    k[blocks] = 7.0
+    pool.free(blocks)
+    again = pool.allocate(3, [("y", k) for k in range(3)])
+    assert again == blocks and float(pool.layer(0)[0][again].abs().sum()) == 0.0
+    pool.free(again)
+
+
+def test_bad_virtual_configuration(make_store):
+    model = FAMILIES["llama"]()
+    with pytest.raises(ValueError, match="holds no slot"):
+        stateful_hf.SessionStore(model, device_capacity=64, layout="virtual", max_context=2048, cost_profile=PROFILE)
+    with pytest.raises(ValueError, match="layout"):
+        stateful_hf.SessionStore(model, layout="sparse", cost_profile=PROFILE)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA and cuda-python")
+def test_cuda_virtual_memory_exact(make_store):
+    pytest.importorskip("cuda.bindings")
+    model, oracle = FAMILIES["llama"]().cuda(), FAMILIES["llama"]().cuda()
+    store = make_store(model, device_capacity="1GiB", layout="virtual", cost_profile=PROFILE)
+    conv = Conversation(seed=5, first=40)
+    for _ in range(3):
+        ids = conv.ids.cuda()
+        out = greedy(model, ids, cache=store.cache("a"))
+        assert torch.equal(out, greedy(oracle, ids))
+        conv.reply(out.cpu())
+    assert 0 < store.device_pool.committed_bytes() < store.device_pool.reserved_bytes
