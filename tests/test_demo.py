@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("gradio", reason="the demo needs gradio: pip install -e '.[demo]'")
-gradio_client = pytest.importorskip("gradio_client", reason="pip install -e '.[demo]' (gradio_client)")
+gradio_client = pytest.importorskip("gradio_client", reason="pip install -e '.[dev]' (gradio_client)")
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_NEW = 24
@@ -134,7 +134,7 @@ CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
                     reason="Debian's chromium and chromium-driver are not installed "
                            "(apt-get install -y chromium chromium-driver)")
 def test_page_in_headless_chromium(demo_url, tmp_path):
-    webdriver = pytest.importorskip("selenium.webdriver", reason="pip install selenium (the demo-test extra)")
+    webdriver = pytest.importorskip("selenium.webdriver", reason="pip install -e '.[dev]' (selenium)")
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
     from selenium.webdriver.support.ui import WebDriverWait
