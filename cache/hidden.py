@@ -144,7 +144,7 @@ class _Group:
 class HiddenRestore:
     """Device blocks to rebuild from hidden chunks, one layer at a time (HCache's layer-wise restore).
 
-    `run(layer, key_cache, value_cache)` is called at the start of that layer's attention (through
+    `run(layer, device_pool)` is called at the start of that layer's attention (through
     `StepBatch.layer_kv`): hidden layers are projected to K/V by the model's modules, KV layers are
     copied. Each layer runs once; `finish` runs whatever a forward did not reach."""
 
@@ -172,14 +172,14 @@ class HiddenRestore:
         return len(self.done) == self.capture.spec.kv.num_layers
 
     @torch.no_grad()
-    def run(self, layer: int, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
-        """key_cache / value_cache: [device_blocks, block_size, kv_heads, head_dim] of `layer`."""
+    def run(self, layer: int, pool: BlockPool) -> None:
+        """Rebuild `layer` of the planned blocks in the device pool (K and V written together)."""
         if layer in self.done or not self.groups:
             self.done.add(layer)
             return
         t0 = time.perf_counter()
         spec = self.capture.spec
-        bs, dev = spec.kv.block_size, key_cache.device
+        bs, dev = spec.kv.block_size, pool.device
         for g in self.groups:
             src = torch.tensor(g.src, device=g.pool.device)
             dst = torch.tensor(g.dst, device=dev)
@@ -188,12 +188,9 @@ class HiddenRestore:
                 pos = (torch.tensor(g.first_pos)[:, None] + torch.arange(bs)).reshape(-1).to(dev)   # [n * bs]
                 k, v = self.project(layer, h.reshape(-1, spec.hidden_size).to(dev), pos)     # [n * bs, Hkv, hd]
                 shape = (len(g.dst), bs, spec.kv.num_kv_heads, spec.kv.head_dim)
-                key_cache.index_copy_(0, dst, k.reshape(shape).to(key_cache.dtype))
-                value_cache.index_copy_(0, dst, v.reshape(shape).to(value_cache.dtype))
-            else:
-                kv = g.pool.kv[layer - spec.hidden_layers].index_select(0, src).to(dev)   # [n, 2, bs, Hkv, hd]
-                key_cache.index_copy_(0, dst, kv[:, 0])
-                value_cache.index_copy_(0, dst, kv[:, 1])
+                pool.write(layer, dst, torch.stack([k.reshape(shape), v.reshape(shape)], 1).to(spec.kv.dtype))
+            else:                                                                   # one contiguous copy
+                pool.write(layer, dst, g.pool.kv[layer - spec.hidden_layers].index_select(0, src).to(dev))
         self.done.add(layer)
         if self.complete:
             for g in self.groups:
@@ -206,7 +203,7 @@ class HiddenRestore:
         """Run every layer not run yet (a restore outside a forward, or a forward that skipped some)."""
         for layer in range(device_pool.spec.num_layers):
             if layer not in self.done:
-                self.run(layer, *device_pool.layer(layer))
+                self.run(layer, device_pool)
 
 
 class StepHidden:

@@ -51,10 +51,9 @@ class StepBatch:
             stream = torch.cuda.current_stream(self.pool.device)
             for event in self.layer_events[layer]:
                 stream.wait_event(event)
-        kv = self.pool.layer(layer)
         if self.hidden is not None and self.hidden.restore is not None:
-            self.hidden.restore.run(layer, *kv)
-        return kv
+            self.hidden.restore.run(layer, self.pool)
+        return self.pool.layer(layer)
 
     def capture_hidden(self, layer: int, hidden: torch.Tensor) -> None:
         """Keep the rows' hidden state entering `layer` ([1, T, D]) when the store uses hidden states."""

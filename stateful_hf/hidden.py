@@ -85,11 +85,11 @@ def measure_hidden_costs(model: torch.nn.Module, adapter: ModelAdapter, spec: KV
 
     def project_layer0():
         restore.done.clear()
-        restore.run(0, *device_pool.layer(0))
+        restore.run(0, device_pool)
 
     def copy_kv_layer1():
         restore.done.clear()
-        restore.run(1, *device_pool.layer(1))
+        restore.run(1, device_pool)
 
     io_h = _median_seconds(lambda: host.hidden[0].index_select(0, src).to(dev), repeats, sync)
     io_kv = _median_seconds(copy_kv_layer1, repeats, sync)

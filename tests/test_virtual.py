@@ -126,3 +126,22 @@ def test_cuda_virtual_memory_exact(make_store):
         assert torch.equal(out, greedy(oracle, ids))
         conv.reply(out.cpu())
     assert 0 < store.device_pool.committed_bytes() < store.device_pool.reserved_bytes
+
+
+@pytest.mark.parametrize("family", ["llama", "opt"])
+def test_virtual_with_hidden_states_and_every_tier(family, make_store, tmp_path):
+    from test_hidden import lay_out
+
+    model, oracle = FAMILIES[family](), FAMILIES[family]()
+    store = make_store(model, device_capacity=8192, layout="virtual", host_capacity=2048, disk_dir=tmp_path / "d",
+                       disk_capacity=2048, cost_profile=PROFILE, hidden_states="always", hidden_layers=1)
+    cache = store.cache("a")
+    conv = Conversation(seed=77, first=70, turn=20)
+    conv.reply(greedy(model, conv.ids, cache=cache))
+    for layout in (["hidden"] * 9, ["dropped", "hidden", "disk", "hidden", "host", "device"]):
+        lay_out(store, "a", layout)
+        before = store.residency("a")
+        out = greedy(model, conv.ids, cache=cache)
+        assert torch.equal(out, greedy(oracle, conv.ids)), layout
+        assert store.stats("a").last_turn.restored_hidden == before["hidden"] > 0
+        conv.reply(out)
