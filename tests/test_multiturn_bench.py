@@ -65,8 +65,9 @@ def test_schedule_poisson_and_closed_loop():
 def test_metrics_of_a_known_run():
     recs = [TurnRecord("a", 0, 10, 0.0, 0.5, 1.0, [1, 2], 0), TurnRecord("a", 1, 14, 2.0, 2.1, 3.0, [3, 4, 5, 6], 12),
             TurnRecord("b", 0, 8, 1.0, 1.3, 2.0, [7], 0)]
-    m = metrics.summarize(RunResult("x", recs, 3.5, {"device": 100}, {"recomputed_tokens": 2}))
+    m = metrics.summarize(RunResult("x", recs, 3.5, {"device": 100}, 2.0, {"recomputed_tokens": 2}))
     assert m["throughput_tok_s"] == pytest.approx(7 / 3.0) and m["throughput_req_s"] == pytest.approx(1.0)
+    assert m["tok_per_cpu_s"] == pytest.approx(3.5)
     assert m["ttft_p50_s"] == pytest.approx(0.3) and m["ttft_p90_s"] == pytest.approx(0.46)
     assert m["norm_latency_mean_s"] == pytest.approx((0.5 + 0.25 + 1.0) / 3)
     assert (m["prompt_tokens"], m["reused_tokens"], m["prefill_computed_tokens"], m["recomputed_tokens"]) == \

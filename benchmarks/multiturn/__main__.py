@@ -32,10 +32,12 @@ from .arrivals import Arrivals
 from .bench import ALL_SYSTEMS, Bench, Config, budget_for, experiment, policy_budget_for, warm_up
 from .workload import load_sharegpt, synthesize
 
-QUICK = dict(conversations=5, scale=0.15, max_turns=4, max_output=32, rate=4.0, think_time=0.5, rates="1",
-             memory_fraction=0.5, sweep_systems="hf_continuous_batching,stateful_hf")
+QUICK = dict(conversations=5, scale=0.12, max_turns=4, max_output=24, rate=4.0, think_time=0.5, rates="1",
+             memory_fraction=0.5, sweep_systems="hf_continuous_batching,stateful_hf", policy_fraction=0.65,
+             profile_repeats=1)
 FULL = dict(conversations=24, scale=0.5, max_turns=8, max_output=256, rate=0.5, think_time=2.0, rates="0.25,0.5,1,2",
-            memory_fraction=0.5, sweep_systems="hf_stateless,hf_continuous_batching,stateful_hf")
+            memory_fraction=0.5, sweep_systems="hf_stateless,hf_continuous_batching,stateful_hf", policy_fraction=0.3,
+            profile_repeats=3)
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -65,14 +67,19 @@ def parse(argv=None) -> argparse.Namespace:
     s.add_argument("--memory-fraction", type=float,
                    help="without --kv-budget: budget = this share of the KV all conversations reach")
     s.add_argument("--policy-budget", type=int,
-                   help="device tokens for the serial LRU vs cost-aware replay (default: 30%% of all KV; 0: skip)")
+                   help="device tokens for the serial LRU vs cost-aware replay (0: skip)")
+    s.add_argument("--policy-fraction", type=float, help="without --policy-budget: this share of all KV")
+    s.add_argument("--profile-repeats", type=int, help="timing repeats of the Cost(l) / HCache profiles")
     s.add_argument("--max-batch-tokens", type=int, default=256)
     s.add_argument("--host-factor", type=float, default=4.0, help="host/disk tier size, times the device budget")
     o = ap.add_argument_group("output")
     o.add_argument("--json", help="write every figure and the environment here")
     o.add_argument("--plots", help="directory for PNG plots")
+    o.add_argument("--markdown", help="write the README performance section (markdown) here")
     o.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     o.add_argument("--seed", type=int, default=0)
+    o.add_argument("--repeats", type=int, default=1,
+                   help="run the main comparison this many times, interleaved; report each system's median run")
     o.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     for k, v in (QUICK if args.quick else FULL).items():
@@ -98,7 +105,7 @@ def main(argv=None) -> dict:
     arr = Arrivals(rate=0.0 if args.users else args.rate, think_s=args.think_time, users=args.users, seed=args.seed)
     budget = args.kv_budget or budget_for(wl, args.memory_fraction)
     cfg = Config(budget, args.max_batch_tokens, max_seqs=max(len(wl.conversations), 1),
-                 host_factor=args.host_factor)
+                 host_factor=args.host_factor, profile_repeats=args.profile_repeats)
     systems = [x for x in args.systems.split(",") if x]
     rates = [float(x) for x in args.rates.split(",") if x] if args.rates else []
     print(f"model: Llama {args.layers} layers, {n_params(model) / 1e6:.1f}M parameters, float32, random weights; "
@@ -110,8 +117,9 @@ def main(argv=None) -> dict:
     warm_up(model, vocab)
     bench = Bench(model, cfg, progress=not args.no_progress)
     warm_up(bench.cb_model, vocab)
-    pbudget = policy_budget_for(wl) if args.policy_budget is None else args.policy_budget
-    res = experiment(bench, wl, arr, systems, rates, [x for x in args.sweep_systems.split(",") if x], pbudget)
+    pbudget = policy_budget_for(wl, args.policy_fraction) if args.policy_budget is None else args.policy_budget
+    res = experiment(bench, wl, arr, systems, rates, [x for x in args.sweep_systems.split(",") if x], pbudget,
+                     args.repeats)
     out = {"command": "python -m benchmarks.multiturn " + " ".join(sys.argv[1:] if argv is None else argv),
            "environment": env, "model": {"layers": args.layers, "params": n_params(model), "dtype": "float32"},
            "workload": wl.describe(), "arrivals": arr.describe(), "kv_budget_tokens": budget,
@@ -123,6 +131,9 @@ def main(argv=None) -> dict:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1, default=str)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(report.markdown(out, args.plots) + "\n")
     print_summary(out)
     return out
 
@@ -144,6 +155,9 @@ def print_summary(out: dict) -> None:
     for name, pts in out.get("sweep", {}).items():
         print(f"sweep {name}: " + "; ".join(f"rate {p['rate_conv_s']:g}: {p['throughput_tok_s']:.2f} tok/s, "
                                             f"{p['norm_latency_mean_s']:.4f} s/tok" for p in pts))
+    for name, runs in out.get("repeats", {}).items():
+        print(f"repeats {name}: " + ", ".join(f"{r['throughput_tok_s']:.1f} tok/s (p90 TTFT {r['ttft_p90_s']:.3f} s)"
+                                              for r in runs))
     for name, why in out.get("skipped", {}).items():
         print(f"skipped {name}: {why}")
     print(f"elapsed {out['elapsed_s']:.0f} s; load average at end {out['load_average_at_end']}")

@@ -30,6 +30,7 @@ class RunResult:
     records: list[TurnRecord]
     wall_s: float
     peak_bytes: dict[str, int]
+    cpu_s: float               # CPU time of this process (all threads) during the run
     info: dict = field(default_factory=dict)
 
 
@@ -83,7 +84,7 @@ def run(system, wl: Workload, users: int = 0, on_turn=None, sample_every: float 
     system.start()
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    t0 = time.monotonic()
+    t0, c0 = time.monotonic(), time.process_time()
     if users > 0:
         pending = deque(wl.conversations)
         threads = [threading.Thread(target=guarded, args=(user, pending, t0)) for _ in range(users)]
@@ -93,7 +94,7 @@ def run(system, wl: Workload, users: int = 0, on_turn=None, sample_every: float 
         th.start()
     for th in threads:
         th.join()
-    wall = time.monotonic() - t0
+    wall, cpu = time.monotonic() - t0, time.process_time() - c0
     stop.set()
     sampler.join()
     for tier, b in system.memory().items():
@@ -102,4 +103,4 @@ def run(system, wl: Workload, users: int = 0, on_turn=None, sample_every: float 
     if errors:
         raise errors[0]
     records.sort(key=lambda r: (r.conv_id, r.turn))
-    return RunResult(system.name, records, wall, peak, system.info())
+    return RunResult(system.name, records, wall, peak, cpu, system.info())

@@ -33,6 +33,8 @@ def summarize(res: RunResult) -> dict:
         "requests": len(recs), "output_tokens": out_tokens, "wall_s": res.wall_s, "makespan_s": makespan,
         "throughput_tok_s": out_tokens / makespan if makespan else 0.0,
         "throughput_req_s": len(recs) / makespan if makespan else 0.0,
+        "cpu_s": res.cpu_s,                              # process CPU time: robust to other load on the machine
+        "tok_per_cpu_s": out_tokens / res.cpu_s if res.cpu_s else 0.0,
         "ttft_p50_s": percentile(ttft, 50), "ttft_p90_s": percentile(ttft, 90), "ttft_p99_s": percentile(ttft, 99),
         "ttft_mean_s": statistics.fmean(ttft) if ttft else float("nan"),
         "norm_latency_mean_s": statistics.fmean(norm) if norm else float("nan"),

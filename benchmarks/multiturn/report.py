@@ -27,14 +27,15 @@ def _mib(b: int | None) -> str:
 
 
 def table(systems: dict[str, dict]) -> str:
-    head = ("| system | tok/s | req/s | TTFT p50 s | TTFT p90 s | TTFT p99 s | norm. lat. mean s/tok | "
+    head = ("| system | tok/s | req/s | tok/CPU-s | TTFT p50 s | TTFT p90 s | TTFT p99 s | norm. lat. mean s/tok | "
             "norm. lat. p90 | prefill computed | reused | recomputed | peak KV MiB (device/host/disk) |")
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for name, m in systems.items():
         p = m["peak_kv_bytes"]
         peak = "/".join(_mib(p.get(t)) for t in ("device", "host", "disk")) + \
             (f" (+hidden {_mib(p['hidden'])})" if p.get("hidden") else "")
-        rows.append(f"| {name} | {m['throughput_tok_s']:.2f} | {m['throughput_req_s']:.3f} | {m['ttft_p50_s']:.3f} | "
+        rows.append(f"| {name} | {m['throughput_tok_s']:.2f} | {m['throughput_req_s']:.3f} | "
+                    f"{m['tok_per_cpu_s']:.2f} | {m['ttft_p50_s']:.3f} | "
                     f"{m['ttft_p90_s']:.3f} | {m['ttft_p99_s']:.3f} | {m['norm_latency_mean_s']:.4f} | "
                     f"{m['norm_latency_p90_s']:.4f} | {m['prefill_computed_tokens']} | {m['reused_tokens']} | "
                     f"{m['recomputed_tokens']} | {peak} |")
@@ -102,3 +103,51 @@ def _save(fig, directory: str, name: str) -> str:
     import matplotlib.pyplot as plt
     plt.close(fig)
     return path
+
+
+def markdown(out: dict, plot_dir: str | None = None) -> str:
+    """The README's performance section: command, setup, tables, ratios, policy, plots."""
+    env, wl, arr = out["environment"], out["workload"], out["arrivals"]
+    la = env.get("load_average_at_start")
+    lines = [
+        f"`{out['command']}` — {out['model']['params'] / 1e6:.1f}M-parameter Llama (random weights, float32), "
+        f"{env['cpu']}, {env['cpu_count']} cores, {env['torch_threads']} torch threads, torch {env['torch']}, "
+        f"transformers {env['transformers']}; load average {la[0]:.1f} at the start and "
+        f"{out['load_average_at_end'][0]:.1f} at the end (a shared machine), {out['elapsed_s']:.0f} s in all.",
+        "",
+        f"Workload: {wl['conversations']} conversations, {wl['turns']} turns ({wl['source']}, lengths x{wl['scale']}: "
+        f"{wl['mean_input_tokens']:.1f} input / {wl['mean_output_tokens']:.1f} output tokens per turn); "
+        f"{arr['mode']}, think time exponential with mean {arr['think_time_mean_s']:g} s (Pensieve: 60 s; scaled "
+        f"down for this CPU). Device KV budget {out['kv_budget_tokens']} tokens for every system; "
+        "`_host`/`_disk`/`_hidden` add a lower tier of 4x that.",
+        "",
+        table(out["systems"]),
+        "",
+        "TTFT by turn index (mean, s):",
+        "",
+        ttft_by_turn_table(out["systems"]),
+        "",
+    ]
+    for name, r in out["ratios_vs_baselines"].items():
+        lines.append(f"- stateful_hf vs {name}: throughput **x{r['throughput_x']:.2f}**, p90 TTFT "
+                     f"**{r['ttft_p90_reduction_x']:.2f}x lower**, mean normalized latency "
+                     f"{r['norm_latency_mean_reduction_x']:.2f}x lower.")
+    same = out.get("same_tokens_as_stateless", {})
+    if same:
+        lines.append(f"- Identical greedy tokens to stateless generate: "
+                     f"{', '.join(f'{k} {v:.0%}' for k, v in same.items() if k != 'hf_stateless')}.")
+    if "policy" in out:
+        p = out["policy"]
+        lines.append(f"- Policy replay ({p['turns']} turns served one at a time at {p['budget_tokens']} device "
+                     f"tokens): cost-aware recomputed {p['cost_aware_recomputed']} tokens, LRU {p['lru_recomputed']}.")
+    for name, pts in out.get("sweep", {}).items():
+        lines.append(f"- Rate sweep, {name}: " + "; ".join(
+            f"{q['rate_conv_s']:g} conv/s -> {q['throughput_tok_s']:.1f} tok/s at "
+            f"{q['norm_latency_mean_s']:.3f} s/token"
+            for q in sorted(pts, key=lambda q: q["rate_conv_s"])) + ".")
+    for name, why in out.get("skipped", {}).items():
+        lines.append(f"- Skipped {name}: {why}.")
+    if plot_dir:
+        lines += [""] + [f"![{os.path.splitext(os.path.basename(p))[0]}]({os.path.join(plot_dir, os.path.basename(p))})"
+                         for p in out.get("plots", [])]
+    return "\n".join(lines)
