@@ -216,3 +216,18 @@ def test_stop_with_cancel_releases_everything(make_engine):
     engine.stop(cancel=True)
     assert all(h.result().finish_reason == "cancelled" for h in handles)
     assert not engine.has_work()
+
+
+def test_returning_session_swaps_in_from_the_host_tier(make_engine):
+    model, oracle = FAMILIES["llama"](), FAMILIES["llama"]()
+    store = stateful_hf.SessionStore(model, 512, chunk_size=16, host_capacity=2048)
+    engine = make_engine(model, store=store)
+    p = Conversation(seed=75, first=40).ids[0].tolist()
+    first = engine.submit("h", p, SamplingParams(max_new_tokens=4)).result()
+    store.evict("h")                                       # with a host tier: moved down, not dropped
+    again = p + list(first.token_ids) + [5, 6, 7]
+    out = engine.submit("h", again, SamplingParams(max_new_tokens=5)).result()
+    assert list(out.token_ids) == expected(oracle, again, 5)
+    kept = len(p) + 3
+    assert out.metrics.reused_tokens == kept and out.metrics.recomputed_tokens == 0
+    assert out.metrics.swapped_tokens == kept

@@ -37,8 +37,8 @@ class RequestMetrics:
     latency: float | None              # arrival -> finished
     prompt_tokens: int                 # the conversation ids submitted
     output_tokens: int
-    reused_tokens: int                 # history tokens whose KV was served from the device
-    swapped_tokens: int                # history tokens swapped in from a lower tier (no host tier yet: 0)
+    reused_tokens: int                 # history tokens served from stored KV (any tier), not recomputed
+    swapped_tokens: int                # of which brought up from a lower tier (host/disk copy, hidden rebuild)
     recomputed_tokens: int             # history tokens recomputed (dropped, or evicted by a suspension)
     truncated_tokens: int              # history cut because the prompt diverged from it (an edit)
     suspensions: int
@@ -81,6 +81,7 @@ class Request:
     first_token_at: float | None = None
     finished_at: float | None = None
     reused: int = 0
+    swapped: int = 0
     computed: int = 0
     recomputed: int = 0
     truncated: int = 0
@@ -99,6 +100,6 @@ class Request:
             ttft=None if first is None else first - a,
             tpot=(end - first) / (n - 1) if first is not None and end is not None and n > 1 else None,
             latency=None if end is None else end - a,
-            prompt_tokens=len(self.prompt), output_tokens=n, reused_tokens=self.reused, swapped_tokens=0,
+            prompt_tokens=len(self.prompt), output_tokens=n, reused_tokens=self.reused, swapped_tokens=self.swapped,
             recomputed_tokens=self.recomputed, truncated_tokens=self.truncated, suspensions=self.suspensions,
         )

@@ -186,6 +186,7 @@ class Scheduler:
             r.lease = lease
             r.truncated = store.truncate(r.session_id, keep)
             r.reused = keep - len(r.missing)
+        r.swapped += self._below_device(r.session_id, keep)
         self.waiting.remove(r)
         bisect.insort(self.running, r, key=_order)
         r.status = RequestStatus.RUNNING
@@ -229,6 +230,15 @@ class Scheduler:
         end = max(item.start + len(item.new_ids), max(item.recompute, default=-1) + 1)
         have = -(-length // bs)
         return sum(1 for k in range(-(-end // bs)) if k >= have or chunks[k].state is not ChunkState.DEVICE)
+
+    def _below_device(self, session_id: str, length: int) -> int:
+        """History tokens < length whose KV is stored in a lower tier (host, disk, hidden states) and
+        not cached on the device: `plan_step` brings them up (swap-in or rebuild), not a recompute."""
+        bs, n = self.store.block_size, 0
+        for k, c in enumerate(self.store.session(session_id).chunks[: -(-length // bs)]):
+            if c.state not in (ChunkState.DEVICE, ChunkState.DROPPED) and getattr(c, "shadow", None) is None:
+                n += min((k + 1) * bs, length) - k * bs
+        return n
 
     def _length(self, r: Request) -> int:
         return self.store.session(r.session_id).num_tokens
