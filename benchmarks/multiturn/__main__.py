@@ -142,8 +142,9 @@ def print_summary(out: dict) -> None:
     print("\n" + report.table(out["systems"]))
     print("\nTTFT by turn index (mean, s):\n" + report.ttft_by_turn_table(out["systems"]))
     for name, r in out["ratios_vs_baselines"].items():
-        print(f"stateful_hf vs {name}: throughput x{r['throughput_x']:.2f}, p90 TTFT {r['ttft_p90_reduction_x']:.2f}x "
-              f"lower, mean normalized latency {r['norm_latency_mean_reduction_x']:.2f}x lower")
+        print(f"stateful_hf vs {name} (>1 = stateful_hf better): throughput x{r['throughput_x']:.2f}, "
+              f"p90 TTFT x{r['ttft_p90_reduction_x']:.2f} (theirs / ours), "
+              f"mean normalized latency x{r['norm_latency_mean_reduction_x']:.2f}")
     if "same_tokens_as_stateless" in out:
         print("identical greedy tokens vs hf_stateless (share of turns): "
               + ", ".join(f"{k} {v:.0%}" for k, v in out["same_tokens_as_stateless"].items()))
