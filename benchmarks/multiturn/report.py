@@ -74,7 +74,8 @@ def plots(out: dict, directory: str) -> list[str]:
     for name, m in out["systems"].items():
         turns = sorted(int(k) for k in m["ttft_by_turn_s"])
         ax.plot(turns, [m["ttft_by_turn_s"][str(t)]["mean"] for t in turns], marker="o", label=name)
-    ax.set(xlabel="turn index", ylabel="mean TTFT (s)", title="TTFT by turn")
+    ax.set(xlabel="turn index", ylabel="mean TTFT (s, log scale)", title="TTFT by turn", yscale="log")
+    ax.xaxis.get_major_locator().set_params(integer=True)
     ax.legend(fontsize=7)
     paths.append(_save(fig, directory, "ttft_by_turn.png"))
     if out.get("sweep"):
