@@ -5,8 +5,9 @@ from .policy import CostProfile, EvictionPolicy, LRUPolicy, RetentionPolicy
 from .pool import BlockPool
 from .session import Chunk, ChunkState, Session, TurnStats
 from .spec import KVSpec, capacity_in_blocks
+from .stats import SessionStats, StoreStats
 from .step import StepBatch, StepEntry
-from .store import SessionStats, SessionStore, StoreStats
+from .store import SessionStore
 
 __all__ = [
     "BlockPool", "CapacityError", "Chunk", "ChunkState", "CostProfile", "EvictionPolicy", "KVSpec", "LRUPolicy",

@@ -14,25 +14,23 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
-import torch
-
-from ..kernels import PagedBatch
+from .audit import AuditMixin
 from .disk import DiskTier
-from .errors import CapacityError, SessionBusyError, StoreError, UnknownSessionError
-from .hidden import HiddenSpec, Projector, StepHidden
+from .errors import SessionBusyError, StoreError, UnknownSessionError
+from .hidden import HiddenSpec, Projector
 from .hidden_tier import HiddenTierMixin
+from .planner import StepPlannerMixin
 from .policy import EvictionPolicy, RetentionPolicy
 from .pool import BlockPool
 from .session import TIERS, Chunk, ChunkState, Session
 from .spec import KVSpec, capacity_in_blocks
-from .stats import Counters, SessionStats, StoreStats, summary
-from .step import StepBatch, StepEntry
-from .tiering import DEVICE, DISK, DROPPED, HIDDEN, HOST, SHADOWED, TieringMixin
+from .stats import Counters
+from .tiering import DEVICE, DISK, DROPPED, HIDDEN, HOST, TieringMixin
 from .transfer import Transfer
 from .virtual import VirtualPool
 
 
-class SessionStore(TieringMixin, HiddenTierMixin):
+class SessionStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin):
     """device_capacity / host_capacity / disk_capacity: tokens (int) or sizes ("2GiB"); a host or
     disk tier exists only when given (the disk tier also needs `disk_dir`). `swap_out_threshold`:
     share of device blocks kept free or reclaimable by ahead-of-time swap-out after each turn.
@@ -261,236 +259,6 @@ class SessionStore(TieringMixin, HiddenTierMixin):
         with self._lock:
             self._swap_out_ahead()
             self._sync_disk()
-
-    # ---- steps ----------------------------------------------------------------------------------
-
-    def plan_step(self, requests: Sequence[tuple[str, Sequence[int], Sequence[int]]]) -> StepBatch:
-        """Reserve device blocks for one forward step and describe it.
-
-        `requests`: (session_id, token_ids, positions) per session, at most one per session. A
-        position < the session's length recomputes that history token (its id must match); positions
-        >= length append new tokens and must continue the history without gaps. Host and disk chunks
-        of the context are copied up (layer by layer; on CUDA the step carries per-layer events);
-        dropped chunks of the context must be among the rows. The new tokens join the session's
-        history now; `commit` makes them permanent, `abort` takes them back.
-        """
-        with self._lock:
-            sessions = [self.session(sid) for sid, _, _ in requests]
-            if len({s.session_id for s in sessions}) != len(sessions):
-                raise ValueError("plan_step: at most one entry per session in a step")
-            plans = [self._plan_entry(s, list(ids), list(pos)) for s, (_, ids, pos) in zip(sessions, requests)]
-            exclude = {s.session_id for s in sessions}
-            fresh = sum(len(f) + sum(1 for k in sw if s.chunks[k].shadow is None)
-                        for s, (f, sw) in zip(sessions, plans))
-            held = sum(1 for s in sessions for c in s.chunks if c.state is DEVICE or c.shadow is not None)
-            if fresh + held > self.device_pool.num_blocks:
-                raise CapacityError(
-                    f"request needs {fresh + held} device blocks of {self.block_size} tokens but the pool has "
-                    f"{self.device_pool.num_blocks} in all ({self.device_pool.num_blocks * self.block_size} tokens); "
-                    "raise device_capacity")
-            n_fill = sum(len(f) for f, _ in plans)
-            if fresh > self.device_pool.num_free:
-                self._make_room(DEVICE, fresh - self.device_pool.num_free, exclude)
-            restore = self._new_restore()
-            events = self._move_up([(s, k) for s, (_, sw) in zip(sessions, plans) for k in sw], DEVICE, exclude,
-                                   restore=restore)
-            fills = self._take(DEVICE, n_fill, exclude,
-                               [(s.session_id, k) for s, (f, _) in zip(sessions, plans) for k in f][::-1])
-            entries = []
-            for s, (_, ids, pos), (fill, swap) in zip(sessions, requests, plans):
-                old_len = len(s.token_ids)
-                if s.turn_started:   # count what a returning turn found on the device, once per turn
-                    s.turn_started = False
-                    self.counters.device_hits += sum(self._ntok(s, k) for k, c in enumerate(s.chunks)
-                                                     if c.state is DEVICE and k not in fill and k not in swap
-                                                     and k * self.block_size < max(pos))
-                recomputed = sum(1 for p in pos if p < old_len)
-                self.counters.recomputed += recomputed
-                s.token_ids.extend(t for p, t in zip(pos, ids) if p >= old_len)
-                while len(s.chunks) * self.block_size < len(s.token_ids):
-                    s.chunks.append(Chunk())
-                for k in fill:
-                    self._release(s, k)
-                    s.chunks[k] = Chunk(DEVICE, fills.pop())
-                    if self.capture is not None:     # every token of it is computed while capturing
-                        self.capture.valid[s.chunks[k].loc] = True
-                entries.append(StepEntry(s.session_id, tuple(ids), tuple(pos), old_len, tuple(fill)))
-            self._sync_disk()
-            return self._build(entries, events, restore)
-
-    def commit(self, step: StepBatch) -> None:
-        with self._lock:
-            restore = step.hidden.restore if step.hidden is not None else None
-            if restore is not None:
-                restore.finish(self.device_pool)     # layers a forward did not reach, if any
-                self._settle_restore(restore, ok=True)
-            now = time.monotonic()
-            for e in step.entries:
-                if e.session_id in self._sessions:
-                    self._sessions[e.session_id].last_active = now
-
-    def abort(self, step: StepBatch) -> None:
-        """Undo `plan_step`: new tokens leave the history, chunks filled in the step are dropped again
-        (chunks it copied up stay on the device: their KV is valid; chunks whose K/V was being
-        rebuilt from hidden states stay on the device only if every layer was rebuilt)."""
-        with self._lock:
-            restore = step.hidden.restore if step.hidden is not None else None
-            if restore is not None:
-                self._settle_restore(restore, ok=restore.complete)
-            for e in step.entries:
-                s = self._sessions.get(e.session_id)
-                if s is None:
-                    continue
-                for k in e.new_blocks:
-                    if k < len(s.chunks):
-                        self._release(s, k)
-                del s.token_ids[e.old_len:]
-                del s.chunks[-(-e.old_len // self.block_size):]
-
-    def _plan_entry(self, s: Session, ids: list[int], pos: list[int]) -> tuple[list[int], list[int]]:
-        """Validate one entry; return (chunks the rows fill: need a fresh block, chunks to copy up)."""
-        n, bs = len(s.token_ids), self.block_size
-        if len(ids) != len(pos) or not ids:
-            raise ValueError(f"session {s.session_id!r}: step needs >= 1 token and one position per token")
-        new = [p for p in pos if p >= n]
-        if new != list(range(n, n + len(new))) or min(pos) < 0 or len(set(pos)) != len(pos):
-            raise ValueError(f"session {s.session_id!r}: new positions must continue the history at {n} without gaps")
-        for p, t in zip(pos, ids):
-            if p < n and s.token_ids[p] != t:
-                raise ValueError(f"session {s.session_id!r}: recomputed token at {p} is {t}, "
-                                 f"history has {s.token_ids[p]}")
-        rows, end = set(pos), max(pos) + 1
-        fill, swap = [], []
-        for k in range(-(-end // bs)):
-            state = s.chunks[k].state if k < len(s.chunks) else DROPPED
-            if state is DEVICE:
-                continue
-            history = [p for p in range(k * bs, min((k + 1) * bs, n, end))]
-            if all(p in rows for p in history):
-                fill.append(k)                 # every stored token of it is recomputed: fresh block
-            elif state is DROPPED:
-                raise ValueError(f"session {s.session_id!r}: chunk {k} is dropped; its positions must be "
-                                 "recomputed in the step (missing_positions)")
-            else:
-                swap.append(k)
-        return fill, swap
-
-    def _build(self, entries: list[StepEntry], events: list, restore=None) -> StepBatch:
-        bs, dev = self.block_size, self.device_pool.device
-        ids, pos, slots, cu, kv_len, tables = [], [], [], [0], [], []
-        for e in entries:
-            s = self._sessions[e.session_id]
-            ids += e.token_ids
-            pos += e.positions
-            slots += [s.chunks[p // bs].loc * bs + p % bs for p in e.positions]
-            cu.append(len(pos))
-            kv_len.append(max(e.positions) + 1)
-            tables.append([c.loc for c in s.chunks[: -(-kv_len[-1] // bs)]])
-        width = max(map(len, tables))
-        paged = PagedBatch(torch.tensor(cu, dtype=torch.int32), torch.tensor(pos, dtype=torch.int64),
-                           torch.tensor(kv_len, dtype=torch.int32),
-                           torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32))
-        paged.validate(self.device_pool.num_blocks, bs)
-        dense_slots = None
-        if self.layout == "virtual":   # each entry's KV is one contiguous row of its session's slot
-            dense_slots = tuple(self.device_pool.slot_of(e.session_id) for e in entries)
-        layer_events = None
-        if events:   # per layer, the events of every copy group
-            layer_events = tuple(tuple(group[layer] for group in events) for layer in range(self.spec.num_layers))
-        return StepBatch(
-            entries=tuple(entries), paged=paged.to(dev), slots=torch.tensor(slots, dtype=torch.int64, device=dev),
-            input_ids=torch.tensor([ids], dtype=torch.long, device=dev),
-            position_ids=torch.tensor([pos], dtype=torch.long, device=dev),
-            pool=self.device_pool, backend=self.attn_backend, window=self.spec.window, layer_events=layer_events,
-            dense_slots=dense_slots,
-            hidden=None if self.capture is None else StepHidden(
-                self.capture, torch.tensor(slots, dtype=torch.long), restore if restore and restore.chunks else None),
-        )
-
-    # ---- integrity and stats --------------------------------------------------------------------
-
-    def check_integrity(self) -> None:
-        """Raise AssertionError unless every slot of every tier is free or owned by exactly one chunk,
-        chunk tables match token counts, and only HOST/HIDDEN chunks have shadows."""
-        with self._lock:
-            owners: dict[ChunkState, dict[int, tuple[str, int]]] = {DEVICE: {}, HOST: {}, HIDDEN: {}, DISK: {}}
-
-            def own(tier, slot, who):
-                pool = self._pool(tier)
-                assert pool is not None, f"{who} is {tier.value} but the store has no such tier"
-                assert 0 <= slot < pool.num_blocks, f"{who}: {tier.value} slot {slot} out of range"
-                assert slot not in owners[tier], f"{tier.value} slot {slot} owned by {owners[tier][slot]} and {who}"
-                owners[tier][slot] = who
-
-            for s in self._sessions.values():
-                n_chunks = -(-len(s.token_ids) // self.block_size)
-                assert len(s.chunks) == n_chunks, (
-                    f"{s.session_id}: {len(s.chunks)} chunks for {len(s.token_ids)} tokens")
-                for k, c in enumerate(s.chunks):
-                    who = (s.session_id, k)
-                    if c.state is DROPPED:
-                        assert c.loc is None and c.shadow is None, (who, c)
-                    else:
-                        assert c.loc is not None, (who, c)
-                        own(c.state, c.loc, who)
-                    if c.shadow is not None:
-                        assert c.state in SHADOWED, f"{who}: only host/hidden chunks keep a device shadow, {c}"
-                        own(DEVICE, c.shadow, who)
-                    if c.source is not None:
-                        assert c.state is DEVICE, f"{who}: only device chunks are rebuilt from a hidden slot, {c}"
-                        own(HIDDEN, c.source, who)
-            for tier, owned in owners.items():
-                pool = self._pool(tier)
-                if pool is not None:
-                    try:
-                        pool.check(set(owned))
-                    except AssertionError as e:
-                        raise AssertionError(f"{tier.value} tier: {e}") from None
-
-    def stats(self, session_id: str | None = None) -> StoreStats | SessionStats:
-        with self._lock:
-            bs = self.block_size
-            if session_id is not None:
-                s = self.session(session_id)
-                r = s.residency(bs)
-                return SessionStats(session_id, s.num_tokens, r["device"], r["host"] + r["hidden"], r["disk"],
-                                    r["dropped"], s.busy, s.last_turn, hidden_tokens=r["hidden"])
-            tot = {t: 0 for t in TIERS}
-            for s in self._sessions.values():
-                for t, n in s.residency(bs).items():
-                    tot[t] += n
-            cached = sum(s.chunk_len(k, bs) for s in self._sessions.values()
-                         for k, c in enumerate(s.chunks) if c.shadow is not None)
-            per_block = self.spec.bytes_per_block
-
-            def used(pool):
-                return 0 if pool is None else (pool.num_blocks - pool.num_free) * per_block
-
-            def cap(pool):
-                return 0 if pool is None else pool.num_blocks * bs
-
-            disk_pool = self.disk.pool if self.disk is not None else None
-            hid = self.hidden_pool
-            return StoreStats(
-                sessions=len(self._sessions), device_tokens=tot["device"], host_tokens=tot["host"] + tot["hidden"],
-                disk_tokens=tot["disk"], dropped_tokens=tot["dropped"], device_cached_tokens=cached,
-                device_bytes=used(self.device_pool), host_bytes=used(self.host_pool) + self._hidden_used_bytes(),
-                disk_bytes=used(disk_pool), device_capacity_tokens=cap(self.device_pool),
-                host_capacity_tokens=cap(self.host_pool) + cap(hid),
-                disk_capacity_tokens=cap(disk_pool), device_free_blocks=self.device_pool.num_free,
-                block_size=bs, kv_bytes_per_token=self.spec.bytes_per_token,
-                counters=Counters(**{f: getattr(self.counters, f) for f in Counters.__slots__}),
-                hidden_tokens=tot["hidden"], hidden_bytes=self._hidden_used_bytes(), hidden_capacity_tokens=cap(hid),
-                hidden_bytes_per_token=0 if hid is None else hid.hidden_spec.bytes_per_token,
-                device_reserved_bytes=self.device_pool.bytes,
-                device_committed_bytes=self.device_pool.committed_bytes() if self.layout == "virtual"
-                else self.device_pool.bytes,
-                device_pages_released=getattr(self.device_pool, "pages_released", 0),
-            )
-
-    def summary(self) -> str:
-        """The store's tiers and traffic, for a person."""
-        return summary(self.stats())
 
     # ---- disk persistence -----------------------------------------------------------------------
 

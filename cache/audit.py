@@ -1,0 +1,95 @@
+"""Integrity and statistics of the store (a mixin of SessionStore): read-only, under the store lock."""
+
+from __future__ import annotations
+
+from .session import TIERS, ChunkState
+from .stats import Counters, SessionStats, StoreStats, summary
+from .tiering import DEVICE, DISK, DROPPED, HIDDEN, HOST, SHADOWED
+
+
+class AuditMixin:
+    # provided by SessionStore: _lock, _sessions, session(), pools, spec, counters, layout
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless every slot of every tier is free or owned by exactly one chunk,
+        chunk tables match token counts, and only HOST/HIDDEN chunks have shadows."""
+        with self._lock:
+            owners: dict[ChunkState, dict[int, tuple[str, int]]] = {DEVICE: {}, HOST: {}, HIDDEN: {}, DISK: {}}
+
+            def own(tier, slot, who):
+                pool = self._pool(tier)
+                assert pool is not None, f"{who} is {tier.value} but the store has no such tier"
+                assert 0 <= slot < pool.num_blocks, f"{who}: {tier.value} slot {slot} out of range"
+                assert slot not in owners[tier], f"{tier.value} slot {slot} owned by {owners[tier][slot]} and {who}"
+                owners[tier][slot] = who
+
+            for s in self._sessions.values():
+                n_chunks = -(-len(s.token_ids) // self.block_size)
+                assert len(s.chunks) == n_chunks, (
+                    f"{s.session_id}: {len(s.chunks)} chunks for {len(s.token_ids)} tokens")
+                for k, c in enumerate(s.chunks):
+                    who = (s.session_id, k)
+                    if c.state is DROPPED:
+                        assert c.loc is None and c.shadow is None, (who, c)
+                    else:
+                        assert c.loc is not None, (who, c)
+                        own(c.state, c.loc, who)
+                    if c.shadow is not None:
+                        assert c.state in SHADOWED, f"{who}: only host/hidden chunks keep a device shadow, {c}"
+                        own(DEVICE, c.shadow, who)
+                    if c.source is not None:
+                        assert c.state is DEVICE, f"{who}: only device chunks are rebuilt from a hidden slot, {c}"
+                        own(HIDDEN, c.source, who)
+            for tier, owned in owners.items():
+                pool = self._pool(tier)
+                if pool is not None:
+                    try:
+                        pool.check(set(owned))
+                    except AssertionError as e:
+                        raise AssertionError(f"{tier.value} tier: {e}") from None
+
+    def stats(self, session_id: str | None = None) -> StoreStats | SessionStats:
+        with self._lock:
+            bs = self.block_size
+            if session_id is not None:
+                s = self.session(session_id)
+                r = s.residency(bs)
+                return SessionStats(session_id, s.num_tokens, r["device"], r["host"] + r["hidden"], r["disk"],
+                                    r["dropped"], s.busy, s.last_turn, hidden_tokens=r["hidden"])
+            tot = {t: 0 for t in TIERS}
+            for s in self._sessions.values():
+                for t, n in s.residency(bs).items():
+                    tot[t] += n
+            cached = sum(s.chunk_len(k, bs) for s in self._sessions.values()
+                         for k, c in enumerate(s.chunks) if c.shadow is not None)
+            per_block = self.spec.bytes_per_block
+
+            def used(pool):
+                return 0 if pool is None else (pool.num_blocks - pool.num_free) * per_block
+
+            def cap(pool):
+                return 0 if pool is None else pool.num_blocks * bs
+
+            disk_pool = self.disk.pool if self.disk is not None else None
+            hid = self.hidden_pool
+            return StoreStats(
+                sessions=len(self._sessions), device_tokens=tot["device"], host_tokens=tot["host"] + tot["hidden"],
+                disk_tokens=tot["disk"], dropped_tokens=tot["dropped"], device_cached_tokens=cached,
+                device_bytes=used(self.device_pool), host_bytes=used(self.host_pool) + self._hidden_used_bytes(),
+                disk_bytes=used(disk_pool), device_capacity_tokens=cap(self.device_pool),
+                host_capacity_tokens=cap(self.host_pool) + cap(hid),
+                disk_capacity_tokens=cap(disk_pool), device_free_blocks=self.device_pool.num_free,
+                block_size=bs, kv_bytes_per_token=self.spec.bytes_per_token,
+                counters=Counters(**{f: getattr(self.counters, f) for f in Counters.__slots__}),
+                hidden_tokens=tot["hidden"], hidden_bytes=self._hidden_used_bytes(), hidden_capacity_tokens=cap(hid),
+                hidden_bytes_per_token=0 if hid is None else hid.hidden_spec.bytes_per_token,
+                device_reserved_bytes=self.device_pool.bytes,
+                device_committed_bytes=self.device_pool.committed_bytes() if self.layout == "virtual"
+                else self.device_pool.bytes,
+                device_pages_released=getattr(self.device_pool, "pages_released", 0),
+            )
+
+    def summary(self) -> str:
+        """The store's tiers and traffic, for a person."""
+        return summary(self.stats())
+

@@ -1,0 +1,170 @@
+"""Planning one forward step over the store: the store's step methods (a mixin of SessionStore).
+
+Every method holds the store lock. `plan_step` reserves device blocks (moving other sessions' chunks
+down by the policy), copies host/disk chunks of the context up, queues hidden chunks for layer-wise
+rebuild, appends the new tokens to the history and describes the step; `commit` makes it permanent,
+`abort` takes it back. Raising leaves the store unchanged.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from ..kernels import PagedBatch
+from .errors import CapacityError
+from .hidden import StepHidden
+from .session import Chunk, Session
+from .step import StepBatch, StepEntry
+from .tiering import DEVICE, DROPPED
+
+
+class StepPlannerMixin:
+    # provided by SessionStore: _lock, _sessions, session(), device_pool, block_size, spec, layout,
+    # attn_backend, capture, counters, and the tiering/hidden-tier internals
+
+    def plan_step(self, requests: Sequence[tuple[str, Sequence[int], Sequence[int]]]) -> StepBatch:
+        """Reserve device blocks for one forward step and describe it.
+
+        `requests`: (session_id, token_ids, positions) per session, at most one per session. A
+        position < the session's length recomputes that history token (its id must match); positions
+        >= length append new tokens and must continue the history without gaps. Host and disk chunks
+        of the context are copied up (layer by layer; on CUDA the step carries per-layer events);
+        dropped chunks of the context must be among the rows. The new tokens join the session's
+        history now; `commit` makes them permanent, `abort` takes them back.
+        """
+        with self._lock:
+            sessions = [self.session(sid) for sid, _, _ in requests]
+            if len({s.session_id for s in sessions}) != len(sessions):
+                raise ValueError("plan_step: at most one entry per session in a step")
+            plans = [self._plan_entry(s, list(ids), list(pos)) for s, (_, ids, pos) in zip(sessions, requests)]
+            exclude = {s.session_id for s in sessions}
+            fresh = sum(len(f) + sum(1 for k in sw if s.chunks[k].shadow is None)
+                        for s, (f, sw) in zip(sessions, plans))
+            held = sum(1 for s in sessions for c in s.chunks if c.state is DEVICE or c.shadow is not None)
+            if fresh + held > self.device_pool.num_blocks:
+                raise CapacityError(
+                    f"request needs {fresh + held} device blocks of {self.block_size} tokens but the pool has "
+                    f"{self.device_pool.num_blocks} in all ({self.device_pool.num_blocks * self.block_size} tokens); "
+                    "raise device_capacity")
+            n_fill = sum(len(f) for f, _ in plans)
+            if fresh > self.device_pool.num_free:
+                self._make_room(DEVICE, fresh - self.device_pool.num_free, exclude)
+            restore = self._new_restore()
+            events = self._move_up([(s, k) for s, (_, sw) in zip(sessions, plans) for k in sw], DEVICE, exclude,
+                                   restore=restore)
+            fills = self._take(DEVICE, n_fill, exclude,
+                               [(s.session_id, k) for s, (f, _) in zip(sessions, plans) for k in f][::-1])
+            entries = []
+            for s, (_, ids, pos), (fill, swap) in zip(sessions, requests, plans):
+                old_len = len(s.token_ids)
+                if s.turn_started:   # count what a returning turn found on the device, once per turn
+                    s.turn_started = False
+                    self.counters.device_hits += sum(self._ntok(s, k) for k, c in enumerate(s.chunks)
+                                                     if c.state is DEVICE and k not in fill and k not in swap
+                                                     and k * self.block_size < max(pos))
+                recomputed = sum(1 for p in pos if p < old_len)
+                self.counters.recomputed += recomputed
+                s.token_ids.extend(t for p, t in zip(pos, ids) if p >= old_len)
+                while len(s.chunks) * self.block_size < len(s.token_ids):
+                    s.chunks.append(Chunk())
+                for k in fill:
+                    self._release(s, k)
+                    s.chunks[k] = Chunk(DEVICE, fills.pop())
+                    if self.capture is not None:     # every token of it is computed while capturing
+                        self.capture.valid[s.chunks[k].loc] = True
+                entries.append(StepEntry(s.session_id, tuple(ids), tuple(pos), old_len, tuple(fill)))
+            self._sync_disk()
+            return self._build(entries, events, restore)
+
+    def commit(self, step: StepBatch) -> None:
+        with self._lock:
+            restore = step.hidden.restore if step.hidden is not None else None
+            if restore is not None:
+                restore.finish(self.device_pool)     # layers a forward did not reach, if any
+                self._settle_restore(restore, ok=True)
+            now = time.monotonic()
+            for e in step.entries:
+                if e.session_id in self._sessions:
+                    self._sessions[e.session_id].last_active = now
+
+    def abort(self, step: StepBatch) -> None:
+        """Undo `plan_step`: new tokens leave the history, chunks filled in the step are dropped again
+        (chunks it copied up stay on the device: their KV is valid; chunks whose K/V was being
+        rebuilt from hidden states stay on the device only if every layer was rebuilt)."""
+        with self._lock:
+            restore = step.hidden.restore if step.hidden is not None else None
+            if restore is not None:
+                self._settle_restore(restore, ok=restore.complete)
+            for e in step.entries:
+                s = self._sessions.get(e.session_id)
+                if s is None:
+                    continue
+                for k in e.new_blocks:
+                    if k < len(s.chunks):
+                        self._release(s, k)
+                del s.token_ids[e.old_len:]
+                del s.chunks[-(-e.old_len // self.block_size):]
+
+    def _plan_entry(self, s: Session, ids: list[int], pos: list[int]) -> tuple[list[int], list[int]]:
+        """Validate one entry; return (chunks the rows fill: need a fresh block, chunks to copy up)."""
+        n, bs = len(s.token_ids), self.block_size
+        if len(ids) != len(pos) or not ids:
+            raise ValueError(f"session {s.session_id!r}: step needs >= 1 token and one position per token")
+        new = [p for p in pos if p >= n]
+        if new != list(range(n, n + len(new))) or min(pos) < 0 or len(set(pos)) != len(pos):
+            raise ValueError(f"session {s.session_id!r}: new positions must continue the history at {n} without gaps")
+        for p, t in zip(pos, ids):
+            if p < n and s.token_ids[p] != t:
+                raise ValueError(f"session {s.session_id!r}: recomputed token at {p} is {t}, "
+                                 f"history has {s.token_ids[p]}")
+        rows, end = set(pos), max(pos) + 1
+        fill, swap = [], []
+        for k in range(-(-end // bs)):
+            state = s.chunks[k].state if k < len(s.chunks) else DROPPED
+            if state is DEVICE:
+                continue
+            history = [p for p in range(k * bs, min((k + 1) * bs, n, end))]
+            if all(p in rows for p in history):
+                fill.append(k)                 # every stored token of it is recomputed: fresh block
+            elif state is DROPPED:
+                raise ValueError(f"session {s.session_id!r}: chunk {k} is dropped; its positions must be "
+                                 "recomputed in the step (missing_positions)")
+            else:
+                swap.append(k)
+        return fill, swap
+
+    def _build(self, entries: list[StepEntry], events: list, restore=None) -> StepBatch:
+        bs, dev = self.block_size, self.device_pool.device
+        ids, pos, slots, cu, kv_len, tables = [], [], [], [0], [], []
+        for e in entries:
+            s = self._sessions[e.session_id]
+            ids += e.token_ids
+            pos += e.positions
+            slots += [s.chunks[p // bs].loc * bs + p % bs for p in e.positions]
+            cu.append(len(pos))
+            kv_len.append(max(e.positions) + 1)
+            tables.append([c.loc for c in s.chunks[: -(-kv_len[-1] // bs)]])
+        width = max(map(len, tables))
+        paged = PagedBatch(torch.tensor(cu, dtype=torch.int32), torch.tensor(pos, dtype=torch.int64),
+                           torch.tensor(kv_len, dtype=torch.int32),
+                           torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32))
+        paged.validate(self.device_pool.num_blocks, bs)
+        dense_slots = None
+        if self.layout == "virtual":   # each entry's KV is one contiguous row of its session's slot
+            dense_slots = tuple(self.device_pool.slot_of(e.session_id) for e in entries)
+        layer_events = None
+        if events:   # per layer, the events of every copy group
+            layer_events = tuple(tuple(group[layer] for group in events) for layer in range(self.spec.num_layers))
+        return StepBatch(
+            entries=tuple(entries), paged=paged.to(dev), slots=torch.tensor(slots, dtype=torch.int64, device=dev),
+            input_ids=torch.tensor([ids], dtype=torch.long, device=dev),
+            position_ids=torch.tensor([pos], dtype=torch.long, device=dev),
+            pool=self.device_pool, backend=self.attn_backend, window=self.spec.window, layer_events=layer_events,
+            dense_slots=dense_slots,
+            hidden=None if self.capture is None else StepHidden(
+                self.capture, torch.tensor(slots, dtype=torch.long), restore if restore and restore.chunks else None),
+        )
+
