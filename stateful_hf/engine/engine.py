@@ -23,6 +23,7 @@ from .request import Request, RequestOutput, RequestStatus
 from .runner import ModelRunner, StepRecord
 from .sampling import SamplingParams, eos_ids, make_generator
 from .scheduler import Scheduler, SchedulerConfig
+from .slo import SloPolicy, check_slo
 from .text import OutputText
 
 
@@ -39,6 +40,14 @@ class EngineStats:
     mean_occupancy: float        # mean share of device blocks in use after a step
     running: int
     waiting: int
+    # SLOs (zero without them): finished requests whose metric is defined, and those over the SLO.
+    ttft_measured: int = 0
+    ttft_slo_violations: int = 0
+    ttft_slo_violation_rate: float = 0.0       # violations / measured
+    tpot_measured: int = 0
+    tpot_slo_violations: int = 0
+    tpot_slo_violation_rate: float = 0.0
+    slo_deferrals: int = 0                     # steps whose admission the TPOT slack gate stopped
 
 
 class Engine(ChatMixin, HintMixin):
@@ -47,14 +56,20 @@ class Engine(ChatMixin, HintMixin):
     max_batch_tokens: rows per forward; prefills are chunked to fit. max_num_seqs: running requests.
     reserve_fraction: admit new work only while more than this share of device blocks is available.
     on_busy: a submit for a session that has a turn in flight "wait"s for it or is "refuse"d.
+    ttft_slo / tpot_slo: seconds, or None (the default: admission as without them). Per-request
+    metrics and `stats()` report violations; with `tpot_slo`, queued prefills are admitted only while
+    their predicted prefill time fits in the running decodes' smallest slack (LayerKV, `slo.py`).
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer=None, store: SessionStore | None = None, *,
                  device_capacity: int | str = "1GiB", chunk_size: int = 32, max_batch_tokens: int = 512,
                  max_num_seqs: int = 128, reserve_fraction: float = 0.1, on_busy: str = "wait",
-                 keep_step_records: int = 4096):
+                 keep_step_records: int = 4096, ttft_slo: float | None = None, tpot_slo: float | None = None):
         if on_busy not in ("wait", "refuse"):
             raise ValueError(f"on_busy must be 'wait' or 'refuse', got {on_busy!r}")
+        self.ttft_slo, self.tpot_slo = check_slo("ttft_slo", ttft_slo), check_slo("tpot_slo", tpot_slo)
+        # None when no SLO is set: the scheduler then admits exactly as before
+        self.slo = SloPolicy(self.ttft_slo, self.tpot_slo) if (ttft_slo, tpot_slo) != (None, None) else None
         self.store = store if store is not None else SessionStore(model, device_capacity, chunk_size=chunk_size)
         if self.store.model is not model:
             raise ValueError("the store belongs to another model")
@@ -62,7 +77,7 @@ class Engine(ChatMixin, HintMixin):
         self.adapter = self.store.adapter
         self.eos = eos_ids(model)
         self.scheduler = Scheduler(self.store, SchedulerConfig(max_batch_tokens, max_num_seqs, reserve_fraction),
-                                   self.adapter.max_positions)
+                                   self.adapter.max_positions, self.slo)
         self.runner = ModelRunner(model, self.store)
         self.steps: deque[StepRecord] = deque(maxlen=keep_step_records)
         self._cv = threading.Condition()           # guards inbox, registry; notified after every step
@@ -161,6 +176,8 @@ class Engine(ChatMixin, HintMixin):
                     record = self.runner.record(self._totals["steps"], items, time.monotonic() - t0)
                     self.steps.append(record)
                     self._account(items, record, decode_rows)
+                    if self.slo is not None:    # prefill rows = every row but the decode ones
+                        self.slo.observe_step(record.num_tokens - decode_rows, decode_rows, record.seconds)
             self._publish(items)
             return record
 
@@ -186,6 +203,7 @@ class Engine(ChatMixin, HintMixin):
                 if r.text is not None:
                     r.text.finish()
                 out = self._output(r)
+                self._account_slo(r, out)
                 on_finish = self._on_finish.pop(r.request_id, None)
                 if on_finish is not None:     # before the handle reads as done (chat: the reply is kept first)
                     on_finish(out)
@@ -199,7 +217,17 @@ class Engine(ChatMixin, HintMixin):
 
     def _output(self, r: Request) -> RequestOutput:
         return RequestOutput(r.request_id, r.session_id, tuple(r.output_ids), r.text.text if r.text else None,
-                             r.finish_reason, r.metrics(), r.error)
+                             r.finish_reason, r.metrics(self.ttft_slo, self.tpot_slo), r.error)
+
+    def _account_slo(self, r: Request, out: RequestOutput) -> None:
+        if self.slo is None:
+            return
+        self.slo.observe_finished(r)
+        t, m = self._totals, out.metrics
+        for name, violated in (("ttft", m.ttft_slo_violated), ("tpot", m.tpot_slo_violated)):
+            if violated is not None:
+                t[f"{name}_measured"] += 1
+                t[f"{name}_violations"] += violated
 
     def _wait_until(self, pred: Callable[[], bool], timeout: float | None = None) -> None:
         """Wait for `pred`; drive steps in this thread when no background loop runs."""
@@ -272,7 +300,12 @@ class Engine(ChatMixin, HintMixin):
                            tokens_per_second=t["generated"] / busy if busy else 0.0,
                            mean_batch_tokens=t["rows"] / max(t["steps"], 1),
                            mean_occupancy=t["occupancy_ppm"] / 1e6 / max(t["steps"], 1),
-                           running=len(self.scheduler.running), waiting=len(self.scheduler.waiting))
+                           running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+                           ttft_measured=t["ttft_measured"], ttft_slo_violations=t["ttft_violations"],
+                           ttft_slo_violation_rate=t["ttft_violations"] / max(t["ttft_measured"], 1),
+                           tpot_measured=t["tpot_measured"], tpot_slo_violations=t["tpot_violations"],
+                           tpot_slo_violation_rate=t["tpot_violations"] / max(t["tpot_measured"], 1),
+                           slo_deferrals=self.slo.deferred if self.slo is not None else 0)
 
     def generate(self, session_ids: Sequence[str], prompts: Sequence, sampling: SamplingParams |
                  Sequence[SamplingParams] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:

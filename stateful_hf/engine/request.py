@@ -42,6 +42,9 @@ class RequestMetrics:
     recomputed_tokens: int             # history tokens recomputed (dropped, or evicted by a suspension)
     truncated_tokens: int              # history cut because the prompt diverged from it (an edit)
     suspensions: int
+    # SLO outcome: None without that SLO or when the metric is undefined (no token / one token).
+    ttft_slo_violated: bool | None = None      # ttft > ttft_slo
+    tpot_slo_violated: bool | None = None      # tpot > tpot_slo
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,14 +95,18 @@ class Request:
         """One sampled token to feed and nothing to recompute: a 1-row step entry."""
         return bool(self.output_ids) and len(self.pending) == 1 and not self.missing
 
-    def metrics(self) -> RequestMetrics:
+    def metrics(self, ttft_slo: float | None = None, tpot_slo: float | None = None) -> RequestMetrics:
         a, first, end, n = self.arrival, self.first_token_at, self.finished_at, len(self.output_ids)
+        ttft = None if first is None else first - a
+        tpot = (end - first) / (n - 1) if first is not None and end is not None and n > 1 else None
         return RequestMetrics(
             arrival_time=a,
             queue_time=None if self.scheduled_at is None else self.scheduled_at - a,
-            ttft=None if first is None else first - a,
-            tpot=(end - first) / (n - 1) if first is not None and end is not None and n > 1 else None,
+            ttft=ttft,
+            tpot=tpot,
             latency=None if end is None else end - a,
             prompt_tokens=len(self.prompt), output_tokens=n, reused_tokens=self.reused, swapped_tokens=self.swapped,
             recomputed_tokens=self.recomputed, truncated_tokens=self.truncated, suspensions=self.suspensions,
+            ttft_slo_violated=None if ttft_slo is None or ttft is None else ttft > ttft_slo,
+            tpot_slo_violated=None if tpot_slo is None or tpot is None else tpot > tpot_slo,
         )

@@ -3,7 +3,9 @@
 Every step it (1) continues running requests oldest first (a decode token each, then chunks of
 their prefills and recomputations), suspending the latest-arrived ones when their session blocks
 do not fit; (2) admits queued requests in arrival order while more than a reserve of device blocks
-stays available. The store owns KV state; the scheduler only reads it and asks for steps/evictions.
+stays available and, with an SLO policy, while the queued prefills' predicted time fits in the
+running decodes' smallest TPOT slack (`slo.py`). The store owns KV state; the scheduler only reads
+it and asks for steps/evictions.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 
 from ..cache import CapacityError, ChunkState, SessionBusyError, SessionStore, TurnStats
 from .request import Request, RequestStatus
+from .slo import SloPolicy, prefill_rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,11 +56,12 @@ class WorkItem:
 
 
 class Scheduler:
-    def __init__(self, store: SessionStore, config: SchedulerConfig, max_positions: int):
+    def __init__(self, store: SessionStore, config: SchedulerConfig, max_positions: int,
+                 slo: SloPolicy | None = None):
         if config.max_batch_tokens < store.block_size:
             raise ValueError(f"max_batch_tokens ({config.max_batch_tokens}) must be >= the store's chunk size "
                              f"({store.block_size}): recomputation goes by whole chunks")
-        self.store, self.config, self.max_positions = store, config, max_positions
+        self.store, self.config, self.max_positions, self.slo = store, config, max_positions, slo
         self.waiting: list[Request] = []    # WAITING and SUSPENDED, by arrival
         self.running: list[Request] = []    # RUNNING, by arrival
         self.finished: list[Request] = []   # ended since the engine last drained them
@@ -130,18 +134,25 @@ class Scheduler:
                 prefill_budget -= item.num_tokens
             items.append(item)
             i += 1
-        # (2) admission, FCFS, while more than the reserve stays available.
+        # (2) admission, FCFS, while more than the reserve stays available and (SLO policy) the
+        # admitted prefills' predicted seconds fit in min_i slack_i of the running decodes.
         reserve = math.ceil(self.config.reserve_fraction * self.store.device_pool.num_blocks)
+        allowance = self.slo.allowance(self.running) if self.slo is not None else math.inf
         for r in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            cost = self.slo.prefill_seconds(prefill_rows(self.store, r)) if allowance < math.inf else 0.0
+            if cost > allowance:       # would push a decode past its TPOT SLO: defer, FCFS
+                self.slo.deferred += 1
                 break
             admitted = self._admit(r, budget, avail, reserve, first=not items)
             if admitted is None:       # head of line does not fit: strict FCFS, stop here
                 break
             if admitted is False:      # its session is busy with an earlier turn: let later sessions pass
                 continue
-            item, cost = admitted
-            avail -= cost
+            item, blocks = admitted
+            avail -= blocks
+            allowance -= cost
             budget -= item.num_tokens
             items.append(item)
         return items
