@@ -31,7 +31,7 @@ from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.streamers import BaseStreamer
 
-from stateful_hf import Engine, SamplingParams
+from stateful_hf import Engine, SamplingParams, SessionStore
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,9 +158,10 @@ def run_transformers_cb(model, wl: Workload, max_batch_tokens: int, page_size: i
     return Result("(b) transformers CB", wall, sum(map(len, outputs.values())), tuple(ttft), outputs)
 
 
-def run_engine(model, wl: Workload, max_batch_tokens: int) -> tuple[Result, Engine]:
-    engine = Engine(model, device_capacity=wl.sessions * (wl.max_context + 64), max_batch_tokens=max_batch_tokens,
-                    max_num_seqs=wl.sessions)
+def run_engine(model, wl: Workload, max_batch_tokens: int, layout: str = "paged") -> tuple[Result, Engine]:
+    capacity = wl.sessions * (-(-(wl.max_context + 64) // 32) * 32)   # whole 32-token blocks (and slots)
+    store = SessionStore(model, capacity, layout=layout, max_context=wl.max_context + 64)
+    engine = Engine(model, store=store, max_batch_tokens=max_batch_tokens, max_num_seqs=wl.sessions)
     params = SamplingParams(max_new_tokens=wl.new, ignore_eos=True)
     ttft, outputs, errors = [], {}, []
 
@@ -201,6 +202,8 @@ def main() -> None:
     ap.add_argument("--max-batch-tokens", type=int, default=256)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     ap.add_argument("--skip", default="", help="comma-separated systems to skip: a,b,c")
+    ap.add_argument("--layout", choices=("paged", "virtual"), default="paged",
+                    help="the engine's device layout: paged blocks, or vAttention's contiguous slots")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -223,7 +226,7 @@ def main() -> None:
         print(f"  {results[-1].name}: {results[-1].wall:.1f} s, 1-min load {os.getloadavg()[0]:.1f}", flush=True)
     engine = None
     if "c" not in skip:
-        res, engine = run_engine(models[2], wl, args.max_batch_tokens)
+        res, engine = run_engine(models[2], wl, args.max_batch_tokens, args.layout)
         results.append(res)
         print(f"  {res.name}: {res.wall:.1f} s, 1-min load {os.getloadavg()[0]:.1f}", flush=True)
     # Systems run one after another: on a shared machine, other processes change the CPU they get.

@@ -241,16 +241,15 @@ class SessionStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin):
                        if c.state is DEVICE or c.shadow is not None)
             return self.device_pool.num_free + idle
 
-    def available_slots(self, session_id: str) -> int | None:
-        """Virtual layout: device slots a step could still give to new sessions (free ones plus those
-        held by idle sessions), or a large number when `session_id` already holds one. None for the
-        paged layout, where only blocks count."""
+    def available_slots(self) -> int | None:
+        """Virtual layout: device slots that busy sessions could still get, the free ones plus those
+        held by idle sessions (which a step takes by moving them down). None for the paged layout,
+        where only blocks count. Admitting a turn costs one: its session either claims a slot or
+        keeps the one it holds out of reach."""
         if self.layout != "virtual":
             return None
         with self._lock:
             pool = self.device_pool
-            if pool.slot_of(session_id) is not None:
-                return pool.num_slots
             idle = sum(1 for s in self._sessions.values() if not s.busy and pool.slot_of(s.session_id) is not None)
             return pool.free_slots + idle
 

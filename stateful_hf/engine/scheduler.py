@@ -176,10 +176,10 @@ class Scheduler:
         if item is None:
             return None
         need = self._blocks_needed(r, item, keep)
-        slots = store.available_slots(r.session_id)        # virtual layout: a session needs a device slot
+        slots = store.available_slots()                    # virtual layout: a session needs a device slot
         if slots is not None:
             claimed = sum(1 for q in self.running if store.device_pool.slot_of(q.session_id) is None)
-            if slots <= claimed:                           # running sessions not yet placed claim them first
+            if slots - claimed < 1:                        # running sessions not yet placed claim them first
                 return None
         if need + held > avail or (need + held > avail - reserve and not (first and not self.running)):
             if first and not self.running and need + held > avail:
