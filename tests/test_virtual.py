@@ -145,3 +145,16 @@ def test_virtual_with_hidden_states_and_every_tier(family, make_store, tmp_path)
         assert torch.equal(out, greedy(oracle, conv.ids)), layout
         assert store.stats("a").last_turn.restored_hidden == before["hidden"] > 0
         conv.reply(out)
+
+
+def test_slot_holders_returning_with_a_new_session_do_not_overcommit_slots(make_store):
+    from stateful_hf import Engine
+
+    model, oracle = FAMILIES["llama"](), FAMILIES["llama"]()
+    store = make_store(model, device_capacity=2 * 256, layout="virtual", max_context=256, host_capacity=2048,
+                       cost_profile=PROFILE)
+    convs = {s: Conversation(seed=90 + i, first=20, turn=6) for i, s in enumerate("ACB")}
+    with Engine(model, store=store, max_batch_tokens=128) as engine:
+        engine_round(engine, {s: convs[s] for s in "AC"}, oracle, n=4)        # A and C now hold both slots
+        # a new session first, then both holders: admitting all three at once would need 3 slots
+        engine_round(engine, {s: convs[s] for s in "BAC"}, oracle, n=4)
