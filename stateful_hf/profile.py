@@ -1,11 +1,18 @@
 """Pensieve's Cost(l): the time to recompute one chunk attending to l tokens, measured once per model
-geometry and device at powers of two of l (then interpolated by `CostProfile`)."""
+geometry and device at powers of two of l (then interpolated by `CostProfile`).
+
+Measured profiles are kept for this process and on disk, under `$STATEFUL_HF_CACHE` (default
+`~/.cache/stateful_hf`)/cost_profiles, keyed by the model config, device, dtype, chunk size, torch
+version and processor, so a model is profiled once per machine, not once per store."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import platform
 import time
+from pathlib import Path
 
 import torch
 
@@ -18,7 +25,33 @@ _MEASURED: dict[str, CostProfile] = {}   # memo per model geometry and device, f
 
 def _key(model: torch.nn.Module, spec: KVSpec) -> str:
     config = json.dumps(model.config.to_dict(), sort_keys=True, default=str)
-    return hashlib.sha1(f"{config}|{spec.device}|{spec.dtype}|{spec.block_size}".encode()).hexdigest()
+    where = f"{spec.device}|{spec.dtype}|{spec.block_size}|{torch.__version__}|{platform.machine()}|" \
+            f"{platform.processor()}|{torch.get_num_threads()}"
+    return hashlib.sha1(f"{config}|{where}".encode()).hexdigest()
+
+
+def _cache_file(key: str) -> Path:
+    root = os.environ.get("STATEFUL_HF_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "stateful_hf")
+    return Path(root) / "cost_profiles" / f"{key}.json"
+
+
+def _load(key: str) -> CostProfile | None:
+    try:
+        saved = json.loads(_cache_file(key).read_text())
+        return CostProfile(tuple(saved["lengths"]), tuple(saved["seconds"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None          # absent or unreadable: measure again
+
+
+def _save(key: str, profile: CostProfile) -> None:
+    path = _cache_file(key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"lengths": list(profile.lengths), "seconds": list(profile.seconds)}))
+        os.replace(tmp, path)
+    except OSError:
+        pass                 # a read-only home is no reason to fail: the profile stays in memory
 
 
 def _fit_linear(lengths: list[int], seconds: list[float]) -> list[float]:
@@ -42,6 +75,9 @@ def measure_cost_profile(model: torch.nn.Module, spec: KVSpec, max_length: int =
     key = _key(model, spec)
     if key in _MEASURED:
         return _MEASURED[key]
+    if (saved := _load(key)) is not None:
+        _MEASURED[key] = saved
+        return saved
     chunk = spec.block_size
     limit = min(max_length, model.config.max_position_embeddings - chunk)
     lengths = [chunk]
@@ -54,6 +90,7 @@ def measure_cost_profile(model: torch.nn.Module, spec: KVSpec, max_length: int =
             best[i] = min(best[i], t)
     profile = CostProfile(tuple(lengths), tuple(_fit_linear(lengths, best)))
     _MEASURED[key] = profile
+    _save(key, profile)
     return profile
 
 

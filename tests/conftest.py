@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import zlib
 
 import pytest
@@ -18,6 +19,12 @@ FAMILIES = {
     "opt-post-ln": lambda: tiny_opt(do_layer_norm_before=False),
     "opt-proj": lambda: tiny_opt(word_embed_proj_dim=32),
 }
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_profile_cache(tmp_path_factory):
+    """Measured cost profiles go to a per-run directory, not the user's ~/.cache."""
+    os.environ["STATEFUL_HF_CACHE"] = str(tmp_path_factory.mktemp("stateful_hf_cache"))
 
 
 @pytest.fixture

@@ -217,3 +217,19 @@ def test_disk_file_that_cannot_be_created(tmp_path):
         stateful_hf.SessionStore(model, disk_dir=blocker / "d", cost_profile=PROFILE)
     with pytest.raises(StoreError, match="cannot create"):
         stateful_hf.SessionStore(model, disk_dir=tmp_path / "big", disk_capacity="64PB", cost_profile=PROFILE)
+
+
+def test_measured_profile_is_kept_on_disk(tmp_path, monkeypatch):
+    import stateful_hf.profile as profile_mod
+
+    monkeypatch.setenv("STATEFUL_HF_CACHE", str(tmp_path))
+    model = tiny_llama(seed=5)
+    first = stateful_hf.SessionStore(model).policy.profile
+    assert list((tmp_path / "cost_profiles").glob("*.json"))
+    profile_mod._MEASURED.clear()                                   # a new process, as it were
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("the saved profile should have been used")
+
+    monkeypatch.setattr(profile_mod, "_sweep", no_measuring)
+    assert stateful_hf.SessionStore(model).policy.profile == first
