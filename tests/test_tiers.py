@@ -223,6 +223,7 @@ def test_measured_profile_is_kept_on_disk(tmp_path, monkeypatch):
     import stateful_hf.profile as profile_mod
 
     monkeypatch.setenv("STATEFUL_HF_CACHE", str(tmp_path))
+    monkeypatch.setattr(profile_mod, "_MEASURED", {})               # nothing measured yet in this process
     model = tiny_llama(seed=5)
     first = stateful_hf.SessionStore(model).policy.profile
     assert list((tmp_path / "cost_profiles").glob("*.json"))
