@@ -55,8 +55,8 @@ class StepPlannerMixin:
             restore = self._new_restore()
             events = self._move_up([(s, k) for s, (_, sw) in zip(sessions, plans) for k in sw], DEVICE, exclude,
                                    restore=restore)
-            fills = self._take(DEVICE, n_fill, exclude,
-                               [(s.session_id, k) for s, (f, _) in zip(sessions, plans) for k in f][::-1])
+            fills = iter(self._take(DEVICE, n_fill, exclude,
+                                    [(s.session_id, k) for s, (f, _) in zip(sessions, plans) for k in f]))
             entries = []
             for s, (_, ids, pos), (fill, swap) in zip(sessions, requests, plans):
                 old_len = len(s.token_ids)
@@ -72,7 +72,7 @@ class StepPlannerMixin:
                     s.chunks.append(Chunk())
                 for k in fill:
                     self._release(s, k)
-                    s.chunks[k] = Chunk(DEVICE, fills.pop())
+                    s.chunks[k] = Chunk(DEVICE, next(fills))
                     if self.capture is not None:     # every token of it is computed while capturing
                         self.capture.valid[s.chunks[k].loc] = True
                 entries.append(StepEntry(s.session_id, tuple(ids), tuple(pos), old_len, tuple(fill)))
