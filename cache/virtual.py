@@ -92,31 +92,37 @@ class VirtualPool:
             raise ValueError("a virtual pool allocates per (session, chunk): pass owners")
         if self.slots_needed(owners) > len(self._free_slots):
             raise NoSlotError(f"{self.slots_needed(owners)} sessions need a slot, {len(self._free_slots)} free")
+        for sid, k in owners:                            # validate all before taking any (raise = no change)
+            if not 0 <= k < self.blocks_per_slot:
+                raise ValueError(f"chunk {k} is past the slot's {self.blocks_per_slot} blocks (max_context)")
+            slot = self._slot_of.get(sid)
+            if slot is not None and slot * self.blocks_per_slot + k in self._used:
+                raise ValueError(f"chunk {k} of session {sid!r} already has a block")
+        if len(set(owners)) != len(owners):
+            raise ValueError("a (session, chunk) asks for two blocks")
         out = []
         for sid, k in owners:
             if sid not in self._slot_of:
                 slot = self._free_slots.pop()
                 self._slot_of[sid], self._count[slot] = slot, 0
             slot = self._slot_of[sid]
-            if not 0 <= k < self.blocks_per_slot:
-                raise ValueError(f"chunk {k} is past the slot's {self.blocks_per_slot} blocks (max_context)")
             block = slot * self.blocks_per_slot + k
-            if block in self._used:
-                raise ValueError(f"block {block} (session {sid!r}, chunk {k}) is already in use")
             self._used[block] = sid
             self._count[slot] += 1
             if not isinstance(self._mem, mmap.mmap):     # CUDA: map the block's pages first
-                for start, length in self._ranges(slot, k):
-                    self._mem.acquire(start, length)
+                for _, start, end in self._block_rows(slot, k):
+                    self._mem.acquire(start, end - start)
             out.append(block)
         return out
 
-    def _ranges(self, slot: int, k: int):
-        """(byte offset, length) of block k of `slot` in every layer's K and V buffer."""
+    def _block_rows(self, slot: int, k: int):
+        """Per layer and K/V: (rows [block_size, Hkv, D] of block k of `slot`, byte start, byte end)."""
         bs, first = self.spec.block_size, self.data.data_ptr()
         for layer in range(self.spec.num_layers):
             for kv in (0, 1):
-                yield self.data[layer, kv, slot, k * bs].data_ptr() - first, bs * self._row_bytes
+                rows = self.data[layer, kv, slot, k * bs:(k + 1) * bs]
+                start = rows.data_ptr() - first
+                yield rows, start, start + bs * self._row_bytes
 
     def free(self, blocks: list[int]) -> None:
         for block in blocks:
@@ -164,25 +170,21 @@ class VirtualPool:
         """Give back the pages of one block (each layer, K and V). Rows on pages shared with
         neighbouring blocks are zeroed instead, so a reused block reads as zeros either way."""
         bs = self.spec.block_size
-        for layer in range(self.spec.num_layers):
-            for kv in (0, 1):
-                rows = self.data[layer, kv, slot, k * bs:(k + 1) * bs]
-                if not isinstance(self._mem, mmap.mmap):   # CUDA: zero (pieces are shared), unmap unused
-                    rows.zero_()
-                    self._mem.release(rows.data_ptr() - self.data.data_ptr(), bs * self._row_bytes)
-                    continue
-                start = rows.data_ptr() - self.data.data_ptr()
-                end = start + bs * self._row_bytes
-                a, b = -(-start // PAGE) * PAGE, end // PAGE * PAGE
-                if b <= a:                    # smaller than a page: nothing whole to give back
-                    rows.zero_()
-                    continue
-                self._mem.madvise(mmap.MADV_DONTNEED, a, b - a)
-                self.pages_released += (b - a) // PAGE
-                head = -(-(a - start) // self._row_bytes)      # rows touching the partial first page
-                tail = -(-(end - b) // self._row_bytes)        # rows touching the partial last page
-                rows[:head].zero_()
-                rows[bs - tail:].zero_()
+        for rows, start, end in self._block_rows(slot, k):
+            if not isinstance(self._mem, mmap.mmap):       # CUDA: zero (pieces are shared), unmap unused
+                rows.zero_()
+                self._mem.release(start, end - start)
+                continue
+            a, b = -(-start // PAGE) * PAGE, end // PAGE * PAGE
+            if b <= a:                    # smaller than a page: nothing whole to give back
+                rows.zero_()
+                continue
+            self._mem.madvise(mmap.MADV_DONTNEED, a, b - a)
+            self.pages_released += (b - a) // PAGE
+            head = -(-(a - start) // self._row_bytes)      # rows touching the partial first page
+            tail = -(-(end - b) // self._row_bytes)        # rows touching the partial last page
+            rows[:head].zero_()
+            rows[bs - tail:].zero_()
 
 
 def _resident_pages(addr: int, length: int) -> int:

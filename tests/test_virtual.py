@@ -103,6 +103,11 @@ def test_reused_slot_reads_zeros(make_store):
     pool.free(blocks)
     again = pool.allocate(3, [("y", k) for k in range(3)])
     assert again == blocks and float(pool.layer(0)[0][again].abs().sum()) == 0.0
+    before = (pool.num_free, pool.free_slots)
+    for bad in ([("z", 0), ("z", 10**6)], [("y", 3), ("y", 1)], [("w", 0), ("w", 0)]):   # past max_context,
+        with pytest.raises(ValueError):                                                # in use, twice
+            pool.allocate(len(bad), bad)
+        assert (pool.num_free, pool.free_slots) == before and pool.slot_of("z") is None and pool.slot_of("w") is None
     pool.free(again)
 
 
