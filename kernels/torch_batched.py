@@ -1,11 +1,15 @@
-"""Fast pure-torch paged attention: grouped gather into a reused workspace + one SDPA per group.
+"""Fast pure-torch paged attention: gather into a cache-sized workspace + one SDPA per slice of a group.
 
-Measured on the 2-core CPU (benchmarks/bench_kernels.py): a per-sub-request loop costs 4-8x contiguous
-SDPA, a block-wise online-softmax loop in torch ~1.6x (and changes rounding), while gathering each
-group's blocks with `index_select(out=workspace)` and running one SDPA over the padded group costs
-~1.5-1.9x and gives bit-for-bit the output contiguous SDPA gives on the same keys. The workspace is
-allocated on the first layer of a step and reused by every later layer (fresh 100 MB allocations
-cost more than the copy itself: first-touch page faults).
+Measured on the 2-core CPU (benchmarks/bench_kernels.py, 32 x 8 rows, Hq 16 / Hkv 4, 4096 context):
+a per-sub-request loop costs ~11x contiguous SDPA; gathering a whole group then one SDPA ~1.9x
+(the gathered copy is written to and read back from DRAM); a block-wise online-softmax loop in torch
+~1.6x. What this file does, ~1.2x of the best contiguous call:
+  - GQA folded into query rows: the G query heads sharing a KV head become G * q rows of one
+    [n, Hkv, G * q, D] query, so SDPA never expands K/V to Hq heads (enable_gqa does);
+  - a group is attended in slices of members whose gathered K+V fits WORKSPACE_BYTES, so the
+    gather's writes and SDPA's reads stay in cache instead of making two more trips to DRAM.
+The workspace is allocated on the first layer of a step and reused by every later layer (fresh
+100 MB allocations cost more than the copy itself: first-touch page faults).
 
 Plan (host side, once per step): sub-requests with query rows are sorted by (q_len, blocks) and cut
 into groups whose padded cost n * max_q * max_kv stays within PAD_SLACK of the real sum q_i * kv_i,
@@ -19,7 +23,8 @@ import torch.nn.functional as F
 
 from .batch import PagedBatch
 
-PAD_SLACK = 1.5     # a group may cost up to this much more than its unpadded work
+PAD_SLACK = 1.5                 # a group may cost up to this much more than its unpadded work
+WORKSPACE_BYTES = 16 << 20      # gathered K+V of one slice of a group (16-32 MiB best of 8..1024 MiB here)
 
 
 class _Group:
@@ -55,14 +60,15 @@ class _Group:
         self.pos = pos.view(self.n, 1, self.max_q, 1)
         self._masks: dict[int | None, torch.Tensor] = {}
 
-    def mask(self, window: int | None) -> torch.Tensor:        # [n, 1, max_q, L] bool, cached per window
-        if window not in self._masks:
+    def mask(self, window: int | None, groups: int) -> torch.Tensor:
+        """[n, 1, groups * max_q, L] bool, rows ordered (query head in its KV group, row); cached."""
+        if (window, groups) not in self._masks:
             keys = torch.arange(self.length, device=self.pos.device)
             m = keys <= self.pos
             if window is not None:
                 m &= keys > self.pos - window
-            self._masks[window] = m
-        return self._masks[window]
+            self._masks[window, groups] = m.repeat(1, 1, groups, 1)
+        return self._masks[window, groups]
 
 
 class TorchPlan:
@@ -88,14 +94,16 @@ class TorchPlan:
         self.groups = [_Group(batch, g, block_size, table) for g in groups]
         self._work: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
-    def _workspace(self, key_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """K and V buffers [n * nb, block_size, Hkv, D] per group, allocated once per step."""
+    def _workspace(self, key_cache: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """Per group: members per slice m and K, V buffers [m * nb, block_size, Hkv, D], made once per step."""
         key = (key_cache.dtype, key_cache.device, tuple(key_cache.shape[1:]))
         if key not in self._work:
-            self._work[key] = [
-                tuple(key_cache.new_empty((g.n * g.nb, *key_cache.shape[1:])) for _ in range(2))
-                for g in self.groups
-            ]
+            block_bytes = 2 * key_cache[0].numel() * key_cache.element_size()
+            self._work[key] = []
+            for g in self.groups:
+                m = max(1, min(g.n, WORKSPACE_BYTES // (g.nb * block_bytes)))
+                self._work[key].append((m, *(key_cache.new_empty((m * g.nb, *key_cache.shape[1:]))
+                                             for _ in range(2))))
         return self._work[key]
 
     def run(self, query, key_cache, value_cache, scale: float, window: int | None = None) -> torch.Tensor:
@@ -103,18 +111,26 @@ class TorchPlan:
         out = torch.zeros_like(query)
         hq, d = query.shape[1:]
         hkv = key_cache.shape[2]
-        for g, (kbuf, vbuf) in zip(self.groups, self._workspace(key_cache)):
-            torch.index_select(key_cache, 0, g.blocks, out=kbuf)
-            torch.index_select(value_cache, 0, g.blocks, out=vbuf)
-            k = kbuf.view(g.n, g.length, hkv, d)
-            v = vbuf.view(g.n, g.length, hkv, d)
-            for j, n in g.tails:          # masked keys must still be finite: SDPA adds the mask to q.k
-                k[j, n:] = 0
-                v[j, n:] = 0
-            q = query.index_select(0, g.q_rows).view(g.n, g.max_q, hq, d).transpose(1, 2)
-            o = F.scaled_dot_product_attention(
-                q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=g.mask(window), scale=scale,
-                enable_gqa=hq != hkv,
-            )                             # [n, Hq, max_q, D]
-            out[g.out_rows] = o.transpose(1, 2).reshape(g.n * g.max_q, hq, d)[g.out_src]
+        rep = hq // hkv                   # query heads per KV head; head h reads KV head h // rep
+        for g, (m, kbuf, vbuf) in zip(self.groups, self._workspace(key_cache)):
+            # [n, Hkv, rep * max_q, D]: rows of one KV head's query heads stacked
+            q = (query.index_select(0, g.q_rows).view(g.n, g.max_q, hkv, rep, d)
+                 .permute(0, 2, 3, 1, 4).reshape(g.n, hkv, rep * g.max_q, d))
+            mask = g.mask(window, rep)
+            o = torch.empty_like(q)
+            for a in range(0, g.n, m):
+                b = min(a + m, g.n)
+                kb, vb = kbuf[: (b - a) * g.nb], vbuf[: (b - a) * g.nb]
+                torch.index_select(key_cache, 0, g.blocks[a * g.nb: b * g.nb], out=kb)
+                torch.index_select(value_cache, 0, g.blocks[a * g.nb: b * g.nb], out=vb)
+                k = kb.view(b - a, g.length, hkv, d)
+                v = vb.view(b - a, g.length, hkv, d)
+                for j, n in g.tails:      # masked keys must still be finite: SDPA adds the mask to q.k
+                    if a <= j < b:
+                        k[j - a, n:] = 0
+                        v[j - a, n:] = 0
+                o[a:b] = F.scaled_dot_product_attention(q[a:b], k.transpose(1, 2), v.transpose(1, 2),
+                                                        attn_mask=mask[a:b], scale=scale)
+            o = o.view(g.n, hkv, rep, g.max_q, d).permute(0, 3, 1, 2, 4).reshape(g.n * g.max_q, hq, d)
+            out[g.out_rows] = o[g.out_src]
         return out
