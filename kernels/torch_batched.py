@@ -28,47 +28,76 @@ WORKSPACE_BYTES = 16 << 20      # gathered K+V of one slice of a group (16-32 Mi
 
 
 class _Group:
-    """Sub-requests attended by one SDPA call. n members, padded to max_q rows and nb blocks."""
+    """Sub-requests attended by one SDPA call. n members, padded to max_q rows and nb blocks.
+
+    Padding reads real pool blocks: a member's keys past its kv_len (the rest of its last block, and
+    whole padding blocks, which repeat its first block) are masked out, and zeroed in the workspace
+    first: they may hold anything (fresh device memory, NaN) and SDPA adds the mask to q.k."""
 
     def __init__(self, batch: PagedBatch, members: list[int], block_size: int, table: torch.Tensor):
         cu_q, kv_len = batch.host
-        device = batch.cu_q.device
+        self.device = batch.cu_q.device
         self.n = len(members)
         self.max_q = max(cu_q[i + 1] - cu_q[i] for i in members)
         self.nb = max(-(-kv_len[i] // block_size) for i in members)
         self.length = self.nb * block_size                     # L: padded context length
-        blocks, q_rows, out_src, out_rows = [], [], [], []
-        self.tails = []                                        # (member j, kv_len) where keys kv_len.. are padding
+        blocks, q_rows, out_src, out_rows, tails = [], [], [], [], []
+        self.tail_start = [0]                                  # member j's tail rows: tails[tail_start[j]:..[j+1]]
         for j, i in enumerate(members):
             need = -(-kv_len[i] // block_size)
             row = table[i, :need].tolist()
-            blocks += row + [row[0]] * (self.nb - need)        # padding reads a valid block, zeroed later
+            blocks += row + [row[0]] * (self.nb - need)
             a, b = cu_q[i], cu_q[i + 1]
             q_rows += list(range(a, b)) + [a] * (self.max_q - (b - a))
             out_src += range(j * self.max_q, j * self.max_q + b - a)
             out_rows += range(a, b)
-            if kv_len[i] < self.length:
-                self.tails.append((j, kv_len[i]))
-        as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)
+            tails += range(j * self.length + kv_len[i], (j + 1) * self.length)
+            self.tail_start.append(len(tails))
+        as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)
         self.blocks = as_long(blocks)                          # [n * nb] pool block ids
         self.q_rows = as_long(q_rows)                          # [n * max_q] packed query rows (padded)
         self.out_src = as_long(out_src)                        # [R] rows of the flattened [n * max_q] output
         self.out_rows = as_long(out_rows)                      # [R] their packed rows
+        self.tails = as_long(tails)                            # rows of the [n * L] keys past each kv_len
+        self._slice_tails: dict[tuple[int, int], torch.Tensor] = {}
         # absolute position of every padded query row; padded rows get -1 (they see nothing)
-        pos = torch.full((self.n * self.max_q,), -1, dtype=torch.long, device=device)
+        pos = torch.full((self.n * self.max_q,), -1, dtype=torch.long, device=self.device)
         pos[self.out_src] = batch.q_pos[self.out_rows].long()
         self.pos = pos.view(self.n, 1, self.max_q, 1)
-        self._masks: dict[int | None, torch.Tensor] = {}
+        self._masks: dict[tuple, torch.Tensor] = {}
+        self._rows: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def mask(self, window: int | None, groups: int) -> torch.Tensor:
         """[n, 1, groups * max_q, L] bool, rows ordered (query head in its KV group, row); cached."""
         if (window, groups) not in self._masks:
-            keys = torch.arange(self.length, device=self.pos.device)
+            keys = torch.arange(self.length, device=self.device)
             m = keys <= self.pos
             if window is not None:
                 m &= keys > self.pos - window
             self._masks[window, groups] = m.repeat(1, 1, groups, 1)
         return self._masks[window, groups]
+
+    def tails_of(self, a: int, b: int) -> torch.Tensor:
+        """Rows of the [(b - a) * L] workspace keys of members a..b-1 that lie past their kv_len."""
+        if (a, b) not in self._slice_tails:
+            self._slice_tails[a, b] = self.tails[self.tail_start[a]: self.tail_start[b]] - a * self.length
+        return self._slice_tails[a, b]
+
+    def rows(self, hq: int, hkv: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat row indices for query heads folded into rows, cached per head geometry:
+        src [n * Hkv * rep * max_q] rows of the packed [T * Hq, D] query, in [n, Hkv, rep, max_q] order;
+        dst, same length, the row of the [T * Hq + 1, D] output each result goes to (the extra last
+        row takes the results of padded query rows)."""
+        if (hq, hkv) not in self._rows:
+            rep = hq // hkv
+            head = torch.arange(hq, device=self.device).view(1, hkv, rep, 1)          # h = kv * rep + g
+            q = self.q_rows.view(self.n, 1, 1, self.max_q) * hq + head                # [n, Hkv, rep, max_q]
+            dst = torch.full((self.n * self.max_q,), -1, dtype=torch.long, device=self.device)
+            dst[self.out_src] = self.out_rows
+            dst = dst.view(self.n, 1, 1, self.max_q) * hq + head
+            dst = torch.where(dst >= 0, dst, num_tokens * hq)
+            self._rows[hq, hkv] = q.flatten(), dst.flatten()
+        return self._rows[hq, hkv]
 
 
 class TorchPlan:
@@ -108,29 +137,36 @@ class TorchPlan:
 
     def run(self, query, key_cache, value_cache, scale: float, window: int | None = None) -> torch.Tensor:
         # query [T, Hq, D]; caches [num_blocks, block_size, Hkv, D] (strided views are fine)
-        out = torch.zeros_like(query)
-        hq, d = query.shape[1:]
+        t, hq, d = query.shape
         hkv = key_cache.shape[2]
         rep = hq // hkv                   # query heads per KV head; head h reads KV head h // rep
+        q_flat = query.reshape(t * hq, d)
+        out = query.new_zeros(t * hq + 1, d)
         for g, (m, kbuf, vbuf) in zip(self.groups, self._workspace(key_cache)):
-            # [n, Hkv, rep * max_q, D]: rows of one KV head's query heads stacked
-            q = (query.index_select(0, g.q_rows).view(g.n, g.max_q, hkv, rep, d)
-                 .permute(0, 2, 3, 1, 4).reshape(g.n, hkv, rep * g.max_q, d))
+            src, dst = g.rows(hq, hkv, t)
+            q = q_flat.index_select(0, src).view(g.n, hkv, rep * g.max_q, d)
             mask = g.mask(window, rep)
-            o = torch.empty_like(q)
-            for a in range(0, g.n, m):
-                b = min(a + m, g.n)
-                kb, vb = kbuf[: (b - a) * g.nb], vbuf[: (b - a) * g.nb]
-                torch.index_select(key_cache, 0, g.blocks[a * g.nb: b * g.nb], out=kb)
-                torch.index_select(value_cache, 0, g.blocks[a * g.nb: b * g.nb], out=vb)
-                k = kb.view(b - a, g.length, hkv, d)
-                v = vb.view(b - a, g.length, hkv, d)
-                for j, n in g.tails:      # masked keys must still be finite: SDPA adds the mask to q.k
-                    if a <= j < b:
-                        k[j - a, n:] = 0
-                        v[j - a, n:] = 0
-                o[a:b] = F.scaled_dot_product_attention(q[a:b], k.transpose(1, 2), v.transpose(1, 2),
-                                                        attn_mask=mask[a:b], scale=scale)
-            o = o.view(g.n, hkv, rep, g.max_q, d).permute(0, 3, 1, 2, 4).reshape(g.n * g.max_q, hq, d)
-            out[g.out_rows] = o[g.out_src]
-        return out
+            if m == g.n:                  # one slice: SDPA's output is the group's
+                o = self._attend(g, 0, g.n, q, mask, key_cache, value_cache, kbuf, vbuf, scale)
+            else:
+                o = torch.empty_like(q)
+                for a in range(0, g.n, m):
+                    b = min(a + m, g.n)
+                    o[a:b] = self._attend(g, a, b, q[a:b], mask[a:b], key_cache, value_cache, kbuf, vbuf, scale)
+            out.index_copy_(0, dst, o.view(-1, d))
+        return out[:-1].view(t, hq, d)
+
+    @staticmethod
+    def _attend(g: _Group, a: int, b: int, q, mask, key_cache, value_cache, kbuf, vbuf, scale: float):
+        """SDPA of members a..b-1 of group g: [b - a, Hkv, rep * max_q, D]."""
+        hkv, d = key_cache.shape[2:]
+        kb, vb = kbuf[: (b - a) * g.nb], vbuf[: (b - a) * g.nb]
+        torch.index_select(key_cache, 0, g.blocks[a * g.nb: b * g.nb], out=kb)
+        torch.index_select(value_cache, 0, g.blocks[a * g.nb: b * g.nb], out=vb)
+        tails = g.tails_of(a, b)
+        if tails.numel():
+            kb.view(-1, hkv, d).index_fill_(0, tails, 0)
+            vb.view(-1, hkv, d).index_fill_(0, tails, 0)
+        k = kb.view(b - a, g.length, hkv, d).transpose(1, 2)
+        v = vb.view(b - a, g.length, hkv, d).transpose(1, 2)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
