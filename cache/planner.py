@@ -8,7 +8,6 @@ rebuild, appends the new tokens to the history and describes the step; `commit` 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 import torch
@@ -85,7 +84,7 @@ class StepPlannerMixin:
             if restore is not None:
                 restore.finish(self.device_pool)     # layers a forward did not reach, if any
                 self._settle_restore(restore, ok=True)
-            now = time.monotonic()
+            now = self.clock()
             for e in step.entries:
                 if e.session_id in self._sessions:
                     self._sessions[e.session_id].last_active = now

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
 from .audit import AuditMixin
@@ -35,14 +35,17 @@ class SessionStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin):
     disk tier exists only when given (the disk tier also needs `disk_dir`). `swap_out_threshold`:
     share of device blocks kept free or reclaimable by ahead-of-time swap-out after each turn.
     hidden_states ("auto" | "always" | "never"), hidden_spec, hidden_capacity (default: host_capacity)
-    and project (hidden -> K/V per layer): HCache's hidden-state tier, see `hidden_tier.py`."""
+    and project (hidden -> K/V per layer): HCache's hidden-state tier, see `hidden_tier.py`.
+    `clock`: seconds for sessions' last activity, which the policy's idle time T is measured with
+    (default time.monotonic; a virtual clock makes eviction order reproducible in replays)."""
 
     def __init__(self, spec: KVSpec, device_capacity: int | str = 4096, *, host_capacity: int | str | None = None,
                  disk_dir: str | os.PathLike | None = None, disk_capacity: int | str | None = None,
                  policy: EvictionPolicy | None = None, attn_backend: str = "torch",
                  swap_out_threshold: float = 0.25, hidden_states: str = "never",
                  hidden_spec: HiddenSpec | None = None, hidden_capacity: int | str | None = None,
-                 project: Projector | None = None, layout: str = "paged", max_context: int | None = None):
+                 project: Projector | None = None, layout: str = "paged", max_context: int | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         if not 0 <= swap_out_threshold < 1:
             raise ValueError(f"swap_out_threshold must be in [0, 1), got {swap_out_threshold}")
         if disk_capacity is not None and disk_dir is None:
@@ -63,6 +66,7 @@ class SessionStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin):
         self.disk = None if disk_dir is None else DiskTier(
             spec, disk_dir, capacity_in_blocks(disk_capacity if disk_capacity is not None else "1GiB", spec))
         self.policy = policy or RetentionPolicy()
+        self.clock = clock
         self.attn_backend = attn_backend
         self.swap_out_threshold = swap_out_threshold
         self.transfer = Transfer(self.device_pool.device)
@@ -89,7 +93,7 @@ class SessionStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin):
             raise ValueError(f"session id must be a non-empty string, got {session_id!r}")
         with self._lock:
             if session_id not in self._sessions:
-                self._sessions[session_id] = Session(session_id)
+                self._sessions[session_id] = Session(session_id, last_active=self.clock())
             return self._sessions[session_id]
 
     def __contains__(self, session_id: str) -> bool:
@@ -123,7 +127,7 @@ class SessionStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin):
         finally:
             with self._lock:
                 s.busy = s.turn_started = False
-                s.last_active = time.monotonic()
+                s.last_active = self.clock()
                 self._swap_out_ahead()
                 self._sync_disk()
 
@@ -273,7 +277,7 @@ class SessionStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin):
     def _load_disk_sessions(self) -> None:
         taken = []
         for sid, saved in self.disk.saved_sessions.items():
-            s = Session(sid, list(saved["token_ids"]))
+            s = Session(sid, list(saved["token_ids"]), last_active=self.clock())
             s.chunks = [Chunk() for _ in range(-(-len(s.token_ids) // self.block_size))]
             for k, slot in saved["disk_chunks"].items():
                 k = int(k)

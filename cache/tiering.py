@@ -11,7 +11,6 @@ HOST, and hidden chunks go down to dropped (HCache, `hidden.py`).
 from __future__ import annotations
 
 import math
-import time
 
 from .errors import CapacityError
 from .pool import BlockPool
@@ -61,7 +60,7 @@ class TieringMixin:
 
     def _candidates(self, state: ChunkState, exclude: set[str], shadowed: bool | None = None):
         """(session, chunk) pairs in `state` of idle sessions outside `exclude`, in policy order."""
-        now = time.monotonic()
+        now = self.clock()
         found = [(s, k) for s in self._sessions.values() if not s.busy and s.session_id not in exclude
                  for k, c in enumerate(s.chunks)
                  if c.state is state and (shadowed is None or (c.shadow is not None) == shadowed)]
@@ -85,7 +84,7 @@ class TieringMixin:
     def _free_device_slots(self, needed: int, exclude: set[str]) -> None:
         """Virtual layout: while fewer slots are free than `needed`, the idle session of lowest value
         holding a slot leaves the device (its chunks move down, its cached shadows are dropped)."""
-        pool, now = self.device_pool, time.monotonic()
+        pool, now = self.device_pool, self.clock()
         while pool.free_slots < needed:
             holders = [s for s in self._sessions.values() if not s.busy and s.session_id not in exclude
                        and pool.slot_of(s.session_id) is not None]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 
 import torch
 
@@ -44,6 +46,7 @@ class SessionStore(_TensorStore):
     hidden_budget: most bytes per token a hidden chunk may store, as a share of its K/V bytes
         (default 0.55; None: fastest restore whatever the size). Where it cannot be met (GQA) it is
         ignored. hidden_capacity: room for hidden chunks (tokens or size; default host_capacity).
+    clock: the time source of sessions' last activity (the policy's idle time); default time.monotonic.
     """
 
     def __init__(self, model: torch.nn.Module, device_capacity: int | str = 4096, *, chunk_size: int = 32,
@@ -52,7 +55,8 @@ class SessionStore(_TensorStore):
                  cost_profile: CostProfile | None = None, attn_backend: str = "auto",
                  swap_out_threshold: float = 0.25, hidden_states: str = "never", hidden_layers: int | None = None,
                  hidden_capacity: int | str | None = None, hidden_budget: float | None = 0.55,
-                 hidden_costs: HiddenCosts | None = None, layout: str = "paged", max_context: int | None = None):
+                 hidden_costs: HiddenCosts | None = None, layout: str = "paged", max_context: int | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         adapter = enable(model)
         param = next(model.parameters())
         spec = KVSpec(adapter.num_layers, adapter.num_kv_heads, adapter.head_dim, dtype=param.dtype,
@@ -83,7 +87,7 @@ class SessionStore(_TensorStore):
                          swap_out_threshold=swap_out_threshold, hidden_states=hidden_states if uses_hidden else "never",
                          hidden_spec=hidden_spec, hidden_capacity=hidden_capacity,
                          project=kv_projector(model, adapter) if uses_hidden else None, layout=layout,
-                         max_context=max_context or adapter.max_positions)
+                         max_context=max_context or adapter.max_positions, clock=clock)
         self.model = model
         self.adapter = adapter
 

@@ -158,6 +158,23 @@ def test_integrity_catches_corruption():
         store.check_integrity()
 
 
+def test_virtual_clock_decides_idle_time():
+    """The store stamps activity with its `clock`, and eviction ranks by that clock's idle time: with
+    a virtual clock the order follows virtual time, whatever the wall clock does."""
+    now = [100.0]
+    store = new_store(capacity=16, clock=lambda: now[0], policy=LRUPolicy())   # 4 blocks
+    append(store, "b", list(range(8)))              # active at 100
+    now[0] = 50.0                                   # the clock may be anything: "a" is older by it
+    append(store, "a", list(range(8)))
+    assert store.session("a").last_active == 50.0 and store.session("b").last_active == 100.0
+    now[0] = 200.0
+    append(store, "x", [1, 2, 3, 4])                # evicts the session idle longest by the clock: "a"
+    assert [c.state for c in store.session("a").chunks] == [ChunkState.DROPPED, ChunkState.DEVICE]
+    assert all(c.state is ChunkState.DEVICE for c in store.session("b").chunks)
+    assert store.session("x").last_active == 200.0
+    store.check_integrity()
+
+
 def test_policies_order():
     store = new_store(capacity=64)
     append(store, "idle", list(range(12)))
