@@ -71,18 +71,18 @@ def measure_cost_profile(model: torch.nn.Module, spec: KVSpec, max_length: int =
                          repeats: int = 5) -> CostProfile:
     """Time one chunk's forward at contexts 32, 64, ... up to `max_length` (capped by the model's
     positions); the fastest of `repeats` runs per point, then the linear fit. Memoized per model
-    geometry and device."""
+    geometry and device (in this process and on disk); a kept profile is reused when it reaches at
+    least as far, else the range is measured again and the longer profile kept."""
     key = _key(model, spec)
-    if key in _MEASURED:
-        return _MEASURED[key]
-    if (saved := _load(key)) is not None:
-        _MEASURED[key] = saved
-        return saved
     chunk = spec.block_size
     limit = min(max_length, model.config.max_position_embeddings - chunk)
     lengths = [chunk]
     while lengths[-1] * 2 <= limit:
         lengths.append(lengths[-1] * 2)
+    for known in (_MEASURED.get(key), _load(key)):      # reuse a profile that covers these lengths
+        if known is not None and known.lengths[-1] >= lengths[-1]:
+            _MEASURED[key] = known
+            return known
     ids = torch.randint(0, model.get_input_embeddings().num_embeddings, (lengths[-1] + chunk,)).tolist()
     best = [float("inf")] * len(lengths)
     for _ in range(2):   # two sweeps: the first also warms up kernels for every shape

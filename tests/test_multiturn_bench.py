@@ -8,6 +8,7 @@ import os
 import statistics
 
 import pytest
+import torch
 
 from benchmarks.multiturn import metrics
 from benchmarks.multiturn.arrivals import Arrivals, schedule
@@ -104,21 +105,34 @@ def test_policy_replay_under_pressure_recomputes_and_stays_exact():
     wl = schedule(synthesize(8, scale=0.3, max_turns=3, max_output=12, vocab=VOCAB_SIZE, seed=2),
                   Arrivals(rate=4.0, think_s=1.0, seed=0))
     order = virtual_order(wl)
-    assert sorted(order) == sorted((i, k) for i, c in enumerate(wl.conversations) for k in range(len(c.turns)))
-    assert all(order.index((i, k)) < order.index((i, k + 1)) for i, k in order if (i, k + 1) in order)
+    turns = [(i, k) for _, i, k in order]
+    assert sorted(turns) == sorted((i, k) for i, c in enumerate(wl.conversations) for k in range(len(c.turns)))
+    assert [t for t, _, _ in order] == sorted(t for t, _, _ in order)           # arrival order on the virtual clock
+    assert all(turns.index((i, k)) < turns.index((i, k + 1)) for i, k in turns if (i, k + 1) in turns)
     budget = policy_budget_for(wl, 0.3)
-    res = compare_policies(Bench(model, Config(budget, max_batch_tokens=64), progress=False), wl, budget)
+    res = compare_policies(Bench(model, Config(budget, max_batch_tokens=64), progress=False), wl, budget,
+                           replay_model=model)
     assert res["same_tokens"] and res["turns"] == wl.num_turns
     for name in ("stateful_hf", "stateful_hf_lru"):
         r = res["systems"][name]
         assert r["recomputed_tokens"] > 0 and r["modeled_recompute_cost_s"] > 0 and r["dropped_tokens"] > 0
+    # the replay is exact: every turn's tokens are those of stateless generate on the whole conversation
+    oracle, history = tiny_llama(), {}
+    for _, i, k in order:
+        c = wl.conversations[i]
+        ids = torch.tensor([history.get(i, []) + list(c.turns[k].user_ids)])
+        n = c.turns[k].output_len
+        out = oracle.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, pad_token_id=0)
+        assert out[0, ids.shape[1]:].tolist() == res["outputs"][(c.conv_id, k)]
+        history[i] = out[0].tolist()
 
 
 def test_cli_quick_path_writes_json_and_plots(tmp_path):
     from benchmarks.multiturn.__main__ import main
 
     out = main(["--quick", "--layers", "1", "--conversations", "2", "--scale", "0.05", "--max-output", "4",
-                "--max-turns", "2", "--systems", "hf_stateless,hf_continuous_batching,stateful_hf,stateful_hf_lru",
+                "--max-turns", "2", "--policy-conversations", "3", "--policy-scale", "0.1", "--systems", "hf_stateless,hf_continuous_batching,stateful_hf,stateful_hf_lru",
                 "--rates", "8", "--json", str(tmp_path / "r.json"), "--plots", str(tmp_path / "plots"),
                 "--no-progress"])
     saved = json.loads((tmp_path / "r.json").read_text())

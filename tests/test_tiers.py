@@ -234,3 +234,29 @@ def test_measured_profile_is_kept_on_disk(tmp_path, monkeypatch):
 
     monkeypatch.setattr(profile_mod, "_sweep", no_measuring)
     assert stateful_hf.SessionStore(model).policy.profile == first
+    spec = stateful_hf.SessionStore(model).spec
+    longer_calls = []
+    monkeypatch.setattr(profile_mod, "_sweep", lambda m, s, ids, lengths, r: longer_calls.append(lengths) or
+                        [1e-3 * (1 + n / 4096) for n in lengths])
+    assert profile_mod.measure_cost_profile(model, spec, max_length=first.lengths[-1]) == first   # covered: reused
+    assert not longer_calls
+    short = profile_mod.measure_cost_profile(model, spec, max_length=first.lengths[-1] // 4)     # shorter: reused
+    assert short == first and not longer_calls
+
+
+def test_profile_for_a_longer_range_is_measured_again(tmp_path, monkeypatch):
+    import stateful_hf.profile as profile_mod
+
+    monkeypatch.setenv("STATEFUL_HF_CACHE", str(tmp_path))
+    monkeypatch.setattr(profile_mod, "_MEASURED", {})
+    model = tiny_llama(seed=6)
+    spec = stateful_hf.SessionStore(model, cost_profile=PROFILE).spec
+    swept = []
+    monkeypatch.setattr(profile_mod, "_sweep", lambda m, s, ids, lengths, r: swept.append(lengths) or
+                        [1e-3 * (1 + n / 4096) for n in lengths])
+    short = profile_mod.measure_cost_profile(model, spec, max_length=256)
+    assert short.lengths[-1] == 256
+    longer = profile_mod.measure_cost_profile(model, spec, max_length=1024)   # not covered: measured again
+    assert longer.lengths[-1] == 1024 and swept[-1][-1] == 1024
+    profile_mod._MEASURED.clear()
+    assert profile_mod.measure_cost_profile(model, spec, max_length=512) == longer       # the longer one was kept

@@ -26,18 +26,20 @@ import time
 
 import torch
 
+from stateful_hf.testing import VOCAB_SIZE
+
 from ..models import llama_100m, n_params
 from . import report
-from .arrivals import Arrivals
+from .arrivals import Arrivals, schedule
 from .bench import ALL_SYSTEMS, Bench, Config, budget_for, experiment, policy_budget_for, warm_up
 from .workload import load_sharegpt, synthesize
 
 QUICK = dict(conversations=5, scale=0.12, max_turns=4, max_output=24, rate=4.0, think_time=0.5, rates="1",
-             memory_fraction=0.5, sweep_systems="hf_continuous_batching,stateful_hf", policy_fraction=0.65,
-             profile_repeats=1)
+             memory_fraction=0.5, sweep_systems="hf_continuous_batching,stateful_hf", policy_fraction=0.25,
+             policy_conversations=12, policy_scale=0.5, profile_repeats=1)
 FULL = dict(conversations=24, scale=0.5, max_turns=8, max_output=256, rate=0.5, think_time=2.0, rates="0.25,0.5,1,2",
-            memory_fraction=0.5, sweep_systems="hf_stateless,hf_continuous_batching,stateful_hf", policy_fraction=0.3,
-            profile_repeats=3)
+            memory_fraction=0.5, sweep_systems="hf_stateless,hf_continuous_batching,stateful_hf", policy_fraction=0.25,
+            policy_conversations=24, policy_scale=1.0, profile_repeats=3)
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -69,6 +71,12 @@ def parse(argv=None) -> argparse.Namespace:
     s.add_argument("--policy-budget", type=int,
                    help="device tokens for the serial LRU vs cost-aware replay (0: skip)")
     s.add_argument("--policy-fraction", type=float, help="without --policy-budget: this share of all KV")
+    s.add_argument("--policy-conversations", type=int, help="conversations of the policy replay")
+    s.add_argument("--policy-scale", type=float,
+                   help="length scale of the policy replay's conversations (1 = the dataset's real lengths)")
+    s.add_argument("--policy-rate", type=float, default=0.2, help="policy replay: conversations per virtual second")
+    s.add_argument("--policy-think-time", type=float, default=30.0,
+                   help="policy replay: mean think time in virtual seconds (Pensieve: 60)")
     s.add_argument("--profile-repeats", type=int, help="timing repeats of the Cost(l) / HCache profiles")
     s.add_argument("--max-batch-tokens", type=int, default=256)
     s.add_argument("--host-factor", type=float, default=4.0, help="host/disk tier size, times the device budget")
@@ -117,9 +125,17 @@ def main(argv=None) -> dict:
     warm_up(model, vocab)
     bench = Bench(model, cfg, progress=not args.no_progress)
     warm_up(bench.cb_model, vocab)
-    pbudget = policy_budget_for(wl, args.policy_fraction) if args.policy_budget is None else args.policy_budget
+    # the policy replay: real lengths on a virtual clock, run on a small model (see policy.py)
+    pvocab = VOCAB_SIZE
+    if args.data:
+        pwl = load_sharegpt(args.data, args.policy_conversations, args.policy_scale, 16, 1024, 1024, pvocab)
+    else:
+        pwl = synthesize(args.policy_conversations, args.dataset, args.policy_scale, 16, 1024, 1024, pvocab,
+                         args.seed + 1)
+    pwl = schedule(pwl, Arrivals(rate=args.policy_rate, think_s=args.policy_think_time, seed=args.seed + 1))
+    pbudget = policy_budget_for(pwl, args.policy_fraction) if args.policy_budget is None else args.policy_budget
     res = experiment(bench, wl, arr, systems, rates, [x for x in args.sweep_systems.split(",") if x], pbudget,
-                     args.repeats)
+                     args.repeats, policy_wl=pwl)
     out = {"command": "python -m benchmarks.multiturn " + " ".join(sys.argv[1:] if argv is None else argv),
            "environment": env, "model": {"layers": args.layers, "params": n_params(model), "dtype": "float32"},
            "workload": wl.describe(), "arrivals": arr.describe(), "kv_budget_tokens": budget,

@@ -13,6 +13,7 @@ import torch
 
 import stateful_hf
 from stateful_hf.profile import measure_cost_profile
+from stateful_hf.testing import tiny_llama
 
 from . import driver, metrics, policy
 from .arrivals import Arrivals, schedule
@@ -58,11 +59,13 @@ class Bench:
         self.skipped: dict[str, str] = {}
 
     def cost_profile(self, max_context: int):
-        if self.profile is None:         # Pensieve's Cost(l), measured once up to the longest context used
+        """Pensieve's Cost(l) of the benchmark's model, measured up to `max_context` (once per range:
+        measure_cost_profile keeps the longest profile measured so far)."""
+        limit = 64
+        while limit < max_context:
+            limit *= 2
+        if self.profile is None or self.profile.lengths[-1] < limit:
             spec = stateful_hf.SessionStore(self.model, self.cfg.chunk * 2, policy="lru").spec
-            limit = 64
-            while limit < max_context:
-                limit *= 2
             self.profile = measure_cost_profile(self.model, spec, max_length=limit, repeats=self.cfg.profile_repeats)
         return self.profile
 
@@ -159,8 +162,10 @@ def repeated(bench: Bench, systems: list[str], wl: Workload, users: int, repeats
 
 
 def experiment(bench: Bench, wl: Workload, arr: Arrivals, systems: list[str], rates: list[float],
-               sweep_systems: list[str], policy_budget: int | None, repeats: int = 1) -> dict:
-    """The main comparison at `arr`, an optional rate sweep, and LRU vs cost-aware under pressure."""
+               sweep_systems: list[str], policy_budget: int | None, repeats: int = 1,
+               policy_wl: Workload | None = None) -> dict:
+    """The main comparison at `arr`, an optional rate sweep, and LRU vs cost-aware under pressure
+    (on `policy_wl`, a scheduled workload for the virtual-clock replay; default: the main one)."""
     scheduled = schedule(wl, arr)
     runs, spread = repeated(bench, systems, scheduled, arr.users, repeats)
     out = {"systems": {n: metrics.summarize(r) for n, r in runs.items()}}
@@ -182,22 +187,18 @@ def experiment(bench: Bench, wl: Workload, arr: Arrivals, systems: list[str], ra
             for n, r in bench.run(sweep_systems, sw, 0, label=f"rate {rate:g}: ").items():
                 out["sweep"].setdefault(n, []).append(point(rate, metrics.summarize(r)))
     if policy_budget is not None and policy_budget > 0:
-        out["policy"] = compare_policies(bench, scheduled, policy_budget)
+        out["policy"] = compare_policies(bench, policy_wl or scheduled, policy_budget)
+        out["policy"].pop("outputs")
     out["skipped"] = dict(bench.skipped)
     return out
 
 
-def compare_policies(bench: Bench, wl: Workload, budget: int) -> dict:
-    """Cost-aware vs LRU on the same deterministic replay (policy.py) at `budget` device tokens."""
-    order = policy.virtual_order(wl)
-    res = {}
-    for name in ("stateful_hf", "stateful_hf_lru"):
-        res[name] = policy.replay(bench.make(name, wl, budget)(), wl, order, bench.profile)
-        print(f"  policy replay {name}: recomputed {res[name]['recomputed_tokens']} tokens, modeled cost "
-              f"{res[name]['modeled_recompute_cost_s']:.3f} s ({res[name]['seconds']:.1f} s)", flush=True)
-    a, b = res["stateful_hf"]["recomputed_tokens"], res["stateful_hf_lru"]["recomputed_tokens"]
-    same = res["stateful_hf"].pop("outputs") == res["stateful_hf_lru"].pop("outputs")
-    return {"budget_tokens": budget, "turns": len(order), "replay": "serial, virtual-clock order",
-            "systems": res, "cost_aware_recomputed": a, "lru_recomputed": b, "cost_aware_fewer_recomputed": a < b,
-            "reduction": (b - a) / b if b else 0.0, "same_tokens": same,
-            "cost_profile": {"lengths": list(bench.profile.lengths), "seconds": list(bench.profile.seconds)}}
+def compare_policies(bench: Bench, wl: Workload, budget: int, replay_model=None) -> dict:
+    """Cost-aware vs LRU on the same virtual-clock replay of `wl` (policy.py) at `budget` device
+    tokens, with Cost(l) measured on the benchmark's model; the replay runs `replay_model` (default:
+    a 2-layer Llama with enough positions; token counts do not depend on the model)."""
+    max_context = max(c.max_context for c in wl.conversations)
+    profile = bench.cost_profile(max_context)
+    if replay_model is None:
+        replay_model = tiny_llama(max_position_embeddings=max(2048, 2 * max_context))
+    return policy.compare(replay_model, wl, budget, profile, bench.cfg.chunk, log=lambda m: print(m, flush=True))

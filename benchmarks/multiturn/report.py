@@ -142,8 +142,12 @@ def markdown(out: dict, plot_dir: str | None = None) -> str:
                      f"{', '.join(f'{k} {v:.0%}' for k, v in same.items() if k != 'hf_stateless')}.")
     if "policy" in out:
         p = out["policy"]
-        lines.append(f"- Policy replay ({p['turns']} turns served one at a time at {p['budget_tokens']} device "
-                     f"tokens): cost-aware recomputed {p['cost_aware_recomputed']} tokens, LRU {p['lru_recomputed']}.")
+        wd = p.get("workload", {})
+        lines.append(f"- Policy replay ({wd.get('conversations', '?')} conversations at the dataset's lengths x"
+                     f"{wd.get('scale', 1)}, {p['turns']} turns served one at a time on a virtual clock, "
+                     f"{p['budget_tokens']} device tokens, Cost(l) measured on the model above): cost-aware "
+                     f"recomputed {p['cost_aware_recomputed']} tokens, LRU {p['lru_recomputed']} "
+                     f"({p['reduction']:+.1%} fewer with cost-aware).")
     for name, pts in out.get("sweep", {}).items():
         lines.append(f"- Rate sweep, {name}: " + "; ".join(
             f"{q['rate_conv_s']:g} conv/s -> {q['throughput_tok_s']:.1f} tok/s at "
