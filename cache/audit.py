@@ -87,6 +87,8 @@ class AuditMixin:
                 device_committed_bytes=self.device_pool.committed_bytes() if self.layout == "virtual"
                 else self.device_pool.bytes,
                 device_pages_released=getattr(self.device_pool, "pages_released", 0),
+                device_kept_bytes=getattr(self.device_pool, "cached_bytes", 0),
+                device_blocks_prefetched=getattr(self.device_pool, "blocks_prefetched", 0),
             )
 
     def summary(self) -> str:

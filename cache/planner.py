@@ -88,6 +88,18 @@ class StepPlannerMixin:
             for e in step.entries:
                 if e.session_id in self._sessions:
                     self._sessions[e.session_id].last_active = now
+            if getattr(self, "page_mapper", None) is not None:
+                self.page_mapper.submit(self._growth_blocks(step))
+
+    def _growth_blocks(self, step: StepBatch) -> list[tuple[str, int]]:
+        """(session, chunk) of the block each session of the step grows into next, once its last
+        block is at least half full (or full): what the background mapper maps ahead."""
+        bs, out = self.block_size, []
+        for sid in dict.fromkeys(e.session_id for e in step.entries):
+            s = self._sessions.get(sid)
+            if s is not None and (s.num_tokens % bs == 0 or s.num_tokens % bs >= bs // 2):
+                out.append((sid, -(-s.num_tokens // bs)))
+        return out
 
     def abort(self, step: StepBatch) -> None:
         """Undo `plan_step`: new tokens leave the history, chunks filled in the step are dropped again

@@ -48,6 +48,8 @@ class StoreStats:
     device_reserved_bytes: int = 0    # virtual layout: the reserved range (paged: the pool's bytes)
     device_committed_bytes: int = 0   # virtual layout: resident pages of it (paged: the pool's bytes)
     device_pages_released: int = 0    # virtual layout: pages given back to the OS so far
+    device_kept_bytes: int = 0        # virtual layout: committed pages of free blocks kept for reuse
+    device_blocks_prefetched: int = 0  # virtual layout: blocks mapped ahead by the background mapper
 
     @property
     def bytes_per_token(self) -> dict[str, float]:

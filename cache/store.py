@@ -27,7 +27,7 @@ from .spec import KVSpec, capacity_in_blocks
 from .stats import Counters
 from .tiering import DEVICE, DISK, DROPPED, HIDDEN, HOST, TieringMixin
 from .transfer import Transfer
-from .virtual import VirtualPool
+from .virtual import PageMapper, VirtualPool
 
 
 class SessionStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin):
@@ -36,6 +36,9 @@ class SessionStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin):
     share of device blocks kept free or reclaimable by ahead-of-time swap-out after each turn.
     hidden_states ("auto" | "always" | "never"), hidden_spec, hidden_capacity (default: host_capacity)
     and project (hidden -> K/V per layer): HCache's hidden-state tier, see `hidden_tier.py`.
+    Virtual layout only: `keep_freed` (tokens or a size) of freed device pages stay committed for
+    reuse (vAttention's deferred reclamation; `reclaim()` gives them back), and with `map_ahead` a
+    background thread maps the block each stepping session grows into next.
     `clock`: seconds for sessions' last activity, which the policy's idle time T is measured with
     (default time.monotonic; a virtual clock makes eviction order reproducible in replays)."""
 
@@ -45,7 +48,8 @@ class SessionStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin):
                  swap_out_threshold: float = 0.25, hidden_states: str = "never",
                  hidden_spec: HiddenSpec | None = None, hidden_capacity: int | str | None = None,
                  project: Projector | None = None, layout: str = "paged", max_context: int | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, keep_freed: int | str = "64MiB",
+                 map_ahead: bool = True):
         if not 0 <= swap_out_threshold < 1:
             raise ValueError(f"swap_out_threshold must be in [0, 1), got {swap_out_threshold}")
         if disk_capacity is not None and disk_dir is None:
@@ -57,10 +61,13 @@ class SessionStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin):
         elif layout == "virtual":
             if max_context is None:
                 raise ValueError("layout='virtual' needs max_context (tokens per session slot)")
-            self.device_pool = VirtualPool(spec, capacity_in_blocks(device_capacity, spec), max_context)
+            self.device_pool = VirtualPool(spec, capacity_in_blocks(device_capacity, spec), max_context,
+                                           keep_bytes=0 if keep_freed in (0, "0") else
+                                           capacity_in_blocks(keep_freed, spec) * spec.bytes_per_block)
         else:
             raise ValueError(f"unknown layout {layout!r}; choose 'paged' or 'virtual'")
         self.layout = layout
+        self.page_mapper = PageMapper(self.device_pool) if layout == "virtual" and map_ahead else None
         self.host_pool = None if host_capacity is None else BlockPool(
             spec, capacity_in_blocks(host_capacity, spec), "cpu", pin_memory=spec.device.type == "cuda")
         self.disk = None if disk_dir is None else DiskTier(
@@ -257,6 +264,12 @@ class SessionStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin):
             idle = sum(1 for s in self._sessions.values() if not s.busy and pool.slot_of(s.session_id) is not None)
             return pool.free_slots + idle
 
+    def reclaim(self) -> int:
+        """Virtual layout: give back the committed pages of free device blocks now (they are kept for
+        reuse up to `keep_freed` otherwise). Returns the bytes given back (0 for a paged pool)."""
+        with self._lock:
+            return self.device_pool.reclaim() if self.layout == "virtual" else 0
+
     def maintain(self) -> None:
         """Run ahead-of-time swap-out now (it also runs whenever a lease ends)."""
         with self._lock:
@@ -290,6 +303,9 @@ class SessionStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin):
 
     def close(self) -> None:
         """Write the disk index and release the disk tier's lock (device and host contents are lost)."""
+        if self.page_mapper is not None:
+            self.page_mapper.close()
+            self.page_mapper = None
         with self._lock:
             if self.disk is not None:
                 self._disk_dirty = True

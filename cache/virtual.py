@@ -7,14 +7,27 @@ is block `s * blocks_per_slot + k`. So the same memory is both a paged pool (blo
 contiguous `[length, kv_heads, head_dim]` tensor that dense kernels (SDPA) read without a block table.
 
 CPU: an anonymous `mmap` with MAP_NORESERVE (nothing committed), viewed by torch without a copy; the
-OS commits a page on first touch; freed blocks give their pages back with MADV_DONTNEED, which also
-zeroes them (a reused slot never shows another session's data). CUDA: the driver's virtual memory
-API (`CudaReservation`), mapping physical chunks of the allocation granularity as slots fill.
+OS commits a page on first touch; pages go back with MADV_DONTNEED, which also zeroes them. CUDA:
+the driver's virtual memory API (`CudaReservation`), mapping physical chunks of the allocation
+granularity as slots fill.
+
+vAttention's two latency hiders:
+  - deferred reclamation: a freed block keeps its committed pages ("cached", up to `keep_bytes` in
+    all, oldest given back first; `reclaim()` gives back the rest, and on CUDA an allocation that
+    finds no physical memory reclaims first). A cached block holds stale KV, so it is zeroed when it
+    is handed out again: no session ever reads another's data.
+  - pages mapped ahead: `prefetch(owners)` commits the pages of blocks a session will grow into
+    (the next decode step's block) while they are still free, from `PageMapper`'s background thread,
+    so the step that allocates them maps nothing. A prefetched block is cached and clean (zeros).
+Pool state is guarded by its own lock: the store calls allocate/free under the store lock, the
+mapper thread calls prefetch.
 """
 
 from __future__ import annotations
 
 import mmap
+import queue
+import threading
 
 import torch
 
@@ -34,7 +47,7 @@ class VirtualPool:
 
     virtual = True
 
-    def __init__(self, spec: KVSpec, capacity_blocks: int, max_context: int):
+    def __init__(self, spec: KVSpec, capacity_blocks: int, max_context: int, keep_bytes: int = 64 << 20):
         bs = spec.block_size
         self.spec = spec
         self.blocks_per_slot = -(-max_context // bs)
@@ -61,7 +74,12 @@ class VirtualPool:
         self._slot_of: dict[str, int] = {}
         self._count: dict[int, int] = {}             # slot -> used blocks
         self._free_slots = list(range(self.num_slots - 1, -1, -1))
+        self.block_bytes = 2 * spec.num_layers * bs * self._row_bytes
+        self.keep_bytes = keep_bytes
+        self._cached: dict[int, bool] = {}           # free block with committed pages -> holds stale KV; oldest first
+        self._guard = threading.RLock()
         self.pages_released = 0
+        self.blocks_prefetched = 0
 
     # ---- the BlockPool contract -----------------------------------------------------------------
 
@@ -88,6 +106,11 @@ class VirtualPool:
         return self._slot_of.get(session_id)
 
     def allocate(self, n: int, owners: list[tuple[str, int]] | None = None) -> list[int]:
+        # inference_mode: zeroing must work whether `data` was made inside inference mode or not
+        with self._guard, torch.inference_mode():
+            return self._allocate(n, owners)
+
+    def _allocate(self, n: int, owners: list[tuple[str, int]] | None) -> list[int]:
         if owners is None or len(owners) != n:
             raise ValueError("a virtual pool allocates per (session, chunk): pass owners")
         if self.slots_needed(owners) > len(self._free_slots):
@@ -109,11 +132,27 @@ class VirtualPool:
             block = slot * self.blocks_per_slot + k
             self._used[block] = sid
             self._count[slot] += 1
-            if not isinstance(self._mem, mmap.mmap):     # CUDA: map the block's pages first
-                for _, start, end in self._block_rows(slot, k):
-                    self._mem.acquire(start, end - start)
+            stale = self._cached.pop(block, None)
+            if stale:                                    # deferred reclamation: pages kept, data zeroed
+                for rows, _, _ in self._block_rows(slot, k):
+                    rows.zero_()
+            elif stale is None and not isinstance(self._mem, mmap.mmap):   # CUDA: map the block's pages
+                self._map(slot, k)
             out.append(block)
         return out
+
+    def _map(self, slot: int, k: int) -> None:
+        """CUDA: back block k of `slot` with physical memory; when there is none left, give back
+        every cached block's pages and try once more."""
+        try:
+            for _, start, end in self._block_rows(slot, k):
+                self._mem.acquire(start, end - start)
+        except RuntimeError:
+            if not self._cached:
+                raise
+            self.reclaim()
+            for _, start, end in self._block_rows(slot, k):
+                self._mem.acquire(start, end - start)
 
     def _block_rows(self, slot: int, k: int):
         """Per layer and K/V: (rows [block_size, Hkv, D] of block k of `slot`, byte start, byte end)."""
@@ -125,16 +164,62 @@ class VirtualPool:
                 yield rows, start, start + bs * self._row_bytes
 
     def free(self, blocks: list[int]) -> None:
-        for block in blocks:
-            sid = self._used.pop(block)
-            slot = block // self.blocks_per_slot
-            self._release_pages(slot, block % self.blocks_per_slot)
-            self._count[slot] -= 1
-            if self._count[slot] == 0:
-                del self._count[slot], self._slot_of[sid]
-                self._free_slots.append(slot)
+        """Blocks become free; their pages stay committed (cached) within `keep_bytes`."""
+        with self._guard, torch.inference_mode():
+            for block in blocks:
+                sid = self._used.pop(block)
+                slot = block // self.blocks_per_slot
+                self._cached[block] = True
+                self._count[slot] -= 1
+                if self._count[slot] == 0:
+                    del self._count[slot], self._slot_of[sid]
+                    self._free_slots.append(slot)
+            self._trim(self.keep_bytes)
+
+    @property
+    def cached_bytes(self) -> int:
+        """Bytes of free blocks whose pages stay committed for reuse (deferred reclamation)."""
+        return len(self._cached) * self.block_bytes
+
+    def reclaim(self) -> int:
+        """Give back the pages of every free block; returns the bytes given back."""
+        with self._guard, torch.inference_mode():
+            before = self.cached_bytes
+            self._trim(0)
+            return before
+
+    def _trim(self, limit: int) -> None:
+        while self._cached and self.cached_bytes > limit:
+            block = next(iter(self._cached))
+            del self._cached[block]
+            self._release_pages(block // self.blocks_per_slot, block % self.blocks_per_slot)
+
+    def prefetch(self, owners: list[tuple[str, int]]) -> int:
+        """Commit the pages of the blocks (session, chunk) would get, for sessions that hold a slot,
+        while those blocks are free and not cached yet (others are skipped: the call may come late).
+        They become cached, clean blocks. Returns how many were committed."""
+        done = 0
+        with self._guard, torch.inference_mode():
+            for sid, k in owners:
+                slot = self._slot_of.get(sid)
+                if slot is None or not 0 <= k < self.blocks_per_slot:
+                    continue
+                block = slot * self.blocks_per_slot + k
+                if block in self._used or block in self._cached:
+                    continue
+                if isinstance(self._mem, mmap.mmap):     # first touch commits (and the rows must read 0)
+                    for rows, _, _ in self._block_rows(slot, k):
+                        rows.zero_()
+                else:
+                    self._map(slot, k)
+                self._cached[block] = False
+                done += 1
+            self.blocks_prefetched += done
+            self._trim(max(self.keep_bytes, done * self.block_bytes))
+        return done
 
     def check(self, owned: set[int]) -> None:
+        assert not set(self._cached) & set(self._used), "virtual pool: a block is both cached and in use"
         assert set(self._used) == owned, (
             f"virtual pool: blocks in use {sorted(set(self._used) ^ owned)[:8]} disagree with the chunk tables")
         assert sum(self._count.values()) == len(self._used) and len(self._count) + len(self._free_slots) == \
@@ -166,7 +251,7 @@ class VirtualPool:
             return _resident_pages(self.data.data_ptr(), self.reserved_bytes) * PAGE
         return self._mem.mapped_bytes
 
-    def _release_pages(self, slot: int, k: int) -> None:
+    def _release_pages(self, slot: int, k: int) -> None:                  # with the guard held
         """Give back the pages of one block (each layer, K and V). Rows on pages shared with
         neighbouring blocks are zeroed instead, so a reused block reads as zeros either way."""
         bs = self.spec.block_size
@@ -197,3 +282,37 @@ def _resident_pages(addr: int, length: int) -> int:
     if libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(length), vec) != 0:
         raise OSError(ctypes.get_errno(), "mincore failed")
     return sum(b & 1 for b in bytes(vec))
+
+
+class PageMapper:
+    """vAttention's background mapper: a daemon thread that runs `pool.prefetch` for the blocks the
+    next step will write, so the step's allocation finds them mapped. `submit` never blocks."""
+
+    def __init__(self, pool: VirtualPool):
+        self.pool = pool
+        self._queue: queue.Queue[list[tuple[str, int]] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="stateful-hf-page-mapper", daemon=True)
+        self._thread.start()
+        self.error: BaseException | None = None
+
+    def submit(self, owners: list[tuple[str, int]]) -> None:
+        if owners:
+            self._queue.put(list(owners))
+
+    def drain(self) -> None:
+        """Wait until everything submitted so far is mapped (tests, shutdown)."""
+        self._queue.join()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while (owners := self._queue.get()) is not None:
+            try:
+                self.pool.prefetch(owners)
+            except BaseException as e:     # a failed prefetch costs only the latency it was to hide
+                self.error = e
+            finally:
+                self._queue.task_done()
+        self._queue.task_done()

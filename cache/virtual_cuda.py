@@ -6,7 +6,9 @@ torch without a copy through `__cuda_array_interface__`. Call order follows the 
 cuMemGetAllocationGranularity -> cuMemAddressReserve -> per piece cuMemCreate, cuMemMap,
 cuMemSetAccess; release: cuMemUnmap, cuMemRelease; cuMemAddressFree at the end. torch's primary
 context is made current first (torch.cuda.init) so the driver calls run in the context torch uses.
-Pieces are reference-counted by the blocks that use them; a fresh piece is zeroed.
+Pieces are reference-counted by the blocks that use them; a fresh piece is zeroed. acquire and
+release may run on another thread (the background mapper): they make torch's primary context
+current on the calling thread first (cuCtxSetCurrent), as the driver API is per-thread.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ class CudaReservation:
         self._drv = driver
         self.device = torch.device(device)
         index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        self._dev = _check(driver.cuDeviceGet(index))
+        self._ctx = _check(driver.cuDevicePrimaryCtxRetain(self._dev))     # the context torch uses
         prop = driver.CUmemAllocationProp()
         prop.type = driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
         prop.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
@@ -67,6 +71,7 @@ class CudaReservation:
     def acquire(self, offset: int, length: int) -> None:
         """Back [offset, offset + length) with physical memory."""
         drv = self._drv
+        _check(drv.cuCtxSetCurrent(self._ctx))
         for piece in self._pieces(offset, length):
             if piece not in self._handles:
                 handle = _check(drv.cuMemCreate(self.granularity, self._prop, 0))
@@ -79,6 +84,7 @@ class CudaReservation:
 
     def release(self, offset: int, length: int) -> None:
         """Drop one reference to each piece of the range; unmap and free pieces nobody uses."""
+        _check(self._drv.cuCtxSetCurrent(self._ctx))
         for piece in self._pieces(offset, length):
             self._refs[piece] -= 1
             if self._refs[piece] == 0:
@@ -94,3 +100,4 @@ class CudaReservation:
             self._unmap(piece)
         self._refs.clear()
         _check(self._drv.cuMemAddressFree(self.base, self.nbytes))
+        _check(self._drv.cuDevicePrimaryCtxRelease(self._dev))

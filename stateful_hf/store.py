@@ -35,6 +35,9 @@ class SessionStore(_TensorStore):
         virtual memory, one contiguous slot of max_context tokens per session on the device, pages
         committed as sessions grow and returned when they leave; dense kernels, no block tables).
     max_context: tokens per slot of the virtual layout (default: the model's max positions).
+    keep_freed: virtual layout: freed device pages kept committed for reuse (tokens or a size; zeroed
+        when reused; `store.reclaim()` gives them back). map_ahead: virtual layout: a background
+        thread maps the block each session grows into next, before the step that needs it.
     attn_backend: "auto" (the fastest available for the model's device and dtype), "torch",
         "triton", "flashinfer" or "flash_attn"; resolved once here, so a missing one fails now.
     hidden_states: HCache. "never" (default): K/V only, nothing captured. "always": hidden states are
@@ -56,7 +59,8 @@ class SessionStore(_TensorStore):
                  swap_out_threshold: float = 0.25, hidden_states: str = "never", hidden_layers: int | None = None,
                  hidden_capacity: int | str | None = None, hidden_budget: float | None = 0.55,
                  hidden_costs: HiddenCosts | None = None, layout: str = "paged", max_context: int | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, keep_freed: int | str = "64MiB",
+                 map_ahead: bool = True):
         adapter = enable(model)
         param = next(model.parameters())
         spec = KVSpec(adapter.num_layers, adapter.num_kv_heads, adapter.head_dim, dtype=param.dtype,
@@ -87,7 +91,8 @@ class SessionStore(_TensorStore):
                          swap_out_threshold=swap_out_threshold, hidden_states=hidden_states if uses_hidden else "never",
                          hidden_spec=hidden_spec, hidden_capacity=hidden_capacity,
                          project=kv_projector(model, adapter) if uses_hidden else None, layout=layout,
-                         max_context=max_context or adapter.max_positions, clock=clock)
+                         max_context=max_context or adapter.max_positions, clock=clock, keep_freed=keep_freed,
+                         map_ahead=map_ahead)
         self.model = model
         self.adapter = adapter
 

@@ -132,7 +132,8 @@ def test_cli_quick_path_writes_json_and_plots(tmp_path):
     from benchmarks.multiturn.__main__ import main
 
     out = main(["--quick", "--layers", "1", "--conversations", "2", "--scale", "0.05", "--max-output", "4",
-                "--max-turns", "2", "--policy-conversations", "3", "--policy-scale", "0.1", "--systems", "hf_stateless,hf_continuous_batching,stateful_hf,stateful_hf_lru",
+                "--max-turns", "2", "--policy-conversations", "3", "--policy-scale", "0.1",
+                "--systems", "hf_stateless,hf_continuous_batching,stateful_hf,stateful_hf_lru",
                 "--rates", "8", "--json", str(tmp_path / "r.json"), "--plots", str(tmp_path / "plots"),
                 "--no-progress"])
     saved = json.loads((tmp_path / "r.json").read_text())

@@ -80,6 +80,7 @@ def test_resident_memory_follows_committed_kv(make_store):
         step = store.plan_step([(f"s{i}", ids, range(896))])
         run_step(model, step)
         store.commit(step)
+    store.page_mapper.drain()                          # the background mapper has mapped what it was sent
     kv = 7 * 896 * store.spec.bytes_per_token
     committed = pool.committed_bytes()
     grown = _rss() - before
@@ -89,26 +90,87 @@ def test_resident_memory_follows_committed_kv(make_store):
     assert st.device_committed_bytes == committed and st.device_reserved_bytes == pool.reserved_bytes
     for i in range(7):
         store.delete(f"s{i}")
+    store.page_mapper.drain()
+    kept = store.stats().device_kept_bytes            # deferred reclamation keeps up to keep_freed committed
+    assert 0 < kept <= 64 * 2**20 and pool.committed_bytes() <= kept + 2**20, (kept, pool.committed_bytes())
+    assert store.reclaim() == kept and store.stats().device_kept_bytes == 0
     assert pool.committed_bytes() < 2**20 and pool.pages_released * 4096 >= kv * 0.9
     assert before - 64 * 2**20 <= _rss() - 0 <= before + committed * 0.2 + 64 * 2**20, (_rss() - before, committed)
 
 
-def test_reused_slot_reads_zeros(make_store):
+@pytest.mark.parametrize("keep_freed", ["64MiB", 0])
+def test_reused_slot_reads_zeros(make_store, keep_freed):
+    """With deferred reclamation (pages kept) the reused block is zeroed; without it the pages went
+    back to the OS: either way a new owner reads zeros."""
     store = make_store(tiny_llama(hidden_size=256, num_attention_heads=4, num_key_value_heads=4), device_capacity=4096,
-                       layout="virtual", max_context=512, cost_profile=PROFILE)
+                       layout="virtual", max_context=512, cost_profile=PROFILE, keep_freed=keep_freed)
     pool = store.device_pool
     blocks = pool.allocate(3, [("x", k) for k in range(3)])
     k, v = pool.layer(0)
     k[blocks] = 7.0
+    v[blocks] = float("nan")
     pool.free(blocks)
+    assert pool.cached_bytes == (3 * pool.block_bytes if keep_freed else 0)
+    assert (pool.pages_released == 0) == bool(keep_freed)
     again = pool.allocate(3, [("y", k) for k in range(3)])
-    assert again == blocks and float(pool.layer(0)[0][again].abs().sum()) == 0.0
+    assert again == blocks and pool.cached_bytes == 0
+    assert float(pool.layer(0)[0][again].abs().sum()) == 0.0 and float(pool.layer(0)[1][again].abs().sum()) == 0.0
     before = (pool.num_free, pool.free_slots)
     for bad in ([("z", 0), ("z", 10**6)], [("y", 3), ("y", 1)], [("w", 0), ("w", 0)]):   # past max_context,
         with pytest.raises(ValueError):                                                # in use, twice
             pool.allocate(len(bad), bad)
         assert (pool.num_free, pool.free_slots) == before and pool.slot_of("z") is None and pool.slot_of("w") is None
     pool.free(again)
+
+
+def _resident(pool, slot: int, k: int) -> bool:
+    """Every page of block k of `slot` (all layers, K and V) is resident."""
+    from stateful_hf.cache.virtual import _resident_pages
+    for rows, _, _ in pool._block_rows(slot, k):
+        n = rows.numel() * rows.element_size()
+        first = rows.data_ptr() // 4096 * 4096
+        if _resident_pages(first, rows.data_ptr() + n - first) * 4096 < rows.data_ptr() + n - first:
+            return False
+    return True
+
+
+def test_kept_pages_are_bounded_oldest_first(make_store):
+    model = tiny_llama(hidden_size=512, num_attention_heads=8, num_key_value_heads=8)    # 8 KiB per token
+    store = make_store(model, device_capacity=4096, layout="virtual", max_context=512, cost_profile=PROFILE,
+                       keep_freed=64, map_ahead=False)                                  # 2 blocks of 32 tokens
+    pool = store.device_pool
+    blocks = pool.allocate(4, [("x", k) for k in range(4)])
+    for k in range(4):
+        for rows, _, _ in pool._block_rows(0, k):                                      # commit their pages
+            rows.fill_(1.0)
+    pool.free(blocks)
+    assert pool.cached_bytes == 2 * pool.block_bytes and sorted(pool._cached) == blocks[2:]   # the newest kept
+    assert pool.pages_released > 0 and all(_resident(pool, 0, k) for k in (2, 3))
+    assert not _resident(pool, 0, 0) and store.reclaim() == 2 * pool.block_bytes and pool.cached_bytes == 0
+
+
+@torch.inference_mode()
+def test_background_mapper_maps_the_next_block_ahead(make_store):
+    """After a step that leaves a session's last block at least half full, the mapper thread commits
+    the block it grows into while it is still free; the next step takes it without mapping, and the
+    output stays exact."""
+    model = tiny_llama(hidden_size=512, num_attention_heads=8, num_key_value_heads=8)
+    oracle = tiny_llama(hidden_size=512, num_attention_heads=8, num_key_value_heads=8)
+    store = make_store(model, device_capacity=4096, layout="virtual", max_context=512, cost_profile=PROFILE)
+    pool = store.device_pool
+    conv = Conversation(seed=3, first=20)                 # 20 + 10 generated = 30 tokens: block 0 past half
+    out = greedy(model, conv.ids, cache=store.cache("a"))
+    assert torch.equal(out, greedy(oracle, conv.ids))
+    store.page_mapper.drain()
+    slot = pool.slot_of("a")
+    n = store.session("a").num_tokens
+    assert n % 32 >= 16 and pool.blocks_prefetched >= 1 and (slot * pool.blocks_per_slot + 1) in pool._cached
+    assert _resident(pool, slot, 1) and float(pool.layer(0)[0][slot * pool.blocks_per_slot + 1].abs().sum()) == 0
+    assert pool.prefetch([("a", 0), ("nobody", 0), ("a", 10**6)]) == 0                  # in use, no slot, past the end
+    conv.reply(out)
+    out = greedy(model, conv.ids, cache=store.cache("a"))                               # grows into block 1
+    assert torch.equal(out, greedy(oracle, conv.ids))
+    assert store.page_mapper.error is None and store.stats().device_blocks_prefetched == pool.blocks_prefetched
 
 
 def test_bad_virtual_configuration(make_store):
