@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from .session import TIERS, ChunkState
+from .session import ChunkState
 from .stats import Counters, SessionStats, StoreStats, summary
-from .tiering import DEVICE, DISK, DROPPED, HIDDEN, HOST, SHADOWED
+from .tiering import DEVICE, DISK, DISK_HIDDEN, DROPPED, HIDDEN, HOST, SHADOWED
 
 
 class AuditMixin:
@@ -14,7 +14,8 @@ class AuditMixin:
         """Raise AssertionError unless every slot of every tier is free or owned by exactly one chunk,
         chunk tables match token counts, and only HOST/HIDDEN chunks have shadows."""
         with self._lock:
-            owners: dict[ChunkState, dict[int, tuple[str, int]]] = {DEVICE: {}, HOST: {}, HIDDEN: {}, DISK: {}}
+            owners: dict[ChunkState, dict[int, tuple[str, int]]] = {
+                DEVICE: {}, HOST: {}, HIDDEN: {}, DISK: {}, DISK_HIDDEN: {}}
 
             def own(tier, slot, who):
                 pool = self._pool(tier)
@@ -39,7 +40,8 @@ class AuditMixin:
                         own(DEVICE, c.shadow, who)
                     if c.source is not None:
                         assert c.state is DEVICE, f"{who}: only device chunks are rebuilt from a hidden slot, {c}"
-                        own(HIDDEN, c.source, who)
+                        assert c.source[0] in (HIDDEN, DISK_HIDDEN), f"{who}: not a hidden form {c}"
+                        own(c.source[0], c.source[1], who)
             for tier, owned in owners.items():
                 pool = self._pool(tier)
                 if pool is not None:
@@ -54,9 +56,10 @@ class AuditMixin:
             if session_id is not None:
                 s = self.session(session_id)
                 r = s.residency(bs)
-                return SessionStats(session_id, s.num_tokens, r["device"], r["host"] + r["hidden"], r["disk"],
-                                    r["dropped"], s.busy, s.last_turn, hidden_tokens=r["hidden"])
-            tot = {t: 0 for t in TIERS}
+                return SessionStats(session_id, s.num_tokens, r["device"], r["host"] + r["hidden"],
+                                    r["disk"] + r["disk_hidden"], r["dropped"], s.busy, s.last_turn,
+                                    hidden_tokens=r["hidden"], disk_hidden_tokens=r["disk_hidden"])
+            tot = {t.value: 0 for t in ChunkState}
             for s in self._sessions.values():
                 for t, n in s.residency(bs).items():
                     tot[t] += n
@@ -71,17 +74,20 @@ class AuditMixin:
                 return 0 if pool is None else pool.num_blocks * bs
 
             disk_pool = self.disk.pool if self.disk is not None else None
-            hid = self.hidden_pool
+            hid, dhid = self.hidden_pool, self.disk_hidden_pool
             return StoreStats(
                 sessions=len(self._sessions), device_tokens=tot["device"], host_tokens=tot["host"] + tot["hidden"],
-                disk_tokens=tot["disk"], dropped_tokens=tot["dropped"], device_cached_tokens=cached,
-                device_bytes=used(self.device_pool), host_bytes=used(self.host_pool) + self._hidden_used_bytes(),
-                disk_bytes=used(disk_pool), device_capacity_tokens=cap(self.device_pool),
-                host_capacity_tokens=cap(self.host_pool) + cap(hid),
-                disk_capacity_tokens=cap(disk_pool), device_free_blocks=self.device_pool.num_free,
+                dropped_tokens=tot["dropped"], device_cached_tokens=cached,
+                device_bytes=used(self.device_pool), host_bytes=used(self.host_pool) + self._hidden_used_bytes(hid),
+                disk_bytes=used(disk_pool) + self._hidden_used_bytes(dhid),
+                disk_tokens=tot["disk"] + tot["disk_hidden"],
+                device_capacity_tokens=cap(self.device_pool), host_capacity_tokens=cap(self.host_pool) + cap(hid),
+                disk_capacity_tokens=cap(disk_pool) + cap(dhid), device_free_blocks=self.device_pool.num_free,
                 block_size=bs, kv_bytes_per_token=self.spec.bytes_per_token,
                 counters=Counters(**{f: getattr(self.counters, f) for f in Counters.__slots__}),
-                hidden_tokens=tot["hidden"], hidden_bytes=self._hidden_used_bytes(), hidden_capacity_tokens=cap(hid),
+                hidden_tokens=tot["hidden"], hidden_bytes=self._hidden_used_bytes(hid), hidden_capacity_tokens=cap(hid),
+                disk_hidden_tokens=tot["disk_hidden"], disk_hidden_bytes=self._hidden_used_bytes(dhid),
+                disk_hidden_capacity_tokens=cap(dhid),
                 hidden_bytes_per_token=0 if hid is None else hid.hidden_spec.bytes_per_token,
                 device_reserved_bytes=self.device_pool.bytes,
                 device_committed_bytes=self.device_pool.committed_bytes() if self.layout == "virtual"

@@ -139,6 +139,7 @@ class _Group:
     src: list[int]           # slots in `pool`
     dst: list[int]           # device blocks
     first_pos: list[int]     # absolute position of each chunk's first token
+    rows: list[int]          # tokens of each chunk (the last one of a session may be partial)
 
 
 class HiddenRestore:
@@ -151,21 +152,22 @@ class HiddenRestore:
     def __init__(self, capture: HiddenCapture, project: Projector, counters=None):
         self.capture, self.project, self.counters = capture, project, counters
         self.groups: list[_Group] = []
-        self.chunks: list[tuple[str, int, int, int]] = []   # (session_id, chunk index, block, hidden slot)
+        self.chunks: list[tuple[object, int]] = []   # (the caller's tag, device block) per planned chunk
         self.done: set[int] = set()
 
-    def add(self, pool: HiddenPool, src: int, block: int, first_pos: int, session_id: str, k: int) -> None:
-        """Plan one chunk. Its hidden states go back into the capture buffer now, before any row of
-        the step is captured into the same block (a layer's pre-hook runs before its attention)."""
-        self.capture.data[:, block] = pool.hidden[:, src].to("cpu")
+    def add(self, pool: HiddenPool, src: int, block: int, first_pos: int, rows: int, tag=None) -> None:
+        """Plan one chunk of `rows` tokens: slot `src` of `pool` (host memory or the disk tier's
+        mapped file; read layer by layer in `run`) to device `block`. `tag` is the caller's, kept
+        in `chunks` with the block."""
         g = next((g for g in self.groups if g.pool is pool), None)
         if g is None:
-            g = _Group(pool, [], [], [])
+            g = _Group(pool, [], [], [], [])
             self.groups.append(g)
         g.src.append(src)
         g.dst.append(block)
         g.first_pos.append(first_pos)
-        self.chunks.append((session_id, k, block, src))
+        g.rows.append(rows)
+        self.chunks.append((tag, block))
 
     @property
     def complete(self) -> bool:
@@ -185,6 +187,7 @@ class HiddenRestore:
             dst = torch.tensor(g.dst, device=dev)
             if layer < spec.hidden_layers:
                 h = g.pool.hidden[layer].index_select(0, src)                       # [n, bs, D]
+                self._recapture(layer, g, h)
                 pos = (torch.tensor(g.first_pos)[:, None] + torch.arange(bs)).reshape(-1).to(dev)   # [n * bs]
                 k, v = self.project(layer, h.reshape(-1, spec.hidden_size).to(dev), pos)     # [n * bs, Hkv, hd]
                 shape = (len(g.dst), bs, spec.kv.num_kv_heads, spec.kv.head_dim)
@@ -198,6 +201,18 @@ class HiddenRestore:
                     self.capture.valid[b] = True
         if self.counters is not None:
             self.counters.restore_seconds += time.perf_counter() - t0
+
+    def _recapture(self, layer: int, g: _Group, h: torch.Tensor) -> None:
+        """The capture buffer gets the chunks' hidden states h [n, bs, D] of `layer` back (so the
+        rebuilt blocks can become hidden again); rows past a partial chunk's tokens are left alone:
+        this step's pre-hook of the layer, which ran before its attention, captured its new rows there."""
+        full = [i for i, n in enumerate(g.rows) if n == h.shape[1]]
+        if full:
+            idx = torch.tensor(full)
+            self.capture.data[layer].index_copy_(0, torch.tensor(g.dst)[idx], h.index_select(0, idx.to(h.device)).cpu())
+        for i, n in enumerate(g.rows):
+            if n != h.shape[1]:
+                self.capture.data[layer, g.dst[i], :n] = h[i, :n].cpu()
 
     def finish(self, device_pool: BlockPool) -> None:
         """Run every layer not run yet (a restore outside a forward, or a forward that skipped some)."""

@@ -12,6 +12,7 @@ class ChunkState(enum.Enum):
     HOST = "host"        # KV in a slot of the host pool (maybe still cached in a device block: `shadow`)
     HIDDEN = "hidden"    # per-layer hidden states (+ KV of the layers the plan keeps as KV) in the host hidden pool
     DISK = "disk"        # KV in a slot of the disk tier
+    DISK_HIDDEN = "disk_hidden"   # a HIDDEN chunk's contents (same split) in a slot of the disk tier's hidden file
     DROPPED = "dropped"  # only the token ids remain; recomputed when needed
 
 
@@ -23,19 +24,19 @@ class Chunk:
     """`block_size` consecutive tokens of a session; its KV lives in exactly one place.
 
     loc:    block of the device pool (DEVICE), slot of the host pool (HOST), of the hidden pool
-            (HIDDEN) or of the disk tier (DISK); None when DROPPED.
+            (HIDDEN), of the disk tier (DISK) or of its hidden file (DISK_HIDDEN); None when DROPPED.
     shadow: HOST / HIDDEN only: a device block still holding the same KV (Pensieve's lazy
             reclamation). A returning session takes it back without a copy; the store reclaims it
             when it needs blocks.
-    source: DEVICE only, while a step is in flight: the hidden-pool slot this block's KV is being
-            rebuilt from layer by layer. Freed when the step commits; on abort of an unfinished
-            rebuild the chunk returns to HIDDEN at that slot.
+    source: DEVICE only, while a step is in flight: (HIDDEN or DISK_HIDDEN, slot), the hidden form
+            this block's KV is being rebuilt from layer by layer. Freed when the step commits; on abort
+            of an unfinished rebuild the chunk returns to that state at that slot.
     """
 
     state: ChunkState = ChunkState.DROPPED
     loc: int | None = None
     shadow: int | None = None
-    source: int | None = None
+    source: tuple[ChunkState, int] | None = None
 
     @property
     def block(self) -> int | None:

@@ -20,6 +20,7 @@ class Counters:
     recomputed: int = 0           # dropped history computed again
     swapped_out_hidden: int = 0   # device -> hidden states on the host (HCache)
     restored_hidden: int = 0      # hidden -> device K/V by projection
+    restored_hidden_disk: int = 0  #   of which read from hidden states on disk
     restore_seconds: float = 0.0  # wall time spent rebuilding K/V from hidden states
 
 
@@ -45,6 +46,9 @@ class StoreStats:
     hidden_bytes: int = 0         # of host_bytes, used by hidden chunks
     hidden_capacity_tokens: int = 0
     hidden_bytes_per_token: int = 0   # bytes a hidden chunk stores per token (0: no hidden tier)
+    disk_hidden_tokens: int = 0   # of disk_tokens, kept as hidden states (their bytes are in disk_bytes)
+    disk_hidden_bytes: int = 0    # of disk_bytes, used by hidden chunks
+    disk_hidden_capacity_tokens: int = 0
     device_reserved_bytes: int = 0    # virtual layout: the reserved range (paged: the pool's bytes)
     device_committed_bytes: int = 0   # virtual layout: resident pages of it (paged: the pool's bytes)
     device_pages_released: int = 0    # virtual layout: pages given back to the OS so far
@@ -77,6 +81,7 @@ class SessionStats:
     busy: bool
     last_turn: TurnStats
     hidden_tokens: int = 0        # of host_tokens, kept as hidden states
+    disk_hidden_tokens: int = 0   # of disk_tokens, kept as hidden states
 
 
 def _mib(n: int) -> str:
@@ -93,11 +98,13 @@ def summary(st: StoreStats) -> str:
         + (f"  ({st.hidden_tokens} as hidden states, {st.hidden_bytes_per_token} B/token vs KV "
            f"{st.kv_bytes_per_token}; hidden capacity {st.hidden_capacity_tokens})"
            if st.hidden_capacity_tokens else ""),
-        f"disk   : {st.disk_tokens:>8} tokens {_mib(st.disk_bytes):>12} of {st.disk_capacity_tokens} tokens",
+        f"disk   : {st.disk_tokens:>8} tokens {_mib(st.disk_bytes):>12} of {st.disk_capacity_tokens} tokens"
+        + (f"  ({st.disk_hidden_tokens} as hidden states; hidden capacity {st.disk_hidden_capacity_tokens})"
+           if st.disk_hidden_capacity_tokens else ""),
         f"dropped: {st.dropped_tokens:>8} tokens (ids only)",
         f"traffic: hits {c.device_hits}, in host {c.swapped_in_host}, in disk {c.swapped_in_disk}, "
         f"out host {c.swapped_out_host}, out disk {c.swapped_out_disk}, dropped {c.dropped}, "
         f"recomputed {c.recomputed}, out hidden {c.swapped_out_hidden}, restored from hidden {c.restored_hidden} "
-        f"({c.restore_seconds * 1e3:.1f} ms)   hit rate {st.hit_rate:.1%}",
+        f"({c.restored_hidden_disk} from disk, {c.restore_seconds * 1e3:.1f} ms)   hit rate {st.hit_rate:.1%}",
     ]
     return "\n".join(rows)

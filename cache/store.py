@@ -25,7 +25,7 @@ from .pool import BlockPool
 from .session import TIERS, Chunk, ChunkState, Session
 from .spec import KVSpec, capacity_in_blocks
 from .stats import Counters
-from .tiering import DEVICE, DISK, DROPPED, HIDDEN, HOST, TieringMixin
+from .tiering import DEVICE, DISK, DISK_HIDDEN, DROPPED, HIDDEN, HOST, ON_DISK, TieringMixin
 from .transfer import Transfer
 from .virtual import PageMapper, VirtualPool
 
@@ -34,8 +34,9 @@ class SessionStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin):
     """device_capacity / host_capacity / disk_capacity: tokens (int) or sizes ("2GiB"); a host or
     disk tier exists only when given (the disk tier also needs `disk_dir`). `swap_out_threshold`:
     share of device blocks kept free or reclaimable by ahead-of-time swap-out after each turn.
-    hidden_states ("auto" | "always" | "never"), hidden_spec, hidden_capacity (default: host_capacity)
-    and project (hidden -> K/V per layer): HCache's hidden-state tier, see `hidden_tier.py`.
+    hidden_states ("auto" | "always" | "never"), hidden_spec, hidden_capacity (default: host_capacity),
+    hidden_disk_capacity (the disk tier's hidden file; default: disk_capacity) and project (hidden ->
+    K/V per layer): HCache's hidden-state tier, see `hidden_tier.py`.
     Virtual layout only: `keep_freed` (tokens or a size) of freed device pages stay committed for
     reuse (vAttention's deferred reclamation; `reclaim()` gives them back), and with `map_ahead` a
     background thread maps the block each stepping session grows into next.
@@ -49,7 +50,7 @@ class SessionStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin):
                  hidden_spec: HiddenSpec | None = None, hidden_capacity: int | str | None = None,
                  project: Projector | None = None, layout: str = "paged", max_context: int | None = None,
                  clock: Callable[[], float] = time.monotonic, keep_freed: int | str = "64MiB",
-                 map_ahead: bool = True):
+                 map_ahead: bool = True, hidden_disk_capacity: int | str | None = None):
         if not 0 <= swap_out_threshold < 1:
             raise ValueError(f"swap_out_threshold must be in [0, 1), got {swap_out_threshold}")
         if disk_capacity is not None and disk_dir is None:
@@ -81,7 +82,8 @@ class SessionStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin):
         self._sessions: dict[str, Session] = {}
         self._lock = threading.RLock()
         self._disk_dirty = False
-        self._init_hidden(hidden_states, hidden_spec, hidden_capacity, host_capacity, project)
+        self._init_hidden(hidden_states, hidden_spec, hidden_capacity, host_capacity, project,
+                          hidden_disk_capacity if hidden_disk_capacity is not None else disk_capacity)
         if self.disk is not None:
             self._load_disk_sessions()
 
@@ -163,7 +165,7 @@ class SessionStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin):
                     self._release(s, k)
                 del s.chunks[keep:]
                 del s.token_ids[length:]
-                if s.chunks and s.chunks[-1].state is DISK:
+                if s.chunks and s.chunks[-1].state in ON_DISK:
                     self._disk_dirty = True
                 self._sync_disk()
             return cut
@@ -187,7 +189,8 @@ class SessionStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin):
         "dropped"). An operator and test hook; making room moves other idle sessions' chunks down by
         the policy. Dropped chunks cannot move up (only their ids remain: the next turn recomputes
         them). Only device chunks whose hidden states were captured become "hidden"; hidden chunks
-        move to the device (K/V rebuilt by projection) or are dropped."""
+        move to the device (K/V rebuilt by projection), to "disk" (where they stay hidden states,
+        DISK_HIDDEN, and come back with "hidden" or "device") or are dropped."""
         if tier not in TIERS:
             raise ValueError(f"unknown tier {tier!r}; choose from {TIERS}")
         target = ChunkState(tier)
@@ -198,27 +201,23 @@ class SessionStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin):
             ks = sorted(set(chunks))
             if any(not 0 <= k < len(s.chunks) for k in ks):
                 raise IndexError(f"session {session_id!r} has chunks 0..{len(s.chunks) - 1}, got {ks}")
-            if target is HIDDEN:
-                self._check_hidden_source([(s, k) for k in ks if s.chunks[k].state is DEVICE], DEVICE)
+            self._check_hidden_move(s, ks, target)
             if target is not DROPPED and self._pool(target) is None:
                 raise ValueError(f"this store has no {tier} tier")
-            ks = [k for k in ks if s.chunks[k].state is not target]
-            if target is HIDDEN and any(s.chunks[k].state is not DEVICE for k in ks):
-                raise ValueError(f"session {session_id!r}: only device chunks can become hidden (host and disk "
-                                 "chunks keep K/V only; their hidden states are gone)")
-            if target not in (DEVICE, DROPPED) and any(s.chunks[k].state is HIDDEN for k in ks):
-                raise ValueError(f"session {session_id!r}: hidden chunks move to the device (their K/V is rebuilt "
-                                 "there) or are dropped")
+            dest = {k: self._hidden_target(s.chunks[k].state, target) for k in ks}
+            ks = [k for k in ks if s.chunks[k].state is not dest[k]]
             if target is not DROPPED and any(s.chunks[k].state is DROPPED for k in ks):
                 raise ValueError(f"session {session_id!r}: dropped chunks keep only token ids and cannot move "
                                  f"to {tier}; the next turn recomputes them")
-            up = [k for k in ks if list(ChunkState).index(s.chunks[k].state) > list(ChunkState).index(target)]
+            order = list(ChunkState)
+            up = [k for k in ks if order.index(s.chunks[k].state) > order.index(dest[k])]
             down = [k for k in ks if k not in up]
             excl = {session_id}
-            groups = {state: [(s, k) for k in down if s.chunks[k].state is state]
-                      for state in (DEVICE, HOST, HIDDEN, DISK)}
+            groups = {state: [(s, k) for k in down if s.chunks[k].state is state]     # before any moves
+                      for state in (DEVICE, HOST, HIDDEN, DISK, DISK_HIDDEN)}
             for state, items in groups.items():
-                self._move_down(items, state, excl, target=target, strict=True)
+                if items:
+                    self._move_down(items, state, excl, target=dest[items[0][1]], strict=True)
             if up:
                 restore = self._new_restore()
                 self._move_up([(s, k) for k in up], target, excl, restore=restore)
@@ -281,14 +280,17 @@ class SessionStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin):
     def _sync_disk(self) -> None:
         if self.disk is None or not self._disk_dirty:
             return
-        self.disk.write_index({
-            s.session_id: {"token_ids": s.token_ids,
-                           "disk_chunks": {str(k): c.loc for k, c in enumerate(s.chunks) if c.state is DISK}}
-            for s in self._sessions.values() if any(c.state is DISK for c in s.chunks)})
+        sessions = {}
+        for s in self._sessions.values():
+            kv = {str(k): c.loc for k, c in enumerate(s.chunks) if c.state is DISK}
+            hidden = self._disk_index_entry(s)
+            if kv or hidden:
+                sessions[s.session_id] = {"token_ids": s.token_ids, "disk_chunks": kv, "hidden_chunks": hidden}
+        self.disk.write_index(sessions)
         self._disk_dirty = False
 
     def _load_disk_sessions(self) -> None:
-        taken = []
+        taken, taken_hidden = [], []
         for sid, saved in self.disk.saved_sessions.items():
             s = Session(sid, list(saved["token_ids"]), last_active=self.clock())
             s.chunks = [Chunk() for _ in range(-(-len(s.token_ids) // self.block_size))]
@@ -298,8 +300,11 @@ class SessionStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin):
                     raise StoreError(f"disk tier index names chunk {k} slot {slot} of {sid!r} out of range")
                 s.chunks[k] = Chunk(DISK, slot)
                 taken.append(slot)
+            taken_hidden += self._load_disk_hidden(s, saved)
             self._sessions[sid] = s
         self.disk.pool.take(taken)
+        if taken_hidden:
+            self.disk_hidden_pool.take(taken_hidden)
 
     def close(self) -> None:
         """Write the disk index and release the disk tier's lock (device and host contents are lost)."""

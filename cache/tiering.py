@@ -5,7 +5,8 @@ in exactly one place (plus, for HOST chunks, an optional device `shadow` that is
 Moving down follows the policy; making room in a tier moves its lowest-value chunks one tier down:
 device -> host -> disk -> dropped (a tier that is absent is skipped). With hidden states in use
 (`_hidden_down`), device chunks whose hidden states were captured go down to HIDDEN instead of
-HOST, and hidden chunks go down to dropped (HCache, `hidden.py`).
+HOST, hidden chunks go down to the disk tier's hidden file (DISK_HIDDEN) if there is a disk tier,
+and from there (or without one) to dropped (HCache, `hidden.py`).
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ from .pool import BlockPool
 from .session import Chunk, ChunkState, Session
 
 DEVICE, HOST, DISK, DROPPED = ChunkState.DEVICE, ChunkState.HOST, ChunkState.DISK, ChunkState.DROPPED
-HIDDEN = ChunkState.HIDDEN
+HIDDEN, DISK_HIDDEN = ChunkState.HIDDEN, ChunkState.DISK_HIDDEN
 SHADOWED = (HOST, HIDDEN)     # states whose chunks may keep a device shadow
+ON_DISK = (DISK, DISK_HIDDEN)
 
 
 class TieringMixin:
     # provided by SessionStore: device_pool, host_pool, disk, transfer, policy, counters, block_size,
-    # _sessions, swap_out_threshold, _disk_dirty, hidden_pool, capture, project, _hidden_down
+    # _sessions, swap_out_threshold, _disk_dirty, hidden_pool, disk_hidden_pool, capture, project, _hidden_down
 
     def _pool(self, state: ChunkState) -> BlockPool | None:
         if state is DEVICE:
@@ -34,10 +36,14 @@ class TieringMixin:
             return self.disk.pool if self.disk is not None else None
         if state is HIDDEN:
             return self.hidden_pool
+        if state is DISK_HIDDEN:
+            return self.disk_hidden_pool
         return None
 
     def _below(self, state: ChunkState) -> ChunkState:
         if state is HIDDEN:
+            return DISK_HIDDEN if self.disk_hidden_pool is not None else DROPPED
+        if state is DISK_HIDDEN:
             return DROPPED
         order = [t for t in (DEVICE, HOST, DISK) if self._pool(t) is not None] + [DROPPED]
         return order[order.index(state) + 1]
@@ -53,8 +59,9 @@ class TieringMixin:
         if c.shadow is not None:
             self.device_pool.free([c.shadow])
         if c.source is not None:
-            self.hidden_pool.free([c.source])
-        if c.state is DISK:
+            self._pool(c.source[0]).free([c.source[1]])
+            self._disk_dirty |= c.source[0] is DISK_HIDDEN
+        if c.state in ON_DISK:
             self._disk_dirty = True
         s.chunks[k] = Chunk()
 
@@ -116,8 +123,8 @@ class TieringMixin:
                 n -= 1
             if n > 0:
                 self._move_down(self._candidates(state, exclude, shadowed=False)[:n], state, exclude)
-        elif state is DISK:
-            self._move_down(self._candidates(DISK, exclude)[:n], DISK, exclude)
+        elif state in ON_DISK:
+            self._move_down(self._candidates(state, exclude)[:n], state, exclude)
 
     def _move_down(self, items: list[tuple[Session, int]], state: ChunkState, exclude: set[str],
                    target: ChunkState | None = None, strict: bool = False) -> None:
@@ -148,6 +155,8 @@ class TieringMixin:
         if target is HIDDEN:
             self._check_hidden_source(items, state)
             self.hidden_pool.store_from(self.capture, self.device_pool, [s.chunks[k].loc for s, k in items], slots)
+        elif target is DISK_HIDDEN:   # from HIDDEN: same split, a copy of slots
+            self.hidden_pool.copy_slots([s.chunks[k].loc for s, k in items], self.disk_hidden_pool, slots)
         else:
             self.transfer.copy(self._pool(state), [s.chunks[k].loc for s, k in items], self._pool(target), slots)
         for (s, k), slot in zip(items, slots):
@@ -160,7 +169,7 @@ class TieringMixin:
                 self.counters.swapped_out_host += n
             else:
                 self.counters.swapped_out_disk += n
-        if target is DISK:
+        if target in ON_DISK:
             self._disk_dirty = True
 
     def _check_hidden_source(self, items: list[tuple[Session, int]], state: ChunkState) -> None:
@@ -175,8 +184,9 @@ class TieringMixin:
     def _move_up(self, items: list[tuple[Session, int]], target: ChunkState, exclude: set[str],
                  restore=None) -> list:
         """Copy HOST/DISK chunks up to `target` (DEVICE or HOST); returns per-layer copy events (CUDA).
-        HIDDEN chunks (target DEVICE only) join `restore` (a HiddenRestore run layer by layer by the
-        step) and keep their hidden slot as `source` until the step commits."""
+        HIDDEN / DISK_HIDDEN chunks to the device join `restore` (a HiddenRestore run layer by layer
+        by the step) and keep their hidden slot as `source` until the step commits; DISK_HIDDEN
+        chunks to HIDDEN are a copy of slots."""
         events = []
         flips = [(s, k) for s, k in items if target is DEVICE and s.chunks[k].shadow is not None]
         for s, k in flips:                     # cached on the device still: no copy
@@ -189,12 +199,22 @@ class TieringMixin:
         slots = self._take(target, len(rest), exclude, [(s.session_id, k) for s, k in rest]) if rest else []
         for i, (s, k) in enumerate(rest):
             c = s.chunks[k]
-            if c.state is HIDDEN:
+            if c.state in (HIDDEN, DISK_HIDDEN) and target is not HIDDEN:
                 if target is not DEVICE or restore is None:
                     raise ValueError("hidden chunks move up to the device only (their K/V is rebuilt there)")
-                restore.add(self.hidden_pool, c.loc, slots[i], k * self.block_size, s.session_id, k)
-                s.chunks[k] = Chunk(DEVICE, slots[i], source=c.loc)
-                self.counters.restored_hidden += self._ntok(s, k)
+                n = self._ntok(s, k)
+                restore.add(self._pool(c.state), c.loc, slots[i], k * self.block_size, n,
+                            (s.session_id, k, (c.state, c.loc)))
+                s.chunks[k] = Chunk(DEVICE, slots[i], source=(c.state, c.loc))
+                self.counters.restored_hidden += n
+                self.counters.restored_hidden_disk += n if c.state is DISK_HIDDEN else 0
+        up = [(i, s, k) for i, (s, k) in enumerate(rest) if s.chunks[k].state is DISK_HIDDEN]
+        if up:                                 # disk hidden states up to the host hidden pool
+            self.disk_hidden_pool.copy_slots([s.chunks[k].loc for _, s, k in up], self.hidden_pool,
+                                             [slots[i] for i, _, _ in up])
+            for i, s, k in up:
+                self._release(s, k)
+                s.chunks[k] = Chunk(HIDDEN, slots[i])
         for source in (HOST, DISK):
             group = [(i, s, k) for i, (s, k) in enumerate(rest) if s.chunks[k].state is source]
             if not group:

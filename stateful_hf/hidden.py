@@ -81,7 +81,7 @@ def measure_hidden_costs(model: torch.nn.Module, adapter: ModelAdapter, spec: KV
     src = torch.tensor(ids)
     restore = HiddenRestore(HiddenCapture(hspec, n), kv_projector(model, adapter))
     for b in ids:
-        restore.add(host, b, b, b * bs, "profile", b)
+        restore.add(host, b, b, b * bs, bs)
 
     def project_layer0():
         restore.done.clear()

@@ -139,8 +139,8 @@ def prepare_turn(model: torch.nn.Module, cache: StatefulCache, ids: Sequence[int
             stats.swapped_in_host += n
         elif c.state is ChunkState.DISK:
             stats.swapped_in_disk += n
-        elif c.state is ChunkState.HIDDEN:     # K/V rebuilt layer by layer in the turn's first step
-            stats.restored_hidden += n
+        elif c.state in (ChunkState.HIDDEN, ChunkState.DISK_HIDDEN):   # K/V rebuilt layer by layer
+            stats.restored_hidden += n                                   # in the turn's first step
     stats.reused_tokens = stats.reused_device + stats.swapped_in_host + stats.swapped_in_disk + stats.restored_hidden
     stats.recomputed_tokens = restore(model, cache)
     s.last_turn = stats

@@ -11,6 +11,7 @@ import torch
 from .adapter import kv_projector
 from .cache import CostProfile, EvictionPolicy, KVSpec, LRUPolicy, RetentionPolicy
 from .cache import SessionStore as _TensorStore
+from .cache.disk import saved_hidden_layers
 from .cache.hidden import HiddenSpec
 from .cache.hidden_tier import HIDDEN_MODES
 from .cache.hplan import HiddenCosts, HiddenPlan, min_hidden_layers, plan_layers
@@ -49,6 +50,10 @@ class SessionStore(_TensorStore):
     hidden_budget: most bytes per token a hidden chunk may store, as a share of its K/V bytes
         (default 0.55; None: fastest restore whatever the size). Where it cannot be met (GQA) it is
         ignored. hidden_capacity: room for hidden chunks (tokens or size; default host_capacity).
+        With a disk tier, hidden chunks moving down from the host stay hidden states on disk, in a
+        second file of hidden_disk_capacity (default disk_capacity); a store reopened over the same
+        disk_dir keeps the split recorded there (unless hidden_layers says otherwise, in which case
+        those chunks are recomputed from their token ids).
     clock: the time source of sessions' last activity (the policy's idle time); default time.monotonic.
     """
 
@@ -60,7 +65,7 @@ class SessionStore(_TensorStore):
                  hidden_capacity: int | str | None = None, hidden_budget: float | None = 0.55,
                  hidden_costs: HiddenCosts | None = None, layout: str = "paged", max_context: int | None = None,
                  clock: Callable[[], float] = time.monotonic, keep_freed: int | str = "64MiB",
-                 map_ahead: bool = True):
+                 map_ahead: bool = True, hidden_disk_capacity: int | str | None = None):
         adapter = enable(model)
         param = next(model.parameters())
         spec = KVSpec(adapter.num_layers, adapter.num_kv_heads, adapter.head_dim, dtype=param.dtype,
@@ -79,9 +84,12 @@ class SessionStore(_TensorStore):
         self.hidden_plan: HiddenPlan | None = None
         hidden_spec = None
         if uses_hidden:
+            floor = min_hidden_layers(hidden_budget, adapter.num_layers, adapter.hidden_size, kv_per_layer)
+            saved = saved_hidden_layers(disk_dir) if disk_dir is not None and hidden_layers is None else None
+            if saved is not None and floor <= saved <= adapter.num_layers:
+                hidden_layers = saved             # hidden chunks on disk in this split stay usable
             if hidden_layers is None:
                 costs = hidden_costs or measure_hidden_costs(model, adapter, spec)
-                floor = min_hidden_layers(hidden_budget, adapter.num_layers, adapter.hidden_size, kv_per_layer)
                 self.hidden_plan = plan_layers(costs, adapter.num_layers, complement="kv", min_hidden=floor)
                 hidden_layers = self.hidden_plan.hidden_layers
             hidden_spec = HiddenSpec(spec, adapter.hidden_size, hidden_layers)
@@ -92,7 +100,7 @@ class SessionStore(_TensorStore):
                          hidden_spec=hidden_spec, hidden_capacity=hidden_capacity,
                          project=kv_projector(model, adapter) if uses_hidden else None, layout=layout,
                          max_context=max_context or adapter.max_positions, clock=clock, keep_freed=keep_freed,
-                         map_ahead=map_ahead)
+                         map_ahead=map_ahead, hidden_disk_capacity=hidden_disk_capacity)
         self.model = model
         self.adapter = adapter
 

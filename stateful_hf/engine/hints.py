@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from ..cache import CapacityError, ChunkState, SessionBusyError, StoreError
 
-_BELOW = (ChunkState.HOST, ChunkState.HIDDEN, ChunkState.DISK)   # what a hint brings up to the device
+_BELOW = (ChunkState.HOST, ChunkState.HIDDEN, ChunkState.DISK, ChunkState.DISK_HIDDEN)   # what a hint brings up
 
 
 @dataclass(eq=False)

@@ -92,7 +92,7 @@ def _lease(store, session_id: str, timeout: float):
 def export_session(store, session_id: str, timeout: float = _TIMEOUT) -> SessionExport:
     """Copy out the session's token ids and every chunk whose K/V is stored (any tier)."""
     s = store.session(session_id)
-    hidden = [k for k, c in enumerate(s.chunks) if c.state is ChunkState.HIDDEN]
+    hidden = [k for k, c in enumerate(s.chunks) if c.state in (ChunkState.HIDDEN, ChunkState.DISK_HIDDEN)]
     if hidden:                       # hidden states -> K/V on the device (projection), best effort
         with contextlib.suppress(Exception):   # if not: left out below, recomputed by the next turn
             store.move(session_id, hidden, "device")
