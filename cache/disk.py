@@ -11,6 +11,7 @@ sessions it left.
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import json
 import math
@@ -44,6 +45,7 @@ class DiskTier:
             self._lock_file.close()
             raise StoreError(f"disk tier {str(self.dir)!r} is in use by another store") from e
         self.index_path = self.dir / "index.json"
+        self._maps: list[tuple[Path, torch.Tensor]] = []    # (file, its whole mapping as a flat tensor)
         saved = self._read_index()
         if saved and saved["geometry"] != _geometry(spec):
             self.close()
@@ -76,6 +78,7 @@ class DiskTier:
             flat = torch.from_file(str(path), shared=True, size=sum(sizes), dtype=dtype)
         except OSError as e:
             raise StoreError(f"cannot create the disk tier file {str(path)!r} of {nbytes} bytes: {e}") from e
+        self._maps.append((path, flat))
         return [part.view(sh) for part, sh in zip(flat.split(sizes), shapes)]
 
     def open_hidden(self, spec: HiddenSpec, num_blocks: int) -> bool:
@@ -101,6 +104,28 @@ class DiskTier:
             return json.loads(self.index_path.read_text())
         except (OSError, ValueError) as e:
             raise StoreError(f"disk tier index {str(self.index_path)!r} is unreadable: {e}") from e
+
+    def drop_page_cache(self) -> bool:
+        """Write the tier's files back and evict them from the OS page cache, so the next reads come
+        from the device (for profiling and benchmarks). Pages mapped into this process are not
+        evicted by posix_fadvise alone: they are unmapped first (madvise MADV_DONTNEED; a shared file
+        mapping keeps its data in the file). Returns False where that is not available (reads of
+        mapped pages may then stay warm)."""
+        unmapped = True
+        for path, flat in self._maps:
+            try:
+                libc = ctypes.CDLL(None, use_errno=True)
+                libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+                unmapped &= libc.madvise(flat.data_ptr(), flat.numel() * flat.element_size(), 4) == 0
+            except (OSError, AttributeError):
+                unmapped = False
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        return unmapped
 
     def write_index(self, sessions: dict[str, dict]) -> None:
         """sessions: {session_id: {"token_ids": [...], "disk_chunks": {chunk_index: slot},

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import tempfile
 import time
 
 import torch
 
 from .adapter import ModelAdapter, decoder_layers, kv_projector
+from .cache.disk import DiskTier
 from .cache.hidden import HiddenCapture, HiddenPool, HiddenRestore, HiddenSpec
 from .cache.hplan import HiddenCosts
 from .cache.pool import BlockPool
@@ -44,10 +47,11 @@ def _capture_hook(idx: int):
 _MEASURED: dict[str, HiddenCosts] = {}
 
 
-def _median_seconds(fn, repeats: int, sync) -> float:
+def _median_seconds(fn, repeats: int, sync, setup=lambda: None) -> float:
     fn()                                        # warm up: allocation and dispatch stay out of timings
     runs = []
     for _ in range(repeats):
+        setup()
         sync()
         t0 = time.perf_counter()
         fn()
@@ -58,14 +62,17 @@ def _median_seconds(fn, repeats: int, sync) -> float:
 
 @torch.inference_mode()
 def measure_hidden_costs(model: torch.nn.Module, adapter: ModelAdapter, spec: KVSpec, tokens: int = 1024,
-                         repeats: int = 3) -> HiddenCosts:
+                         repeats: int = 3, disk_dir: str | os.PathLike | None = None) -> HiddenCosts:
     """HCache's per-layer profile for `tokens` tokens (a whole number of chunks), measured on the
     model's device through the same code the store restores with:
     io_hidden: copy one layer of hidden chunks from the host pool up; io_kv: copy one layer of K/V
     chunks from a host pool into the device pool; c_hidden: project one layer's hidden states to K/V
     and write them into the pool; c_token: a forward of the whole model on the tokens, per layer.
+    With `disk_dir`, io_hidden and io_kv are reads of the disk tier's hidden file (created in a
+    temporary directory there), each from a cold page cache: the profile of restoring from disk.
     Layers of these families are identical, so one layer stands for each. Memoized per geometry."""
-    key = hashlib.sha1(f"{json.dumps(model.config.to_dict(), sort_keys=True, default=str)}|{spec}|{tokens}"
+    where = "host" if disk_dir is None else f"disk:{os.path.realpath(disk_dir)}"
+    key = hashlib.sha1(f"{json.dumps(model.config.to_dict(), sort_keys=True, default=str)}|{spec}|{tokens}|{where}"
                        .encode()).hexdigest()
     if key in _MEASURED:
         return _MEASURED[key]
@@ -77,23 +84,35 @@ def measure_hidden_costs(model: torch.nn.Module, adapter: ModelAdapter, spec: KV
     host.hidden.normal_()
     host.kv.normal_()
     device_pool = BlockPool(spec, n)
-    ids = list(range(n))
-    src = torch.tensor(ids)
-    restore = HiddenRestore(HiddenCapture(hspec, n), kv_projector(model, adapter))
-    for b in ids:
-        restore.add(host, b, b, b * bs, bs)
+    src = torch.arange(n)
+    capture, project = HiddenCapture(hspec, n), kv_projector(model, adapter)
 
-    def project_layer0():
-        restore.done.clear()
-        restore.run(0, device_pool)
+    def run_layer(pool: HiddenPool, layer: int):
+        restore = HiddenRestore(capture, project)
+        for b in range(n):
+            restore.add(pool, b, b, b * bs, bs)
 
-    def copy_kv_layer1():
-        restore.done.clear()
-        restore.run(1, device_pool)
+        def run():
+            restore.done.clear()
+            restore.run(layer, device_pool)
+        return run
 
     io_h = _median_seconds(lambda: host.hidden[0].index_select(0, src).to(dev), repeats, sync)
-    io_kv = _median_seconds(copy_kv_layer1, repeats, sync)
-    c_h = max(_median_seconds(project_layer0, repeats, sync) - io_h, io_h * 1e-3)
+    io_kv = _median_seconds(run_layer(host, 1), repeats, sync)
+    c_h = max(_median_seconds(run_layer(host, 0), repeats, sync) - io_h, io_h * 1e-3)
+    if disk_dir is not None:                  # the same reads from the disk tier's file, cold
+        os.makedirs(disk_dir, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=disk_dir) as tmp:
+            disk = DiskTier(spec, tmp, 1)
+            try:
+                disk.open_hidden(hspec, n)
+                host.copy_slots(list(range(n)), disk.hidden_pool, list(range(n)))
+                cold = disk.drop_page_cache
+                io_h = _median_seconds(lambda: disk.hidden_pool.hidden[0].index_select(0, src).to(dev), repeats,
+                                       sync, cold)
+                io_kv = _median_seconds(run_layer(disk.hidden_pool, 1), repeats, sync, cold)
+            finally:
+                disk.close()
     x = torch.randint(0, adapter.vocab_size, (1, n * bs), device=dev)
     c_tok = _median_seconds(lambda: model.base_model(input_ids=x, use_cache=False), repeats, sync) / adapter.num_layers
     costs = HiddenCosts(io_hidden=io_h, io_kv=io_kv, c_hidden=c_h, c_token=c_tok, overlap=dev.type == "cuda",

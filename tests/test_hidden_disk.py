@@ -85,6 +85,7 @@ def test_disk_hidden_comes_back_to_the_host_and_steps_abort_cleanly(make_store, 
     store.move("a", [0, 1, 2], "hidden")
     store.move("a", [0, 1, 2], "disk")
     assert [c.state for c in store.session("a").chunks[:3]] == [DH] * 3
+    assert store.disk.drop_page_cache()            # cold reads from here on (benchmarks); data stays in the files
     store.move("a", [1], "hidden")                 # disk -> host, still hidden states
     assert store.session("a").chunks[1].state is ChunkState.HIDDEN
     n = store.session("a").num_tokens
