@@ -4,16 +4,15 @@
 
 For each history length N, one session's N tokens are placed wholly in one tier, then the time to
 make them usable on the device again is measured (median of --reps): `host` and `disk` copy the
-chunks up (the disk file's pages are evicted from the page cache first, so reads are cold where the
-OS honours it), `recompute` runs the model over the N tokens (the dropped-history path). `ttft` adds
-the forward of a 16-token new prompt with its next-token logits: the returning turn's time to first
-token. Ratios are against recompute, measured side by side in one run.
+chunks up (the disk file's pages are unmapped and evicted from the page cache first,
+`DiskTier.drop_page_cache`, so reads are cold), `recompute` runs the model over the N tokens (the
+dropped-history path). `ttft` adds the forward of a 16-token new prompt with its next-token logits:
+the returning turn's time to first token. Ratios are against recompute, measured side by side in one run.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import tempfile
 import time
@@ -25,15 +24,6 @@ from stateful_hf.cache import CostProfile
 from stateful_hf.integration import restore, run_step
 
 from .models import llama_100m, n_params
-
-
-def _evict_page_cache(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def _new_turn(model, store, sid: str, ids: list[int]) -> None:
@@ -51,7 +41,6 @@ def bench(lengths: list[int], reps: int) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         store = stateful_hf.SessionStore(model, device_capacity=total, host_capacity=total, disk_dir=tmp,
                                          disk_capacity=total, cost_profile=CostProfile(), swap_out_threshold=0)
-        kv_file = os.path.join(tmp, "kv.bin")
         prompt = torch.randint(0, 32000, (16,)).tolist()
         for n in lengths:
             ids = torch.randint(0, 32000, (n,)).tolist()
@@ -66,8 +55,8 @@ def bench(lengths: list[int], reps: int) -> list[dict]:
             for _ in range(reps):
                 for tier in ("host", "disk", "recompute"):
                     store.move("s", chunks, "dropped" if tier == "recompute" else tier)
-                    if tier == "disk":
-                        _evict_page_cache(kv_file)
+                    if tier == "disk":   # unmapped and evicted: posix_fadvise alone keeps mapped pages
+                        store.disk.drop_page_cache()
                     t0 = time.perf_counter()
                     if tier == "recompute":
                         restore(model, cache)
