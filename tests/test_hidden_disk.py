@@ -208,3 +208,17 @@ def test_full_disk_and_bad_moves_are_clear_and_lose_nothing(make_store, tmp_path
     assert no_disk.disk_hidden_pool is None
     with pytest.raises(ValueError, match="no disk tier"):
         no_disk.move("b", [0], "disk")
+
+
+def test_disk_profile_reads_the_disk_tier_file(tmp_path):
+    from stateful_hf.cache import KVSpec
+    from stateful_hf.hidden import measure_hidden_costs
+
+    model = FAMILIES["llama"]()
+    adapter = stateful_hf.enable(model)
+    spec = KVSpec(adapter.num_layers, adapter.num_kv_heads, adapter.head_dim)
+    host = measure_hidden_costs(model, adapter, spec, tokens=64, repeats=1)
+    disk = measure_hidden_costs(model, adapter, spec, tokens=64, repeats=1, disk_dir=tmp_path / "p")
+    assert disk is not host and disk.tokens == host.tokens == 64 and not disk.overlap
+    assert min(disk.io_hidden, disk.io_kv, disk.c_hidden, disk.c_token) > 0
+    assert list((tmp_path / "p").iterdir()) == []         # its temporary tier is gone
