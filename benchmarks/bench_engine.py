@@ -12,7 +12,8 @@ conversation so far plus `user` new tokens; every answer is exactly `new` greedy
   (c) stateful_hf.Engine (session KV kept across turns, unified prefill + decode steps).
 
 Throughput = generated tokens / wall time. TTFT = arrival of a turn -> its first generated token
-(queueing included). Not run by CI.
+(queueing included). `--repeats N` runs (b) and (c) N times in alternating order and prints every
+round's ratio: on a shared machine one pair of runs can swing by 30%. Not run by CI.
 """
 
 from __future__ import annotations
@@ -204,6 +205,9 @@ def main() -> None:
     ap.add_argument("--skip", default="", help="comma-separated systems to skip: a,b,c")
     ap.add_argument("--layout", choices=("paged", "virtual"), default="paged",
                     help="the engine's device layout: paged blocks, or vAttention's contiguous slots")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="rounds of (b) and (c), in alternating order; each system's median-throughput run is "
+                         "reported, with the per-round (c)/(b) throughput ratios and their median")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -221,14 +225,26 @@ def main() -> None:
     if "a" not in skip:
         results.append(run_stateless(models[0], wl))
         print(f"  {results[-1].name}: {results[-1].wall:.1f} s, 1-min load {os.getloadavg()[0]:.1f}", flush=True)
-    if "b" not in skip:
-        results.append(run_transformers_cb(models[1], wl, args.max_batch_tokens))
-        print(f"  {results[-1].name}: {results[-1].wall:.1f} s, 1-min load {os.getloadavg()[0]:.1f}", flush=True)
+    runs: dict[str, list[Result]] = {"b": [], "c": []}
     engine = None
-    if "c" not in skip:
-        res, engine = run_engine(models[2], wl, args.max_batch_tokens, args.layout)
-        results.append(res)
-        print(f"  {res.name}: {res.wall:.1f} s, 1-min load {os.getloadavg()[0]:.1f}", flush=True)
+    for r in range(args.repeats):
+        for system in ("b", "c") if r % 2 == 0 else ("c", "b"):     # alternate: drift in load hits both
+            if system in skip:
+                continue
+            if system == "b":
+                res = run_transformers_cb(models[1], wl, args.max_batch_tokens)
+            else:
+                res, engine = run_engine(models[2], wl, args.max_batch_tokens, args.layout)
+            runs[system].append(res)
+            print(f"  {res.name}: {res.wall:.1f} s, 1-min load {os.getloadavg()[0]:.1f}", flush=True)
+    for system in ("b", "c"):
+        if runs[system]:
+            ordered = sorted(runs[system], key=lambda x: x.throughput)
+            results.append(ordered[len(ordered) // 2])
+    if len(runs["b"]) == len(runs["c"]) > 1:
+        ratios = [c.throughput / b.throughput for b, c in zip(runs["b"], runs["c"])]
+        print("per-round engine/(b) throughput: " + ", ".join(f"x{x:.2f}" for x in ratios)
+              + f"; median x{statistics.median(ratios):.2f}")
     # Systems run one after another: on a shared machine, other processes change the CPU they get.
     print("load average at end (1/5/15 min): {:.1f} {:.1f} {:.1f}".format(*os.getloadavg()))
     print(f"\n{'system':<26}{'wall s':>8}{'tok/s':>8}{'TTFT p50':>10}{'TTFT p90':>10}")
