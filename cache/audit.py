@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .session import ChunkState
 from .stats import Counters, SessionStats, StoreStats, summary
-from .tiering import DEVICE, DISK, DISK_HIDDEN, DROPPED, HIDDEN, HOST, SHADOWED
+from .tiering import DEVICE, DISK, DISK_HIDDEN, DROPPED, HIDDEN, HOST, LAYERED, SHADOWED
 
 
 class AuditMixin:
@@ -12,7 +12,9 @@ class AuditMixin:
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless every slot of every tier is free or owned by exactly one chunk,
-        chunk tables match token counts, and only HOST/HIDDEN chunks have shadows."""
+        chunk tables match token counts, and only HOST/HIDDEN chunks have shadows. A device block
+        shared by LAYERED chunks (layerwise_kv) is owned per residue by distinct chunks, each naming
+        the block's factor, and by nothing else."""
         with self._lock:
             owners: dict[ChunkState, dict[int, tuple[str, int]]] = {
                 DEVICE: {}, HOST: {}, HIDDEN: {}, DISK: {}, DISK_HIDDEN: {}}
@@ -24,6 +26,7 @@ class AuditMixin:
                 assert slot not in owners[tier], f"{tier.value} slot {slot} owned by {owners[tier][slot]} and {who}"
                 owners[tier][slot] = who
 
+            shared: dict[tuple[int, int], tuple[tuple[str, int], int]] = {}   # (block, residue) -> (who, factor)
             for s in self._sessions.values():
                 n_chunks = -(-len(s.token_ids) // self.block_size)
                 assert len(s.chunks) == n_chunks, (
@@ -34,7 +37,13 @@ class AuditMixin:
                         assert c.loc is None and c.shadow is None, (who, c)
                     else:
                         assert c.loc is not None, (who, c)
-                        own(c.state, c.loc, who)
+                        own(HOST if c.state is LAYERED else c.state, c.loc, who)
+                    if c.share is not None:
+                        assert c.state is LAYERED, f"{who}: only layered chunks hold a device share, {c}"
+                        block, factor, residue = c.share
+                        assert 0 <= residue < factor, (who, c)
+                        assert (block, residue) not in shared, f"residue {residue} of block {block} owned twice"
+                        shared[block, residue] = (who, factor)
                     if c.shadow is not None:
                         assert c.state in SHADOWED, f"{who}: only host/hidden chunks keep a device shadow, {c}"
                         own(DEVICE, c.shadow, who)
@@ -42,6 +51,17 @@ class AuditMixin:
                         assert c.state is DEVICE, f"{who}: only device chunks are rebuilt from a hidden slot, {c}"
                         assert c.source[0] in (HIDDEN, DISK_HIDDEN), f"{who}: not a hidden form {c}"
                         own(c.source[0], c.source[1], who)
+            listed = set()
+            for block, (factor, slots) in self.shares.blocks.items():
+                assert any(o is not None for o in slots), f"shared block {block} has no owner and is not freed"
+                for r, o in enumerate(slots):
+                    if o is not None:
+                        assert shared.get((block, r)) == (o, factor), (
+                            f"shared block {block} residue {r}: table says {o} (factor {factor}), "
+                            f"chunks say {shared.get((block, r))}")
+                        listed.add((block, r))
+                own(DEVICE, block, ("shared", block))
+            assert listed == set(shared), f"shares not in the table: {sorted(set(shared) - listed)[:4]}"
             for tier, owned in owners.items():
                 pool = self._pool(tier)
                 if pool is not None:
@@ -85,6 +105,7 @@ class AuditMixin:
                 disk_capacity_tokens=cap(disk_pool) + cap(dhid), device_free_blocks=self.device_pool.num_free,
                 block_size=bs, kv_bytes_per_token=self.spec.bytes_per_token,
                 counters=Counters(**{f: getattr(self.counters, f) for f in Counters.__slots__}),
+                layered_tokens=tot[LAYERED.value],
                 hidden_tokens=tot["hidden"], hidden_bytes=self._hidden_used_bytes(hid), hidden_capacity_tokens=cap(hid),
                 disk_hidden_tokens=tot["disk_hidden"], disk_hidden_bytes=self._hidden_used_bytes(dhid),
                 disk_hidden_capacity_tokens=cap(dhid),

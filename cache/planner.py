@@ -16,15 +16,17 @@ from ..kernels import PagedBatch
 from .errors import CapacityError
 from .hidden import StepHidden
 from .session import Chunk, Session
+from .shares import check_factor
 from .step import StepBatch, StepEntry
-from .tiering import DEVICE, DROPPED
+from .tiering import DEVICE, DROPPED, HOST, LAYERED
 
 
 class StepPlannerMixin:
     # provided by SessionStore: _lock, _sessions, session(), device_pool, block_size, spec, layout,
     # attn_backend, capture, counters, and the tiering/hidden-tier internals
 
-    def plan_step(self, requests: Sequence[tuple[str, Sequence[int], Sequence[int]]]) -> StepBatch:
+    def plan_step(self, requests: Sequence[tuple[str, Sequence[int], Sequence[int]]],
+                  factors: Sequence[int] | None = None) -> StepBatch:
         """Reserve device blocks for one forward step and describe it.
 
         `requests`: (session_id, token_ids, positions) per session, at most one per session. A
@@ -33,31 +35,61 @@ class StepPlannerMixin:
         of the context are copied up (layer by layer; on CUDA the step carries per-layer events);
         dropped chunks of the context must be among the rows. The new tokens join the session's
         history now; `commit` makes them permanent, `abort` takes them back.
+
+        `factors` (layerwise_kv stores only; default 1 each): per entry, the keep factor of the chunks
+        it fills: 1 all layers on the device, 0 none (host only), f >= 2 layers l % f == r in a shared
+        block (`layerwise.py`). An entry with factor != 1 also reads its HOST context in place.
         """
         with self._lock:
             sessions = [self.session(sid) for sid, _, _ in requests]
             if len({s.session_id for s in sessions}) != len(sessions):
                 raise ValueError("plan_step: at most one entry per session in a step")
+            factors = [1] * len(requests) if factors is None else [check_factor(f, self.spec.num_layers)
+                                                                   for f in factors]
+            if len(factors) != len(requests):
+                raise ValueError(f"plan_step: {len(factors)} factors for {len(requests)} entries")
+            if not self.layerwise and any(f != 1 for f in factors):
+                raise ValueError("plan_step: keep factors other than 1 need a store made with layerwise_kv=True")
             plans = [self._plan_entry(s, list(ids), list(pos)) for s, (_, ids, pos) in zip(sessions, requests)]
+            for s, f, (_, swap) in zip(sessions, factors, plans):
+                if f != 1:     # layer-wise entry: its host chunks are read in place, not copied up
+                    swap[:] = [k for k in swap if s.chunks[k].state is not HOST or s.chunks[k].shadow is not None]
             exclude = {s.session_id for s in sessions}
-            fresh = sum(len(f) + sum(1 for k in sw if s.chunks[k].shadow is None)
-                        for s, (f, sw) in zip(sessions, plans))
+            fresh = sum((len(f) if fac == 1 else self.shares.blocks_needed(fac, len(f)))
+                        + sum(1 for k in sw if s.chunks[k].shadow is None)
+                        for s, fac, (f, sw) in zip(sessions, factors, plans))
             held = sum(1 for s in sessions for c in s.chunks if c.state is DEVICE or c.shadow is not None)
             if fresh + held > self.device_pool.num_blocks:
                 raise CapacityError(
                     f"request needs {fresh + held} device blocks of {self.block_size} tokens but the pool has "
                     f"{self.device_pool.num_blocks} in all ({self.device_pool.num_blocks * self.block_size} tokens); "
                     "raise device_capacity")
-            n_fill = sum(len(f) for f, _ in plans)
+            n_fill = sum(len(f) for fac, (f, _) in zip(factors, plans) if fac == 1)
             if fresh > self.device_pool.num_free:
                 self._make_room(DEVICE, fresh - self.device_pool.num_free, exclude)
             restore = self._new_restore()
             events = self._move_up([(s, k) for s, (_, sw) in zip(sessions, plans) for k in sw], DEVICE, exclude,
                                    restore=restore)
             fills = iter(self._take(DEVICE, n_fill, exclude,
-                                    [(s.session_id, k) for s, (f, _) in zip(sessions, plans) for k in f]))
+                                    [(s.session_id, k) for s, fac, (f, _) in zip(sessions, factors, plans)
+                                     if fac == 1 for k in f]))
+            layered = []      # per entry: LAYERED chunks for its fills (factor != 1)
+            try:
+                for s, fac, (f, _) in zip(sessions, factors, plans):
+                    layered.append(iter(self._fill_layered([(s, k) for k in f], fac, exclude) if fac != 1 else ()))
+            except CapacityError:     # give back what this step took so far: nothing is assigned yet
+                self.device_pool.free(list(fills))
+                for made in layered:
+                    for c in made:
+                        self._release_chunk(c)
+                raise
             entries = []
-            for s, (_, ids, pos), (fill, swap) in zip(sessions, requests, plans):
+            for s, fac, (_, ids, pos), (fill, swap), made in zip(sessions, factors, requests, plans, layered):
+                if fac != 1:
+                    for k in range(min(len(s.chunks), -(-(max(pos) + 1) // self.block_size))):
+                        c = s.chunks[k]
+                        if c.state is HOST and c.shadow is None:     # read in place from now on
+                            s.chunks[k] = Chunk(LAYERED, c.loc)
                 old_len = len(s.token_ids)
                 if s.turn_started:   # count what a returning turn found on the device, once per turn
                     s.turn_started = False
@@ -71,7 +103,7 @@ class StepPlannerMixin:
                     s.chunks.append(Chunk())
                 for k in fill:
                     self._release(s, k)
-                    s.chunks[k] = Chunk(DEVICE, next(fills))
+                    s.chunks[k] = Chunk(DEVICE, next(fills)) if fac == 1 else next(made)
                     if self.capture is not None:     # every token of it is computed while capturing
                         self.capture.valid[s.chunks[k].loc] = True
                 entries.append(StepEntry(s.session_id, tuple(ids), tuple(pos), old_len, tuple(fill)))
@@ -88,6 +120,8 @@ class StepPlannerMixin:
             for e in step.entries:
                 if e.session_id in self._sessions:
                     self._sessions[e.session_id].last_active = now
+                    if not self._sessions[e.session_id].busy:     # LAYERED chunks live only within a turn
+                        self._settle_layered(self._sessions[e.session_id])
             if getattr(self, "page_mapper", None) is not None:
                 self.page_mapper.submit(self._growth_blocks(step))
 
@@ -118,6 +152,8 @@ class StepPlannerMixin:
                         self._release(s, k)
                 del s.token_ids[e.old_len:]
                 del s.chunks[-(-e.old_len // self.block_size):]
+                if not s.busy:
+                    self._settle_layered(s)
 
     def _plan_entry(self, s: Session, ids: list[int], pos: list[int]) -> tuple[list[int], list[int]]:
         """Validate one entry; return (chunks the rows fill: need a fresh block, chunks to copy up)."""
@@ -135,7 +171,7 @@ class StepPlannerMixin:
         fill, swap = [], []
         for k in range(-(-end // bs)):
             state = s.chunks[k].state if k < len(s.chunks) else DROPPED
-            if state is DEVICE:
+            if state is DEVICE or state is LAYERED:     # readable in place (LAYERED: layer by layer)
                 continue
             history = [p for p in range(k * bs, min((k + 1) * bs, n, end))]
             if all(p in rows for p in history):
@@ -154,10 +190,10 @@ class StepPlannerMixin:
             s = self._sessions[e.session_id]
             ids += e.token_ids
             pos += e.positions
-            slots += [s.chunks[p // bs].loc * bs + p % bs for p in e.positions]
+            slots += [self._table_block(s.chunks[p // bs]) * bs + p % bs for p in e.positions]
             cu.append(len(pos))
             kv_len.append(max(e.positions) + 1)
-            tables.append([c.loc for c in s.chunks[: -(-kv_len[-1] // bs)]])
+            tables.append([self._table_block(c) for c in s.chunks[: -(-kv_len[-1] // bs)]])
         width = max(map(len, tables))
         paged = PagedBatch(torch.tensor(cu, dtype=torch.int32), torch.tensor(pos, dtype=torch.int64),
                            torch.tensor(kv_len, dtype=torch.int32),
@@ -169,12 +205,13 @@ class StepPlannerMixin:
         layer_events = None
         if events:   # per layer, the events of every copy group
             layer_events = tuple(tuple(group[layer] for group in events) for layer in range(self.spec.num_layers))
+        layered = self._layered_step(entries, tables) if self.layerwise else None
         return StepBatch(
             entries=tuple(entries), paged=paged.to(dev), slots=torch.tensor(slots, dtype=torch.int64, device=dev),
             input_ids=torch.tensor([ids], dtype=torch.long, device=dev),
             position_ids=torch.tensor([pos], dtype=torch.long, device=dev),
             pool=self.device_pool, backend=self.attn_backend, window=self.spec.window, layer_events=layer_events,
-            dense_slots=dense_slots,
+            dense_slots=dense_slots, layered=layered,
             hidden=None if self.capture is None else StepHidden(
                 self.capture, torch.tensor(slots, dtype=torch.long), restore if restore and restore.chunks else None),
         )

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 class ChunkState(enum.Enum):
     DEVICE = "device"    # KV in a block of the device pool
+    LAYERED = "layered"  # KV per layer: a host slot, plus (maybe) a residue share of a device block (LayerKV)
     HOST = "host"        # KV in a slot of the host pool (maybe still cached in a device block: `shadow`)
     HIDDEN = "hidden"    # per-layer hidden states (+ KV of the layers the plan keeps as KV) in the host hidden pool
     DISK = "disk"        # KV in a slot of the disk tier
@@ -31,12 +32,24 @@ class Chunk:
     source: DEVICE only, while a step is in flight: (HIDDEN or DISK_HIDDEN, slot), the hidden form
             this block's KV is being rebuilt from layer by layer. Freed when the step commits; on abort
             of an unfinished rebuild the chunk returns to that state at that slot.
+    share:  LAYERED only: (device block, factor f >= 2, residue r < f) when layers l with
+            l % f == r live in that device block (which up to f chunks of distinct residues share);
+            every other layer lives in the host slot `loc`. None: every layer is in the host slot.
+            Only a busy session (a running request) has LAYERED chunks: they become HOST when its
+            turn ends (`layerwise.py`).
     """
 
     state: ChunkState = ChunkState.DROPPED
     loc: int | None = None
     shadow: int | None = None
     source: tuple[ChunkState, int] | None = None
+    share: tuple[int, int, int] | None = None
+
+    def on_device(self, layer: int) -> bool:
+        """Whether this chunk's KV of `layer` is in a device block (DEVICE, or a kept layer of LAYERED)."""
+        if self.state is ChunkState.DEVICE:
+            return True
+        return self.share is not None and layer % self.share[1] == self.share[2]
 
     @property
     def block(self) -> int | None:

@@ -54,6 +54,7 @@ class StoreStats:
     device_pages_released: int = 0    # virtual layout: pages given back to the OS so far
     device_kept_bytes: int = 0        # virtual layout: committed pages of free blocks kept for reuse
     device_blocks_prefetched: int = 0  # virtual layout: blocks mapped ahead by the background mapper
+    layered_tokens: int = 0           # layerwise_kv: tokens of running requests kept per layer (host + shared device)
 
     @property
     def bytes_per_token(self) -> dict[str, float]:

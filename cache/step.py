@@ -8,6 +8,7 @@ import torch
 
 from ..kernels import PagedBatch
 from .hidden import StepHidden
+from .layered_step import LayeredStep
 from .pool import BlockPool
 
 
@@ -39,6 +40,7 @@ class StepBatch:
     layer_events: tuple | None = None   # per layer, CUDA events of swap-in copies its KV waits for
     hidden: StepHidden | None = None    # capture of the rows' hidden states, restore of hidden chunks
     dense_slots: tuple[int, ...] | None = None  # virtual layout: each entry's slot (dense kernels, no table)
+    layered: LayeredStep | None = None  # layer-wise residency of rows and context (LAYERED chunks), else None
 
     @property
     def num_tokens(self) -> int:

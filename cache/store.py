@@ -19,6 +19,7 @@ from .disk import DiskTier
 from .errors import SessionBusyError, StoreError, UnknownSessionError
 from .hidden import HiddenSpec, Projector
 from .hidden_tier import HiddenTierMixin
+from .layerwise import LayerwiseMixin
 from .planner import StepPlannerMixin
 from .policy import EvictionPolicy, RetentionPolicy
 from .pool import BlockPool
@@ -30,7 +31,7 @@ from .transfer import Transfer
 from .virtual import PageMapper, VirtualPool
 
 
-class SessionStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin):
+class SessionStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin, LayerwiseMixin):
     """device_capacity / host_capacity / disk_capacity: tokens (int) or sizes ("2GiB"); a host or
     disk tier exists only when given (the disk tier also needs `disk_dir`). `swap_out_threshold`:
     share of device blocks kept free or reclaimable by ahead-of-time swap-out after each turn.
@@ -41,7 +42,10 @@ class SessionStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin):
     reuse (vAttention's deferred reclamation; `reclaim()` gives them back), and with `map_ahead` a
     background thread maps the block each stepping session grows into next.
     `clock`: seconds for sessions' last activity, which the policy's idle time T is measured with
-    (default time.monotonic; a virtual clock makes eviction order reproducible in replays)."""
+    (default time.monotonic; a virtual clock makes eviction order reproducible in replays).
+    layerwise_kv: LayerKV's layer-wise allocation (`layerwise.py`): steps may fill chunks keeping only
+    some layers on the device (shared blocks) and the rest on the host; needs a host tier, the paged
+    layout and the torch backend."""
 
     def __init__(self, spec: KVSpec, device_capacity: int | str = 4096, *, host_capacity: int | str | None = None,
                  disk_dir: str | os.PathLike | None = None, disk_capacity: int | str | None = None,
@@ -50,7 +54,8 @@ class SessionStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin):
                  hidden_spec: HiddenSpec | None = None, hidden_capacity: int | str | None = None,
                  project: Projector | None = None, layout: str = "paged", max_context: int | None = None,
                  clock: Callable[[], float] = time.monotonic, keep_freed: int | str = "64MiB",
-                 map_ahead: bool = True, hidden_disk_capacity: int | str | None = None):
+                 map_ahead: bool = True, hidden_disk_capacity: int | str | None = None,
+                 layerwise_kv: bool = False):
         if not 0 <= swap_out_threshold < 1:
             raise ValueError(f"swap_out_threshold must be in [0, 1), got {swap_out_threshold}")
         if disk_capacity is not None and disk_dir is None:
@@ -84,6 +89,7 @@ class SessionStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin):
         self._disk_dirty = False
         self._init_hidden(hidden_states, hidden_spec, hidden_capacity, host_capacity, project,
                           hidden_disk_capacity if hidden_disk_capacity is not None else disk_capacity)
+        self._init_layerwise(layerwise_kv)
         if self.disk is not None:
             self._load_disk_sessions()
 
@@ -137,6 +143,7 @@ class SessionStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin):
             with self._lock:
                 s.busy = s.turn_started = False
                 s.last_active = self.clock()
+                self._settle_layered(s)
                 self._swap_out_ahead()
                 self._sync_disk()
 
@@ -198,6 +205,7 @@ class SessionStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin):
             s = self.session(session_id)
             if s.busy:
                 raise SessionBusyError(session_id)
+            self._settle_layered(s)
             ks = sorted(set(chunks))
             if any(not 0 <= k < len(s.chunks) for k in ks):
                 raise IndexError(f"session {session_id!r} has chunks 0..{len(s.chunks) - 1}, got {ks}")
@@ -233,6 +241,7 @@ class SessionStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin):
         this way when decoding runs out of blocks, keeping the session's lease."""
         with self._lock:
             s = self.session(session_id)
+            freed = self._settle_layered(s)           # layer-wise chunks: kept layers to the host
             items = [(s, k) for k, c in enumerate(s.chunks) if c.state is DEVICE]
             self._move_down(items, DEVICE, {session_id})
             for k, c in enumerate(s.chunks):          # cached shadows of host chunks go too
@@ -241,7 +250,7 @@ class SessionStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin):
                     c.shadow = None
                     items.append((s, k))
             self._sync_disk()
-            return len(items)
+            return len(items) + freed
 
     def available_blocks(self) -> int:
         """Device blocks a step could get now: free, cached shadows of idle sessions, and device

@@ -18,7 +18,7 @@ from .pool import BlockPool
 from .session import Chunk, ChunkState, Session
 
 DEVICE, HOST, DISK, DROPPED = ChunkState.DEVICE, ChunkState.HOST, ChunkState.DISK, ChunkState.DROPPED
-HIDDEN, DISK_HIDDEN = ChunkState.HIDDEN, ChunkState.DISK_HIDDEN
+HIDDEN, DISK_HIDDEN, LAYERED = ChunkState.HIDDEN, ChunkState.DISK_HIDDEN, ChunkState.LAYERED
 SHADOWED = (HOST, HIDDEN)     # states whose chunks may keep a device shadow
 ON_DISK = (DISK, DISK_HIDDEN)
 
@@ -38,6 +38,8 @@ class TieringMixin:
             return self.hidden_pool
         if state is DISK_HIDDEN:
             return self.disk_hidden_pool
+        if state is LAYERED:      # its host slot (its device share is in the share table)
+            return self.host_pool
         return None
 
     def _below(self, state: ChunkState) -> ChunkState:
@@ -61,6 +63,8 @@ class TieringMixin:
         if c.source is not None:
             self._pool(c.source[0]).free([c.source[1]])
             self._disk_dirty |= c.source[0] is DISK_HIDDEN
+        if c.share is not None:
+            self._release_share(c)
         if c.state in ON_DISK:
             self._disk_dirty = True
         s.chunks[k] = Chunk()

@@ -1,8 +1,8 @@
 """Attention over paged KV for ragged multi-token queries. Never imports transformers."""
 
 from .attention import BACKENDS, paged_attention, write_kv
-from .batch import PagedBatch
+from .batch import Overlay, PagedBatch
 from .plan import StepPlan, available_backends, plan, resolve_backend
 
-__all__ = ["BACKENDS", "PagedBatch", "StepPlan", "available_backends", "paged_attention", "plan",
+__all__ = ["BACKENDS", "Overlay", "PagedBatch", "StepPlan", "available_backends", "paged_attention", "plan",
            "resolve_backend", "write_kv"]

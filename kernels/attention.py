@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .batch import PagedBatch
+from .batch import Overlay, PagedBatch
 from .plan import BACKENDS, StepPlan, plan_for, resolve_backend
 
 __all__ = ["BACKENDS", "paged_attention", "write_kv"]
@@ -43,14 +43,18 @@ def paged_attention(
     window: int | None = None,
     validate: bool = True,
     plan: StepPlan | None = None,
+    overlay: Overlay | None = None,
 ) -> torch.Tensor:              # [T, Hq, D]
     """Causal attention by absolute position: row t of sub-request i attends to that sub-request's
     keys at positions <= q_pos[t] (and > q_pos[t] - window when a sliding window is given).
 
     `plan` (kernels.plan(batch, block_size, backend), made once per step) carries the backend's
     per-batch work; without one, the plan is made on the first call and cached on the batch, so
-    later layers of the same step reuse it. Validation runs once per plan and pool size."""
+    later layers of the same step reuse it. Validation runs once per plan and pool size.
+    `overlay` reads some context blocks of this layer from another tensor (torch backend only)."""
     _check(query, key_cache, value_cache, batch)
+    if overlay is not None:
+        _check_overlay(overlay, key_cache, batch)
     if window is not None and window < 1:
         raise ValueError(f"paged_attention: window must be >= 1 or None, got {window}")
     num_blocks, block_size = key_cache.shape[:2]
@@ -64,7 +68,18 @@ def paged_attention(
         batch.validate(num_blocks, block_size)
         plan.validated_for = num_blocks
     scale = query.shape[-1] ** -0.5 if scale is None else scale
-    return plan.run(query, key_cache, value_cache, scale, window)
+    return plan.run(query, key_cache, value_cache, scale, window, overlay)
+
+
+def _check_overlay(overlay: Overlay, key_cache: torch.Tensor, batch: PagedBatch) -> None:
+    if overlay.table.shape != batch.block_table.shape:
+        raise ValueError(f"paged_attention: overlay table {tuple(overlay.table.shape)} must match the block table "
+                         f"{tuple(batch.block_table.shape)}")
+    if overlay.key.shape[1:] != key_cache.shape[1:] or overlay.key.dtype != key_cache.dtype \
+            or overlay.key.device != key_cache.device:
+        raise ValueError(f"paged_attention: overlay blocks {tuple(overlay.key.shape[1:])} {overlay.key.dtype} on "
+                         f"{overlay.key.device} must match the cache's {tuple(key_cache.shape[1:])} "
+                         f"{key_cache.dtype} on {key_cache.device}")
 
 
 def write_kv(

@@ -86,3 +86,26 @@ class PagedBatch:
                     raise ValueError(f"PagedBatch: sub-request {i} has query positions "
                                      f"{int(pos[a:b].min())}..{int(pos[a:b].max())} outside its context "
                                      f"0..{kv_len[i] - 1}")
+
+
+@dataclass(frozen=True)
+class Overlay:
+    """Context blocks of one layer read from another source than the pool (LayerKV's layer-wise
+    residency: a block whose KV of this layer lives on the host).
+
+    table: [S, M] int  -1: block (i, j) comes from the pool through block_table[i, j]; b >= 0: from
+                       block b of `key` / `value` instead.
+    key, value: [source blocks, block_size, Hkv, D] (strided views are fine), same dtype and device as
+                the pool's layer. Only the torch backend reads overlays."""
+
+    table: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.table.dim() != 2 or self.table.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"Overlay.table must be a 2-D int tensor [S, M], got {tuple(self.table.shape)} "
+                             f"{self.table.dtype}")
+        if self.key.shape != self.value.shape or self.key.dim() != 4:
+            raise ValueError(f"Overlay key/value must be [blocks, block_size, Hkv, D] of one shape, got "
+                             f"{tuple(self.key.shape)} and {tuple(self.value.shape)}")

@@ -75,8 +75,14 @@ class StepPlan:
         else:
             self.impl = flash_attn_backend.FlashAttnPlan(batch, block_size)
 
-    def run(self, query, key_cache, value_cache, scale: float, window: int | None = None) -> torch.Tensor:
-        return self.impl.run(query, key_cache, value_cache, scale, window)
+    def run(self, query, key_cache, value_cache, scale: float, window: int | None = None,
+            overlay=None) -> torch.Tensor:
+        if overlay is None:
+            return self.impl.run(query, key_cache, value_cache, scale, window)
+        if self.backend != "torch":
+            raise NotImplementedError(f"the {self.backend} backend cannot read layer-wise overlays (host-resident "
+                                      "layers of a LAYERED chunk); use attn_backend='torch' with layerwise_kv")
+        return self.impl.run(query, key_cache, value_cache, scale, window, overlay)
 
 
 def plan(batch: PagedBatch, block_size: int, backend: str = "auto", dtype: torch.dtype | None = None,

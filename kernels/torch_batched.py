@@ -41,12 +41,14 @@ class _Group:
         self.max_q = max(cu_q[i + 1] - cu_q[i] for i in members)
         self.nb = max(-(-kv_len[i] // block_size) for i in members)
         self.length = self.nb * block_size                     # L: padded context length
-        blocks, q_rows, out_src, out_rows, tails = [], [], [], [], []
+        blocks, cells, q_rows, out_src, out_rows, tails = [], [], [], [], [], []
         self.tail_start = [0]                                  # member j's tail rows: tails[tail_start[j]:..[j+1]]
+        width = table.shape[1]
         for j, i in enumerate(members):
             need = -(-kv_len[i] // block_size)
             row = table[i, :need].tolist()
             blocks += row + [row[0]] * (self.nb - need)
+            cells += [i * width + c for c in range(need)] + [i * width] * (self.nb - need)
             a, b = cu_q[i], cu_q[i + 1]
             q_rows += list(range(a, b)) + [a] * (self.max_q - (b - a))
             out_src += range(j * self.max_q, j * self.max_q + b - a)
@@ -55,6 +57,7 @@ class _Group:
             self.tail_start.append(len(tails))
         as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)
         self.blocks = as_long(blocks)                          # [n * nb] pool block ids
+        self.cells = torch.tensor(cells, dtype=torch.long)     # [n * nb] flat (sub-request, table column), CPU
         self.q_rows = as_long(q_rows)                          # [n * max_q] packed query rows (padded)
         self.out_src = as_long(out_src)                        # [R] rows of the flattened [n * max_q] output
         self.out_rows = as_long(out_rows)                      # [R] their packed rows
@@ -122,6 +125,30 @@ class TorchPlan:
             groups.append(cur)
         self.groups = [_Group(batch, g, block_size, table) for g in groups]
         self._work: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._overlays: dict[int, tuple] = {}     # id(overlay.table) -> (table, per group, per slice: rows, ids)
+
+    def _overlay_rows(self, overlay, work) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Per group, per slice of m members: (workspace block rows, source block ids) the overlay
+        replaces. Made once per overlay table (layers with the same residency share one)."""
+        key = id(overlay.table)
+        if key not in self._overlays:
+            flat = overlay.table.cpu().reshape(-1).long()
+            if flat.numel() and int(flat.max()) >= overlay.key.shape[0]:
+                raise ValueError(f"overlay names block {int(flat.max())} of a source with {overlay.key.shape[0]}")
+            device = overlay.key.device
+            per_group = []
+            for g, (m, _, _) in zip(self.groups, work):
+                src = flat[g.cells]                                        # [n * nb] source id or -1
+                rows = (src >= 0).nonzero().squeeze(1)
+                ids = src[rows]
+                slices = []
+                for a in range(0, g.n, m):
+                    lo, hi = a * g.nb, min(a + m, g.n) * g.nb
+                    sel = (rows >= lo) & (rows < hi)
+                    slices.append(((rows[sel] - lo).to(device), ids[sel].to(device)))
+                per_group.append(slices)
+            self._overlays[key] = (overlay.table, per_group)    # keeps the table alive: its id stays unique
+        return self._overlays[key][1]
 
     def _workspace(self, key_cache: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
         """Per group: members per slice m and K, V buffers [m * nb, block_size, Hkv, D], made once per step."""
@@ -135,34 +162,46 @@ class TorchPlan:
                                              for _ in range(2))))
         return self._work[key]
 
-    def run(self, query, key_cache, value_cache, scale: float, window: int | None = None) -> torch.Tensor:
+    def run(self, query, key_cache, value_cache, scale: float, window: int | None = None,
+            overlay=None) -> torch.Tensor:
         # query [T, Hq, D]; caches [num_blocks, block_size, Hkv, D] (strided views are fine)
+        # overlay: kernels.Overlay, blocks of this layer read from overlay.key/value instead of the caches
         t, hq, d = query.shape
         hkv = key_cache.shape[2]
         rep = hq // hkv                   # query heads per KV head; head h reads KV head h // rep
         q_flat = query.reshape(t * hq, d)
         out = query.new_zeros(t * hq + 1, d)
-        for g, (m, kbuf, vbuf) in zip(self.groups, self._workspace(key_cache)):
+        work = self._workspace(key_cache)
+        over = self._overlay_rows(overlay, work) if overlay is not None else [None] * len(self.groups)
+        for g, (m, kbuf, vbuf), ov in zip(self.groups, work, over):
             src, dst = g.rows(hq, hkv, t)
             q = q_flat.index_select(0, src).view(g.n, hkv, rep * g.max_q, d)
             mask = g.mask(window, rep)
             if m == g.n:                  # one slice: SDPA's output is the group's
-                o = self._attend(g, 0, g.n, q, mask, key_cache, value_cache, kbuf, vbuf, scale)
+                o = self._attend(g, 0, g.n, q, mask, key_cache, value_cache, kbuf, vbuf, scale,
+                                 ov and (overlay, *ov[0]))
             else:
                 o = torch.empty_like(q)
                 for a in range(0, g.n, m):
                     b = min(a + m, g.n)
-                    o[a:b] = self._attend(g, a, b, q[a:b], mask[a:b], key_cache, value_cache, kbuf, vbuf, scale)
+                    o[a:b] = self._attend(g, a, b, q[a:b], mask[a:b], key_cache, value_cache, kbuf, vbuf, scale,
+                                          ov and (overlay, *ov[a // m]))
             out.index_copy_(0, dst, o.view(-1, d))
         return out[:-1].view(t, hq, d)
 
     @staticmethod
-    def _attend(g: _Group, a: int, b: int, q, mask, key_cache, value_cache, kbuf, vbuf, scale: float):
-        """SDPA of members a..b-1 of group g: [b - a, Hkv, rep * max_q, D]."""
+    def _attend(g: _Group, a: int, b: int, q, mask, key_cache, value_cache, kbuf, vbuf, scale: float,
+                over: tuple | None = None):
+        """SDPA of members a..b-1 of group g: [b - a, Hkv, rep * max_q, D]. `over`: (overlay,
+        workspace block rows, source block ids) of this slice, read from the overlay's source."""
         hkv, d = key_cache.shape[2:]
         kb, vb = kbuf[: (b - a) * g.nb], vbuf[: (b - a) * g.nb]
         torch.index_select(key_cache, 0, g.blocks[a * g.nb: b * g.nb], out=kb)
         torch.index_select(value_cache, 0, g.blocks[a * g.nb: b * g.nb], out=vb)
+        if over is not None and over[1].numel():      # host-resident blocks of this layer
+            overlay, rows, ids = over
+            kb.index_copy_(0, rows, overlay.key.index_select(0, ids))
+            vb.index_copy_(0, rows, overlay.value.index_select(0, ids))
         tails = g.tails_of(a, b)
         if tails.numel():
             kb.view(-1, hkv, d).index_fill_(0, tails, 0)

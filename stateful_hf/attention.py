@@ -34,7 +34,11 @@ def stateful_attention(
         raise ValueError("a stateful step packs all rows into batch dimension 1")
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))   # [T, H, D]
     key_cache, value_cache = stateful_step.layer_kv(module.layer_idx)
-    write_kv(key_cache, value_cache, k, v, stateful_step.slots)
+    overlay = None
+    if stateful_step.layered is None:
+        write_kv(key_cache, value_cache, k, v, stateful_step.slots)
+    else:   # LayerKV: each row's K/V goes where this layer of its chunk lives; host-resident context is read there
+        overlay = stateful_step.layered.write_and_overlay(module.layer_idx, key_cache, value_cache, k, v)
     if stateful_step.dense_slots is not None:   # vAttention layout: contiguous per session, no block table
         key_slots, value_slots = stateful_step.pool.dense(module.layer_idx)
         out = dense_attention(q, key_slots, value_slots, stateful_step.paged, list(stateful_step.dense_slots),
@@ -42,7 +46,8 @@ def stateful_attention(
                               window=stateful_step.window)
         return out.unsqueeze(0), None
     out = paged_attention(q, key_cache, value_cache, stateful_step.paged, scale=scaling,
-                          backend=stateful_step.backend, window=stateful_step.window, validate=False)
+                          backend=stateful_step.backend, window=stateful_step.window, validate=False,
+                          overlay=overlay)
     return out.unsqueeze(0), None
 
 

@@ -55,6 +55,10 @@ class SessionStore(_TensorStore):
         disk_dir keeps the split recorded there (unless hidden_layers says otherwise, in which case
         those chunks are recomputed from their token ids).
     clock: the time source of sessions' last activity (the policy's idle time); default time.monotonic.
+    layerwise_kv: LayerKV's layer-wise KV allocation: engine steps may keep only some layers of a
+        chunk on the device (blocks shared by residue class) and the others on the host tier, read
+        and written there layer by layer. Needs host_capacity, layout "paged", the torch backend and
+        hidden_states "never"; `Engine(..., layerwise_kv=True)` makes such a store.
     """
 
     def __init__(self, model: torch.nn.Module, device_capacity: int | str = 4096, *, chunk_size: int = 32,
@@ -65,7 +69,8 @@ class SessionStore(_TensorStore):
                  hidden_capacity: int | str | None = None, hidden_budget: float | None = 0.55,
                  hidden_costs: HiddenCosts | None = None, layout: str = "paged", max_context: int | None = None,
                  clock: Callable[[], float] = time.monotonic, keep_freed: int | str = "64MiB",
-                 map_ahead: bool = True, hidden_disk_capacity: int | str | None = None):
+                 map_ahead: bool = True, hidden_disk_capacity: int | str | None = None,
+                 layerwise_kv: bool = False):
         adapter = enable(model)
         param = next(model.parameters())
         spec = KVSpec(adapter.num_layers, adapter.num_kv_heads, adapter.head_dim, dtype=param.dtype,
@@ -100,7 +105,8 @@ class SessionStore(_TensorStore):
                          hidden_spec=hidden_spec, hidden_capacity=hidden_capacity,
                          project=kv_projector(model, adapter) if uses_hidden else None, layout=layout,
                          max_context=max_context or adapter.max_positions, clock=clock, keep_freed=keep_freed,
-                         map_ahead=map_ahead, hidden_disk_capacity=hidden_disk_capacity)
+                         map_ahead=map_ahead, hidden_disk_capacity=hidden_disk_capacity,
+                         layerwise_kv=layerwise_kv)
         self.model = model
         self.adapter = adapter
 

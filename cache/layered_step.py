@@ -1,0 +1,78 @@
+"""Per-layer residency of one step (LayerKV's per-layer block table): where each row's K/V is
+written and which context blocks attention reads from the host, layer by layer.
+
+Built once per step by the store when any row or context chunk is LAYERED; read by every layer's
+attention through `StepBatch.layered`. A chunk's layer l is on the device when the chunk is DEVICE
+(factor 1) or LAYERED with a share (factor f >= 2) and l % f == its residue; otherwise it is in the
+chunk's host slot. Layers with the same on-device pattern share one placement (made once).
+
+On the CPU the host pool's layer view is read and written in place (zero copy): the "overlay" of
+the kernel points at it directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..kernels import Overlay, write_kv
+from .pool import BlockPool
+
+
+@dataclass(frozen=True, slots=True)
+class LayerPlacement:
+    dev_rows: torch.Tensor       # [n_d] long: packed rows whose K/V this layer writes to the device pool
+    dev_slots: torch.Tensor      # [n_d] long: block * block_size + offset in the device pool
+    host_rows: torch.Tensor      # [n_h] long: packed rows written to the host pool at this layer
+    host_slots: torch.Tensor     # [n_h] long: host slot * block_size + offset
+    host_table: torch.Tensor | None   # [S, M] int32: host slot of context block (i, j) read from the host, else -1
+
+
+class LayeredStep:
+    """rows_*: [T] per packed row; table_*: [S, M] per context block of each sub-request.
+    factor 1 = on the device at every layer (residue 0), 0 = at no layer, f >= 2 = at l % f == residue.
+    host ids are -1 where a row / block has no host slot (DEVICE chunks, table padding)."""
+
+    def __init__(self, host_pool: BlockPool, rows_dev: list[int], rows_host: list[int], rows_factor: list[int],
+                 rows_residue: list[int], table_host: list[list[int]], table_factor: list[list[int]],
+                 table_residue: list[list[int]]):
+        self.host_pool = host_pool
+        long = lambda xs: torch.tensor(xs, dtype=torch.long)
+        self.rows_dev, self.rows_host = long(rows_dev), long(rows_host)                  # [T]
+        self.rows_factor, self.rows_residue = long(rows_factor), long(rows_residue)      # [T]
+        self.table_host = long(table_host)                                                # [S, M]
+        self.table_factor, self.table_residue = long(table_factor), long(table_residue)  # [S, M]
+        pairs = {(f, r) for f, r in zip(rows_factor, rows_residue) if f >= 2}
+        pairs |= {(f, r) for fs, rs in zip(table_factor, table_residue) for f, r in zip(fs, rs) if f >= 2}
+        self.pairs = sorted(pairs)     # the (factor, residue) classes whose residency varies by layer
+        self._placements: dict[tuple[bool, ...], LayerPlacement] = {}
+
+    @staticmethod
+    def _on_device(layer: int, factor: torch.Tensor, residue: torch.Tensor) -> torch.Tensor:
+        return (factor > 0) & (torch.remainder(torch.full_like(factor, layer), factor.clamp(min=1)) == residue)
+
+    def placement(self, layer: int) -> LayerPlacement:
+        key = tuple(layer % f == r for f, r in self.pairs)
+        if key not in self._placements:
+            dev = self._on_device(layer, self.rows_factor, self.rows_residue)                 # [T] bool
+            dev_rows = dev.nonzero().squeeze(1)
+            host_rows = (~dev).nonzero().squeeze(1)
+            on_dev = self._on_device(layer, self.table_factor, self.table_residue)           # [S, M] bool
+            table = torch.where(on_dev, torch.full_like(self.table_host, -1), self.table_host)
+            self._placements[key] = LayerPlacement(
+                dev_rows, self.rows_dev[dev_rows], host_rows, self.rows_host[host_rows],
+                table.to(torch.int32) if bool((table >= 0).any()) else None)
+        return self._placements[key]
+
+    def write_and_overlay(self, layer: int, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                          key: torch.Tensor, value: torch.Tensor) -> Overlay | None:
+        """Write the rows' K/V of `layer` ([T, Hkv, D]) where that layer of their chunk lives; return the
+        overlay attention reads the host-resident context blocks of this layer through (None: none)."""
+        p = self.placement(layer)
+        hk, hv = self.host_pool.layer(layer)              # [host blocks, block_size, Hkv, D] views
+        if p.dev_rows.numel():
+            write_kv(key_cache, value_cache, key[p.dev_rows], value[p.dev_rows], p.dev_slots)
+        if p.host_rows.numel():
+            write_kv(hk, hv, key[p.host_rows], value[p.host_rows], p.host_slots)
+        return None if p.host_table is None else Overlay(p.host_table, hk, hv)
