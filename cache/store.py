@@ -260,6 +260,15 @@ class SessionStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin, 
                        if c.state is DEVICE or c.shadow is not None)
             return self.device_pool.num_free + idle
 
+    def available_host_blocks(self) -> int:
+        """Host slots a step could get now: free, plus idle sessions' host chunks (which move down to
+        disk or are dropped to make room). 0 without a host tier."""
+        if self.host_pool is None:
+            return 0
+        with self._lock:
+            idle = sum(1 for s in self._sessions.values() if not s.busy for c in s.chunks if c.state is HOST)
+            return self.host_pool.num_free + idle
+
     def available_slots(self) -> int | None:
         """Virtual layout: device slots that busy sessions could still get, the free ones plus those
         held by idle sessions (which a step takes by moving them down). None for the paged layout,

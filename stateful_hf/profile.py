@@ -118,3 +118,27 @@ def _sweep(model: torch.nn.Module, spec: KVSpec, ids: list[int], lengths: list[i
             store.abort(step)
         seconds.append(min(runs))            # the least disturbed run: timing noise only adds
     return seconds
+
+
+_BANDWIDTH: dict[tuple, float] = {}
+
+
+def measure_offload_bandwidth(device_pool, host_device: torch.device | str = "cpu", blocks: int = 8,
+                              repeats: int = 5) -> float:
+    """Bytes per second of one layer's blocks gathered from the device pool and copied to host memory
+    (LayerKV's BW in T_offload): the fastest of `repeats` copies of `blocks` blocks into a scratch
+    buffer (the pools are not written). Memoized per device, dtype and block geometry."""
+    key = (str(device_pool.device), device_pool.spec.dtype, tuple(device_pool.data.shape[2:]))
+    if key not in _BANDWIDTH:
+        n = max(1, min(blocks, device_pool.num_blocks))
+        src = torch.arange(n, device=device_pool.device)
+        buf = torch.empty(device_pool.data[0, :n].shape, dtype=device_pool.data.dtype, device=host_device)
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            buf.copy_(device_pool.read(0, src))
+            if device_pool.device.type == "cuda":
+                torch.cuda.synchronize(device_pool.device)
+            best = min(best, time.perf_counter() - t0)
+        _BANDWIDTH[key] = buf.numel() * buf.element_size() / max(best, 1e-9)
+    return _BANDWIDTH[key]

@@ -19,6 +19,7 @@ from ..store import SessionStore
 from .frontends import ChatMixin
 from .handle import RequestHandle
 from .hints import HintMixin
+from .layerwise import LayerwisePolicy
 from .request import Request, RequestOutput, RequestStatus
 from .runner import ModelRunner, StepRecord
 from .sampling import SamplingParams, eos_ids, make_generator
@@ -48,6 +49,8 @@ class EngineStats:
     tpot_slo_violations: int = 0
     tpot_slo_violation_rate: float = 0.0
     slo_deferrals: int = 0                     # steps whose admission the TPOT slack gate stopped
+    layered_admissions: int = 0                # prefills admitted with fewer than all layers on the device
+    pushed_blocks: int = 0                     # device blocks freed by pushing running requests' layers down
 
 
 class Engine(ChatMixin, HintMixin):
@@ -59,25 +62,42 @@ class Engine(ChatMixin, HintMixin):
     ttft_slo / tpot_slo: seconds, or None (the default: admission as without them). Per-request
     metrics and `stats()` report violations; with `tpot_slo`, queued prefills are admitted only while
     their predicted prefill time fits in the running decodes' smallest slack (LayerKV, `slo.py`).
+    layerwise_kv: LayerKV's layer-wise KV allocation (`layerwise.py`): a prefill that does not fit
+    with all layers on the device is admitted keeping x >= x_min evenly spaced layers there and the
+    rest on the host tier (`host_capacity`, required when the engine makes its store); running
+    requests' layers are pushed down to the host when free blocks run short. min_kept_layers: x_min
+    (0..layers), or None to derive it from T_offload(L - x) <= T_prefill with profiled costs.
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer=None, store: SessionStore | None = None, *,
                  device_capacity: int | str = "1GiB", chunk_size: int = 32, max_batch_tokens: int = 512,
                  max_num_seqs: int = 128, reserve_fraction: float = 0.1, on_busy: str = "wait",
-                 keep_step_records: int = 4096, ttft_slo: float | None = None, tpot_slo: float | None = None):
+                 keep_step_records: int = 4096, ttft_slo: float | None = None, tpot_slo: float | None = None,
+                 layerwise_kv: bool = False, host_capacity: int | str | None = None,
+                 min_kept_layers: int | None = None):
         if on_busy not in ("wait", "refuse"):
             raise ValueError(f"on_busy must be 'wait' or 'refuse', got {on_busy!r}")
         self.ttft_slo, self.tpot_slo = check_slo("ttft_slo", ttft_slo), check_slo("tpot_slo", tpot_slo)
         # None when no SLO is set: the scheduler then admits exactly as before
         self.slo = SloPolicy(self.ttft_slo, self.tpot_slo) if (ttft_slo, tpot_slo) != (None, None) else None
-        self.store = store if store is not None else SessionStore(model, device_capacity, chunk_size=chunk_size)
+        if min_kept_layers is not None and not layerwise_kv:
+            raise ValueError("min_kept_layers needs layerwise_kv=True")
+        if store is None:
+            store = SessionStore(model, device_capacity, chunk_size=chunk_size, host_capacity=host_capacity,
+                                 layerwise_kv=layerwise_kv, attn_backend="torch" if layerwise_kv else "auto")
+        elif host_capacity is not None:
+            raise ValueError("host_capacity is a store option: pass it to the SessionStore you give")
+        self.store = store
         if self.store.model is not model:
             raise ValueError("the store belongs to another model")
+        if layerwise_kv and not self.store.layerwise:
+            raise ValueError("layerwise_kv=True needs a store made with layerwise_kv=True (or let the engine make it)")
+        self.layerwise = _layerwise_policy(model, self.store, min_kept_layers) if layerwise_kv else None
         self.model, self.tokenizer, self.on_busy = model, tokenizer, on_busy
         self.adapter = self.store.adapter
         self.eos = eos_ids(model)
         self.scheduler = Scheduler(self.store, SchedulerConfig(max_batch_tokens, max_num_seqs, reserve_fraction),
-                                   self.adapter.max_positions, self.slo)
+                                   self.adapter.max_positions, self.slo, self.layerwise)
         self.runner = ModelRunner(model, self.store)
         self.steps: deque[StepRecord] = deque(maxlen=keep_step_records)
         self._cv = threading.Condition()           # guards inbox, registry; notified after every step
@@ -305,7 +325,9 @@ class Engine(ChatMixin, HintMixin):
                            ttft_slo_violation_rate=t["ttft_violations"] / max(t["ttft_measured"], 1),
                            tpot_measured=t["tpot_measured"], tpot_slo_violations=t["tpot_violations"],
                            tpot_slo_violation_rate=t["tpot_violations"] / max(t["tpot_measured"], 1),
-                           slo_deferrals=self.slo.deferred if self.slo is not None else 0)
+                           slo_deferrals=self.slo.deferred if self.slo is not None else 0,
+                           layered_admissions=self.layerwise.layered_admissions if self.layerwise else 0,
+                           pushed_blocks=self.layerwise.pushed_blocks if self.layerwise else 0)
 
     def generate(self, session_ids: Sequence[str], prompts: Sequence, sampling: SamplingParams |
                  Sequence[SamplingParams] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
@@ -329,3 +351,15 @@ class Engine(ChatMixin, HintMixin):
         if bar is not None:
             bar.close()
         return [h.output() for h in handles]
+
+
+def _layerwise_policy(model, store, min_kept_layers: int | None) -> LayerwisePolicy:
+    """LayerKV's policy with this machine's costs: the device -> host bandwidth of one layer's blocks
+    and the prefill time model Σ Cost(context) of the store's cost profile (measured if it has none)."""
+    from ..profile import measure_cost_profile, measure_offload_bandwidth
+
+    spec = store.spec
+    profile = getattr(store.policy, "profile", None) or measure_cost_profile(model, spec)
+    layer_bytes = spec.bytes_per_token // spec.num_layers        # K + V of one layer, one token
+    return LayerwisePolicy(spec.num_layers, layer_bytes, measure_offload_bandwidth(store.device_pool), profile,
+                           spec.block_size, min_kept_layers)

@@ -44,7 +44,8 @@ class ModelRunner:
         """Plan, run and commit one step; returns the step and one sampled token per item that needs
         logits (in item order). On any error the step is aborted (the store is as before) and the
         error raised: CapacityError from planning, or whatever the forward raised."""
-        step = self.store.plan_step([it.entry() for it in items])
+        factors = [it.factor for it in items] if any(it.factor != 1 for it in items) else None
+        step = self.store.plan_step([it.entry() for it in items], factors=factors)
         try:
             last = step.last_rows()                            # [S] last packed row of each entry
             want = [i for i, it in enumerate(items) if it.needs_logits]

@@ -4,8 +4,10 @@ Every step it (1) continues running requests oldest first (a decode token each, 
 their prefills and recomputations), suspending the latest-arrived ones when their session blocks
 do not fit; (2) admits queued requests in arrival order while more than a reserve of device blocks
 stays available and, with an SLO policy, while the queued prefills' predicted time fits in the
-running decodes' smallest TPOT slack (`slo.py`). The store owns KV state; the scheduler only reads
-it and asks for steps/evictions.
+running decodes' smallest TPOT slack (`slo.py`). With layer-wise allocation (`layerwise.py`) a
+prefill that does not fit with all layers is admitted keeping fewer layers on the device, and a
+running request short of blocks has its layers pushed down to the host before anyone is suspended.
+The store owns KV state; the scheduler only reads it and asks for steps/evictions/push-downs.
 """
 
 from __future__ import annotations
@@ -14,11 +16,14 @@ import bisect
 import math
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..cache import CapacityError, ChunkState, SessionBusyError, SessionStore, TurnStats
+from .layerwise import LayerwisePolicy, LayerwiseScheduling, share_blocks
 from .request import Request, RequestStatus
 from .slo import SloPolicy, prefill_rows
+
+_RESIDENT = (ChunkState.DEVICE, ChunkState.LAYERED)     # chunks a step reads in place
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +50,7 @@ class WorkItem:
     new_ids: tuple[int, ...]
     start: int                         # session length before the step
     needs_logits: bool                 # the last row is the last pending token: sample after it
+    factor: int = 1                    # keep factor of the chunks it fills (layerwise_kv; 1: all layers)
 
     @property
     def num_tokens(self) -> int:
@@ -55,13 +61,14 @@ class WorkItem:
         return self.request.session_id, list(self.recompute_ids) + list(self.new_ids), pos
 
 
-class Scheduler:
+class Scheduler(LayerwiseScheduling):
     def __init__(self, store: SessionStore, config: SchedulerConfig, max_positions: int,
-                 slo: SloPolicy | None = None):
+                 slo: SloPolicy | None = None, layerwise: LayerwisePolicy | None = None):
         if config.max_batch_tokens < store.block_size:
             raise ValueError(f"max_batch_tokens ({config.max_batch_tokens}) must be >= the store's chunk size "
                              f"({store.block_size}): recomputation goes by whole chunks")
         self.store, self.config, self.max_positions, self.slo = store, config, max_positions, slo
+        self.layerwise = layerwise
         self.waiting: list[Request] = []    # WAITING and SUSPENDED, by arrival
         self.running: list[Request] = []    # RUNNING, by arrival
         self.finished: list[Request] = []   # ended since the engine last drained them
@@ -104,7 +111,11 @@ class Scheduler:
     def schedule(self) -> list[WorkItem]:
         self.reap_cancelled()
         budget = self.config.max_batch_tokens
+        reserve = math.ceil(self.config.reserve_fraction * self.store.device_pool.num_blocks)
+        if self.layerwise is not None:
+            self._project(self.store.available_blocks(), reserve)
         avail = self.store.available_blocks()
+        host_avail = self.store.available_host_blocks()
         items: list[WorkItem] = []
         # (1) running requests, oldest first; decode tokens are counted out of the budget first.
         prefill_budget = budget - sum(r.decoding for r in self.running)
@@ -117,6 +128,15 @@ class Scheduler:
                 i += 1
                 continue
             need = self._blocks_needed(r, item)
+            if need > avail and self.layerwise is not None:   # push layers down before suspending anyone
+                for q in reversed(self.running[i + 1:]):
+                    if need <= avail:
+                        break
+                    avail += self._push_down(q, full=True)
+                if need > avail and r.factor != 0:
+                    avail += self._push_down(r, full=True)
+                    item = replace(item, factor=0)
+                    need = self._blocks_needed(r, item)
             while need > avail and self.running[-1] is not r:
                 avail += self._suspend(self.running[-1])
             if need > avail:
@@ -129,6 +149,7 @@ class Scheduler:
                     avail += self._suspend(r)
                 continue
             avail -= need
+            host_avail -= self._host_needed(r, item)
             budget -= item.num_tokens
             if not r.decoding:
                 prefill_budget -= item.num_tokens
@@ -136,7 +157,7 @@ class Scheduler:
             i += 1
         # (2) admission, FCFS, while more than the reserve stays available and (SLO policy) the
         # admitted prefills' predicted seconds fit in min_i slack_i of the running decodes.
-        reserve = math.ceil(self.config.reserve_fraction * self.store.device_pool.num_blocks)
+        committed = self._committed(items) if self.layerwise is not None else 0
         allowance = self.slo.allowance(self.running) if self.slo is not None else math.inf
         for r in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
@@ -145,21 +166,28 @@ class Scheduler:
             if cost > allowance:       # would push a decode past its TPOT SLO: defer, FCFS
                 self.slo.deferred += 1
                 break
-            admitted = self._admit(r, budget, avail, reserve, first=not items)
+            admitted = self._admit(r, budget, avail, reserve, first=not items, committed=committed,
+                                   host_avail=host_avail)
             if admitted is None:       # head of line does not fit: strict FCFS, stop here
                 break
             if admitted is False:      # its session is busy with an earlier turn: let later sessions pass
                 continue
             item, blocks = admitted
             avail -= blocks
+            host_avail -= self._host_needed(r, item)
+            if self.layerwise is not None:
+                committed += self._future_blocks(r, item)
             allowance -= cost
             budget -= item.num_tokens
             items.append(item)
         return items
 
-    def _admit(self, r: Request, budget: int, avail: int, reserve: int, first: bool):
+    def _admit(self, r: Request, budget: int, avail: int, reserve: int, first: bool, committed: int = 0,
+               host_avail: int = 0):
         """Admit `r` if its first work item fits. Returns (item, blocks it takes from `avail`), None
-        if it does not fit (and must wait), or False if its session is busy."""
+        if it does not fit (and must wait), or False if its session is busy. With layer-wise allocation
+        the whole prompt is weighed against the blocks not `committed` to running prefills: all layers
+        if it fits, else the most layers that fit (x >= x_min), else it waits."""
         store = self.store
         if r.status is RequestStatus.WAITING:
             s = store.open(r.session_id)
@@ -175,6 +203,20 @@ class Scheduler:
         item = self._item(r, budget, keep)
         if item is None:
             return None
+        if self.layerwise is not None:
+            factor = self._layer_factor(r, keep, held, avail - committed - (0 if first and not self.running
+                                                                            else reserve), host_avail)
+            if factor is None:
+                if first and not self.running:
+                    self.finish(r, RequestStatus.FAILED, "error", CapacityError(
+                        f"request {r.request_id} (session {r.session_id!r}) does not fit even with layer-wise KV "
+                        f"allocation: its prompt needs more host slots ({host_avail} available) or more device "
+                        "blocks for its x_min kept layers than can be made available; raise host_capacity or "
+                        "device_capacity"))
+                    return False
+                return None
+            r.factor = factor
+            item = replace(item, factor=factor)
         need = self._blocks_needed(r, item, keep)
         slots = store.available_slots()                    # virtual layout: a session needs a device slot
         if slots is not None:
@@ -230,24 +272,52 @@ class Scheduler:
             return None
         history = self.store.session(r.session_id).token_ids
         return WorkItem(r, tuple(recompute), tuple(history[p] for p in recompute), tuple(new), length,
-                        needs_logits=bool(new) and len(new) == len(r.pending))
+                        needs_logits=bool(new) and len(new) == len(r.pending), factor=r.factor)
 
     def _blocks_needed(self, r: Request, item: WorkItem, length: int | None = None) -> int:
         """Device blocks the store must give this item: chunks up to its last row that are not on the
-        device (chunks past the history `length` are new or will be cut, so they count)."""
+        device (chunks past the history `length` are new or will be cut, so they count). A layer-wise
+        item (factor != 1) fills its chunks with shares, ceil(n / f) blocks at most, and reads host
+        chunks in place."""
+        fills, swaps, _ = self._chunks_to_place(r, item, length)
+        if item.factor == 1:
+            return len(fills) + len(swaps)
+        return share_blocks(item.factor, len(fills)) + len(swaps)
+
+    def _whole_item(self, r: Request, keep: int) -> WorkItem:
+        """All of r's remaining rows as one item at keep factor 0 (so host chunks count as in place)."""
+        return WorkItem(r, tuple(r.missing), (), tuple(r.pending), keep, False, factor=0)
+
+    def _host_needed(self, r: Request, item: WorkItem) -> int:
+        """Host slots a layer-wise item's fills take (0 for an item keeping all layers)."""
+        return 0 if item.factor == 1 else len(self._chunks_to_place(r, item)[0])
+
+    def _chunks_to_place(self, r: Request, item: WorkItem, length: int | None = None):
+        """(chunks the item fills, chunks it copies up, host chunks a layer-wise item reads in place)."""
         bs = self.store.block_size
         chunks = self.store.session(r.session_id).chunks
         length = self._length(r) if length is None else length
         end = max(item.start + len(item.new_ids), max(item.recompute, default=-1) + 1)
         have = -(-length // bs)
-        return sum(1 for k in range(-(-end // bs)) if k >= have or chunks[k].state is not ChunkState.DEVICE)
+        fills, swaps, in_place = [], [], []
+        for k in range(-(-end // bs)):
+            c = chunks[k] if k < have else None
+            if c is None or c.state is ChunkState.DROPPED:
+                fills.append(k)
+            elif c.state in _RESIDENT:
+                continue
+            elif item.factor != 1 and c.state is ChunkState.HOST and c.shadow is None:
+                in_place.append(k)
+            else:
+                swaps.append(k)
+        return fills, swaps, in_place
 
     def _below_device(self, session_id: str, length: int) -> int:
         """History tokens < length whose KV is stored in a lower tier (host, disk, hidden states) and
         not cached on the device: `plan_step` brings them up (swap-in or rebuild), not a recompute."""
         bs, n = self.store.block_size, 0
         for k, c in enumerate(self.store.session(session_id).chunks[: -(-length // bs)]):
-            if c.state not in (ChunkState.DEVICE, ChunkState.DROPPED) and getattr(c, "shadow", None) is None:
+            if c.state not in (*_RESIDENT, ChunkState.DROPPED) and getattr(c, "shadow", None) is None:
                 n += min((k + 1) * bs, length) - k * bs
         return n
 
@@ -286,3 +356,4 @@ class Scheduler:
 
 def _order(r: Request) -> tuple[float, int]:
     return r.arrival, r.request_id
+

@@ -1,0 +1,172 @@
+"""Layer-wise KV allocation (LayerKV §3.1), the scheduler's side: how many layers a prefill keeps on
+the device, and when running requests' kept layers are pushed down to the host.
+
+x_min: the fewest kept layers whose offload still hides behind the prefill,
+    T_offload(L − x) = β · (L − x) · n · (2 · Hkv · D · bytes) / BW  ≤  T_prefill(n)
+with BW a measured device -> host copy bandwidth and T_prefill(n) = Σ_chunks Cost(context) from the
+store's cost profile (Pensieve's Cost(l), `profile.py`). A prefill that does not fit with all layers
+gets the smallest keep factor f (the most layers, x = floor(L / f) at least) whose blocks fit, with
+x ≥ x_min; f = 0 (every layer on the host) when x_min = 0 and nothing else fits.
+
+Free-block projection (eq. 5): F_{t+1} = F_t + R_t − A_t over the next `horizon` steps, with F_t the
+available device blocks, R_t the blocks of running requests predicted to finish (their remaining
+output, or the p90 of observed lengths with an SLO policy), A_t the blocks the running requests
+will take (decode tokens crossing a chunk boundary, prefill chunks) at their keep factors. While
+F_{t+1} falls under the reserve, the kept layers of the most recently admitted layered requests are
+pushed down to the host; if that is not enough, whole requests' device chunks (latest first).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from ..cache import ChunkState, CostProfile
+from .request import Request
+
+if TYPE_CHECKING:
+    from .scheduler import WorkItem
+
+
+def check_min_kept_layers(value, num_layers: int) -> int | None:
+    """None (x_min from the profile) or an int x with 0 <= x <= num_layers."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= num_layers:
+        raise ValueError(f"min_kept_layers must be an int in [0, {num_layers}] (the model's layers) or None, "
+                         f"got {value!r}")
+    return value
+
+
+class LayerwisePolicy:
+    """x_min and the keep factor of a prefill. `blocks_for(factor, chunks)` is the store's count of
+    device blocks `chunks` new chunks of that factor take."""
+
+    def __init__(self, num_layers: int, layer_bytes_per_token: int, bandwidth: float, profile: CostProfile,
+                 block_size: int, min_kept_layers: int | None = None, beta: float = 1.2, horizon: int = 4):
+        if bandwidth <= 0 or beta <= 0 or horizon < 1:
+            raise ValueError("LayerwisePolicy: bandwidth and beta must be > 0, horizon >= 1")
+        self.num_layers, self.layer_bytes_per_token = num_layers, layer_bytes_per_token
+        self.bandwidth, self.profile, self.block_size = bandwidth, profile, block_size
+        self.min_kept_layers = check_min_kept_layers(min_kept_layers, num_layers)
+        self.beta, self.horizon = beta, horizon
+        self.layered_admissions = 0       # prefills admitted with fewer than all layers on the device
+        self.pushed_blocks = 0            # device blocks freed by pushing kept layers down
+
+    def prefill_seconds(self, n_tokens: int, start: int = 0) -> float:
+        """T_prefill: Σ over the prompt's chunks of Cost(context the chunk attends to)."""
+        bs, stop = self.block_size, start + n_tokens
+        return sum(self.profile.cost(min(end, stop)) for end in range(start + bs, stop + bs, bs))
+
+    def offload_seconds(self, layers: int, n_tokens: int) -> float:
+        return self.beta * layers * n_tokens * self.layer_bytes_per_token / self.bandwidth
+
+    def x_min(self, n_tokens: int, start: int = 0) -> int:
+        if self.min_kept_layers is not None:
+            return self.min_kept_layers
+        if n_tokens <= 0:
+            return 0
+        per_layer = self.offload_seconds(1, n_tokens)
+        hidden = math.floor(self.prefill_seconds(n_tokens, start) / per_layer)   # layers whose offload hides
+        return max(0, self.num_layers - hidden)
+
+    def factors(self, x_min: int) -> list[int]:
+        """Keep factors whose every residue keeps >= x_min layers, most layers first (0 last)."""
+        out = [f for f in range(1, self.num_layers + 1) if self.num_layers // f >= x_min]
+        return out + ([0] if x_min == 0 else [])
+
+    def choose(self, chunks: int, room: int, x_min: int, blocks_for: Callable[[int, int], int]) -> int | None:
+        """The smallest keep factor (most layers kept) whose `chunks` fit in `room` blocks, or None."""
+        for f in self.factors(x_min):
+            if blocks_for(f, chunks) <= room:
+                return f
+        return None
+
+
+def held_blocks(store, session_id: str) -> float:
+    """Device blocks a session holds: whole blocks of DEVICE chunks, 1/f of a block per share."""
+    s = store.session(session_id)
+    return sum(1.0 if c.state is ChunkState.DEVICE else (1.0 / c.share[1] if c.share is not None else 0.0)
+               for c in s.chunks)
+
+
+def share_blocks(factor: int, chunks: int) -> int:
+    """Device blocks `chunks` new chunks of keep factor `factor` take at most: all (1), none (0),
+    ceil(chunks / f) shared blocks (f >= 2; fewer when shared blocks have free residues)."""
+    if factor == 1:
+        return chunks
+    return 0 if factor == 0 else -(-chunks // factor)
+
+
+class LayerwiseScheduling:
+    """The scheduler's layer-wise methods (a mixin of Scheduler; `self.layerwise` is the policy)."""
+    # provided by Scheduler: store, config, running, slo, layerwise, _chunks_to_place, _length
+
+    def _layer_factor(self, r: Request, keep: int, held: int, room: int, host_avail: int) -> int | None:
+        """Keep factor for admitting `r` (its whole remaining prompt + one block of decode growth
+        weighed against `room` blocks): 1 if all layers fit, else the most layers that fit with
+        x >= x_min and host room for the rest, else None."""
+        bs, lw = self.store.block_size, self.layerwise
+        rows = len(r.pending) + len(r.missing)
+        whole = self._whole_item(r, keep)
+        fills, swaps, in_place = self._chunks_to_place(r, whole, keep)
+        growth = 1 if (keep + len(r.pending)) % bs == 0 else 0     # the first decode token opens a chunk
+        if len(fills) + growth + len(swaps) + len(in_place) + held <= room:
+            return 1
+        x_min = lw.x_min(rows, keep)
+        if len(fills) + growth > host_avail:
+            return None
+        factor = lw.choose(len(fills) + growth, room - held - len(swaps), x_min, share_blocks)
+        if factor is not None and factor != 1:
+            lw.layered_admissions += 1
+        return factor
+
+    def _future_blocks(self, r: Request, item: WorkItem) -> int:
+        """Device blocks r's prefill will still take after `item` (at its keep factor)."""
+        rest = len(r.pending) + len(r.missing) - item.num_tokens
+        return share_blocks(r.factor, -(-max(rest, 0) // self.store.block_size))
+
+    def _committed(self, items: list[WorkItem]) -> int:
+        """Blocks the running prefills will take after this step's items: not free for admissions."""
+        mine = {it.request.request_id: it for it in items}
+        total = 0
+        for q in self.running:
+            it = mine.get(q.request_id)
+            rest = len(q.pending) + len(q.missing) - (it.num_tokens if it is not None else 0)
+            if not q.decoding and rest > 0:
+                total += share_blocks(q.factor, -(-rest // self.store.block_size))
+        return total
+
+    def _push_down(self, q: Request, full: bool) -> int:
+        """Push a running request's kept layers (and with `full` its device chunks) to the host; its
+        later chunks keep no layer on the device. Returns blocks freed."""
+        freed = self.store.offload_layers(q.session_id, full=full)
+        if full or q.factor >= 2:
+            q.factor = 0
+        self.layerwise.pushed_blocks += freed
+        return freed
+
+    def _project(self, avail: int, reserve: int) -> None:
+        """Eq. 5 over `horizon` steps: F = avail + R (blocks of requests predicted to finish) − A
+        (blocks the running requests will take). While F < reserve, push down the kept layers of
+        the most recently admitted layer-wise requests."""
+        h, bs = self.layerwise.horizon, self.store.block_size
+        budget = self.config.max_batch_tokens
+        released = allocated = 0.0
+        for q in self.running:
+            n = self._length(q)
+            left = q.sampling.max_new_tokens - len(q.output_ids)
+            if self.slo is not None:
+                left = min(left, max(self.slo.outputs.predict_total(q.session_id, q.sampling.max_new_tokens)
+                                     - len(q.output_ids), 1))
+            if q.output_ids and left <= h:
+                released += held_blocks(self.store, q.session_id)
+            rows = min(left, h) if q.decoding else min(len(q.pending) + len(q.missing), h * budget)
+            allocated += share_blocks(q.factor, (n + rows - 1) // bs - (n - 1) // bs if n else -(-rows // bs))
+        projected = avail + released - allocated
+        for q in reversed(self.running):          # most recently admitted first
+            if projected >= reserve:
+                break
+            if any(c.share is not None for c in self.store.session(q.session_id).chunks):
+                projected += self._push_down(q, full=False)
