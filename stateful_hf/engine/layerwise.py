@@ -68,7 +68,7 @@ class LayerwisePolicy:
         if n_tokens <= 0:
             return 0
         per_layer = self.offload_seconds(1, n_tokens)
-        hidden = math.floor(self.prefill_seconds(n_tokens, start) / per_layer)   # layers whose offload hides
+        hidden = math.floor(self.prefill_seconds(n_tokens, start) / per_layer + 1e-9)   # layers whose offload hides
         return max(0, self.num_layers - hidden)
 
     def factors(self, x_min: int) -> list[int]:
