@@ -81,6 +81,3 @@ class ShareTable:
             del self.blocks[block]
             return True
         return False
-
-    def rename(self, block: int, residue: int, owner: tuple[str, int]) -> None:
-        self.blocks[block][1][residue] = owner
