@@ -1,7 +1,7 @@
 """LayerKV on the CPU: long-prompt arrivals under a tight device budget, four engines in one run.
 
     python -m benchmarks.bench_layerkv --quick     # 10 prompts of 1K-2K tokens, ~2.5 min on 2 cores
-    python -m benchmarks.bench_layerkv             # 16 prompts of 1K-8K tokens
+    python -m benchmarks.bench_layerkv             # 16 prompts of 1K-8K tokens, 0.3/s, 256 new tokens (~6 min)
 
 Workload: `requests` single-turn requests, prompt lengths uniform in [min_prompt, max_prompt], Poisson
 arrivals at `rate` per second (open loop, same schedule for every engine), `new` greedy tokens each
@@ -133,8 +133,8 @@ def main(argv=None) -> None:
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--min-prompt", type=int, default=1024)
     ap.add_argument("--max-prompt", type=int, default=8192)
-    ap.add_argument("--new", type=int, default=128, help="generated tokens per request")
-    ap.add_argument("--rate", type=float, default=0.1, help="arrivals per second")
+    ap.add_argument("--new", type=int, default=256, help="generated tokens per request")
+    ap.add_argument("--rate", type=float, default=0.3, help="arrivals per second")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--device-tokens", type=int, default=None, help="device KV budget (default 1.25 x max prompt)")
     ap.add_argument("--max-batch-tokens", type=int, default=512)
