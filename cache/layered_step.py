@@ -7,7 +7,12 @@ attention through `StepBatch.layered`. A chunk's layer l is on the device when t
 chunk's host slot. Layers with the same on-device pattern share one placement (made once).
 
 On the CPU the host pool's layer view is read and written in place (zero copy): the "overlay" of
-the kernel points at it directly.
+the kernel points at it directly. Where the host pool is not on the pool's device (CUDA: pinned CPU
+memory), a layer's host-resident context blocks are staged: copied to the device into a buffer of
+just those blocks, with the overlay's table renumbered to it; rows written at a host layer are
+copied to the host. These copies are synchronous (correct, not overlapped with compute; copying
+layer l+1 on a side stream while layer l computes is not built). `stage=True` forces staging on the
+CPU too, so the path is tested here.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ class LayerPlacement:
     host_rows: torch.Tensor      # [n_h] long: packed rows written to the host pool at this layer
     host_slots: torch.Tensor     # [n_h] long: host slot * block_size + offset
     host_table: torch.Tensor | None   # [S, M] int32: host slot of context block (i, j) read from the host, else -1
+    staged_ids: torch.Tensor | None   # [n] long: the distinct host slots host_table names, ascending
+    staged_table: torch.Tensor | None  # [S, M] int32: host_table renumbered into staged_ids (-1 kept)
 
 
 class LayeredStep:
@@ -36,8 +43,9 @@ class LayeredStep:
 
     def __init__(self, host_pool: BlockPool, rows_dev: list[int], rows_host: list[int], rows_factor: list[int],
                  rows_residue: list[int], table_host: list[list[int]], table_factor: list[list[int]],
-                 table_residue: list[list[int]]):
+                 table_residue: list[list[int]], stage: bool | None = None):
         self.host_pool = host_pool
+        self.stage = stage             # None: stage when the host pool is on another device than the pool
         long = lambda xs: torch.tensor(xs, dtype=torch.long)
         self.rows_dev, self.rows_host = long(rows_dev), long(rows_host)                  # [T]
         self.rows_factor, self.rows_residue = long(rows_factor), long(rows_residue)      # [T]
@@ -60,9 +68,14 @@ class LayeredStep:
             host_rows = (~dev).nonzero().squeeze(1)
             on_dev = self._on_device(layer, self.table_factor, self.table_residue)           # [S, M] bool
             table = torch.where(on_dev, torch.full_like(self.table_host, -1), self.table_host)
-            self._placements[key] = LayerPlacement(
-                dev_rows, self.rows_dev[dev_rows], host_rows, self.rows_host[host_rows],
-                table.to(torch.int32) if bool((table >= 0).any()) else None)
+            host_table = staged_ids = staged_table = None
+            if bool((table >= 0).any()):
+                host_table = table.to(torch.int32)
+                staged_ids = table[table >= 0].unique()                                      # sorted
+                staged_table = torch.where(table >= 0, torch.searchsorted(staged_ids, table.clamp(min=0)),
+                                           table).to(torch.int32)
+            self._placements[key] = LayerPlacement(dev_rows, self.rows_dev[dev_rows], host_rows,
+                                                   self.rows_host[host_rows], host_table, staged_ids, staged_table)
         return self._placements[key]
 
     def write_and_overlay(self, layer: int, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -71,8 +84,16 @@ class LayeredStep:
         overlay attention reads the host-resident context blocks of this layer through (None: none)."""
         p = self.placement(layer)
         hk, hv = self.host_pool.layer(layer)              # [host blocks, block_size, Hkv, D] views
+        device = key_cache.device
         if p.dev_rows.numel():
-            write_kv(key_cache, value_cache, key[p.dev_rows], value[p.dev_rows], p.dev_slots)
+            rows = p.dev_rows.to(key.device)
+            write_kv(key_cache, value_cache, key[rows], value[rows], p.dev_slots.to(device))
         if p.host_rows.numel():
-            write_kv(hk, hv, key[p.host_rows], value[p.host_rows], p.host_slots)
-        return None if p.host_table is None else Overlay(p.host_table, hk, hv)
+            rows = p.host_rows.to(key.device)
+            write_kv(hk, hv, key[rows].to(hk.device), value[rows].to(hk.device), p.host_slots)
+        if p.host_table is None:
+            return None
+        if not (self.stage if self.stage is not None else hk.device != device):
+            return Overlay(p.host_table, hk, hv)
+        return Overlay(p.staged_table.to(device), hk.index_select(0, p.staged_ids).to(device),
+                       hv.index_select(0, p.staged_ids).to(device))

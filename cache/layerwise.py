@@ -29,6 +29,9 @@ class LayerwiseMixin:
 
     def _init_layerwise(self, enabled: bool) -> None:
         self.layerwise = bool(enabled)
+        # stage host-resident layers onto the device per layer (None: when the host pool is elsewhere,
+        # i.e. on CUDA; True: on the CPU too, which is how tests cover the staging path)
+        self.layerwise_stage: bool | None = None
         self.shares = ShareTable()
         if not enabled:
             return
@@ -43,9 +46,6 @@ class LayerwiseMixin:
                              "host-resident layers); other backends are not supported with it yet")
         if self.capture is not None:
             raise ValueError("layerwise_kv cannot be combined with hidden states (hidden_states='never' with it)")
-        if self.device_pool.device.type != "cpu":
-            raise ValueError("layerwise_kv runs on CPU-resident pools only for now: the CUDA staging path "
-                             "(side-stream copies of host layers, one event per layer) is not built")
 
     # ---- allocation -----------------------------------------------------------------------------
 
@@ -176,4 +176,5 @@ class LayerwiseMixin:
                  for s, t in zip(sessions, tables)]
         return LayeredStep(self.host_pool, [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows],
                            [r[3] for r in rows], [[-1 if c[1] < 0 else c[1] // bs for c in row] for row in cells],
-                           [[c[2] for c in row] for row in cells], [[c[3] for c in row] for row in cells])
+                           [[c[2] for c in row] for row in cells], [[c[3] for c in row] for row in cells],
+                           stage=self.layerwise_stage)

@@ -125,13 +125,15 @@ def test_integrity_catches_a_residue_owned_twice(make_store):
 
 # ---- exactness through the store -----------------------------------------------------------------------
 
-@pytest.mark.parametrize("family", ["llama", "opt"])
-def test_every_keep_factor_exact_with_shared_blocks_and_push_down(family, make_store):
+@pytest.mark.parametrize("family, stage", [("llama", None), ("opt", None), ("llama", True)])
+def test_every_keep_factor_exact_with_shared_blocks_and_push_down(family, stage, make_store):
     """Sessions of different keep factors prefill in chunks and decode together in the same steps,
-    sharing device blocks by residue; one has its kept layers pushed down halfway; each is exact."""
+    sharing device blocks by residue; one has its kept layers pushed down halfway; each is exact.
+    stage=True: host-resident layers are staged into a per-layer buffer (the CUDA path) on the CPU."""
     model, oracle = models(family)
     layers = model.config.num_hidden_layers
     store = layered_store(make_store, model)
+    store.layerwise_stage = stage
     factors = [0, 1, 2, 3, layers]
     sids = [f"f{f}" for f in factors]
     prompts = {sid: prompt(i, 37 + 23 * i) for i, sid in enumerate(sids)}
