@@ -97,7 +97,10 @@ def strategies(stores: dict, splits: dict, model, ks: list[int]) -> dict:
                               ("disk hidden", "hidden", True), ("disk mix", "disk mix", True),
                               ("disk mix-budget", "budget", True)):
         st = stores[splits[split]]
-        out[name] = (to_hidden(st, disk), up(st))
+        if splits[split] == 0:      # a plan of pure K/V is kept as K/V (what hidden_states="auto" does)
+            out[name] = (to_kv(st, "disk" if disk else "host"), up(st))
+        else:
+            out[name] = (to_hidden(st, disk), up(st))
     out["host KV"] = (to_kv(pure, "host"), up(pure))
     out["disk KV"] = (to_kv(pure, "disk"), up(pure))
     cache = pure.cache("s")
@@ -157,9 +160,8 @@ def main() -> None:
         ids = torch.randint(0, 32000, (top,), generator=torch.Generator().manual_seed(1)).tolist()
         for l_h in sorted(set(splits.values()), reverse=True):
             t0 = time.perf_counter()
-            full = l_h == n_layers          # the pure-hidden store also serves the K/V and recompute rows
             stores[l_h] = stateful_hf.SessionStore(
-                model, device_capacity=cap, host_capacity=cap if full else None, hidden_capacity=cap,
+                model, device_capacity=cap, host_capacity=cap, hidden_capacity=cap,
                 disk_dir=os.path.join(tmp, f"split{l_h}"), disk_capacity=cap, hidden_disk_capacity=cap,
                 policy="lru", cost_profile=CostProfile(), hidden_states="always", hidden_layers=l_h,
                 swap_out_threshold=0.0)

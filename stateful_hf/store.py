@@ -43,8 +43,10 @@ class SessionStore(_TensorStore):
         "triton", "flashinfer" or "flash_attn"; resolved once here, so a missing one fails now.
     hidden_states: HCache. "never" (default): K/V only, nothing captured. "always": hidden states are
         captured while tokens are computed and chunks moving down from the device are kept as
-        hidden states. "auto": "always" when a layer's hidden state is smaller than its K+V (MHA),
-        else "never" (GQA keeps K/V). `move(sid, chunks, "hidden")` needs a capturing store.
+        hidden states. "auto": "always" when a layer's hidden state is smaller than its K+V (MHA) and
+        the split keeps at least one layer as hidden states, else "never" (GQA keeps K/V; so does a
+        planner that finds all-K/V restores fastest, possible with hidden_budget=None).
+        `move(sid, chunks, "hidden")` needs a capturing store.
     hidden_layers: layers kept as hidden states (the rest as K/V); None: HCache's planner decides
         from `hidden_costs` (measured on the model if None) under `hidden_budget`.
     hidden_budget: most bytes per token a hidden chunk may store, as a share of its K/V bytes
@@ -97,6 +99,9 @@ class SessionStore(_TensorStore):
                 costs = hidden_costs or measure_hidden_costs(model, adapter, spec)
                 self.hidden_plan = plan_layers(costs, adapter.num_layers, complement="kv", min_hidden=floor)
                 hidden_layers = self.hidden_plan.hidden_layers
+        if uses_hidden and hidden_states == "auto" and hidden_layers == 0:
+            uses_hidden = False     # the fastest restore is all K/V: keep K/V, capture nothing
+        if uses_hidden:
             hidden_spec = HiddenSpec(spec, adapter.hidden_size, hidden_layers)
             install_capture(model)
         super().__init__(spec, device_capacity, host_capacity=host_capacity, disk_dir=disk_dir,

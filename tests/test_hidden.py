@@ -121,6 +121,16 @@ def test_auto_keeps_hidden_for_mha_and_kv_for_gqa(make_store):
     assert st.host_bytes / st.host_tokens <= 0.55 * st.kv_bytes_per_token, st
     assert st.bytes_per_token["host"] == st.hidden_bytes_per_token
     assert "as hidden states" in store.summary()
+    # no budget and K/V restores fastest (the serial CPU case): "auto" keeps K/V and captures nothing,
+    # so the planner's choice costs what pure K/V costs; "always" keeps a hidden tier of 0 hidden layers
+    fast_kv = HiddenCosts(io_hidden=1.0, io_kv=0.1, c_hidden=2.0, c_token=20.0, overlap=False)
+    mha2 = tiny_llama("llama", num_hidden_layers=12, num_key_value_heads=4)
+    auto = make_store(mha2, host_capacity=256, cost_profile=PROFILE, hidden_states="auto", hidden_budget=None,
+                      hidden_costs=fast_kv)
+    assert auto.hidden_plan.hidden_layers == 0 and auto.hidden_pool is None and auto.capture is None
+    always = make_store(tiny_llama("llama", num_hidden_layers=12, num_key_value_heads=4), host_capacity=256,
+                        cost_profile=PROFILE, hidden_states="always", hidden_budget=None, hidden_costs=fast_kv)
+    assert always.hidden_plan.hidden_layers == 0 and always.hidden_pool is not None
     gqa = tiny_llama("llama", num_key_value_heads=1)       # K+V (32 values) smaller than hidden (64)
     kv_store = make_store(gqa, host_capacity=256, cost_profile=PROFILE, hidden_states="auto")
     assert kv_store.hidden_pool is None and kv_store.capture is None
