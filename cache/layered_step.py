@@ -9,10 +9,11 @@ chunk's host slot. Layers with the same on-device pattern share one placement (m
 On the CPU the host pool's layer view is read and written in place (zero copy): the "overlay" of
 the kernel points at it directly. Where the host pool is not on the pool's device (CUDA: pinned CPU
 memory), a layer's host-resident context blocks are staged: copied to the device into a buffer of
-just those blocks, with the overlay's table renumbered to it; rows written at a host layer are
-copied to the host. These copies are synchronous (correct, not overlapped with compute; copying
-layer l+1 on a side stream while layer l computes is not built). `stage=True` forces staging on the
-CPU too, so the path is tested here.
+just those blocks, with the overlay's table renumbered to it. Layer l+1's buffer is copied while
+layer l computes (CUDA: a side stream, pinned source, one event that layer l+1 waits on), so it
+lacks the rows this step writes at layer l+1: those are written into the buffer too, as well as
+down to the host pool. `stage=True` forces staging on the CPU (copies made ahead synchronously), so
+the path, including that patch, is tested here.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ class LayerPlacement:
     host_table: torch.Tensor | None   # [S, M] int32: host slot of context block (i, j) read from the host, else -1
     staged_ids: torch.Tensor | None   # [n] long: the distinct host slots host_table names, ascending
     staged_table: torch.Tensor | None  # [S, M] int32: host_table renumbered into staged_ids (-1 kept)
+    staged_rows: torch.Tensor | None   # [n_s] long: of host_rows, those whose host block is staged
+    staged_slots: torch.Tensor | None  # [n_s] long: their slots in the staged buffer (index * block_size + offset)
 
 
 class LayeredStep:
@@ -46,6 +49,8 @@ class LayeredStep:
                  table_residue: list[list[int]], stage: bool | None = None):
         self.host_pool = host_pool
         self.stage = stage             # None: stage when the host pool is on another device than the pool
+        self._ahead: dict[int, tuple] = {}     # layer -> (K, V, event or None) staged ahead of use
+        self._stream = None
         long = lambda xs: torch.tensor(xs, dtype=torch.long)
         self.rows_dev, self.rows_host = long(rows_dev), long(rows_host)                  # [T]
         self.rows_factor, self.rows_residue = long(rows_factor), long(rows_residue)      # [T]
@@ -68,14 +73,20 @@ class LayeredStep:
             host_rows = (~dev).nonzero().squeeze(1)
             on_dev = self._on_device(layer, self.table_factor, self.table_residue)           # [S, M] bool
             table = torch.where(on_dev, torch.full_like(self.table_host, -1), self.table_host)
-            host_table = staged_ids = staged_table = None
+            host_slots = self.rows_host[host_rows]
+            host_table = staged_ids = staged_table = staged_rows = staged_slots = None
             if bool((table >= 0).any()):
+                bs = self.host_pool.spec.block_size
                 host_table = table.to(torch.int32)
                 staged_ids = table[table >= 0].unique()                                      # sorted
                 staged_table = torch.where(table >= 0, torch.searchsorted(staged_ids, table.clamp(min=0)),
                                            table).to(torch.int32)
-            self._placements[key] = LayerPlacement(dev_rows, self.rows_dev[dev_rows], host_rows,
-                                                   self.rows_host[host_rows], host_table, staged_ids, staged_table)
+                blocks = host_slots // bs
+                hit = torch.isin(blocks, staged_ids)
+                staged_rows = host_rows[hit]
+                staged_slots = torch.searchsorted(staged_ids, blocks[hit]) * bs + host_slots[hit] % bs
+            self._placements[key] = LayerPlacement(dev_rows, self.rows_dev[dev_rows], host_rows, host_slots,
+                                                   host_table, staged_ids, staged_table, staged_rows, staged_slots)
         return self._placements[key]
 
     def write_and_overlay(self, layer: int, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -91,9 +102,49 @@ class LayeredStep:
         if p.host_rows.numel():
             rows = p.host_rows.to(key.device)
             write_kv(hk, hv, key[rows].to(hk.device), value[rows].to(hk.device), p.host_slots)
+        stage = self.stage if self.stage is not None else hk.device != device
+        if stage:
+            self._prefetch(layer + 1, device)          # copies while this layer computes
         if p.host_table is None:
             return None
-        if not (self.stage if self.stage is not None else hk.device != device):
+        if not stage:
             return Overlay(p.host_table, hk, hv)
-        return Overlay(p.staged_table.to(device), hk.index_select(0, p.staged_ids).to(device),
-                       hv.index_select(0, p.staged_ids).to(device))
+        sk, sv = self._staged(layer, device)
+        if p.staged_rows.numel():                      # this step's rows of staged blocks: not in the copy
+            rows = p.staged_rows.to(key.device)
+            write_kv(sk, sv, key[rows], value[rows], p.staged_slots.to(device))
+        return Overlay(p.staged_table.to(device), sk, sv)
+
+    def _copy(self, layer: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """[n, block_size, Hkv, D] K and V of the layer's staged host blocks, on `device`."""
+        hk, hv = self.host_pool.layer(layer)
+        ids = self.placement(layer).staged_ids
+        if device.type != "cuda":
+            return hk.index_select(0, ids).to(device), hv.index_select(0, ids).to(device)
+        return (hk.index_select(0, ids).pin_memory().to(device, non_blocking=True),
+                hv.index_select(0, ids).pin_memory().to(device, non_blocking=True))
+
+    def _prefetch(self, layer: int, device: torch.device) -> None:
+        if layer >= self.host_pool.spec.num_layers or layer in self._ahead or self.placement(layer).host_table is None:
+            return
+        if device.type != "cuda":
+            self._ahead[layer] = (*self._copy(layer, device), None)
+            return
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        with torch.cuda.stream(self._stream):
+            k, v = self._copy(layer, device)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        self._ahead[layer] = (k, v, event)
+
+    def _staged(self, layer: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer not in self._ahead:
+            return self._copy(layer, device)
+        k, v, event = self._ahead.pop(layer)
+        if event is not None:                  # made on the side stream: wait for it, keep it alive here
+            stream = torch.cuda.current_stream(device)
+            stream.wait_event(event)
+            k.record_stream(stream)
+            v.record_stream(stream)
+        return k, v
