@@ -50,6 +50,7 @@ class LayeredStep:
         self.host_pool = host_pool
         self.stage = stage             # None: stage when the host pool is on another device than the pool
         self._ahead: dict[int, tuple] = {}     # layer -> (K, V, event or None) staged ahead of use
+        self._pending: list[tuple] = []        # staged mode: (layer, event or None, K, V, host slots) to flush
         self._stream = None
         long = lambda xs: torch.tensor(xs, dtype=torch.long)
         self.rows_dev, self.rows_host = long(rows_dev), long(rows_host)                  # [T]
@@ -99,10 +100,13 @@ class LayeredStep:
         if p.dev_rows.numel():
             rows = p.dev_rows.to(key.device)
             write_kv(key_cache, value_cache, key[rows], value[rows], p.dev_slots.to(device))
+        stage = self.stage if self.stage is not None else hk.device != device
         if p.host_rows.numel():
             rows = p.host_rows.to(key.device)
-            write_kv(hk, hv, key[rows].to(hk.device), value[rows].to(hk.device), p.host_slots)
-        stage = self.stage if self.stage is not None else hk.device != device
+            if stage:                                  # down to the host after the forward (flush)
+                self._defer(layer, key[rows], value[rows], p.host_slots)
+            else:                                      # the host pool is here: in place
+                write_kv(hk, hv, key[rows], value[rows], p.host_slots)
         if stage:
             self._prefetch(layer + 1, device)          # copies while this layer computes
         if p.host_table is None:
@@ -114,6 +118,37 @@ class LayeredStep:
             rows = p.staged_rows.to(key.device)
             write_kv(sk, sv, key[rows], value[rows], p.staged_slots.to(device))
         return Overlay(p.staged_table.to(device), sk, sv)
+
+    def _defer(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """Queue rows [n, Hkv, D] for the host pool; on CUDA copy them to pinned memory on the side stream now."""
+        if k.device.type != "cuda":
+            self._pending.append((layer, None, k, v, slots))
+            return
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(k.device)
+        self._stream.wait_stream(torch.cuda.current_stream(k.device))    # k, v are made on the compute stream
+        with torch.cuda.stream(self._stream):
+            kh = torch.empty(k.shape, dtype=k.dtype, pin_memory=True).copy_(k, non_blocking=True)
+            vh = torch.empty(v.shape, dtype=v.dtype, pin_memory=True).copy_(v, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        k.record_stream(self._stream)
+        v.record_stream(self._stream)
+        self._pending.append((layer, event, kh, vh, slots))
+
+    def flush(self) -> None:
+        """Write the rows staged mode queued into the host pool (the store's commit calls this; nothing
+        in the step reads them from the host: attention saw them in the staged buffers)."""
+        for layer, event, k, v, slots in self._pending:
+            if event is not None:
+                event.synchronize()
+            hk, hv = self.host_pool.layer(layer)
+            write_kv(hk, hv, k.to(hk.device), v.to(hk.device), slots)
+        self._pending.clear()
+
+    def discard(self) -> None:
+        """Drop queued host rows (an aborted step's new tokens leave the history)."""
+        self._pending.clear()
 
     def _copy(self, layer: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """[n, block_size, Hkv, D] K and V of the layer's staged host blocks, on `device`."""

@@ -112,6 +112,8 @@ class StepPlannerMixin:
 
     def commit(self, step: StepBatch) -> None:
         with self._lock:
+            if step.layered is not None:
+                step.layered.flush()                 # staged mode: rows of host layers reach the host now
             restore = step.hidden.restore if step.hidden is not None else None
             if restore is not None:
                 restore.finish(self.device_pool)     # layers a forward did not reach, if any
@@ -140,6 +142,8 @@ class StepPlannerMixin:
         (chunks it copied up stay on the device: their KV is valid; chunks whose K/V was being
         rebuilt from hidden states stay on the device only if every layer was rebuilt)."""
         with self._lock:
+            if step.layered is not None:
+                step.layered.discard()
             restore = step.hidden.restore if step.hidden is not None else None
             if restore is not None:
                 self._settle_restore(restore, ok=restore.complete)

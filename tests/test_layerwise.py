@@ -186,15 +186,18 @@ def test_every_keep_factor_exact_with_shared_blocks_and_push_down(family, stage,
 
 # ---- the engine ----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("family", ["llama", "opt"])
-def test_prompts_longer_than_the_device_pool(family, make_store):
+@pytest.mark.parametrize("family, stage", [("llama", None), ("opt", None), ("llama", True)])
+def test_prompts_longer_than_the_device_pool(family, stage, make_store):
     """256 device tokens: a 400-token prompt is refused without layerwise_kv; with it, prompts up to
-    700 tokens run concurrently and every answer equals stateless generate."""
+    700 tokens run concurrently and every answer equals stateless generate (stage=True: through the
+    staging path CUDA takes: copies ahead, host rows written at commit)."""
     model, oracle = models(family)
     plain = Engine(model, store=make_store(model, 256, chunk_size=16, cost_profile=PROFILE), max_batch_tokens=128)
     out = plain.generate(["a"], [prompt(0, 400)], SamplingParams(max_new_tokens=4))[0]
     assert out.finish_reason == "error" and isinstance(out.error, CapacityError)
-    engine = Engine(model, store=layered_store(make_store, model), max_batch_tokens=128, layerwise_kv=True)
+    store = layered_store(make_store, model)
+    store.layerwise_stage = stage
+    engine = Engine(model, store=store, max_batch_tokens=128, layerwise_kv=True)
     lens = [400, 90, 300, 700, 50, 250]
     prompts = [prompt(i, n) for i, n in enumerate(lens)]
     outs = engine.generate([f"s{i}" for i in range(len(lens))], prompts, SamplingParams(max_new_tokens=10))
