@@ -52,6 +52,7 @@ class LayeredStep:
         self._ahead: dict[int, tuple] = {}     # layer -> (K, V, event or None) staged ahead of use
         self._pending: list[tuple] = []        # staged mode: (layer, event or None, K, V, host slots) to flush
         self._stream = None
+        self._moved: dict[tuple[int, torch.device], torch.Tensor] = {}   # placement tensors on a device
         long = lambda xs: torch.tensor(xs, dtype=torch.long)
         self.rows_dev, self.rows_host = long(rows_dev), long(rows_host)                  # [T]
         self.rows_factor, self.rows_residue = long(rows_factor), long(rows_residue)      # [T]
@@ -98,11 +99,11 @@ class LayeredStep:
         hk, hv = self.host_pool.layer(layer)              # [host blocks, block_size, Hkv, D] views
         device = key_cache.device
         if p.dev_rows.numel():
-            rows = p.dev_rows.to(key.device)
-            write_kv(key_cache, value_cache, key[rows], value[rows], p.dev_slots.to(device))
+            rows = self._on(p.dev_rows, key.device)
+            write_kv(key_cache, value_cache, key[rows], value[rows], self._on(p.dev_slots, device))
         stage = self.stage if self.stage is not None else hk.device != device
         if p.host_rows.numel():
-            rows = p.host_rows.to(key.device)
+            rows = self._on(p.host_rows, key.device)
             if stage:                                  # down to the host after the forward (flush)
                 self._defer(layer, key[rows], value[rows], p.host_slots)
             else:                                      # the host pool is here: in place
@@ -115,9 +116,20 @@ class LayeredStep:
             return Overlay(p.host_table, hk, hv)
         sk, sv = self._staged(layer, device)
         if p.staged_rows.numel():                      # this step's rows of staged blocks: not in the copy
-            rows = p.staged_rows.to(key.device)
-            write_kv(sk, sv, key[rows], value[rows], p.staged_slots.to(device))
-        return Overlay(p.staged_table.to(device), sk, sv)
+            rows = self._on(p.staged_rows, key.device)
+            write_kv(sk, sv, key[rows], value[rows], self._on(p.staged_slots, device))
+        return Overlay(self._on(p.staged_table, device), sk, sv)
+
+    def _on(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """A placement's small index tensor on `device`, moved once per step. The copy lives as long as
+        the step: layers with one residency pattern pass the same tensor, which the torch backend
+        keys its per-overlay work on (by identity)."""
+        if t.device == device:
+            return t
+        key = (id(t), device)        # t is held by a placement for the whole step, so its id is stable
+        if key not in self._moved:
+            self._moved[key] = t.to(device)
+        return self._moved[key]
 
     def _defer(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Queue rows [n, Hkv, D] for the host pool; on CUDA copy them to pinned memory on the side stream now."""
