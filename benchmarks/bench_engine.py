@@ -9,7 +9,13 @@ conversation so far plus `user` new tokens; every answer is exactly `new` greedy
 
   (a) stateless `model.generate`, one request at a time in arrival order (re-prefills everything);
   (b) transformers' continuous batching (`ContinuousBatchingManager`, block sharing = prefix caching);
+  (b+) the same, with the main thread's idle OpenMP workers released before its loop starts: what
+       (c) does in `Engine.start()` (stateful_hf/engine/openmp.py). Shows how much of (c)'s gain over
+       (b) that alone explains.
   (c) stateful_hf.Engine (session KV kept across turns, unified prefill + decode steps).
+
+Both (b) and (c) step on a background thread. Before every run the main thread runs a parallel torch
+op, as a user's main thread has after loading and warming up a model, so each run starts in that state.
 
 Throughput = generated tokens / wall time. TTFT = arrival of a turn -> its first generated token
 (queueing included). `--repeats N` runs (b) and (c) N times in alternating order and prints every
@@ -33,6 +39,7 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.streamers import BaseStreamer
 
 from stateful_hf import Engine, SamplingParams, SessionStore
+from stateful_hf.engine.openmp import release_thread_pool
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,12 +125,23 @@ def run_stateless(model, wl: Workload) -> Result:
     return Result("(a) stateless generate", wall, sum(map(len, outputs.values())), tuple(ttft), outputs)
 
 
-def run_transformers_cb(model, wl: Workload, max_batch_tokens: int, page_size: int = 32) -> Result:
+def use_main_pool() -> None:
+    """A parallel op on this (the main) thread: it then holds an OpenMP worker pool, as after a model
+    was loaded and warmed up here."""
+    a = torch.randn(512, 512)
+    for _ in range(3):
+        a @ a
+
+
+def run_transformers_cb(model, wl: Workload, max_batch_tokens: int, page_size: int = 32,
+                        release_pool: bool = False) -> Result:
     pages = wl.sessions * (-(-wl.max_context // page_size) + 2)
     gen_cfg = GenerationConfig(max_new_tokens=wl.new, do_sample=False, eos_token_id=-1, pad_token_id=0)
     cb_cfg = ContinuousBatchingConfig(allow_block_sharing=True, num_blocks=pages, page_size=page_size,
                                       max_batch_tokens=max_batch_tokens, max_requests_per_batch=wl.sessions)
     manager = model.init_continuous_batching(generation_config=gen_cfg, continuous_batching_config=cb_cfg)
+    if release_pool and not release_thread_pool():
+        raise RuntimeError("no libgomp pool to release: (b+) would be (b)")
     manager.start()
     conv = {s: [] for s in range(wl.sessions)}
     arrival, first, ttft, outputs = {}, {}, [], {}
@@ -156,7 +174,8 @@ def run_transformers_cb(model, wl: Workload, max_batch_tokens: int, page_size: i
         wall = time.perf_counter() - start
     finally:
         manager.stop(block=True, timeout=30)
-    return Result("(b) transformers CB", wall, sum(map(len, outputs.values())), tuple(ttft), outputs)
+    name = "(b+) CB, pool released" if release_pool else "(b) transformers CB"
+    return Result(name, wall, sum(map(len, outputs.values())), tuple(ttft), outputs)
 
 
 def run_engine(model, wl: Workload, max_batch_tokens: int, layout: str = "paged") -> tuple[Result, Engine]:
@@ -202,54 +221,54 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=12, help="12 layers of hidden 768 = ~100M parameters")
     ap.add_argument("--max-batch-tokens", type=int, default=256)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
-    ap.add_argument("--skip", default="", help="comma-separated systems to skip: a,b,c")
+    ap.add_argument("--skip", default="", help="comma-separated systems to skip: a,b,b+,c")
     ap.add_argument("--layout", choices=("paged", "virtual"), default="paged",
                     help="the engine's device layout: paged blocks, or vAttention's contiguous slots")
     ap.add_argument("--repeats", type=int, default=1,
-                    help="rounds of (b) and (c), in alternating order; each system's median-throughput run is "
-                         "reported, with the per-round (c)/(b) throughput ratios and their median")
+                    help="rounds of (b), (b+) and (c), in rotating order; each system's median-throughput run is "
+                         "reported, with the per-round throughput ratios of (c) and their medians")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     wl = Workload(args.sessions, args.turns, args.first, args.user, args.new, vocab=16000)
-    models = [build_model(args.layers) for _ in range(3)]        # identical weights, one per system
-    n_params = sum(p.numel() for p in models[0].parameters())
+    skip = set(filter(None, args.skip.split(",")))
+    systems = [x for x in ("b", "b+", "c") if x not in skip]
+    models = {x: build_model(args.layers) for x in ["a", *systems]}     # identical weights, one per system
+    n_params = sum(p.numel() for p in models["a"].parameters())
     print(f"model: Llama {args.layers} layers, hidden 768, {n_params / 1e6:.1f}M parameters, float32, "
           f"{torch.get_num_threads()} torch threads")
     print(f"workload: {wl}; {wl.sessions * wl.turns} turns, {wl.sessions * wl.turns * wl.new} generated tokens")
     print("load average at start (1/5/15 min): {:.1f} {:.1f} {:.1f}".format(*os.getloadavg()))
-    skip = set(filter(None, args.skip.split(",")))
     with torch.inference_mode():                                  # warm up torch's kernels once
-        models[0].generate(torch.tensor([wl.user_tokens(0, 0)]), max_new_tokens=2, do_sample=False, pad_token_id=0)
+        models["a"].generate(torch.tensor([wl.user_tokens(0, 0)]), max_new_tokens=2, do_sample=False, pad_token_id=0)
     results = []
     if "a" not in skip:
-        results.append(run_stateless(models[0], wl))
+        results.append(run_stateless(models["a"], wl))
         print(f"  {results[-1].name}: {results[-1].wall:.1f} s, 1-min load {os.getloadavg()[0]:.1f}", flush=True)
-    runs: dict[str, list[Result]] = {"b": [], "c": []}
+    runs: dict[str, list[Result]] = {x: [] for x in systems}
     engine = None
     for r in range(args.repeats):
-        for system in ("b", "c") if r % 2 == 0 else ("c", "b"):     # alternate: drift in load hits both
-            if system in skip:
-                continue
-            if system == "b":
-                res = run_transformers_cb(models[1], wl, args.max_batch_tokens)
+        for system in systems[r % len(systems):] + systems[:r % len(systems)]:   # rotate: load drift hits all
+            use_main_pool()
+            if system == "c":
+                res, engine = run_engine(models[system], wl, args.max_batch_tokens, args.layout)
             else:
-                res, engine = run_engine(models[2], wl, args.max_batch_tokens, args.layout)
+                res = run_transformers_cb(models[system], wl, args.max_batch_tokens, release_pool=system == "b+")
             runs[system].append(res)
             print(f"  {res.name}: {res.wall:.1f} s, 1-min load {os.getloadavg()[0]:.1f}", flush=True)
-    for system in ("b", "c"):
-        if runs[system]:
-            ordered = sorted(runs[system], key=lambda x: x.throughput)
-            results.append(ordered[len(ordered) // 2])
-    if len(runs["b"]) == len(runs["c"]) > 1:
-        ratios = [c.throughput / b.throughput for b, c in zip(runs["b"], runs["c"])]
-        print("per-round engine/(b) throughput: " + ", ".join(f"x{x:.2f}" for x in ratios)
-              + f"; median x{statistics.median(ratios):.2f}")
+    for system in systems:
+        ordered = sorted(runs[system], key=lambda x: x.throughput)
+        results.append(ordered[len(ordered) // 2])
+    for base in ("b", "b+"):
+        if args.repeats > 1 and base in runs and "c" in runs:
+            ratios = [c.throughput / b.throughput for b, c in zip(runs[base], runs["c"])]
+            print(f"per-round engine/({base}) throughput: " + ", ".join(f"x{x:.2f}" for x in ratios)
+                  + f"; median x{statistics.median(ratios):.2f}")
     # Systems run one after another: on a shared machine, other processes change the CPU they get.
     print("load average at end (1/5/15 min): {:.1f} {:.1f} {:.1f}".format(*os.getloadavg()))
-    print(f"\n{'system':<26}{'wall s':>8}{'tok/s':>8}{'TTFT p50':>10}{'TTFT p90':>10}")
+    print(f"\n{'system':<28}{'wall s':>8}{'tok/s':>8}{'TTFT p50':>10}{'TTFT p90':>10}")
     for r in results:
-        print(f"{r.name:<26}{r.wall:8.1f}{r.throughput:8.2f}{r.ttft_p(50):10.2f}{r.ttft_p(90):10.2f}")
+        print(f"{r.name:<28}{r.wall:8.1f}{r.throughput:8.2f}{r.ttft_p(50):10.2f}{r.ttft_p(90):10.2f}")
     if engine is not None:
         c = results[-1]
         for r in results[:-1]:

@@ -20,6 +20,7 @@ from .frontends import ChatMixin
 from .handle import RequestHandle
 from .hints import HintMixin
 from .layerwise import LayerwisePolicy
+from .openmp import release_thread_pool
 from .request import Request, RequestOutput, RequestStatus
 from .runner import ModelRunner, StepRecord
 from .sampling import SamplingParams, eos_ids, make_generator
@@ -269,9 +270,11 @@ class Engine(ChatMixin, HintMixin):
         return self._thread is not None and self._thread.is_alive()
 
     def start(self) -> Engine:
-        """Start the background loop (idempotent)."""
+        """Start the background loop (idempotent). The calling thread's idle OpenMP workers are
+        released first: with them alive the loop's own pool runs throttled (`openmp.py`)."""
         with self._cv:
             if not self.running:
+                release_thread_pool()
                 self._stopping = False
                 self._thread = threading.Thread(target=self._loop, name="stateful-hf-engine", daemon=True)
                 self._thread.start()

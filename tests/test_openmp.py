@@ -1,0 +1,72 @@
+"""The engine releases its caller's idle OpenMP workers before its loop thread starts stepping."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+from conftest import FAMILIES
+
+from stateful_hf import Engine, SamplingParams
+from stateful_hf.engine import openmp
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.fixture
+def two_threads():
+    if openmp._libgomp() is None:
+        pytest.skip("torch does not run on libgomp here")
+    n = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(n)
+
+
+def _parallel_op() -> None:
+    a = torch.randn(512, 512)
+    a @ a
+
+
+def test_release_frees_only_the_callers_workers(two_threads):
+    _parallel_op()                                   # this thread now holds a pool: itself + 1 worker
+    before = _threads()
+    assert openmp.release_thread_pool()
+    assert _threads() == before - 1
+    _parallel_op()                                   # a new pool on demand
+    assert _threads() == before
+    # another thread's pool is not touched by a release here
+    ready, done = threading.Event(), threading.Event()
+
+    def other():
+        _parallel_op()
+        ready.set()
+        done.wait(10)
+
+    th = threading.Thread(target=other)
+    th.start()
+    ready.wait(10)
+    with_other = _threads()                          # + the thread and its worker
+    assert openmp.release_thread_pool()
+    assert _threads() == with_other - 1
+    done.set()
+    th.join()
+
+
+def test_engine_start_releases_the_callers_pool_and_stays_exact(two_threads):
+    model = FAMILIES["llama"]()
+    ids = [5, 9, 13, 7, 22, 31, 4]
+    with torch.inference_mode():
+        ref = model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)[0, len(ids):].tolist()
+    _parallel_op()
+    before = _threads()
+    engine = Engine(model, device_capacity=256, chunk_size=16)
+    with engine:                                     # + the loop thread, - this thread's idle worker
+        assert _threads() == before
+        out = engine.submit("s", ids, SamplingParams(max_new_tokens=6, ignore_eos=True)).result()
+    assert list(out.token_ids) == ref
+    engine.store.check_integrity()
