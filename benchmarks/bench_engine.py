@@ -1,9 +1,9 @@
-"""Multi-turn serving on the CPU: the same closed-loop workload through three systems, in one run.
+"""Multi-turn serving on the CPU: the same closed-loop workload through each system, in one run.
 
     python -m benchmarks.bench_engine                    # ~100M-parameter Llama, random weights
     python -m benchmarks.bench_engine --sessions 4 --turns 2 --new 8 --layers 2   # smoke run
 
-Workload: `sessions` conversations of `turns` turns, all starting at t=0. A session's next turn
+Workload: `sessions` conversations (default 24) of `turns` turns (default 4), all starting at t=0. A session's next turn
 arrives as soon as its previous answer is complete (think time 0): the prompt is the whole
 conversation so far plus `user` new tokens; every answer is exactly `new` greedy tokens (EOS off).
 
@@ -213,8 +213,8 @@ def run_engine(model, wl: Workload, max_batch_tokens: int, layout: str = "paged"
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sessions", type=int, default=12)
-    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--sessions", type=int, default=24, help="24 x 4 turns: the engine test's workload shape")
+    ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--first", type=int, default=48)
     ap.add_argument("--user", type=int, default=16)
     ap.add_argument("--new", type=int, default=32)
