@@ -41,6 +41,8 @@ from transformers.generation.streamers import BaseStreamer
 from stateful_hf import Engine, SamplingParams, SessionStore
 from stateful_hf.engine.openmp import release_thread_pool
 
+from .threads import hold_main_pool
+
 
 @dataclass(frozen=True, slots=True)
 class Workload:
@@ -125,14 +127,6 @@ def run_stateless(model, wl: Workload) -> Result:
     return Result("(a) stateless generate", wall, sum(map(len, outputs.values())), tuple(ttft), outputs)
 
 
-def use_main_pool() -> None:
-    """A parallel op on this (the main) thread: it then holds an OpenMP worker pool, as after a model
-    was loaded and warmed up here."""
-    a = torch.randn(512, 512)
-    for _ in range(3):
-        a @ a
-
-
 def run_transformers_cb(model, wl: Workload, max_batch_tokens: int, page_size: int = 32,
                         release_pool: bool = False) -> Result:
     pages = wl.sessions * (-(-wl.max_context // page_size) + 2)
@@ -178,10 +172,12 @@ def run_transformers_cb(model, wl: Workload, max_batch_tokens: int, page_size: i
     return Result(name, wall, sum(map(len, outputs.values())), tuple(ttft), outputs)
 
 
-def run_engine(model, wl: Workload, max_batch_tokens: int, layout: str = "paged") -> tuple[Result, Engine]:
+def run_engine(model, wl: Workload, max_batch_tokens: int, layout: str = "paged",
+               release_openmp_pool: bool = True) -> tuple[Result, Engine]:
     capacity = wl.sessions * (-(-(wl.max_context + 64) // 32) * 32)   # whole 32-token blocks (and slots)
     store = SessionStore(model, capacity, layout=layout, max_context=wl.max_context + 64)
-    engine = Engine(model, store=store, max_batch_tokens=max_batch_tokens, max_num_seqs=wl.sessions)
+    engine = Engine(model, store=store, max_batch_tokens=max_batch_tokens, max_num_seqs=wl.sessions,
+                    release_openmp_pool=release_openmp_pool)
     params = SamplingParams(max_new_tokens=wl.new, ignore_eos=True)
     ttft, outputs, errors = [], {}, []
 
@@ -249,7 +245,7 @@ def main() -> None:
     engine = None
     for r in range(args.repeats):
         for system in systems[r % len(systems):] + systems[:r % len(systems)]:   # rotate: load drift hits all
-            use_main_pool()
+            hold_main_pool()
             if system == "c":
                 res, engine = run_engine(models[system], wl, args.max_batch_tokens, args.layout)
             else:

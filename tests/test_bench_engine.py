@@ -4,19 +4,20 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.bench_engine import Workload, build_model, run_engine, run_stateless, run_transformers_cb, use_main_pool
+from benchmarks.bench_engine import Workload, build_model, run_engine, run_stateless, run_transformers_cb
+from benchmarks.threads import hold_main_pool
 from stateful_hf.engine import openmp
 
 
 def test_every_system_generates_the_same_tokens():
     wl = Workload(sessions=3, turns=2, first=12, user=5, new=4, vocab=16000, seed=3)
     results = [run_stateless(build_model(1), wl)]
-    use_main_pool()
+    hold_main_pool()
     results.append(run_transformers_cb(build_model(1), wl, max_batch_tokens=64))
     if openmp._libgomp() is not None and torch.get_num_threads() > 1:
-        use_main_pool()
+        hold_main_pool()
         results.append(run_transformers_cb(build_model(1), wl, max_batch_tokens=64, release_pool=True))
-    use_main_pool()
+    hold_main_pool()
     engine_result, engine = run_engine(build_model(1), wl, max_batch_tokens=64)   # checks the store's integrity
     results.append(engine_result)
     for r in results:

@@ -96,7 +96,9 @@ def test_every_system_produces_the_same_greedy_tokens(tmp_path):
         assert metrics.outputs(r) == metrics.outputs(ref), name
         m = metrics.summarize(r)
         assert m["output_tokens"] == wl.output_tokens and m["throughput_tok_s"] > 0 and m["ttft_p90_s"] > 0
-    assert metrics.summarize(runs["stateful_hf"])["reused_tokens"] > 0
+    # device + host hold every history (host = 4x the budget): returning turns reuse it whatever the
+    # timing; what device-only keeps depends on how far the open-loop arrivals run ahead of the engine
+    assert metrics.summarize(runs["stateful_hf_host"])["reused_tokens"] > 0
     assert metrics.summarize(ref)["reused_tokens"] == 0
 
 

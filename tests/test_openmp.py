@@ -70,3 +70,11 @@ def test_engine_start_releases_the_callers_pool_and_stays_exact(two_threads):
         out = engine.submit("s", ids, SamplingParams(max_new_tokens=6, ignore_eos=True)).result()
     assert list(out.token_ids) == ref
     engine.store.check_integrity()
+
+
+def test_engine_can_leave_the_callers_pool_alone(two_threads):
+    model = FAMILIES["llama"]()
+    _parallel_op()
+    before = _threads()
+    with Engine(model, device_capacity=256, chunk_size=16, release_openmp_pool=False):
+        assert _threads() == before + 1              # the loop thread only

@@ -9,6 +9,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from ..threads import hold_main_pool
 from .workload import Conversation, Workload
 
 
@@ -81,6 +82,7 @@ def run(system, wl: Workload, users: int = 0, on_turn=None, sample_every: float 
                 c = pending.popleft()
             converse(c, t0, time.monotonic() - t0)
 
+    hold_main_pool()                     # every system starts from the same thread state
     system.start()
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()

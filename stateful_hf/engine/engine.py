@@ -68,6 +68,10 @@ class Engine(ChatMixin, HintMixin):
     rest on the host tier (`host_capacity`, required when the engine makes its store); running
     requests' layers are pushed down to the host when free blocks run short. min_kept_layers: x_min
     (0..layers), or None to derive it from T_offload(L - x) <= T_prefill with profiled costs.
+    release_openmp_pool: `start()` frees the calling thread's idle OpenMP workers, so the loop thread's
+    pool spins between parallel regions like the main thread's does (`openmp.py`): faster steps on
+    cores the engine has to itself, slower ones next to other CPU-bound processes (there pass False,
+    or set OMP_WAIT_POLICY=PASSIVE).
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer=None, store: SessionStore | None = None, *,
@@ -75,7 +79,7 @@ class Engine(ChatMixin, HintMixin):
                  max_num_seqs: int = 128, reserve_fraction: float = 0.1, on_busy: str = "wait",
                  keep_step_records: int = 4096, ttft_slo: float | None = None, tpot_slo: float | None = None,
                  layerwise_kv: bool = False, host_capacity: int | str | None = None,
-                 min_kept_layers: int | None = None):
+                 min_kept_layers: int | None = None, release_openmp_pool: bool = True):
         if on_busy not in ("wait", "refuse"):
             raise ValueError(f"on_busy must be 'wait' or 'refuse', got {on_busy!r}")
         self.ttft_slo, self.tpot_slo = check_slo("ttft_slo", ttft_slo), check_slo("tpot_slo", tpot_slo)
@@ -95,6 +99,7 @@ class Engine(ChatMixin, HintMixin):
             raise ValueError("layerwise_kv=True needs a store made with layerwise_kv=True (or let the engine make it)")
         self.layerwise = _layerwise_policy(model, self.store, min_kept_layers) if layerwise_kv else None
         self.model, self.tokenizer, self.on_busy = model, tokenizer, on_busy
+        self.release_openmp_pool = release_openmp_pool
         self.adapter = self.store.adapter
         self.eos = eos_ids(model)
         self.scheduler = Scheduler(self.store, SchedulerConfig(max_batch_tokens, max_num_seqs, reserve_fraction),
@@ -270,11 +275,12 @@ class Engine(ChatMixin, HintMixin):
         return self._thread is not None and self._thread.is_alive()
 
     def start(self) -> Engine:
-        """Start the background loop (idempotent). The calling thread's idle OpenMP workers are
-        released first: with them alive the loop's own pool runs throttled (`openmp.py`)."""
+        """Start the background loop (idempotent). With `release_openmp_pool`, the calling thread's
+        idle OpenMP workers are released first: alive, they make the loop's pool run throttled."""
         with self._cv:
             if not self.running:
-                release_thread_pool()
+                if self.release_openmp_pool:
+                    release_thread_pool()
                 self._stopping = False
                 self._thread = threading.Thread(target=self._loop, name="stateful-hf-engine", daemon=True)
                 self._thread.start()
