@@ -21,7 +21,7 @@ from .hidden import HiddenSpec, Projector
 from .hidden_tier import HiddenTierMixin
 from .layerwise import LayerwiseMixin
 from .planner import StepPlannerMixin
-from .policy import EvictionPolicy, RetentionPolicy
+from .policy import DEFAULT_POLICY, EvictionPolicy, make_policy
 from .pool import BlockPool
 from .session import TIERS, Chunk, ChunkState, Session
 from .spec import KVSpec, capacity_in_blocks
@@ -43,6 +43,9 @@ class SessionStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin, 
     background thread maps the block each stepping session grows into next.
     `clock`: seconds for sessions' last activity, which the policy's idle time T is measured with
     (default time.monotonic; a virtual clock makes eviction order reproducible in replays).
+    `policy`: default `DEFAULT_POLICY` (policy.py) over a default Cost profile. It is told each
+    returning session's idle gap when a lease starts, and sees all sessions before each ranking
+    (`observe_return`, `prepare`).
     layerwise_kv: LayerKV's layer-wise allocation (`layerwise.py`): steps may fill chunks keeping only
     some layers on the device (shared blocks) and the rest on the host; needs a host tier, the paged
     layout and the torch backend."""
@@ -78,7 +81,7 @@ class SessionStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin, 
             spec, capacity_in_blocks(host_capacity, spec), "cpu", pin_memory=spec.device.type == "cuda")
         self.disk = None if disk_dir is None else DiskTier(
             spec, disk_dir, capacity_in_blocks(disk_capacity if disk_capacity is not None else "1GiB", spec))
-        self.policy = policy or RetentionPolicy()
+        self.policy = policy or make_policy(DEFAULT_POLICY)
         self.clock = clock
         self.attn_backend = attn_backend
         self.swap_out_threshold = swap_out_threshold
@@ -136,6 +139,8 @@ class SessionStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin, 
             s = self.session(session_id)
             if s.busy:
                 raise SessionBusyError(session_id)
+            if s.token_ids:          # a conversation with history is back: the policy sees the gap
+                self.policy.observe_return(self.clock() - s.last_active)
             s.busy = s.turn_started = True
         try:
             yield s

@@ -72,6 +72,7 @@ class TieringMixin:
     def _candidates(self, state: ChunkState, exclude: set[str], shadowed: bool | None = None):
         """(session, chunk) pairs in `state` of idle sessions outside `exclude`, in policy order."""
         now = self.clock()
+        self.policy.prepare(self._sessions.values(), now)
         found = [(s, k) for s in self._sessions.values() if not s.busy and s.session_id not in exclude
                  for k, c in enumerate(s.chunks)
                  if c.state is state and (shadowed is None or (c.shadow is not None) == shadowed)]
@@ -96,6 +97,7 @@ class TieringMixin:
         """Virtual layout: while fewer slots are free than `needed`, the idle session of lowest value
         holding a slot leaves the device (its chunks move down, its cached shadows are dropped)."""
         pool, now = self.device_pool, self.clock()
+        self.policy.prepare(self._sessions.values(), now)
         while pool.free_slots < needed:
             holders = [s for s in self._sessions.values() if not s.busy and s.session_id not in exclude
                        and pool.slot_of(s.session_id) is not None]

@@ -37,7 +37,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hidden-states", help="hidden-state tier mode, if this stateful_hf supports it")
     p.add_argument("--hidden-capacity", help="hidden-state tier size (tokens or a size)")
     p.add_argument("--backend", default="auto", help="attention backend: auto, torch, triton, flashinfer, flash_attn")
-    p.add_argument("--policy", default="pensieve", choices=["pensieve", "lru"])
+    p.add_argument("--policy", default="recency_cost", choices=["recency_cost", "return_aware", "pensieve", "lru"],
+                   help="eviction policy (stateful_hf.cache.policy)")
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--max-batch-tokens", type=int, default=512)
     p.add_argument("--device", default="cpu", help="torch device for --model (default cpu)")

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 
 from .adapter import kv_projector
-from .cache import CostProfile, EvictionPolicy, KVSpec, LRUPolicy, RetentionPolicy
+from .cache import DEFAULT_POLICY, POLICY_NAMES, CostProfile, EvictionPolicy, KVSpec, make_policy
 from .cache import SessionStore as _TensorStore
 from .cache.disk import saved_hidden_layers
 from .cache.hidden import HiddenSpec
@@ -28,8 +28,12 @@ class SessionStore(_TensorStore):
     device_capacity / host_capacity / disk_capacity: tokens (int) or sizes ("2GiB"). A host tier
         exists when host_capacity is given; a disk tier when disk_dir is (default capacity 1GiB).
     chunk_size: tokens per chunk, the unit of movement (= the pools' block size).
-    policy: "pensieve" (retention value Cost(l) / T_idle), "lru", or an EvictionPolicy.
-    cost_profile: Pensieve's Cost(l); measured on the model (once per geometry and device) if None.
+    policy: "recency_cost" (default: least recently active conversation first, inside it the cheapest
+        chunk to recompute first), "return_aware" (expected recompute cost Cost(s, l) * P(returns | idle
+        T), P estimated online from observed gaps), "pensieve" (Pensieve's retention value Cost(l) / T),
+        "lru", or an EvictionPolicy; see `stateful_hf.cache.policy`.
+    cost_profile: Pensieve's Cost(l); measured on the model (once per geometry and device) if None and
+        the policy uses it.
     swap_out_threshold: after a turn, chunks move to the host ahead of time while fewer than this
         share of device blocks is free.
     layout: "paged" (a pool of blocks) or "virtual" (vAttention: device_capacity is reserved as
@@ -65,7 +69,7 @@ class SessionStore(_TensorStore):
 
     def __init__(self, model: torch.nn.Module, device_capacity: int | str = 4096, *, chunk_size: int = 32,
                  host_capacity: int | str | None = None, disk_dir: str | os.PathLike | None = None,
-                 disk_capacity: int | str | None = None, policy: str | EvictionPolicy = "pensieve",
+                 disk_capacity: int | str | None = None, policy: str | EvictionPolicy = DEFAULT_POLICY,
                  cost_profile: CostProfile | None = None, attn_backend: str = "auto",
                  swap_out_threshold: float = 0.25, hidden_states: str = "never", hidden_layers: int | None = None,
                  hidden_capacity: int | str | None = None, hidden_budget: float | None = 0.55,
@@ -78,12 +82,10 @@ class SessionStore(_TensorStore):
         spec = KVSpec(adapter.num_layers, adapter.num_kv_heads, adapter.head_dim, dtype=param.dtype,
                       device=param.device, block_size=chunk_size, window=adapter.window)
         attn_backend = resolve_backend(attn_backend, spec.device, spec.dtype)
-        if policy == "pensieve":
-            policy = RetentionPolicy(cost_profile or measure_cost_profile(model, spec))
-        elif policy == "lru":
-            policy = LRUPolicy()
+        if isinstance(policy, str) and policy in POLICY_NAMES:
+            policy = make_policy(policy, None if policy == "lru" else cost_profile or measure_cost_profile(model, spec))
         elif not isinstance(policy, EvictionPolicy):
-            raise ValueError(f"policy must be 'pensieve', 'lru' or an EvictionPolicy, got {policy!r}")
+            raise ValueError(f"policy must be one of {POLICY_NAMES} or an EvictionPolicy, got {policy!r}")
         if hidden_states not in HIDDEN_MODES:
             raise ValueError(f"hidden_states must be one of {HIDDEN_MODES}, got {hidden_states!r}")
         kv_per_layer = 2 * adapter.num_kv_heads * adapter.head_dim

@@ -14,8 +14,9 @@ from benchmarks.multiturn import metrics
 from benchmarks.multiturn.arrivals import Arrivals, schedule
 from benchmarks.multiturn.bench import Bench, Config, budget_for, compare_policies, policy_budget_for
 from benchmarks.multiturn.driver import RunResult, TurnRecord
-from benchmarks.multiturn.policy import virtual_order
+from benchmarks.multiturn.policy import ORACLE, POLICIES, compare, virtual_order
 from benchmarks.multiturn.workload import DATASET_STATS, hash_tokenize, load_sharegpt, synthesize
+from stateful_hf.cache import DEFAULT_POLICY, CostProfile
 from stateful_hf.testing import VOCAB_SIZE, tiny_llama
 
 SAMPLE = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "multiturn", "data", "sample_sharegpt.json")
@@ -114,10 +115,28 @@ def test_policy_replay_under_pressure_recomputes_and_stays_exact():
     budget = policy_budget_for(wl, 0.3)
     res = compare_policies(Bench(model, Config(budget, max_batch_tokens=64), progress=False), wl, budget,
                            replay_model=model)
-    assert res["same_tokens"] and res["turns"] == wl.num_turns
-    for name in ("stateful_hf", "stateful_hf_lru"):
-        r = res["systems"][name]
-        assert r["recomputed_tokens"] > 0 and r["modeled_recompute_cost_s"] > 0 and r["dropped_tokens"] > 0
+    assert res["same_tokens"] and res["turns"] == wl.num_turns         # every policy's run made the same tokens
+    assert set(res["systems"]) == set(POLICIES) | {ORACLE}
+    assert res["systems"]["stateful_hf"]["policy"] == res["default_policy"] == DEFAULT_POLICY
+    assert [res["systems"][n]["policy"] for n in ("stateful_hf_return_aware", "stateful_hf_pensieve",
+                                                  "stateful_hf_lru", ORACLE)] == ["return_aware", "pensieve", "lru",
+                                                                                  "oracle"]
+    n = {name: r["recomputed_tokens"] for name, r in res["systems"].items()}
+    assert (res["cost_aware_recomputed"], res["lru_recomputed"], res["pensieve_recomputed"],
+            res["return_aware_recomputed"], res["oracle_recomputed"]) == \
+        (n["stateful_hf"], n["stateful_hf_lru"], n["stateful_hf_pensieve"], n["stateful_hf_return_aware"], n[ORACLE])
+    for name, r in res["systems"].items():
+        if name != ORACLE:
+            assert r["recomputed_tokens"] > 0 and r["modeled_recompute_cost_s"] > 0 and r["dropped_tokens"] > 0
+    assert n[ORACLE] < min(v for k, v in n.items() if k != ORACLE)     # knowing the future helps here
+    assert n["stateful_hf"] <= n["stateful_hf_lru"]       # the default orders conversations as LRU does
+    # the model-free replay makes the same store calls: the same counts, for every policy
+    profile = CostProfile(tuple(res["cost_profile"]["lengths"]), tuple(res["cost_profile"]["seconds"]))
+    counts = compare(None, wl, budget, profile, log=lambda m: None)
+    assert counts["same_tokens"] is None
+    for name, r in res["systems"].items():
+        keys = ("recomputed_tokens", "dropped_tokens", "device_hits", "modeled_recompute_cost_s")
+        assert [counts["systems"][name][k] for k in keys] == pytest.approx([r[k] for k in keys]), name
     # the replay is exact: every turn's tokens are those of stateless generate on the whole conversation
     oracle, history = tiny_llama(), {}
     for _, i, k in order:

@@ -26,12 +26,11 @@ import time
 
 import torch
 
-from stateful_hf.testing import VOCAB_SIZE
-
 from ..models import llama_100m, n_params
 from . import report
-from .arrivals import Arrivals, schedule
+from .arrivals import Arrivals
 from .bench import ALL_SYSTEMS, Bench, Config, budget_for, experiment, policy_budget_for, warm_up
+from .policy import load_cost_profile, replay_workload
 from .workload import load_sharegpt, synthesize
 
 QUICK = dict(conversations=5, scale=0.12, max_turns=4, max_output=24, rate=4.0, think_time=0.5, rates="1",
@@ -78,6 +77,9 @@ def parse(argv=None) -> argparse.Namespace:
     s.add_argument("--policy-think-time", type=float, default=30.0,
                    help="policy replay: mean think time in virtual seconds (Pensieve: 60)")
     s.add_argument("--profile-repeats", type=int, help="timing repeats of the Cost(l) / HCache profiles")
+    s.add_argument("--cost-profile", help="use this Cost(l) instead of measuring it (JSON with lengths and "
+                                          "seconds, or a results JSON of this benchmark): reproducible replays")
+    s.add_argument("--no-oracle", action="store_true", help="policy replay: skip the offline oracle run")
     s.add_argument("--max-batch-tokens", type=int, default=256)
     s.add_argument("--host-factor", type=float, default=4.0, help="host/disk tier size, times the device budget")
     o = ap.add_argument_group("output")
@@ -123,19 +125,15 @@ def main(argv=None) -> dict:
     print(f"KV budget: {budget} tokens on the device for every system "
           f"({budget * 2 * args.layers * 768 * 4 / 2**20:.0f} MiB); host/disk tiers of variants: x{args.host_factor:g}")
     warm_up(model, vocab)
-    bench = Bench(model, cfg, progress=not args.no_progress)
+    bench = Bench(model, cfg, progress=not args.no_progress,
+                  cost_profile=load_cost_profile(args.cost_profile) if args.cost_profile else None)
     warm_up(bench.cb_model, vocab)
     # the policy replay: real lengths on a virtual clock, run on a small model (see policy.py)
-    pvocab = VOCAB_SIZE
-    if args.data:
-        pwl = load_sharegpt(args.data, args.policy_conversations, args.policy_scale, 16, 1024, 1024, pvocab)
-    else:
-        pwl = synthesize(args.policy_conversations, args.dataset, args.policy_scale, 16, 1024, 1024, pvocab,
-                         args.seed + 1)
-    pwl = schedule(pwl, Arrivals(rate=args.policy_rate, think_s=args.policy_think_time, seed=args.seed + 1))
+    pwl = replay_workload(args.policy_conversations, args.policy_think_time, args.policy_rate, args.seed,
+                          args.dataset, args.policy_scale, args.data)
     pbudget = policy_budget_for(pwl, args.policy_fraction) if args.policy_budget is None else args.policy_budget
     res = experiment(bench, wl, arr, systems, rates, [x for x in args.sweep_systems.split(",") if x], pbudget,
-                     args.repeats, policy_wl=pwl)
+                     args.repeats, policy_wl=pwl, oracle=not args.no_oracle)
     out = {"command": "python -m benchmarks.multiturn " + " ".join(sys.argv[1:] if argv is None else argv),
            "environment": env, "model": {"layers": args.layers, "params": n_params(model), "dtype": "float32"},
            "workload": wl.describe(), "arrivals": arr.describe(), "kv_budget_tokens": budget,
@@ -167,8 +165,10 @@ def print_summary(out: dict) -> None:
     if "policy" in out:
         p = out["policy"]
         print(f"policy replay at {p['budget_tokens']} device tokens ({p['turns']} turns served one at a time): "
-              f"cost-aware recomputed {p['cost_aware_recomputed']} tokens, LRU {p['lru_recomputed']} "
-              f"({p['reduction']:+.1%} fewer with cost-aware); same tokens: {p['same_tokens']}")
+              f"default ({p['default_policy']}) recomputed {p['cost_aware_recomputed']} tokens, LRU "
+              f"{p['lru_recomputed']} ({p['reduction']:+.1%} fewer with the default), return-aware "
+              f"{p['return_aware_recomputed']}, Pensieve's Cost/T {p['pensieve_recomputed']}, offline oracle "
+              f"{p['oracle_recomputed']}; same tokens: {p['same_tokens']}")
     for name, pts in out.get("sweep", {}).items():
         print(f"sweep {name}: " + "; ".join(f"rate {p['rate_conv_s']:g}: {p['throughput_tok_s']:.2f} tok/s, "
                                             f"{p['norm_latency_mean_s']:.4f} s/tok" for p in pts))

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 import torch
 
 import stateful_hf
+from stateful_hf.cache import CostProfile
 from stateful_hf.profile import measure_cost_profile
 from stateful_hf.testing import tiny_llama
 
@@ -51,16 +52,19 @@ def policy_budget_for(wl: Workload, fraction: float = 0.3, chunk: int = 32) -> i
 
 
 class Bench:
-    def __init__(self, model, cfg: Config, progress: bool = True):
+    def __init__(self, model, cfg: Config, progress: bool = True, cost_profile: CostProfile | None = None):
         self.model, self.cfg, self.progress = model, cfg, progress
         self.cb_model = copy.deepcopy(model)     # CB swaps the attention implementation of its model
         self.tmp = tempfile.TemporaryDirectory(prefix="multiturn-disk-")
+        self.fixed_profile = cost_profile
         self.profile = self.hcosts = None
         self.skipped: dict[str, str] = {}
 
     def cost_profile(self, max_context: int):
         """Pensieve's Cost(l) of the benchmark's model, measured up to `max_context` (once per range:
-        measure_cost_profile keeps the longest profile measured so far)."""
+        measure_cost_profile keeps the longest profile measured so far), or the fixed one given."""
+        if self.fixed_profile is not None:
+            return self.fixed_profile
         limit = 64
         while limit < max_context:
             limit *= 2
@@ -163,7 +167,7 @@ def repeated(bench: Bench, systems: list[str], wl: Workload, users: int, repeats
 
 def experiment(bench: Bench, wl: Workload, arr: Arrivals, systems: list[str], rates: list[float],
                sweep_systems: list[str], policy_budget: int | None, repeats: int = 1,
-               policy_wl: Workload | None = None) -> dict:
+               policy_wl: Workload | None = None, oracle: bool = True) -> dict:
     """The main comparison at `arr`, an optional rate sweep, and LRU vs cost-aware under pressure
     (on `policy_wl`, a scheduled workload for the virtual-clock replay; default: the main one)."""
     scheduled = schedule(wl, arr)
@@ -187,18 +191,20 @@ def experiment(bench: Bench, wl: Workload, arr: Arrivals, systems: list[str], ra
             for n, r in bench.run(sweep_systems, sw, 0, label=f"rate {rate:g}: ").items():
                 out["sweep"].setdefault(n, []).append(point(rate, metrics.summarize(r)))
     if policy_budget is not None and policy_budget > 0:
-        out["policy"] = compare_policies(bench, policy_wl or scheduled, policy_budget)
+        out["policy"] = compare_policies(bench, policy_wl or scheduled, policy_budget, oracle=oracle)
         out["policy"].pop("outputs")
     out["skipped"] = dict(bench.skipped)
     return out
 
 
-def compare_policies(bench: Bench, wl: Workload, budget: int, replay_model=None) -> dict:
-    """Cost-aware vs LRU on the same virtual-clock replay of `wl` (policy.py) at `budget` device
-    tokens, with Cost(l) measured on the benchmark's model; the replay runs `replay_model` (default:
-    a 2-layer Llama with enough positions; token counts do not depend on the model)."""
+def compare_policies(bench: Bench, wl: Workload, budget: int, replay_model=None, oracle: bool = True) -> dict:
+    """The policies of policy.POLICIES (the store's default, return-aware, Pensieve's, LRU) and the
+    offline oracle on the same virtual-clock replay of `wl` (policy.py) at `budget` device tokens,
+    with Cost(l) measured on the benchmark's model (or the Bench's fixed profile); the replay runs
+    `replay_model` (default: a 2-layer Llama with enough positions; token counts do not depend on it)."""
     max_context = max(c.max_context for c in wl.conversations)
     profile = bench.cost_profile(max_context)
     if replay_model is None:
         replay_model = tiny_llama(max_position_embeddings=max(2048, 2 * max_context))
-    return policy.compare(replay_model, wl, budget, profile, bench.cfg.chunk, log=lambda m: print(m, flush=True))
+    return policy.compare(replay_model, wl, budget, profile, bench.cfg.chunk, oracle=oracle,
+                          log=lambda m: print(m, flush=True))

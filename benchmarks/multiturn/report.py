@@ -145,9 +145,14 @@ def markdown(out: dict, plot_dir: str | None = None) -> str:
         wd = p.get("workload", {})
         lines.append(f"- Policy replay ({wd.get('conversations', '?')} conversations at the dataset's lengths x"
                      f"{wd.get('scale', 1)}, {p['turns']} turns served one at a time on a virtual clock, "
-                     f"{p['budget_tokens']} device tokens, Cost(l) measured on the model above): cost-aware "
-                     f"recomputed {p['cost_aware_recomputed']} tokens, LRU {p['lru_recomputed']} "
-                     f"({p['reduction']:+.1%} fewer with cost-aware).")
+                     f"{p['budget_tokens']} device tokens, Cost(l) measured on the model above): the store's "
+                     f"default policy (`{p.get('default_policy', 'pensieve')}`) recomputed "
+                     f"{p['cost_aware_recomputed']} tokens, LRU {p['lru_recomputed']} "
+                     f"({p['reduction']:+.1%} fewer with the default)"
+                     + "".join(f", {label} {p[key]}" for key, label in (
+                         ("return_aware_recomputed", "return-aware Cost(s, l) * P(return)"),
+                         ("pensieve_recomputed", "Pensieve's Cost(l) / T"), ("oracle_recomputed", "offline oracle"))
+                               if p.get(key) is not None) + ".")
     for name, pts in out.get("sweep", {}).items():
         lines.append(f"- Rate sweep, {name}: " + "; ".join(
             f"{q['rate_conv_s']:g} conv/s -> {q['throughput_tok_s']:.1f} tok/s at "
