@@ -103,6 +103,21 @@ class OraclePolicy(EvictionPolicy):
         return (-nxt, session.session_id, cost, k)
 
 
+def _dropped_cost(profile: CostProfile, session, chunk: int) -> float:
+    """Modeled cost of recomputing a session's dropped chunks: the sum of their Cost(s, l)."""
+    return sum(profile.chunk_cost(j, session.chunk_len(j, chunk), chunk) for j, x in enumerate(session.chunks)
+               if x.state.name == "DROPPED")
+
+
+def _counts(store, cost: float, t0: float, turns: int) -> dict:
+    """A finished replay's figures (the store's invariants are checked first)."""
+    store.check_integrity()
+    counters = store.counters
+    return {"policy": store.policy.name, "recomputed_tokens": counters.recomputed, "dropped_tokens": counters.dropped,
+            "device_hits": counters.device_hits, "hit_rate": store.stats().hit_rate,
+            "modeled_recompute_cost_s": cost, "seconds": time.monotonic() - t0, "turns": turns}
+
+
 @torch.inference_mode()
 def replay(model, wl: Workload, order: list[tuple[float, int, int]], budget: int, policy,
            profile: CostProfile, chunk: int = 32) -> dict:
@@ -119,21 +134,14 @@ def replay(model, wl: Workload, order: list[tuple[float, int, int]], budget: int
         now[0] = t
         c = wl.conversations[i]
         if c.conv_id in store:
-            s = store.session(c.conv_id)
-            cost += sum(profile.chunk_cost(j, s.chunk_len(j, chunk), chunk) for j, x in enumerate(s.chunks)
-                        if x.state.name == "DROPPED")
+            cost += _dropped_cost(profile, store.session(c.conv_id), chunk)
         ids = torch.tensor([history.get(i, []) + list(c.turns[k].user_ids)])
         n = c.turns[k].output_len
         out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=store.cache(c.conv_id),
                              max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
         outputs[(c.conv_id, k)] = out[0, ids.shape[1]:].tolist()
         history[i] = out[0].tolist()
-    store.check_integrity()
-    counters = store.counters
-    return {"policy": store.policy.name, "recomputed_tokens": counters.recomputed, "dropped_tokens": counters.dropped,
-            "device_hits": counters.device_hits, "hit_rate": store.stats().hit_rate,
-            "modeled_recompute_cost_s": cost, "seconds": time.monotonic() - t0, "turns": len(order),
-            "outputs": outputs}
+    return {**_counts(store, cost, t0, len(order)), "outputs": outputs}
 
 
 def replay_counts(wl: Workload, order: list[tuple[float, int, int]], budget: int, policy, profile: CostProfile,
@@ -150,8 +158,7 @@ def replay_counts(wl: Workload, order: list[tuple[float, int, int]], budget: int
         now[0] = t
         c, sid = wl.conversations[i], wl.conversations[i].conv_id
         s = store.open(sid)
-        cost += sum(profile.chunk_cost(j, s.chunk_len(j, chunk), chunk) for j, x in enumerate(s.chunks)
-                    if x.state.name == "DROPPED")
+        cost += _dropped_cost(profile, s, chunk)
         new = ([0] if s.token_ids else []) + list(c.turns[k].user_ids)     # the last answer's last token first
         with store.lease(sid):
             missing = store.missing_positions(sid)
@@ -159,11 +166,7 @@ def replay_counts(wl: Workload, order: list[tuple[float, int, int]], budget: int
                 store.commit(store.plan_step([(sid, [s.token_ids[p] for p in missing], missing)]))
             for ids in [new] + [[0]] * (c.turns[k].output_len - 1):
                 store.commit(store.plan_step([(sid, ids, range(s.num_tokens, s.num_tokens + len(ids)))]))
-    store.check_integrity()
-    counters = store.counters
-    return {"policy": store.policy.name, "recomputed_tokens": counters.recomputed, "dropped_tokens": counters.dropped,
-            "device_hits": counters.device_hits, "hit_rate": store.stats().hit_rate,
-            "modeled_recompute_cost_s": cost, "seconds": time.monotonic() - t0, "turns": len(order)}
+    return _counts(store, cost, t0, len(order))
 
 
 def compare(model, wl: Workload, budget: int, profile: CostProfile, chunk: int = 32, oracle: bool = True,
