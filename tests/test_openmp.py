@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import FAMILIES
 
+from benchmarks.threads import hold_main_pool
 from stateful_hf import Engine, SamplingParams
 from stateful_hf.engine import openmp
 
@@ -27,23 +28,18 @@ def two_threads():
     torch.set_num_threads(n)
 
 
-def _parallel_op() -> None:
-    a = torch.randn(512, 512)
-    a @ a
-
-
 def test_release_frees_only_the_callers_workers(two_threads):
-    _parallel_op()                                   # this thread now holds a pool: itself + 1 worker
+    hold_main_pool()                                   # this thread now holds a pool: itself + 1 worker
     before = _threads()
     assert openmp.release_thread_pool()
     assert _threads() == before - 1
-    _parallel_op()                                   # a new pool on demand
+    hold_main_pool()                                   # a new pool on demand
     assert _threads() == before
     # another thread's pool is not touched by a release here
     ready, done = threading.Event(), threading.Event()
 
     def other():
-        _parallel_op()
+        hold_main_pool()
         ready.set()
         done.wait(10)
 
@@ -62,7 +58,7 @@ def test_engine_start_releases_the_callers_pool_and_stays_exact(two_threads):
     ids = [5, 9, 13, 7, 22, 31, 4]
     with torch.inference_mode():
         ref = model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)[0, len(ids):].tolist()
-    _parallel_op()
+    hold_main_pool()
     before = _threads()
     engine = Engine(model, device_capacity=256, chunk_size=16)
     with engine:                                     # + the loop thread, - this thread's idle worker
@@ -74,7 +70,7 @@ def test_engine_start_releases_the_callers_pool_and_stays_exact(two_threads):
 
 def test_engine_can_leave_the_callers_pool_alone(two_threads):
     model = FAMILIES["llama"]()
-    _parallel_op()
+    hold_main_pool()
     before = _threads()
     with Engine(model, device_capacity=256, chunk_size=16, release_openmp_pool=False):
         assert _threads() == before + 1              # the loop thread only
