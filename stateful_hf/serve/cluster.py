@@ -57,7 +57,7 @@ class EngineReplica:
     async def release_session(self, session_id) -> bool:
         return await asyncio.to_thread(self.replica.release_session, session_id)
 
-    async def snapshot(self) -> dict:
+    async def snapshot(self) -> list[dict]:
         return self.replica.snapshot()
 
     async def health(self) -> dict:
@@ -98,7 +98,7 @@ class RayClient:
     async def release(self, session_id) -> bool:
         return await self.handle.release_session.remote(session_id)
 
-    async def snapshot(self) -> dict:
+    async def snapshot(self) -> list[dict]:
         return await self.handle.snapshot.remote()
 
     async def health(self) -> dict:

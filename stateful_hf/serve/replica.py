@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 
 from ..cache import CapacityError, SessionBusyError
 from ..engine import Engine, SamplingParams
-from .metrics import ReplicaMetrics, store_snapshot
+from .metrics import ReplicaMetrics
 from .migrate import SessionExport, export_session, import_session
 from .protocol import APIError
 
@@ -114,7 +114,8 @@ class Replica:
     def __init__(self, engine: Engine, name: str = "0"):
         self.engine, self.name = engine.start(), name
         self.store = engine.store
-        self.metrics = ReplicaMetrics()
+        self.metrics = ReplicaMetrics(self.store, engine)
+        self.store.moves.subscribe(self.metrics.moved)
         self.hub = StreamHub(engine)
         self.inflight = 0
         self._gates: dict[str, threading.Event] = {}   # sessions being imported: turns wait
@@ -194,6 +195,7 @@ class Replica:
         def account():
             if h.wait(120):
                 self.metrics.inc("hint_prefetched_tokens_total", h.moved_tokens)
+                self.metrics.inc("hints_finished", outcome=(h.stopped or "unknown").split(":")[0])
         threading.Thread(target=account, daemon=True).start()
         return {"session_id": session_id, "replica": self.name, "accepted": True}
 
@@ -242,8 +244,9 @@ class Replica:
     def load(self) -> int:
         return self.inflight
 
-    def snapshot(self) -> dict:
-        return {"metrics": self.metrics.snapshot(), "store": store_snapshot(self.store, self.engine)}
+    def snapshot(self) -> list[dict]:
+        """This replica's metric families as plain data (serve/exposition.py)."""
+        return self.metrics.snapshot()
 
     def health(self) -> dict:
         return {"replica": self.name, "engine_running": self.engine.running, "inflight": self.inflight}
