@@ -40,7 +40,7 @@ class MoveBatch:
     tokens: int
     bytes: int
     seconds: float
-    sessions: tuple[str, ...]  # distinct sessions whose chunks moved, in batch order
+    sessions: tuple[tuple[str, int], ...]   # (session id, its tokens moved), distinct, in batch order
 
 
 @dataclass(slots=True)
@@ -67,7 +67,7 @@ class MoveLedger:
             t.bytes += batch.bytes
             t.seconds += batch.seconds
         if log.isEnabledFor(logging.INFO):
-            shown = list(batch.sessions[:_LOGGED_SESSIONS])
+            shown = [sid for sid, _ in batch.sessions[:_LOGGED_SESSIONS]]
             log.info("tier move %s -> %s (%s): %d chunks, %d tokens, %d bytes, %.6f s", batch.src, batch.dst,
                      batch.reason, batch.chunks, batch.tokens, batch.bytes, batch.seconds,
                      extra={"event": "tier_move", "src": batch.src, "dst": batch.dst, "reason": batch.reason,

@@ -49,9 +49,11 @@ class TieringMixin:
         pool = None if dst is DROPPED else self._pool(dst)
         hidden = getattr(pool, "hidden_spec", None)
         per_slot = 0 if pool is None else hidden.bytes_per_block if hidden is not None else self.spec.bytes_per_block
-        self.moves.record(MoveBatch(src.value, dst.value, self._move_reason, len(items),
-                                    sum(self._ntok(s, k) for s, k in items), per_slot * len(items),
-                                    time.perf_counter() - t0, tuple(dict.fromkeys(s.session_id for s, _ in items))))
+        per_session: dict[str, int] = {}
+        for s, k in items:
+            per_session[s.session_id] = per_session.get(s.session_id, 0) + self._ntok(s, k)
+        self.moves.record(MoveBatch(src.value, dst.value, self._move_reason, len(items), sum(per_session.values()),
+                                    per_slot * len(items), time.perf_counter() - t0, tuple(per_session.items())))
 
     def _pool(self, state: ChunkState) -> BlockPool | None:
         if state is DEVICE:

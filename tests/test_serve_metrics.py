@@ -52,7 +52,7 @@ def value(fams: dict, family: str, sample: str | None = None, **labels) -> float
 
 async def _workload(router: Router) -> list[dict]:
     finals, convs = [], {f"s{i}": [5 + i, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 49] * 3 for i in range(6)}
-    for turn in range(2):
+    for _ in range(2):
         for sid, ids in convs.items():
             out = await _turn(router, sid, ids)
             finals.append(out)
