@@ -45,7 +45,7 @@ def test_ledger_reasons_totals_and_log_lines(make_store, caplog):
     if freed:
         assert any(r == "evict" for _, _, r in moves)
     kv_block = store.spec.bytes_per_block
-    for (src, dst, _), t in moves.items():
+    for (_, dst, _), t in moves.items():
         assert t.bytes == (0 if dst == "dropped" else t.chunks * kv_block) and t.chunks <= t.batches * 8
     lines = [r for r in caplog.records if r.name == "stateful_hf.moves"]
     assert len(lines) == sum(t.batches for t in moves.values())
