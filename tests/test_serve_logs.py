@@ -13,7 +13,6 @@ import sys
 import pytest
 
 pytest.importorskip("fastapi")
-pytest.importorskip("pythonjsonlogger")
 
 from stateful_hf import SamplingParams  # noqa: E402
 from stateful_hf.serve import LocalClient, Replica, Router  # noqa: E402
@@ -84,6 +83,7 @@ def test_log_prompts_adds_the_text(caplog, monkeypatch):
 
 
 def test_json_format_is_one_object_per_line_with_the_fields():
+    pytest.importorskip("pythonjsonlogger")
     rec = logging.LogRecord("stateful_hf.requests", logging.INFO, __file__, 1, "request end: %s", ("s1",), None)
     for k, v in {"event": "request_end", "session_id": "s1", "ttft_s": 0.012, "restored_tokens": {"host": 8}}.items():
         setattr(rec, k, v)
@@ -97,6 +97,7 @@ def test_json_format_is_one_object_per_line_with_the_fields():
 
 
 def test_configure_json_in_a_fresh_process():
+    pytest.importorskip("pythonjsonlogger")
     code = ("from stateful_hf.serve.logs import configure; import logging; configure('json', 'INFO'); "
             "logging.getLogger('stateful_hf.moves').info('m', extra={'event': 'tier_move', 'tokens': 8}); "
             "logging.getLogger('x').debug('hidden')")

@@ -25,7 +25,10 @@ def formatter(fmt: str) -> logging.Formatter:
     if fmt == "text":
         return logging.Formatter(TEXT_FORMAT)
     if fmt == "json":
-        from pythonjsonlogger.json import JsonFormatter
+        try:
+            from pythonjsonlogger.json import JsonFormatter
+        except ImportError:
+            raise ImportError("--log-format json needs python-json-logger (pip install 'stateful-hf[serve]')") from None
         return JsonFormatter("%(levelname)s %(name)s %(message)s", timestamp=True,
                              rename_fields={"levelname": "level", "name": "logger"})
     raise ValueError(f"unknown log format {fmt!r}; choose from {FORMATS}")
