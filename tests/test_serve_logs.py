@@ -69,6 +69,7 @@ def test_one_request_end_record_per_turn_with_tiers_and_no_prompt(caplog, monkey
         for r in recs:
             assert not hasattr(r, "prompt") and not hasattr(r, "prompt_token_ids") and not hasattr(r, "completion")
             assert "purple" not in r.getMessage()
+        assert replica._turns == {} and replica._restored == {}          # nothing kept per session after its turns
     finally:
         replica.shutdown()
 

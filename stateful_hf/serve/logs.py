@@ -26,11 +26,13 @@ def formatter(fmt: str) -> logging.Formatter:
         return logging.Formatter(TEXT_FORMAT)
     if fmt == "json":
         try:
+            from pythonjsonlogger.core import RESERVED_ATTRS
             from pythonjsonlogger.json import JsonFormatter
         except ImportError:
             raise ImportError("--log-format json needs python-json-logger (pip install 'stateful-hf[serve]')") from None
         return JsonFormatter("%(levelname)s %(name)s %(message)s", timestamp=True,
-                             rename_fields={"levelname": "level", "name": "logger"})
+                             rename_fields={"levelname": "level", "name": "logger"},
+                             reserved_attrs=[*RESERVED_ATTRS, "color_message"])   # uvicorn's ANSI copy of message
     raise ValueError(f"unknown log format {fmt!r}; choose from {FORMATS}")
 
 
