@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import subprocess
-import sys
 
 import pytest
 
@@ -16,7 +14,7 @@ pytest.importorskip("fastapi")
 
 from stateful_hf import SamplingParams  # noqa: E402
 from stateful_hf.serve import LocalClient, Replica, Router  # noqa: E402
-from stateful_hf.serve.logs import formatter  # noqa: E402
+from stateful_hf.serve.logs import configure, env, formatter  # noqa: E402
 from stateful_hf.serve.server import EngineOptions  # noqa: E402
 from stateful_hf.testing import tiny_llama, tiny_tokenizer  # noqa: E402
 
@@ -97,11 +95,23 @@ def test_json_format_is_one_object_per_line_with_the_fields():
         formatter("xml")
 
 
-def test_configure_json_in_a_fresh_process():
+def test_configure_json_writes_json_lines(capsys, monkeypatch):
     pytest.importorskip("pythonjsonlogger")
-    code = ("from stateful_hf.serve.logs import configure; import logging; configure('json', 'INFO'); "
-            "logging.getLogger('stateful_hf.moves').info('m', extra={'event': 'tier_move', 'tokens': 8}); "
-            "logging.getLogger('x').debug('hidden')")
-    err = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stderr
-    lines = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
+    for k in ("STATEFUL_HF_LOG_FORMAT", "STATEFUL_HF_LOG_LEVEL", "STATEFUL_HF_LOG_PROMPTS"):
+        monkeypatch.setenv(k, "")                 # registered: restored after the test
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        configure("json", "INFO")
+        logging.getLogger("stateful_hf.moves").info("m", extra={"event": "tier_move", "tokens": 8})
+        logging.getLogger("x").debug("hidden")
+        assert env() == {"STATEFUL_HF_LOG_FORMAT": "json", "STATEFUL_HF_LOG_LEVEL": "INFO",
+                         "STATEFUL_HF_LOG_PROMPTS": "0"}
+    finally:
+        for h in root.handlers[:]:
+            root.removeHandler(h)
+        for h in handlers:
+            root.addHandler(h)
+        root.setLevel(level)
+    lines = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line.startswith("{")]
     assert len(lines) == 1 and lines[0]["event"] == "tier_move" and lines[0]["tokens"] == 8
