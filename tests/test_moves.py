@@ -51,3 +51,18 @@ def test_ledger_reasons_totals_and_log_lines(make_store, caplog):
     assert len(lines) == sum(t.batches for t in moves.values())
     assert all(r.event == "tier_move" and r.sessions and r.tokens > 0 for r in lines)
     assert sum(r.tokens for r in lines if (r.src, r.dst) == ("device", "host")) == c.swapped_out_host
+
+
+def test_layerwise_push_down_is_a_recorded_move(make_store):
+    model = tiny_llama()
+    store = make_store(model, 256, host_capacity=256, chunk_size=8, layerwise_kv=True)
+    engine = Engine(model, tiny_tokenizer(), store)
+    engine.submit("w", list(range(3, 40)), SamplingParams(max_new_tokens=2)).result()
+    engine.stop()
+    on_device = store.residency("w")["device"]
+    assert on_device > 0
+    with store.lease("w"):                         # a running request's chunks, pushed to host slots
+        assert store.offload_layers("w", full=True) > 0
+    moves = store.moves.snapshot()
+    assert _tokens(moves, "device", "layered", "pressure") == on_device
+    assert store.residency("w")["host"] == on_device          # the turn ended: LAYERED became HOST
