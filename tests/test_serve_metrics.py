@@ -10,6 +10,7 @@ import dataclasses
 import pytest
 
 pytest.importorskip("fastapi")
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from stateful_hf import SamplingParams  # noqa: E402
@@ -164,6 +165,8 @@ def test_a_replica_that_does_not_answer_is_reported_not_fatal():
         fams = parse(page)
         assert content_type.startswith("text/plain") and om_type.startswith("application/openmetrics-text")
         assert om.rstrip().endswith("# EOF")
+        om_fams = {f.name: f.type for f in openmetrics_families(om)}     # the OpenMetrics parser accepts it
+        assert om_fams[P + "requests"] == "counter" and om_fams[P + "time_to_first_token_seconds"] == "histogram"
         assert value(fams, "router_replica_up", replica="up") == 1 and value(fams, "router_replica_up",
                                                                              replica="gone") == 0
         assert {ls["replica"] for _, ls, _ in fams[P + "requests"][2]} == {"up"}
