@@ -13,6 +13,8 @@ Every method runs with the store lock held, except the public `offload_layers`, 
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from .errors import CapacityError
@@ -106,7 +108,10 @@ class LayerwiseMixin:
             return 0
         hosts = self.host_pool.allocate(len(ks))
         blocks = [s.chunks[k].loc for k in ks]
+        t0 = time.perf_counter()
         self.transfer.copy(self.device_pool, blocks, self.host_pool, hosts)
+        with self._moving("pressure"):
+            self._record_move(DEVICE, LAYERED, [(s, k) for k in ks], t0)
         self.device_pool.free(blocks)
         for k, h in zip(ks, hosts):
             s.chunks[k] = Chunk(LAYERED, h)

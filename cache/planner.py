@@ -68,8 +68,9 @@ class StepPlannerMixin:
             if fresh > self.device_pool.num_free:
                 self._make_room(DEVICE, fresh - self.device_pool.num_free, exclude)
             restore = self._new_restore()
-            events = self._move_up([(s, k) for s, (_, sw) in zip(sessions, plans) for k in sw], DEVICE, exclude,
-                                   restore=restore)
+            with self._moving("step"):
+                events = self._move_up([(s, k) for s, (_, sw) in zip(sessions, plans) for k in sw], DEVICE,
+                                       exclude, restore=restore)
             fills = iter(self._take(DEVICE, n_fill, exclude,
                                     [(s.session_id, k) for s, fac, (f, _) in zip(sessions, factors, plans)
                                      if fac == 1 for k in f]))

@@ -20,6 +20,7 @@ from .errors import SessionBusyError, StoreError, UnknownSessionError
 from .hidden import HiddenSpec, Projector
 from .hidden_tier import HiddenTierMixin
 from .layerwise import LayerwiseMixin
+from .moves import MoveLedger
 from .planner import StepPlannerMixin
 from .policy import DEFAULT_POLICY, EvictionPolicy, make_policy
 from .pool import BlockPool
@@ -87,6 +88,8 @@ class SessionStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin, 
         self.swap_out_threshold = swap_out_threshold
         self.transfer = Transfer(self.device_pool.device)
         self.counters = Counters()
+        self.moves = MoveLedger()           # chunk moves between tiers (moves.py)
+        self._move_reason = "explicit"
         self._sessions: dict[str, Session] = {}
         self._lock = threading.RLock()
         self._disk_dirty = False
@@ -196,17 +199,18 @@ class SessionStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin, 
 
     # ---- movement -------------------------------------------------------------------------------
 
-    def move(self, session_id: str, chunks: Iterable[int], tier: str) -> None:
+    def move(self, session_id: str, chunks: Iterable[int], tier: str, reason: str = "explicit") -> None:
         """Move chosen chunks of an idle session to `tier` ("device", "host", "hidden", "disk",
         "dropped"). An operator and test hook; making room moves other idle sessions' chunks down by
         the policy. Dropped chunks cannot move up (only their ids remain: the next turn recomputes
         them). Only device chunks whose hidden states were captured become "hidden"; hidden chunks
         move to the device (K/V rebuilt by projection), to "disk" (where they stay hidden states,
-        DISK_HIDDEN, and come back with "hidden" or "device") or are dropped."""
+        DISK_HIDDEN, and come back with "hidden" or "device") or are dropped. `reason` labels the
+        moves in `self.moves` (moves.REASONS)."""
         if tier not in TIERS:
             raise ValueError(f"unknown tier {tier!r}; choose from {TIERS}")
         target = ChunkState(tier)
-        with self._lock:
+        with self._lock, self._moving(reason):
             s = self.session(session_id)
             if s.busy:
                 raise SessionBusyError(session_id)
@@ -244,7 +248,7 @@ class SessionStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin, 
         """Move the session's device chunks one tier down (host if present, else dropped); returns
         the device blocks freed. Allowed on a busy session: the engine suspends a running request
         this way when decoding runs out of blocks, keeping the session's lease."""
-        with self._lock:
+        with self._lock, self._moving("evict"):
             s = self.session(session_id)
             freed = self._settle_layered(s)           # layer-wise chunks: kept layers to the host
             items = [(s, k) for k, c in enumerate(s.chunks) if c.state is DEVICE]

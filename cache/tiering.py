@@ -12,8 +12,11 @@ and from there (or without one) to dropped (HCache, `hidden.py`).
 from __future__ import annotations
 
 import math
+import time
+from contextlib import contextmanager
 
 from .errors import CapacityError
+from .moves import REASONS, MoveBatch
 from .pool import BlockPool
 from .session import Chunk, ChunkState, Session
 
@@ -25,7 +28,32 @@ ON_DISK = (DISK, DISK_HIDDEN)
 
 class TieringMixin:
     # provided by SessionStore: device_pool, host_pool, disk, transfer, policy, counters, block_size,
-    # _sessions, swap_out_threshold, _disk_dirty, hidden_pool, disk_hidden_pool, capture, project, _hidden_down
+    # _sessions, swap_out_threshold, _disk_dirty, hidden_pool, disk_hidden_pool, capture, project, _hidden_down,
+    # moves (a MoveLedger), _move_reason (why the moves under way happen; see moves.py)
+
+    @contextmanager
+    def _moving(self, reason: str):
+        """Moves inside are recorded with `reason` (the innermost wins: room made during a step is "pressure")."""
+        if reason not in REASONS:
+            raise ValueError(f"unknown move reason {reason!r}; choose from {REASONS}")
+        prev, self._move_reason = self._move_reason, reason
+        try:
+            yield
+        finally:
+            self._move_reason = prev
+
+    def _record_move(self, src: ChunkState, dst: ChunkState, items: list[tuple[Session, int]], t0: float) -> None:
+        """Account one move batch (items: the chunks moved, in any state now); t0: perf_counter at its start."""
+        if not items:
+            return
+        pool = None if dst is DROPPED else self._pool(dst)
+        hidden = getattr(pool, "hidden_spec", None)
+        per_slot = 0 if pool is None else hidden.bytes_per_block if hidden is not None else self.spec.bytes_per_block
+        per_session: dict[str, int] = {}
+        for s, k in items:
+            per_session[s.session_id] = per_session.get(s.session_id, 0) + self._ntok(s, k)
+        self.moves.record(MoveBatch(src.value, dst.value, self._move_reason, len(items), sum(per_session.values()),
+                                    per_slot * len(items), time.perf_counter() - t0, tuple(per_session.items())))
 
     def _pool(self, state: ChunkState) -> BlockPool | None:
         if state is DEVICE:
@@ -96,6 +124,10 @@ class TieringMixin:
     def _free_device_slots(self, needed: int, exclude: set[str]) -> None:
         """Virtual layout: while fewer slots are free than `needed`, the idle session of lowest value
         holding a slot leaves the device (its chunks move down, its cached shadows are dropped)."""
+        with self._moving("slots"):
+            self._free_slots(needed, exclude)
+
+    def _free_slots(self, needed: int, exclude: set[str]) -> None:
         pool, now = self.device_pool, self.clock()
         self.policy.prepare(self._sessions.values(), now)
         while pool.free_slots < needed:
@@ -113,6 +145,10 @@ class TieringMixin:
                     c.shadow = None
 
     def _make_room(self, state: ChunkState, n: int, exclude: set[str]) -> None:
+        with self._moving("pressure"):
+            self._room(state, n, exclude)
+
+    def _room(self, state: ChunkState, n: int, exclude: set[str]) -> None:
         if state is DEVICE:
             shadowed = self._candidates(HOST, exclude, shadowed=True) + self._candidates(HIDDEN, exclude, shadowed=True)
             for s, k in shadowed[:n]:   # lazy reclamation: no copy
@@ -154,10 +190,13 @@ class TieringMixin:
                     raise
                 target, slots = DROPPED, []
         if target is DROPPED:
+            t0 = time.perf_counter()
             for s, k in items:
                 self.counters.dropped += self._ntok(s, k)
                 self._release(s, k)
+            self._record_move(state, DROPPED, items, t0)
             return
+        t0 = time.perf_counter()
         if target is HIDDEN:
             self._check_hidden_source(items, state)
             self.hidden_pool.store_from(self.capture, self.device_pool, [s.chunks[k].loc for s, k in items], slots)
@@ -165,6 +204,7 @@ class TieringMixin:
             self.hidden_pool.copy_slots([s.chunks[k].loc for s, k in items], self.disk_hidden_pool, slots)
         else:
             self.transfer.copy(self._pool(state), [s.chunks[k].loc for s, k in items], self._pool(target), slots)
+        self._record_move(state, target, items, t0)
         for (s, k), slot in zip(items, slots):
             self._release(s, k)
             s.chunks[k] = Chunk(target, slot)
@@ -203,6 +243,7 @@ class TieringMixin:
         flipped = {(id(s), k) for s, k in flips}
         rest = [(s, k) for s, k in items if (id(s), k) not in flipped]
         slots = self._take(target, len(rest), exclude, [(s.session_id, k) for s, k in rest]) if rest else []
+        rebuilt = {st: [(s, k) for s, k in rest if s.chunks[k].state is st] for st in (HIDDEN, DISK_HIDDEN)}
         for i, (s, k) in enumerate(rest):
             c = s.chunks[k]
             if c.state in (HIDDEN, DISK_HIDDEN) and target is not HIDDEN:
@@ -214,10 +255,15 @@ class TieringMixin:
                 s.chunks[k] = Chunk(DEVICE, slots[i], source=(c.state, c.loc))
                 self.counters.restored_hidden += n
                 self.counters.restored_hidden_disk += n if c.state is DISK_HIDDEN else 0
+        if target is DEVICE:                   # queued for the step's rebuild, timed there (restore_seconds)
+            for st, group in rebuilt.items():
+                self._record_move(st, DEVICE, group, time.perf_counter())
         up = [(i, s, k) for i, (s, k) in enumerate(rest) if s.chunks[k].state is DISK_HIDDEN]
         if up:                                 # disk hidden states up to the host hidden pool
+            t0 = time.perf_counter()
             self.disk_hidden_pool.copy_slots([s.chunks[k].loc for _, s, k in up], self.hidden_pool,
                                              [slots[i] for i, _, _ in up])
+            self._record_move(DISK_HIDDEN, HIDDEN, [(s, k) for _, s, k in up], t0)
             for i, s, k in up:
                 self._release(s, k)
                 s.chunks[k] = Chunk(HIDDEN, slots[i])
@@ -225,8 +271,10 @@ class TieringMixin:
             group = [(i, s, k) for i, (s, k) in enumerate(rest) if s.chunks[k].state is source]
             if not group:
                 continue
+            t0 = time.perf_counter()
             ev = self.transfer.copy(self._pool(source), [s.chunks[k].loc for _, s, k in group],
                                     self._pool(target), [slots[i] for i, _, _ in group])
+            self._record_move(source, target, [(s, k) for _, s, k in group], t0)
             if ev:
                 events.append(ev)
             for i, s, k in group:
@@ -254,7 +302,11 @@ class TieringMixin:
         want = math.ceil(self.swap_out_threshold * pool.num_blocks) - pool.num_free - shadows
         if want <= 0:
             return
-        items = self._candidates(DEVICE, set())[:want]
+        with self._moving("ahead"):
+            self._swap_out(self._candidates(DEVICE, set())[:want])
+
+    def _swap_out(self, items: list[tuple[Session, int]]) -> None:
+        pool = self.device_pool
         keep_hidden = [self._hidden_down and self.capture.valid[s.chunks[k].loc] for s, k in items]
         hid = [sk for sk, h in zip(items, keep_hidden) if h]
         kv = [sk for sk, h in zip(items, keep_hidden) if not h]
@@ -266,10 +318,12 @@ class TieringMixin:
             except CapacityError:
                 continue
             blocks = [s.chunks[k].loc for s, k in group]
+            t0 = time.perf_counter()
             if target is HIDDEN:
                 self.hidden_pool.store_from(self.capture, pool, blocks, slots)
             else:
                 self.transfer.copy(pool, blocks, self.host_pool, slots)
+            self._record_move(DEVICE, target, group, t0)
             for (s, k), slot in zip(group, slots):
                 s.chunks[k] = Chunk(target, slot, shadow=s.chunks[k].loc)
                 n = self._ntok(s, k)

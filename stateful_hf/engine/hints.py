@@ -150,7 +150,7 @@ class Prefetcher:
             if cost and store.device_pool.num_free - cost < self._reserve_blocks():
                 return "no room"
             try:
-                store.move(h.session_id, [k], "device")
+                store.move(h.session_id, [k], "device", reason="hint")
             except SessionBusyError:
                 return "busy"
             except CapacityError:

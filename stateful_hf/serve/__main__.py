@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 
 
 def _size(v: str) -> int | str:
@@ -31,8 +30,12 @@ def main(argv=None) -> None:
     p.add_argument("--ray-address", default="auto", help="with --ray: the cluster (`ray start --head` first)")
     p.add_argument("--replica-cpus", type=float, default=1.0, help="with --ray: CPUs per replica")
     p.add_argument("--replica-gpus", type=float, default=0.0, help="with --ray: GPUs per replica (1 = one device)")
+    p.add_argument("--log-format", choices=("text", "json"), default="text", help="log lines as text or JSON objects")
+    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-prompts", action="store_true", help="log prompt and completion text (off: never logged)")
     a = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from .logs import configure
+    configure(a.log_format, a.log_level.upper(), a.log_prompts)
     from .server import EngineOptions
     options = EngineOptions(device_capacity=a.device_capacity, host_capacity=a.host_capacity, disk_dir=a.disk_dir,
                             disk_capacity=a.disk_capacity, chunk_size=a.chunk_size,
@@ -49,7 +52,7 @@ def main(argv=None) -> None:
     model, tokenizer, name = load_model(a.model, a.dtype, a.device)
     app, _ = build_local(model, tokenizer, a.served_model_name or name, options, a.default_max_tokens)
     print(f"stateful-hf serving {a.served_model_name or name!r} on http://{a.host}:{a.port}/v1", flush=True)
-    uvicorn.run(app, host=a.host, port=a.port, log_level="info")
+    uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level.lower(), log_config=None)   # our handler
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import time
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -186,8 +186,9 @@ def create_app(router, config: ServeConfig) -> FastAPI:
                                             "owned_by": "stateful-hf", "max_model_len": config.max_model_len}]}
 
     @app.get("/metrics")
-    async def metrics():
-        return PlainTextResponse(await router.metrics_text(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    async def metrics(request: Request):
+        body, content_type = await router.metrics_page(request.headers.get("accept"))
+        return Response(body, media_type=content_type)
 
     @app.get("/health")
     async def health():

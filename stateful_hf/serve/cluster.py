@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 
 from ray import serve
 
+from . import logs
 from .app import ServeConfig, create_app
 from .replica import Replica
 from .router import Router
@@ -35,6 +36,7 @@ class EngineReplica:
 
     def __init__(self, model_path: str | None, options: dict, name: str, dtype: str = "float32",
                  device: str = "cpu"):
+        logs.configure_from_env()
         model, tokenizer, _ = load_model(model_path, dtype, device)
         self.replica = Replica(EngineOptions(**options).build(model, tokenizer), name)
 
@@ -57,7 +59,7 @@ class EngineReplica:
     async def release_session(self, session_id) -> bool:
         return await asyncio.to_thread(self.replica.release_session, session_id)
 
-    async def snapshot(self) -> dict:
+    async def snapshot(self) -> list[dict]:
         return self.replica.snapshot()
 
     async def health(self) -> dict:
@@ -98,7 +100,7 @@ class RayClient:
     async def release(self, session_id) -> bool:
         return await self.handle.release_session.remote(session_id)
 
-    async def snapshot(self) -> dict:
+    async def snapshot(self) -> list[dict]:
         return await self.handle.snapshot.remote()
 
     async def health(self) -> dict:
@@ -134,8 +136,9 @@ def build_app(model_path: str | None, options: EngineOptions, replicas: int, ser
               dtype: str = "float32", device: str = "cpu"):
     """The Serve application: `replicas` engine deployments behind the ingress."""
     opts = dataclasses.asdict(options)
-    engines = [EngineReplica.options(name=f"replica-{i}", ray_actor_options={
-        "num_cpus": replica_cpus, "num_gpus": replica_gpus}).bind(model_path, opts, f"replica-{i}", dtype, device)
+    actor = {"num_cpus": replica_cpus, "num_gpus": replica_gpus, "runtime_env": {"env_vars": logs.env()}}
+    engines = [EngineReplica.options(name=f"replica-{i}", ray_actor_options=actor).bind(
+        model_path, opts, f"replica-{i}", dtype, device)
         for i in range(replicas)]
     return Ingress.options(ray_actor_options={"num_cpus": 0}).bind(model_path, served_name, default_max_tokens,
                                                                     *engines)

@@ -18,7 +18,8 @@ from collections.abc import AsyncIterator
 
 from ..cache import CapacityError, SessionBusyError
 from ..engine import Engine, SamplingParams
-from .metrics import ReplicaMetrics, store_snapshot
+from . import logs
+from .metrics import ReplicaMetrics
 from .migrate import SessionExport, export_session, import_session
 from .protocol import APIError
 
@@ -114,7 +115,12 @@ class Replica:
     def __init__(self, engine: Engine, name: str = "0"):
         self.engine, self.name = engine.start(), name
         self.store = engine.store
-        self.metrics = ReplicaMetrics()
+        self.metrics = ReplicaMetrics(self.store, engine)
+        # tokens brought up to the device by steps, per session with a turn here, by source tier (for logs)
+        self._restored: dict[str, dict[str, int]] = {}
+        self._turns: dict[str, int] = {}               # ... and how many of its turns are being tracked
+        self._track_lock = threading.Lock()             # both: event loop and engine thread
+        self.store.moves.subscribe(self._moved)
         self.hub = StreamHub(engine)
         self.inflight = 0
         self._gates: dict[str, threading.Event] = {}   # sessions being imported: turns wait
@@ -132,7 +138,16 @@ class Replica:
         if gate is not None:
             await asyncio.to_thread(gate.wait, 60)
         self.inflight += 1
-        handle, done = self.engine.submit(sid, prompt, sampling), False
+        with self._track_lock:
+            self._turns[sid] = self._turns.get(sid, 0) + 1
+            baseline = dict(self._restored.setdefault(sid, {}))
+        account = lambda out: self._account(out, sid, None if ephemeral else sid, baseline, prompt)
+        try:
+            handle, done = self.engine.submit(sid, prompt, sampling), False
+        except BaseException:
+            self.inflight -= 1
+            self._untrack(sid)
+            raise
         st = self.hub.open(handle)
         sent_text, sent_tok = 0, 0
         try:
@@ -143,6 +158,7 @@ class Replica:
                 if out is not None:
                     if out.error is not None:
                         done = True
+                        account(out)
                         yield {"type": "error", "error": api_error(out.error).to_dict()}
                         return
                     text = out.text or ""
@@ -151,7 +167,7 @@ class Replica:
                     sent_text, sent_tok = len(text), len(tokens)
                 if out is not None:
                     done = True
-                    self.metrics.finished(out)
+                    account(out)
                     yield self._final(out)
                     return
         finally:
@@ -160,7 +176,7 @@ class Replica:
             if not done:
                 handle.cancel()               # the client went away: account the turn when it ends
             if not done or ephemeral:
-                self._when_done(handle, lambda out: self._after(out, sid, ephemeral, done))
+                self._when_done(handle, lambda out: self._after(out, sid, ephemeral, done, account))
 
     def _final(self, out) -> dict:
         m = out.metrics
@@ -170,9 +186,38 @@ class Replica:
                 "reused_tokens": m.reused_tokens, "recomputed_tokens": m.recomputed_tokens,
                 "ttft": m.ttft, "tpot": m.tpot, "replica": self.name}
 
-    def _after(self, out, sid: str, ephemeral: bool, accounted: bool) -> None:
+    def _moved(self, batch) -> None:
+        """A store move batch (engine thread, store lock held): metrics, and per-turn restored tokens."""
+        self.metrics.moved(batch)
+        if batch.dst == "device" and batch.reason == "step":
+            with self._track_lock:
+                for sid, n in batch.sessions:
+                    tiers = self._restored.get(sid)
+                    if tiers is not None:
+                        tiers[batch.src] = tiers.get(batch.src, 0) + n
+
+    def _account(self, out, sid: str, logged_sid: str | None, baseline: dict[str, int], prompt: list[int]) -> None:
+        """A turn ended: metrics and its log line. The tokens restored per tier are those recorded for
+        the session since the turn was submitted (none for a turn that failed: one refused as busy
+        would see another turn's)."""
+        self.metrics.finished(out)
+        with self._track_lock:
+            now = self._restored.get(sid, {})
+            restored = {} if out.error is not None else {t: n - baseline.get(t, 0) for t, n in now.items()
+                                                         if n > baseline.get(t, 0)}
+        self._untrack(sid)
+        logs.request_end(out, self.name, logged_sid, restored, prompt, self.engine.tokenizer)
+
+    def _untrack(self, sid: str) -> None:
+        with self._track_lock:
+            self._turns[sid] -= 1
+            if not self._turns[sid]:
+                del self._turns[sid]
+                self._restored.pop(sid, None)
+
+    def _after(self, out, sid: str, ephemeral: bool, accounted: bool, account) -> None:
         if not accounted:
-            self.metrics.finished(out)
+            account(out)
         if ephemeral:
             with contextlib.suppress(Exception):   # gone already, or busy again (then it ages out by policy)
                 self.store.delete(sid)
@@ -194,6 +239,7 @@ class Replica:
         def account():
             if h.wait(120):
                 self.metrics.inc("hint_prefetched_tokens_total", h.moved_tokens)
+                self.metrics.inc("hints_finished", outcome=(h.stopped or "unknown").split(":")[0])
         threading.Thread(target=account, daemon=True).start()
         return {"session_id": session_id, "replica": self.name, "accepted": True}
 
@@ -242,8 +288,9 @@ class Replica:
     def load(self) -> int:
         return self.inflight
 
-    def snapshot(self) -> dict:
-        return {"metrics": self.metrics.snapshot(), "store": store_snapshot(self.store, self.engine)}
+    def snapshot(self) -> list[dict]:
+        """This replica's metric families as plain data (serve/exposition.py)."""
+        return self.metrics.snapshot()
 
     def health(self) -> dict:
         return {"replica": self.name, "engine_running": self.engine.running, "inflight": self.inflight}

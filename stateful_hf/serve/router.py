@@ -24,8 +24,9 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator
 
-from .metrics import _labels, render
+from .exposition import merge, render
 from .replica import Replica
+from .router_metrics import RouterMetrics
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ class LocalClient:
     async def release(self, session_id) -> bool:
         return await asyncio.to_thread(self.replica.release_session, session_id)
 
-    async def snapshot(self) -> dict:
+    async def snapshot(self) -> list[dict]:
         return self.replica.snapshot()
 
     async def health(self) -> dict:
@@ -79,6 +80,7 @@ class Router:
         self._idle: dict[str, asyncio.Event] = {}
         self.stats = Counter()
         self.migration_seconds = 0.0
+        self.metrics = RouterMetrics(self, hint_ttl)
 
     @property
     def names(self) -> list[str]:
@@ -135,6 +137,7 @@ class Router:
             await self._locate(sid)
         if sid is not None and sid in self.migrations:
             await asyncio.shield(self.migrations[sid])             # mid-migration: wait, don't recompute
+        self.metrics.arrived(sid)
         i, pull = self._route(sid)
         if pull:
             await asyncio.shield(self._start_migration(sid, i))    # no hint came: pull at arrival
@@ -178,6 +181,7 @@ class Router:
             if migrating:
                 self._start_migration(session_id, i)
         self.stats["hints"] += 1
+        self.metrics.hinted(session_id)
         if not migrating:   # KV already there (or nowhere): the replica prefetches its lower tiers
             await self.clients[i].hint(session_id, expected_arrival, priority)
         return {"session_id": session_id, "replica": self.clients[i].name, "migrating": migrating}
@@ -222,21 +226,20 @@ class Router:
 
     # ---- state ----------------------------------------------------------------------------------
 
+    async def metrics_page(self, accept: str | None = None) -> tuple[bytes, str]:
+        """(/metrics page, content type): every replica's families, labelled with its replica, then the
+        router's own. A replica that does not answer is left out and reported by router_replica_up."""
+        snaps = await asyncio.gather(*(c.snapshot() for c in self.clients), return_exceptions=True)
+        ok = {n: s for n, s in zip(self.names, snaps) if not isinstance(s, BaseException)}
+        for n, s in zip(self.names, snaps):
+            if isinstance(s, BaseException):
+                log.warning("replica %s did not answer the metrics scrape: %r", n, s)
+        self.metrics.unreachable = set(self.names) - set(ok)
+        return render(merge(ok) + self.metrics.snapshot(), accept)
+
     async def metrics_text(self) -> str:
-        snaps = await asyncio.gather(*(c.snapshot() for c in self.clients))
-        text = render(dict(zip(self.names, snaps)))
-        lines = ["# HELP stateful_hf_router_requests_total Requests the router sent to each replica",
-                 "# TYPE stateful_hf_router_requests_total counter"]
-        lines += [f"stateful_hf_router_requests_total{_labels({'replica': n})} {self.assigned[i]}"
-                  for i, n in enumerate(self.names)]
-        lines += ["# HELP stateful_hf_router_migrations_total Session KV migrations between replicas",
-                  "# TYPE stateful_hf_router_migrations_total counter",
-                  f'stateful_hf_router_migrations_total{{result="ok"}} {self.stats["migrations"]}',
-                  f'stateful_hf_router_migrations_total{{result="failed"}} {self.stats["migrations_failed"]}',
-                  "# HELP stateful_hf_router_migration_seconds_total Wall time of migrations",
-                  "# TYPE stateful_hf_router_migration_seconds_total counter",
-                  f"stateful_hf_router_migration_seconds_total {self.migration_seconds!r}"]
-        return text + "\n".join(lines) + "\n"
+        """The page in the text format (0.0.4)."""
+        return (await self.metrics_page())[0].decode()
 
     async def health(self) -> list[dict]:
         return list(await asyncio.gather(*(c.health() for c in self.clients)))
