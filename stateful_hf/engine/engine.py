@@ -16,6 +16,7 @@ import torch
 from ..cache import SessionBusyError
 from ..integration import check_input_ids
 from ..store import SessionStore
+from .admission import refusal
 from .frontends import ChatMixin
 from .handle import RequestHandle
 from .hints import HintMixin
@@ -151,6 +152,9 @@ class Engine(ChatMixin, HintMixin):
                 if self.tokenizer is not None or sampling.stop else None
         except (ValueError, TypeError) as e:
             return self._reject(handle, r, e)
+        never = refusal(self.store, self.layerwise, r)      # before it takes anything (admission.py)
+        if never is not None:
+            return self._reject(handle, r, never)
         with self._cv:
             busy = session_id in self.store and self.store.session(session_id).busy
             if self.on_busy == "refuse" and (self._active[session_id] or busy):

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ..cache import ChunkState, CostProfile
-from .request import Request
+from .request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from .scheduler import WorkItem
@@ -76,9 +76,13 @@ class LayerwisePolicy:
         out = [f for f in range(1, self.num_layers + 1) if self.num_layers // f >= x_min]
         return out + ([0] if x_min == 0 else [])
 
-    def choose(self, chunks: int, room: int, x_min: int, blocks_for: Callable[[int, int], int]) -> int | None:
-        """The smallest keep factor (most layers kept) whose `chunks` fit in `room` blocks, or None."""
+    def choose(self, chunks: int, room: int, x_min: int, blocks_for: Callable[[int, int], int],
+               layered: bool = False) -> int | None:
+        """The smallest keep factor (most layers kept) whose `chunks` fit in `room` blocks, or None.
+        `layered`: factor 1 is not a choice (the caller knows all layers do not fit)."""
         for f in self.factors(x_min):
+            if layered and f == 1:
+                continue
             if blocks_for(f, chunks) <= room:
                 return f
         return None
@@ -114,11 +118,22 @@ class LayerwiseScheduling:
         growth = 1 if (keep + len(r.pending)) % bs == 0 else 0     # the first decode token opens a chunk
         if len(fills) + growth + len(swaps) + len(in_place) + held <= room:
             return 1
+        # Not all layers fit: the new chunks keep some layers (x >= x_min) in shared blocks, the rest
+        # on the host, and the history's host chunks are read in place (factor != 1), never copied up.
         x_min = lw.x_min(rows, keep)
         if len(fills) + growth > host_avail:
             return None
-        factor = lw.choose(len(fills) + growth, room - held - len(swaps), x_min, share_blocks)
-        if factor is not None and factor != 1:
+        factor = lw.choose(len(fills) + growth, room - held - len(swaps), x_min, share_blocks, layered=True)
+        if factor is None and held and r.status is RequestStatus.WAITING \
+                and len(fills) + growth + held <= host_avail \
+                and lw.choose(len(fills) + growth, room - len(swaps), x_min, share_blocks, layered=True) is not None:
+            # a returning session's own device chunks crowd its new ones out: move them to the host
+            # (the session is idle until its lease), where this turn reads them in place
+            s = self.store.session(r.session_id)
+            self.store.move(r.session_id, [k for k, c in enumerate(s.chunks) if c.state is ChunkState.DEVICE],
+                            "host")
+            return self._layer_factor(r, keep, 0, room, host_avail - held)
+        if factor is not None:
             lw.layered_admissions += 1
         return factor
 
