@@ -73,6 +73,10 @@ class Engine(ChatMixin, HintMixin):
     pool spins between parallel regions like the main thread's does (`openmp.py`): faster steps on
     cores the engine has to itself, slower ones next to other CPU-bound processes (there pass False,
     or set OMP_WAIT_POLICY=PASSIVE).
+    generation_config: where a request's unset sampling fields come from (`sampling_params`):
+    "auto" (default) the model's generation config, then SamplingParams' defaults, as vLLM's
+    `--generation-config auto`; "library" SamplingParams' defaults only. Greedy either way unless the
+    generation config sets do_sample=True.
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer=None, store: SessionStore | None = None, *,
@@ -80,9 +84,14 @@ class Engine(ChatMixin, HintMixin):
                  max_num_seqs: int = 128, reserve_fraction: float = 0.1, on_busy: str = "wait",
                  keep_step_records: int = 4096, ttft_slo: float | None = None, tpot_slo: float | None = None,
                  layerwise_kv: bool = False, host_capacity: int | str | None = None,
-                 min_kept_layers: int | None = None, release_openmp_pool: bool = True):
+                 min_kept_layers: int | None = None, release_openmp_pool: bool = True,
+                 generation_config: str = "auto"):
         if on_busy not in ("wait", "refuse"):
             raise ValueError(f"on_busy must be 'wait' or 'refuse', got {on_busy!r}")
+        if generation_config not in ("auto", "library"):
+            raise ValueError(f"generation_config must be 'auto' or 'library', got {generation_config!r}")
+        self.generation_config = getattr(model, "generation_config", None) if generation_config == "auto" else None
+        self.default_sampling = SamplingParams.from_generation_config(self.generation_config)
         self.ttft_slo, self.tpot_slo = check_slo("ttft_slo", ttft_slo), check_slo("tpot_slo", tpot_slo)
         # None when no SLO is set: the scheduler then admits exactly as before
         self.slo = SloPolicy(self.ttft_slo, self.tpot_slo) if (ttft_slo, tpot_slo) != (None, None) else None
@@ -136,12 +145,18 @@ class Engine(ChatMixin, HintMixin):
             raise ValueError("empty prompt: no token ids")
         return check_input_ids(prompt, self.adapter)
 
+    def sampling_params(self, **explicit) -> SamplingParams:
+        """SamplingParams with the fields given here (pass only the caller's explicit ones), the rest
+        from the model's generation config (generation_config="auto"), then SamplingParams' defaults."""
+        return SamplingParams.from_generation_config(self.generation_config, **explicit)
+
     def submit(self, session_id: str, prompt, sampling: SamplingParams | None = None) -> RequestHandle:
         """Queue one turn: `prompt` is the whole conversation (ids, text or messages). Never raises for
-        a bad prompt or a busy session: the error is on the returned handle (`result()` raises it)."""
+        a bad prompt or a busy session: the error is on the returned handle (`result()` raises it).
+        `sampling` None: `default_sampling` (the model's generation config, then library defaults)."""
         if not isinstance(session_id, str) or not session_id:
             raise ValueError(f"session id must be a non-empty string, got {session_id!r}")
-        sampling = sampling or SamplingParams()
+        sampling = sampling or self.default_sampling
         rid = next(self._ids)
         handle = RequestHandle(self, rid, session_id)
         r = Request(rid, session_id, [], sampling, None)
