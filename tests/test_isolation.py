@@ -81,11 +81,14 @@ def test_a_request_failing_mid_decode_releases_its_blocks_in_the_same_pass(make_
     idle_and_sound(engine)
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", [0, 1, 2, 3, 11, 37])
 @pytest.mark.parametrize("layerwise", [False, True])
 def test_random_mixes_of_impossible_and_normal_requests(seed, layerwise, make_store):
     """Seeded random mixes, tight budgets: prompts that can never fit (refused at submit), prompts
-    whose decode may outgrow the pool (finish exactly or fail alone), and normal ones (exact)."""
+    whose decode may outgrow the pool (finish exactly or fail alone), and normal ones (exact).
+    Seeds 11 and 37 (layer-wise) ran a host tier full: a layered prefill's step failed with every
+    request in it, until host slots were reserved for running prefills and steps trimmed to them.
+    (Seeds 0..163 pass both ways; these are the ones kept.)"""
     rng = random.Random(seed)
     model, oracle = models("llama")
     device = rng.choice([128, 192, 256])

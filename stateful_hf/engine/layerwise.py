@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from ..cache import ChunkState, CostProfile
@@ -152,6 +153,45 @@ class LayerwiseScheduling:
             if not q.decoding and rest > 0:
                 total += share_blocks(q.factor, -(-rest // self.store.block_size))
         return total
+
+    def _host_left(self, taken: int) -> int:
+        """Host slots a step could still fill: the store's available ones less `taken` by this pass."""
+        return self.store.available_host_blocks() - taken
+
+    def _future_host(self, r: Request, item: WorkItem) -> int:
+        """Host slots r's layer-wise turn will still fill after `item`: its remaining prompt chunks and
+        the chunk its first decode token may open (0 for a request keeping all layers)."""
+        if r.factor == 1:
+            return 0
+        rest = len(r.pending) + len(r.missing) - item.num_tokens
+        return -(-max(rest, 0) // self.store.block_size) + 1
+
+    def _host_committed(self, items: list[WorkItem]) -> int:
+        """Host slots the running layer-wise requests will still fill after this step's items: not
+        free for admissions (as `_committed` is for device blocks)."""
+        mine = {it.request.request_id: it for it in items}
+        total = 0
+        for q in self.running:
+            if q.factor == 1:
+                continue
+            it = mine.get(q.request_id)
+            rest = len(q.pending) + len(q.missing) - (it.num_tokens if it is not None else 0)
+            total += -(-max(rest, 0) // self.store.block_size) + 1
+        return total
+
+    def _trim_to_host(self, r: Request, item: WorkItem, slots: int) -> WorkItem | None:
+        """`item` cut to the rows whose new chunks fit in `slots` host slots (None if no row does):
+        rows up to the next chunk boundary need none, each further chunk one."""
+        if item.recompute or slots < 0:
+            return None
+        bs = self.store.block_size
+        rows = (-item.start) % bs + slots * bs
+        if rows <= 0:
+            return None
+        cut = self._item(r, min(rows, len(item.new_ids)), item.start)
+        if cut is None or self._host_needed(r, replace(cut, factor=item.factor)) > slots:
+            return None
+        return replace(cut, factor=item.factor)
 
     def _push_down(self, q: Request, full: bool) -> int:
         """Push a running request's kept layers (and with `full` its device chunks) to the host; its

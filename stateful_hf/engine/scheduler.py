@@ -127,8 +127,9 @@ class Scheduler(LayerwiseScheduling):
         if self.layerwise is not None:
             self._project(self.store.available_blocks(), reserve)
         avail = self.store.available_blocks()
-        host_avail = self.store.available_host_blocks()
+        host_taken = 0                 # host slots this pass's items fill (push-downs take theirs at once)
         items: list[WorkItem] = []
+        starved: list[Request] = []    # running layer-wise requests the host tier had no slot for
         # (1) running requests, oldest first; decode tokens are counted out of the budget first.
         prefill_budget = budget - sum(r.decoding for r in self.running)
         i = 0
@@ -160,16 +161,29 @@ class Scheduler(LayerwiseScheduling):
                 else:
                     avail += self._suspend(r)
                 continue
+            if item.factor != 1 and self._host_needed(r, item) > self._host_left(host_taken):
+                item = self._trim_to_host(r, item, self._host_left(host_taken))
+                if item is None:       # waits for host slots; its device blocks stay unspent
+                    starved.append(r)
+                    i += 1
+                    continue
+                need = self._blocks_needed(r, item)
             avail -= need
-            host_avail -= self._host_needed(r, item)
+            host_taken += self._host_needed(r, item)
             budget -= item.num_tokens
             if not r.decoding:
                 prefill_budget -= item.num_tokens
             items.append(item)
             i += 1
+        if starved and not items:      # no one can move: the oldest starved request fails alone
+            r = starved[0]
+            avail += self._fail(r, CapacityError(
+                f"request {r.request_id} (session {r.session_id!r}) needs host slots for its layer-wise KV and the "
+                "host tier has none left for it (the other running requests hold them); raise host_capacity"))
         # (2) admission, FCFS, while more than the reserve stays available and (SLO policy) the
         # admitted prefills' predicted seconds fit in min_i slack_i of the running decodes.
         committed = self._committed(items) if self.layerwise is not None else 0
+        host_committed = self._host_committed(items) if self.layerwise is not None else 0
         allowance = self.slo.allowance(self.running) if self.slo is not None else math.inf
         for r in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
@@ -180,7 +194,7 @@ class Scheduler(LayerwiseScheduling):
                 break
             self._released = 0
             admitted = self._admit(r, budget, avail, reserve, first=not items, committed=committed,
-                                   host_avail=host_avail)
+                                   host_avail=self._host_left(host_taken) - host_committed)
             avail += self._released    # blocks a request failed in _admit gave back
             if admitted is None:       # head of line does not fit: strict FCFS, stop here
                 break
@@ -188,9 +202,10 @@ class Scheduler(LayerwiseScheduling):
                 continue
             item, blocks = admitted
             avail -= blocks
-            host_avail -= self._host_needed(r, item)
+            host_taken += self._host_needed(r, item)
             if self.layerwise is not None:
                 committed += self._future_blocks(r, item)
+                host_committed += self._future_host(r, item)
             allowance -= cost
             budget -= item.num_tokens
             items.append(item)
