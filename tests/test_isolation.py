@@ -81,6 +81,31 @@ def test_a_request_failing_mid_decode_releases_its_blocks_in_the_same_pass(make_
     idle_and_sound(engine)
 
 
+def test_a_step_that_raises_fails_only_the_request_that_makes_it_raise(make_store, monkeypatch):
+    """Fault injection: the forward raises whenever session 'bad' is in the step. The step is rerun
+    one request at a time, so only 'bad' fails (with its own error); the requests that shared its
+    steps finish exactly, and the store is intact."""
+    from stateful_hf.engine import runner
+
+    model, oracle = models("llama")
+    real = runner.run_step
+
+    def poisoned(model_, step, *args, **kwargs):
+        if any(e.session_id == "bad" for e in step.entries):
+            raise RuntimeError("injected: the forward fails on session 'bad'")
+        return real(model_, step, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "run_step", poisoned)
+    engine = Engine(model, store=make_store(model, 512, chunk_size=16, cost_profile=PROFILE), max_batch_tokens=256)
+    prompts = [ids(60 + i, 30 + 7 * i) for i in range(4)]
+    outs = engine.generate(["s0", "bad", "s2", "s3"], prompts, SamplingParams(max_new_tokens=6))
+    assert outs[1].finish_reason == "error" and "injected" in str(outs[1].error)
+    assert engine.store.session("bad").num_tokens == 0
+    for i in (0, 2, 3):
+        assert outs[i].error is None and list(outs[i].token_ids) == expected(oracle, prompts[i], 6)
+    idle_and_sound(engine)
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2, 3, 11, 37])
 @pytest.mark.parametrize("layerwise", [False, True])
 def test_random_mixes_of_impossible_and_normal_requests(seed, layerwise, make_store):

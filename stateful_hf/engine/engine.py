@@ -210,13 +210,13 @@ class Engine(ChatMixin, HintMixin):
             if items:
                 for it in items:
                     it.request.scheduled_at = it.request.scheduled_at or t0
-                # rows feeding a sampled token (decode) vs prompt rows, told apart before `complete`
-                decode_rows = sum(1 for it in items if it.request.output_ids and it.new_ids)
                 try:
                     _, tokens = self.runner.execute(items)
                 except Exception as e:      # the step was aborted: the store is as before
-                    self.scheduler.fail([it.request for it in items], e)
-                else:
+                    items, tokens = self._isolate(items, e)
+                # rows feeding a sampled token (decode) vs prompt rows, told apart before `complete`
+                decode_rows = sum(1 for it in items if it.request.output_ids and it.new_ids)
+                if items:
                     self.scheduler.complete(items, tokens, self.eos)
                     record = self.runner.record(self._totals["steps"], items, time.monotonic() - t0)
                     self.steps.append(record)
@@ -225,6 +225,24 @@ class Engine(ChatMixin, HintMixin):
                         self.slo.observe_step(record.num_tokens - decode_rows, decode_rows, record.seconds)
             self._publish(items)
             return record
+
+    def _isolate(self, items, error: Exception) -> tuple[list, list[int]]:
+        """A step that raised is rerun one request at a time (each plan is aborted on failure, so the
+        store is as before every try): only the requests whose own step raises fail, with their own
+        error. Returns the items that ran and their sampled tokens, in order."""
+        if len(items) == 1:
+            self.scheduler.fail([items[0].request], error)
+            return [], []
+        ran, tokens = [], []
+        for it in items:
+            try:
+                _, sampled = self.runner.execute([it])
+            except Exception as e:
+                self.scheduler.fail([it.request], e)
+            else:
+                ran.append(it)
+                tokens += sampled
+        return ran, tokens
 
     def _account(self, items, record: StepRecord, decode_rows: int) -> None:
         t = self._totals
