@@ -6,6 +6,7 @@ request's tokens equal stateless generate; every store passes check_integrity() 
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 import torch
@@ -212,3 +213,40 @@ def test_without_layerwise_the_refusal_says_layerwise_kv_would_serve_it(make_sto
 
 def store_tokens(engine: Engine) -> int:
     return engine.store.session("a").num_tokens
+
+
+# ---- the server: 400 capacity_exceeded for the impossible one, 200 for its neighbours ----------------
+
+def test_server_refuses_only_the_impossible_request():
+    pytest.importorskip("fastapi")
+    httpx = pytest.importorskip("httpx")
+    from stateful_hf.serve import ServerThread, build_local
+    from stateful_hf.serve.server import EngineOptions
+    from stateful_hf.testing import tiny_tokenizer
+
+    model, tok = tiny_llama(), tiny_tokenizer()
+    app, router = build_local(model, tok, "tiny", EngineOptions(device_capacity=256, chunk_size=16))
+    prompts = [ids(900, 400)] + [ids(901 + i, 20 + i) for i in range(4)]
+    results: dict[int, httpx.Response] = {}
+    try:
+        with ServerThread(app) as srv:
+            def post(i: int) -> None:
+                results[i] = httpx.post(srv.url + "/v1/completions", timeout=120, json={
+                    "model": "tiny", "prompt": prompts[i], "max_tokens": 5, "temperature": 0,
+                    "return_token_ids": True})
+            threads = [threading.Thread(target=post, args=(i,)) for i in range(len(prompts))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+    finally:
+        for c in router.clients:
+            c.replica.shutdown()
+    assert results[0].status_code == 400, results[0].text
+    err = results[0].json()["error"]
+    assert err["code"] == "capacity_exceeded" and "can never fit" in err["message"]
+    reference = Engine(tiny_llama(), device_capacity=4096)
+    for i in range(1, len(prompts)):
+        assert results[i].status_code == 200, results[i].text
+        want = reference.generate(["r"], [prompts[i]], SamplingParams(max_new_tokens=5))[0].token_ids
+        assert results[i].json()["choices"][0]["token_ids"] == list(want)
