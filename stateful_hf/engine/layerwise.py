@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from ..cache import ChunkState, CostProfile
+from ..cache import ChunkState, CostProfile, StoreError
 from .request import Request, RequestStatus
 
 if TYPE_CHECKING:
@@ -131,8 +131,11 @@ class LayerwiseScheduling:
             # a returning session's own device chunks crowd its new ones out: move them to the host
             # (the session is idle until its lease), where this turn reads them in place
             s = self.store.session(r.session_id)
-            self.store.move(r.session_id, [k for k, c in enumerate(s.chunks) if c.state is ChunkState.DEVICE],
-                            "host")
+            try:
+                self.store.move(r.session_id, [k for k, c in enumerate(s.chunks) if c.state is ChunkState.DEVICE],
+                                "host")
+            except StoreError:     # no host room after all (or the session just turned busy): wait
+                return None
             return self._layer_factor(r, keep, 0, room, host_avail - held)
         if factor is not None:
             lw.layered_admissions += 1
