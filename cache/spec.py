@@ -47,11 +47,23 @@ def capacity_in_blocks(capacity: int | str, spec: KVSpec) -> int:
     if isinstance(capacity, int):
         if capacity <= 0:
             raise ValueError(f"capacity must be positive, got {capacity} tokens")
-        return -(-capacity // spec.block_size)
+        return _addressable(-(-capacity // spec.block_size), capacity, spec)
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", capacity)
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"cannot parse capacity {capacity!r}: use tokens (an int) or a size like '2GiB' or '512MB'")
     blocks = int(float(m.group(1)) * _UNITS[m.group(2).lower()]) // spec.bytes_per_block
     if blocks <= 0:
         raise ValueError(f"capacity {capacity!r} holds no block of {spec.bytes_per_block} bytes")
+    return _addressable(blocks, capacity, spec)
+
+
+# a pool is one tensor: its bytes must be countable in int64 (torch: "Storage size calculation overflowed")
+_MAX_POOL_BYTES = 2**62
+
+
+def _addressable(blocks: int, capacity: int | str, spec: KVSpec) -> int:
+    if blocks * spec.bytes_per_block > _MAX_POOL_BYTES:
+        raise ValueError(f"capacity {capacity!r} is {blocks * spec.bytes_per_block:.3g} bytes of KV, more than one "
+                         f"pool tensor can address ({_MAX_POOL_BYTES:.3g} bytes); give a size this machine holds, "
+                         "like '2GiB'")
     return blocks

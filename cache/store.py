@@ -8,6 +8,7 @@ chunk (device blocks: by a DEVICE chunk, or as the cached `shadow` of one HOST c
 
 from __future__ import annotations
 
+import operator
 import os
 import threading
 import time
@@ -30,6 +31,31 @@ from .stats import Counters
 from .tiering import DEVICE, DISK, DISK_HIDDEN, DROPPED, HIDDEN, HOST, ON_DISK, TieringMixin
 from .transfer import Transfer
 from .virtual import PageMapper, VirtualPool
+
+
+@contextmanager
+def _allocating(name: str, capacity, spec) -> Iterator[None]:
+    """A pool allocation torch cannot make (out of memory) as a StoreError naming the option."""
+    try:
+        yield
+    except RuntimeError as e:                 # torch.OutOfMemoryError is one too
+        raise StoreError(f"cannot allocate the pool for {name}={capacity!r} on "
+                         f"{'cpu' if name == 'host_capacity' else spec.device}: {e}; give a smaller {name}") from e
+
+
+def _chunk_indices(chunks) -> list[int]:
+    """`move`'s chunk argument: an iterable of int chunk indices (not bools, floats or strings)."""
+    if isinstance(chunks, (str, bytes)) or not isinstance(chunks, Iterable):
+        raise TypeError(f"chunks must be an iterable of chunk indices (ints), got {chunks!r}")
+    out = []
+    for k in chunks:
+        try:
+            if isinstance(k, bool):
+                raise TypeError
+            out.append(operator.index(k))       # ints, numpy / 0-d torch integers
+        except TypeError:
+            raise TypeError(f"chunk indices must be ints, got {k!r} ({type(k).__name__})") from None
+    return out
 
 
 class SessionStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin, LayerwiseMixin):
@@ -66,20 +92,22 @@ class SessionStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin, 
             raise ValueError("disk_capacity needs a disk_dir")
         self.spec = spec
         self.block_size = spec.block_size
-        if layout == "paged":
-            self.device_pool = BlockPool(spec, capacity_in_blocks(device_capacity, spec))
-        elif layout == "virtual":
-            if max_context is None:
-                raise ValueError("layout='virtual' needs max_context (tokens per session slot)")
-            self.device_pool = VirtualPool(spec, capacity_in_blocks(device_capacity, spec), max_context,
-                                           keep_bytes=0 if keep_freed in (0, "0") else
-                                           capacity_in_blocks(keep_freed, spec) * spec.bytes_per_block)
-        else:
+        if layout not in ("paged", "virtual"):
             raise ValueError(f"unknown layout {layout!r}; choose 'paged' or 'virtual'")
+        if layout == "virtual" and max_context is None:
+            raise ValueError("layout='virtual' needs max_context (tokens per session slot)")
+        with _allocating("device_capacity", device_capacity, spec):
+            if layout == "paged":
+                self.device_pool = BlockPool(spec, capacity_in_blocks(device_capacity, spec))
+            else:
+                self.device_pool = VirtualPool(spec, capacity_in_blocks(device_capacity, spec), max_context,
+                                               keep_bytes=0 if keep_freed in (0, "0") else
+                                               capacity_in_blocks(keep_freed, spec) * spec.bytes_per_block)
         self.layout = layout
         self.page_mapper = PageMapper(self.device_pool) if layout == "virtual" and map_ahead else None
-        self.host_pool = None if host_capacity is None else BlockPool(
-            spec, capacity_in_blocks(host_capacity, spec), "cpu", pin_memory=spec.device.type == "cuda")
+        with _allocating("host_capacity", host_capacity, spec):
+            self.host_pool = None if host_capacity is None else BlockPool(
+                spec, capacity_in_blocks(host_capacity, spec), "cpu", pin_memory=spec.device.type == "cuda")
         self.disk = None if disk_dir is None else DiskTier(
             spec, disk_dir, capacity_in_blocks(disk_capacity if disk_capacity is not None else "1GiB", spec))
         self.policy = policy or make_policy(DEFAULT_POLICY)
@@ -210,6 +238,7 @@ class SessionStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin, 
         if tier not in TIERS:
             raise ValueError(f"unknown tier {tier!r}; choose from {TIERS}")
         target = ChunkState(tier)
+        chunks = _chunk_indices(chunks)
         with self._lock, self._moving(reason):
             s = self.session(session_id)
             if s.busy:

@@ -4,6 +4,7 @@ conversation ids are checked against the session's history before transformers s
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Sequence
 
@@ -123,6 +124,46 @@ def check_input_ids(input_ids, adapter: ModelAdapter) -> list[int]:
     return ids
 
 
+def check_pad_ids(model, input_ids, ids: list[int], kwargs: dict) -> None:
+    """Refuse where stateless `generate` would infer an attention mask that hides pad ids: a session's
+    history has no holes, so the stateful path would attend to them and silently differ. The rule of
+    transformers 5.23 (`_prepare_attention_mask_for_generation`, with the generation config
+    `generate` would use): no attention_mask given, ids a 2-D int32/int64 tensor (or a list), the
+    effective pad_token_id set and present in the ids, and no EOS id equal to it (an unset pad id
+    defaults to the first EOS id, which is never inferred)."""
+    if isinstance(input_ids, torch.Tensor) and input_ids.dtype not in (torch.int32, torch.int64):
+        return
+    config = _generation_config(model, kwargs)
+    pad, eos = _id_list(config.pad_token_id), _id_list(config.eos_token_id)
+    hidden = sorted(set(pad) & set(ids) - set(eos))
+    if pad and hidden:
+        raise ValueError(
+            f"input_ids contain the pad token id {hidden[0]} and no attention_mask was given: stateless generate "
+            "would infer a mask hiding those tokens, which a StatefulCache cannot do (a session's history has no "
+            "holes). If the pad ids are meant as text, pass an all-ones attention_mask "
+            "(attention_mask=torch.ones_like(input_ids)); otherwise remove the padding")
+
+
+def _generation_config(model, kwargs: dict):
+    """The generation config `generate(**kwargs)` would use (transformers' own merge, private API)."""
+    prepare = getattr(model, "_prepare_generation_config", None)
+    rest = {k: v for k, v in kwargs.items() if k != "generation_config"}
+    if prepare is not None:
+        return prepare(kwargs.get("generation_config"), **rest)[0]
+    # without it: the explicit kwargs over the given or the model's config
+    config = copy.deepcopy(kwargs.get("generation_config") or model.generation_config)
+    config.update(**rest)
+    return config
+
+
+def _id_list(value) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, torch.Tensor):
+        return [int(v) for v in value.flatten().tolist()]
+    return [int(value)] if isinstance(value, int) else [int(v) for v in value]
+
+
 def prepare_turn(model: torch.nn.Module, cache: StatefulCache, ids: Sequence[int]) -> TurnStats:
     """Cut what diverges from `ids`, restore what is missing; the session then holds a prefix of `ids`
     (at least one token short of it, so the turn computes logits)."""
@@ -162,6 +203,8 @@ def _generate(model, original_generate, *args, cache=None, past_key_values=None,
     if mask is not None and not bool(torch.as_tensor(mask).all()):
         raise ValueError("padding is not supported with a StatefulCache: pass one unpadded sequence")
     ids = check_input_ids(input_ids, getattr(model, _ENABLED))
+    if mask is None:
+        check_pad_ids(model, input_ids, ids, kwargs)
     input_ids = torch.tensor([ids], dtype=torch.long, device=model.device)
     kwargs.pop("attention_mask", None)
     store = cache.store

@@ -16,6 +16,7 @@ import torch
 from ..cache import SessionBusyError
 from ..integration import check_input_ids
 from ..store import SessionStore
+from .admission import refusal
 from .frontends import ChatMixin
 from .handle import RequestHandle
 from .hints import HintMixin
@@ -72,6 +73,10 @@ class Engine(ChatMixin, HintMixin):
     pool spins between parallel regions like the main thread's does (`openmp.py`): faster steps on
     cores the engine has to itself, slower ones next to other CPU-bound processes (there pass False,
     or set OMP_WAIT_POLICY=PASSIVE).
+    generation_config: where a request's unset sampling fields come from (`sampling_params`):
+    "auto" (default) the model's generation config, then SamplingParams' defaults, as vLLM's
+    `--generation-config auto`; "library" SamplingParams' defaults only. Greedy either way unless the
+    generation config sets do_sample=True.
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer=None, store: SessionStore | None = None, *,
@@ -79,9 +84,14 @@ class Engine(ChatMixin, HintMixin):
                  max_num_seqs: int = 128, reserve_fraction: float = 0.1, on_busy: str = "wait",
                  keep_step_records: int = 4096, ttft_slo: float | None = None, tpot_slo: float | None = None,
                  layerwise_kv: bool = False, host_capacity: int | str | None = None,
-                 min_kept_layers: int | None = None, release_openmp_pool: bool = True):
+                 min_kept_layers: int | None = None, release_openmp_pool: bool = True,
+                 generation_config: str = "auto"):
         if on_busy not in ("wait", "refuse"):
             raise ValueError(f"on_busy must be 'wait' or 'refuse', got {on_busy!r}")
+        if generation_config not in ("auto", "library"):
+            raise ValueError(f"generation_config must be 'auto' or 'library', got {generation_config!r}")
+        self.generation_config = getattr(model, "generation_config", None) if generation_config == "auto" else None
+        self.default_sampling = SamplingParams.from_generation_config(self.generation_config)
         self.ttft_slo, self.tpot_slo = check_slo("ttft_slo", ttft_slo), check_slo("tpot_slo", tpot_slo)
         # None when no SLO is set: the scheduler then admits exactly as before
         self.slo = SloPolicy(self.ttft_slo, self.tpot_slo) if (ttft_slo, tpot_slo) != (None, None) else None
@@ -135,12 +145,18 @@ class Engine(ChatMixin, HintMixin):
             raise ValueError("empty prompt: no token ids")
         return check_input_ids(prompt, self.adapter)
 
+    def sampling_params(self, **explicit) -> SamplingParams:
+        """SamplingParams with the fields given here (pass only the caller's explicit ones), the rest
+        from the model's generation config (generation_config="auto"), then SamplingParams' defaults."""
+        return SamplingParams.from_generation_config(self.generation_config, **explicit)
+
     def submit(self, session_id: str, prompt, sampling: SamplingParams | None = None) -> RequestHandle:
         """Queue one turn: `prompt` is the whole conversation (ids, text or messages). Never raises for
-        a bad prompt or a busy session: the error is on the returned handle (`result()` raises it)."""
+        a bad prompt or a busy session: the error is on the returned handle (`result()` raises it).
+        `sampling` None: `default_sampling` (the model's generation config, then library defaults)."""
         if not isinstance(session_id, str) or not session_id:
             raise ValueError(f"session id must be a non-empty string, got {session_id!r}")
-        sampling = sampling or SamplingParams()
+        sampling = sampling or self.default_sampling
         rid = next(self._ids)
         handle = RequestHandle(self, rid, session_id)
         r = Request(rid, session_id, [], sampling, None)
@@ -151,6 +167,9 @@ class Engine(ChatMixin, HintMixin):
                 if self.tokenizer is not None or sampling.stop else None
         except (ValueError, TypeError) as e:
             return self._reject(handle, r, e)
+        never = refusal(self.store, self.layerwise, r)      # before it takes anything (admission.py)
+        if never is not None:
+            return self._reject(handle, r, never)
         with self._cv:
             busy = session_id in self.store and self.store.session(session_id).busy
             if self.on_busy == "refuse" and (self._active[session_id] or busy):
@@ -191,13 +210,13 @@ class Engine(ChatMixin, HintMixin):
             if items:
                 for it in items:
                     it.request.scheduled_at = it.request.scheduled_at or t0
-                # rows feeding a sampled token (decode) vs prompt rows, told apart before `complete`
-                decode_rows = sum(1 for it in items if it.request.output_ids and it.new_ids)
                 try:
                     _, tokens = self.runner.execute(items)
                 except Exception as e:      # the step was aborted: the store is as before
-                    self.scheduler.fail([it.request for it in items], e)
-                else:
+                    items, tokens = self._isolate(items, e)
+                # rows feeding a sampled token (decode) vs prompt rows, told apart before `complete`
+                decode_rows = sum(1 for it in items if it.request.output_ids and it.new_ids)
+                if items:
                     self.scheduler.complete(items, tokens, self.eos)
                     record = self.runner.record(self._totals["steps"], items, time.monotonic() - t0)
                     self.steps.append(record)
@@ -206,6 +225,24 @@ class Engine(ChatMixin, HintMixin):
                         self.slo.observe_step(record.num_tokens - decode_rows, decode_rows, record.seconds)
             self._publish(items)
             return record
+
+    def _isolate(self, items, error: Exception) -> tuple[list, list[int]]:
+        """A step that raised is rerun one request at a time (each plan is aborted on failure, so the
+        store is as before every try): only the requests whose own step raises fail, with their own
+        error. Returns the items that ran and their sampled tokens, in order."""
+        if len(items) == 1:
+            self.scheduler.fail([items[0].request], error)
+            return [], []
+        ran, tokens = [], []
+        for it in items:
+            try:
+                _, sampled = self.runner.execute([it])
+            except Exception as e:
+                self.scheduler.fail([it.request], e)
+            else:
+                ran.append(it)
+                tokens += sampled
+        return ran, tokens
 
     def _account(self, items, record: StepRecord, decode_rows: int) -> None:
         t = self._totals

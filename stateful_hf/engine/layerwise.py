@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from ..cache import ChunkState, CostProfile
-from .request import Request
+from ..cache import ChunkState, CostProfile, StoreError
+from .request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from .scheduler import WorkItem
@@ -76,9 +77,13 @@ class LayerwisePolicy:
         out = [f for f in range(1, self.num_layers + 1) if self.num_layers // f >= x_min]
         return out + ([0] if x_min == 0 else [])
 
-    def choose(self, chunks: int, room: int, x_min: int, blocks_for: Callable[[int, int], int]) -> int | None:
-        """The smallest keep factor (most layers kept) whose `chunks` fit in `room` blocks, or None."""
+    def choose(self, chunks: int, room: int, x_min: int, blocks_for: Callable[[int, int], int],
+               layered: bool = False) -> int | None:
+        """The smallest keep factor (most layers kept) whose `chunks` fit in `room` blocks, or None.
+        `layered`: factor 1 is not a choice (the caller knows all layers do not fit)."""
         for f in self.factors(x_min):
+            if layered and f == 1:
+                continue
             if blocks_for(f, chunks) <= room:
                 return f
         return None
@@ -114,11 +119,25 @@ class LayerwiseScheduling:
         growth = 1 if (keep + len(r.pending)) % bs == 0 else 0     # the first decode token opens a chunk
         if len(fills) + growth + len(swaps) + len(in_place) + held <= room:
             return 1
+        # Not all layers fit: the new chunks keep some layers (x >= x_min) in shared blocks, the rest
+        # on the host, and the history's host chunks are read in place (factor != 1), never copied up.
         x_min = lw.x_min(rows, keep)
         if len(fills) + growth > host_avail:
             return None
-        factor = lw.choose(len(fills) + growth, room - held - len(swaps), x_min, share_blocks)
-        if factor is not None and factor != 1:
+        factor = lw.choose(len(fills) + growth, room - held - len(swaps), x_min, share_blocks, layered=True)
+        if factor is None and held and r.status is RequestStatus.WAITING \
+                and len(fills) + growth + held <= host_avail \
+                and lw.choose(len(fills) + growth, room - len(swaps), x_min, share_blocks, layered=True) is not None:
+            # a returning session's own device chunks crowd its new ones out: move them to the host
+            # (the session is idle until its lease), where this turn reads them in place
+            s = self.store.session(r.session_id)
+            try:
+                self.store.move(r.session_id, [k for k, c in enumerate(s.chunks) if c.state is ChunkState.DEVICE],
+                                "host")
+            except StoreError:     # no host room after all (or the session just turned busy): wait
+                return None
+            return self._layer_factor(r, keep, 0, room, host_avail - held)
+        if factor is not None:
             lw.layered_admissions += 1
         return factor
 
@@ -137,6 +156,45 @@ class LayerwiseScheduling:
             if not q.decoding and rest > 0:
                 total += share_blocks(q.factor, -(-rest // self.store.block_size))
         return total
+
+    def _host_left(self, taken: int) -> int:
+        """Host slots a step could still fill: the store's available ones less `taken` by this pass."""
+        return self.store.available_host_blocks() - taken
+
+    def _future_host(self, r: Request, item: WorkItem) -> int:
+        """Host slots r's layer-wise turn will still fill after `item`: its remaining prompt chunks and
+        the chunk its first decode token may open (0 for a request keeping all layers)."""
+        if r.factor == 1:
+            return 0
+        rest = len(r.pending) + len(r.missing) - item.num_tokens
+        return -(-max(rest, 0) // self.store.block_size) + 1
+
+    def _host_committed(self, items: list[WorkItem]) -> int:
+        """Host slots the running layer-wise requests will still fill after this step's items: not
+        free for admissions (as `_committed` is for device blocks)."""
+        mine = {it.request.request_id: it for it in items}
+        total = 0
+        for q in self.running:
+            if q.factor == 1:
+                continue
+            it = mine.get(q.request_id)
+            rest = len(q.pending) + len(q.missing) - (it.num_tokens if it is not None else 0)
+            total += -(-max(rest, 0) // self.store.block_size) + 1
+        return total
+
+    def _trim_to_host(self, r: Request, item: WorkItem, slots: int) -> WorkItem | None:
+        """`item` cut to the rows whose new chunks fit in `slots` host slots (None if no row does):
+        rows up to the next chunk boundary need none, each further chunk one."""
+        if item.recompute or slots < 0:
+            return None
+        bs = self.store.block_size
+        rows = (-item.start) % bs + slots * bs
+        if rows <= 0:
+            return None
+        cut = self._item(r, min(rows, len(item.new_ids)), item.start)
+        if cut is None or self._host_needed(r, replace(cut, factor=item.factor)) > slots:
+            return None
+        return replace(cut, factor=item.factor)
 
     def _push_down(self, q: Request, full: bool) -> int:
         """Push a running request's kept layers (and with `full` its device chunks) to the host; its

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -48,13 +49,50 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @classmethod
+    def from_generation_config(cls, generation_config, **explicit) -> SamplingParams:
+        """Defaults in one precedence: `explicit` fields (the caller's arguments or request fields;
+        pass only those given), then the model's generation config (as vLLM's
+        `--generation-config auto`), then this class's defaults. Greedy unless the generation config
+        sets do_sample=True; then its temperature / top_p / top_k, with generate's global defaults
+        (1.0 / 1.0 / 50) for the ones it leaves unset. max_new_tokens from its max_new_tokens (its
+        max_length counts the prompt, so it is not used). Options the engine does not implement
+        (repetition_penalty, ...) are named in a warning: with them the engine differs from generate."""
+        unknown = set(explicit) - set(cls.__slots__)
+        if unknown:
+            raise TypeError(f"SamplingParams has no field(s) {sorted(unknown)}")
+        cfg, fields = generation_config, {}
+        if cfg is not None:
+            if getattr(cfg, "max_new_tokens", None) is not None:
+                fields["max_new_tokens"] = int(cfg.max_new_tokens)
+            if getattr(cfg, "do_sample", None):
+                fields["temperature"] = _or(cfg.temperature, 1.0)
+                fields["top_p"] = _or(cfg.top_p, 1.0)
+                fields["top_k"] = _or(cfg.top_k, 50)
+            ignored = [f"{k}={getattr(cfg, k)!r}" for k, neutral in _UNSUPPORTED
+                       if getattr(cfg, k, None) not in (None, neutral) and k not in explicit]
+            if ignored:
+                warnings.warn(f"the model's generation config sets {', '.join(ignored)}, which the engine does not "
+                              "implement: its tokens can differ from generate's", stacklevel=2)
+        fields.update(explicit)
+        return cls(**fields)
+
+
+def _or(value, default):
+    return default if value is None else value
+
+
+# generation config options that change which token is chosen, with their neutral values
+_UNSUPPORTED = (("repetition_penalty", 1.0), ("no_repeat_ngram_size", 0), ("min_new_tokens", 0),
+                ("min_length", 0), ("bad_words_ids", None), ("suppress_tokens", None),
+                ("begin_suppress_tokens", None), ("forced_eos_token_id", None), ("num_beams", 1),
+                ("typical_p", 1.0), ("epsilon_cutoff", 0.0), ("eta_cutoff", 0.0), ("min_p", None))
+
 
 def eos_ids(model: torch.nn.Module) -> frozenset[int]:
-    """EOS token ids of the model's generation config (int, list or None)."""
-    cfg = getattr(model, "generation_config", None)
-    eos = getattr(cfg, "eos_token_id", None)
-    if eos is None:
-        eos = getattr(getattr(model, "config", None), "eos_token_id", None)
+    """EOS token ids as `generate` takes them: the model's generation config only (int, list or None).
+    Not model.config.eos_token_id: generate does not stop there when the generation config has none."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     if eos is None:
         return frozenset()
     return frozenset([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])

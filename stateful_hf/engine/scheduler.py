@@ -72,6 +72,7 @@ class Scheduler(LayerwiseScheduling):
         self.waiting: list[Request] = []    # WAITING and SUSPENDED, by arrival
         self.running: list[Request] = []    # RUNNING, by arrival
         self.finished: list[Request] = []   # ended since the engine last drained them
+        self._released = 0                  # device blocks the last _admit's failure made available
 
     # ---- queue ----------------------------------------------------------------------------------
 
@@ -102,6 +103,17 @@ class Scheduler(LayerwiseScheduling):
         r.status, r.finish_reason, r.error, r.finished_at = status, reason, error, time.monotonic()
         self.finished.append(r)
 
+    def _fail(self, r: Request, error: CapacityError) -> int:
+        """Fail `r` and release what it held; returns the device blocks that made available (its
+        session's blocks become an idle session's, which a later admission in this pass may take)."""
+        before = self.store.available_blocks()
+        self.finish(r, RequestStatus.FAILED, "error", error)
+        return max(self.store.available_blocks() - before, 0)
+
+    def _layerwise_hint(self) -> str:
+        return "" if self.layerwise is not None else (
+            ", or serve it with layerwise_kv=True (layers that do not fit on the device live on the host tier)")
+
     def reap_cancelled(self) -> None:
         for r in [r for r in self.running + self.waiting if r.cancel_requested]:
             self.finish(r, RequestStatus.CANCELLED, "cancelled")
@@ -115,8 +127,9 @@ class Scheduler(LayerwiseScheduling):
         if self.layerwise is not None:
             self._project(self.store.available_blocks(), reserve)
         avail = self.store.available_blocks()
-        host_avail = self.store.available_host_blocks()
+        host_taken = 0                 # host slots this pass's items fill (push-downs take theirs at once)
         items: list[WorkItem] = []
+        starved: list[Request] = []    # running layer-wise requests the host tier had no slot for
         # (1) running requests, oldest first; decode tokens are counted out of the budget first.
         prefill_budget = budget - sum(r.decoding for r in self.running)
         i = 0
@@ -140,24 +153,37 @@ class Scheduler(LayerwiseScheduling):
             while need > avail and self.running[-1] is not r:
                 avail += self._suspend(self.running[-1])
             if need > avail:
-                if i == 0:
-                    self.finish(r, RequestStatus.FAILED, "error", CapacityError(
+                if i == 0:             # what it held counts for the requests after it in this pass
+                    avail += self._fail(r, CapacityError(
                         f"request {r.request_id} (session {r.session_id!r}) needs {need} more device blocks of "
                         f"{self.store.block_size} tokens and only {avail} can be made available; raise "
-                        "device_capacity"))
+                        "device_capacity" + self._layerwise_hint()))
                 else:
                     avail += self._suspend(r)
                 continue
+            if item.factor != 1 and self._host_needed(r, item) > self._host_left(host_taken):
+                item = self._trim_to_host(r, item, self._host_left(host_taken))
+                if item is None:       # waits for host slots; its device blocks stay unspent
+                    starved.append(r)
+                    i += 1
+                    continue
+                need = self._blocks_needed(r, item)
             avail -= need
-            host_avail -= self._host_needed(r, item)
+            host_taken += self._host_needed(r, item)
             budget -= item.num_tokens
             if not r.decoding:
                 prefill_budget -= item.num_tokens
             items.append(item)
             i += 1
+        if starved and not items:      # no one can move: the oldest starved request fails alone
+            r = starved[0]
+            avail += self._fail(r, CapacityError(
+                f"request {r.request_id} (session {r.session_id!r}) needs host slots for its layer-wise KV and the "
+                "host tier has none left for it (the other running requests hold them); raise host_capacity"))
         # (2) admission, FCFS, while more than the reserve stays available and (SLO policy) the
         # admitted prefills' predicted seconds fit in min_i slack_i of the running decodes.
         committed = self._committed(items) if self.layerwise is not None else 0
+        host_committed = self._host_committed(items) if self.layerwise is not None else 0
         allowance = self.slo.allowance(self.running) if self.slo is not None else math.inf
         for r in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
@@ -166,17 +192,20 @@ class Scheduler(LayerwiseScheduling):
             if cost > allowance:       # would push a decode past its TPOT SLO: defer, FCFS
                 self.slo.deferred += 1
                 break
+            self._released = 0
             admitted = self._admit(r, budget, avail, reserve, first=not items, committed=committed,
-                                   host_avail=host_avail)
+                                   host_avail=self._host_left(host_taken) - host_committed)
+            avail += self._released    # blocks a request failed in _admit gave back
             if admitted is None:       # head of line does not fit: strict FCFS, stop here
                 break
             if admitted is False:      # its session is busy with an earlier turn: let later sessions pass
                 continue
             item, blocks = admitted
             avail -= blocks
-            host_avail -= self._host_needed(r, item)
+            host_taken += self._host_needed(r, item)
             if self.layerwise is not None:
                 committed += self._future_blocks(r, item)
+                host_committed += self._future_host(r, item)
             allowance -= cost
             budget -= item.num_tokens
             items.append(item)
@@ -208,7 +237,7 @@ class Scheduler(LayerwiseScheduling):
                                                                             else reserve), host_avail)
             if factor is None:
                 if first and not self.running:
-                    self.finish(r, RequestStatus.FAILED, "error", CapacityError(
+                    self._released += self._fail(r, CapacityError(
                         f"request {r.request_id} (session {r.session_id!r}) does not fit even with layer-wise KV "
                         f"allocation: its prompt needs more host slots ({host_avail} available) or more device "
                         "blocks for its x_min kept layers than can be made available; raise host_capacity or "
@@ -217,6 +246,9 @@ class Scheduler(LayerwiseScheduling):
                 return None
             r.factor = factor
             item = replace(item, factor=factor)
+            if r.status is RequestStatus.WAITING:      # _layer_factor may have moved its device chunks down
+                s = store.session(r.session_id)
+                held = sum(1 for c in s.chunks[: -(-keep // store.block_size)] if c.state is ChunkState.DEVICE)
         need = self._blocks_needed(r, item, keep)
         slots = store.available_slots()                    # virtual layout: a session needs a device slot
         if slots is not None:
@@ -225,9 +257,10 @@ class Scheduler(LayerwiseScheduling):
                 return None
         if need + held > avail or (need + held > avail - reserve and not (first and not self.running)):
             if first and not self.running and need + held > avail:
-                self.finish(r, RequestStatus.FAILED, "error", CapacityError(
+                self._released += self._fail(r, CapacityError(
                     f"request {r.request_id} (session {r.session_id!r}) needs {need + held} device blocks of "
-                    f"{store.block_size} tokens; only {avail} can be made available: raise device_capacity"))
+                    f"{store.block_size} tokens; only {avail} can be made available: raise device_capacity"
+                    + self._layerwise_hint()))
                 return False
             return None
         if r.status is RequestStatus.WAITING:

@@ -29,7 +29,7 @@ def api_error(e: BaseException) -> APIError:
     if isinstance(e, APIError):
         return e
     if isinstance(e, SessionBusyError):
-        return APIError(409, f"session {e.args[0]!r} has a turn in flight; retry when it has finished",
+        return APIError(409, f"session {e.session_id!r} has a turn in flight; retry when it has finished",
                         param="session_id", code="session_busy")
     if isinstance(e, CapacityError):
         return APIError(400, str(e), code="capacity_exceeded")
