@@ -1,8 +1,10 @@
 """The attention implementation registered with transformers: writes each row's K/V into the
 session blocks of the step and attends through the paged kernel. Without a step (any ordinary call
-of the same model) it is plain SDPA."""
+of the same model) it is plain SDPA, or the model's eager attention when it softcaps logits."""
 
 from __future__ import annotations
+
+import sys
 
 import torch
 from transformers import AttentionInterface
@@ -27,9 +29,19 @@ def stateful_attention(
     stateful_step: StepBatch | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:  # [1, T, Hq, D]
+    """`scaling` (Gemma: query_pre_attn_scalar ** -0.5), `sliding_window` and `softcap` (Gemma 2:
+    cap * tanh(logits / cap), applied to the scaled logits before the mask) are what the model's
+    attention passes; a layer's window must be the one the store was made with (KVSpec.windows)."""
     if stateful_step is None:
+        if kwargs.get("softcap") is not None:   # SDPA cannot softcap: the modeling file's eager attention
+            eager = sys.modules[type(module).__module__].eager_attention_forward
+            return eager(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)
+    window, softcap = stateful_step.window(module.layer_idx), kwargs.get("softcap")
+    if "sliding_window" in kwargs and kwargs["sliding_window"] != window:
+        raise RuntimeError(f"layer {module.layer_idx} attends with sliding_window={kwargs['sliding_window']} but the "
+                           f"store was made for window {window}: the model's adapter is out of date")
     if query.shape[0] != 1:
         raise ValueError("a stateful step packs all rows into batch dimension 1")
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))   # [T, H, D]
@@ -43,11 +55,11 @@ def stateful_attention(
         key_slots, value_slots = stateful_step.pool.dense(module.layer_idx)
         out = dense_attention(q, key_slots, value_slots, stateful_step.paged, list(stateful_step.dense_slots),
                               scale=scaling if scaling is not None else q.shape[-1] ** -0.5,
-                              window=stateful_step.window)
+                              window=window, softcap=softcap)
         return out.unsqueeze(0), None
     out = paged_attention(q, key_cache, value_cache, stateful_step.paged, scale=scaling,
-                          backend=stateful_step.backend, window=stateful_step.window, validate=False,
-                          overlay=overlay)
+                          backend=stateful_step.backend, window=window, validate=False,
+                          overlay=overlay, softcap=softcap)
     return out.unsqueeze(0), None
 
 
