@@ -4,8 +4,6 @@ of the same model) it is plain SDPA, or the model's eager attention when it soft
 
 from __future__ import annotations
 
-import sys
-
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -14,6 +12,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from .cache.step import StepBatch
 from .kernels import paged_attention, write_kv
 from .kernels.dense import dense_attention
+from .kernels.torch_batched import softcapped_attention
 
 NAME = "stateful"
 
@@ -33,9 +32,8 @@ def stateful_attention(
     cap * tanh(logits / cap), applied to the scaled logits before the mask) are what the model's
     attention passes; a layer's window must be the one the store was made with (KVSpec.windows)."""
     if stateful_step is None:
-        if kwargs.get("softcap") is not None:   # SDPA cannot softcap: the modeling file's eager attention
-            eager = sys.modules[type(module).__module__].eager_attention_forward
-            return eager(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        if kwargs.get("softcap") is not None:   # SDPA cannot softcap
+            return _softcapped(query, key, value, attention_mask, scaling, kwargs["softcap"]), None
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)
     window, softcap = stateful_step.window(module.layer_idx), kwargs.get("softcap")
@@ -61,6 +59,23 @@ def stateful_attention(
                           backend=stateful_step.backend, window=window, validate=False,
                           overlay=overlay, softcap=softcap)
     return out.unsqueeze(0), None
+
+
+def _softcapped(query, key, value, attention_mask, scaling, softcap) -> torch.Tensor:   # [1, T, Hq, D]
+    """Softcapped attention of an ordinary call over the SDPA-style mask transformers built for this
+    implementation: a bool [B, 1, q, kv] mask (True = attend), or None where SDPA would use is_causal
+    (q == kv, or one query row that sees every key)."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if attention_mask is None:
+        keys = torch.arange(kv_len, device=query.device)
+        attention_mask = keys[None, :] <= torch.arange(q_len, device=query.device)[:, None] + (kv_len - q_len)
+    elif attention_mask.dtype != torch.bool:
+        attention_mask = attention_mask == 0
+    group = query.shape[1] // key.shape[1]
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    out = softcapped_attention(query, key.repeat_interleave(group, 1), value.repeat_interleave(group, 1),
+                               attention_mask, scale, softcap)
+    return out.transpose(1, 2)
 
 
 def register() -> str:
