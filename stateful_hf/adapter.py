@@ -12,8 +12,9 @@ What each supported family brings, and where it is honoured:
   gemma2                  + attention-logit softcapping (tanh) and a final-logit softcap.
   phi3                    fused qkv_proj, partial rotary, one sliding window on every layer.
   opt                     LayerNorm (pre or post), learned positions, biased projections.
-Per-layer windows, scaling and softcap are what transformers passes to the attention interface; the
-registered attention checks its kwargs against `layer_windows` on every call (see attention.py).
+Per-layer windows, scaling and the attention-logit softcap are what transformers passes to the
+attention interface; the registered attention honours them and checks the window against
+`layer_windows` on every call (see attention.py).
 """
 
 from __future__ import annotations
@@ -44,16 +45,11 @@ class ModelAdapter:
     max_positions: int
     layer_windows: tuple[int | None, ...] = ()   # [num_layers] sliding-window span per layer, None: full
     hidden_size: int = 0        # width of the residual stream entering each decoder layer
-    softcap: float | None = None         # attention-logit softcap (cap * tanh(s / cap)), None: none
-    final_softcap: float | None = None   # the LM head's logit softcap, None: none
+    final_softcap: float | None = None   # the LM head's logit softcap (cap * tanh(x / cap)), None: none
 
     @property
     def kv_is_smaller_than_hidden(self) -> bool:
         return 2 * self.num_kv_heads * self.head_dim < self.num_heads * self.head_dim
-
-    @property
-    def sliding(self) -> bool:
-        return any(w is not None for w in self.layer_windows)
 
 
 def adapter_for(model: torch.nn.Module) -> ModelAdapter:
@@ -84,7 +80,6 @@ def adapter_for(model: torch.nn.Module) -> ModelAdapter:
         max_positions=_max_positions(config),
         layer_windows=_layer_windows(model, model_type),
         hidden_size=config.hidden_size,
-        softcap=getattr(config, "attn_logit_softcapping", None) if model_type == "gemma2" else None,
         final_softcap=getattr(config, "final_logit_softcapping", None),
     )
 

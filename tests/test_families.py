@@ -204,3 +204,23 @@ def test_enabled_model_without_a_stateful_cache_still_matches(family, make_store
     padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), ids], 1)
     mask = torch.cat([torch.zeros(1, 3), torch.ones(1, ids.shape[1])], 1).long()
     assert torch.equal(greedy(model, padded, attention_mask=mask), greedy(oracle, padded, attention_mask=mask))
+
+
+@pytest.mark.parametrize("family,overrides,windows", [
+    ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1), (None, 16)),
+    ("mistral", dict(sliding_window=20), (20, 20)),
+])
+def test_older_families_with_sliding_windows_exact(family, overrides, windows, make_store):
+    """Qwen2's mixed layer types (sliding from max_window_layers on) and Mistral's window, per layer."""
+    from stateful_hf.testing import tiny_llama
+
+    model, oracle = tiny_llama(family, **overrides), tiny_llama(family, **overrides)
+    store = make_store(model, device_capacity=1024, host_capacity=1024, cost_profile=PROFILE)
+    assert store.adapter.layer_windows == windows
+    cache = store.cache("a")
+    conv = Conversation(seed=seed_of(family), first=60, turn=15)
+    for tier in ("device", "host", "dropped"):
+        store.move("a", list(range(len(store.session("a").chunks))), tier)
+        out = greedy(model, conv.ids, n=6, cache=cache)
+        assert torch.equal(out, greedy(oracle, conv.ids, n=6)), tier
+        conv.reply(out)
