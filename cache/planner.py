@@ -215,7 +215,7 @@ class StepPlannerMixin:
             entries=tuple(entries), paged=paged.to(dev), slots=torch.tensor(slots, dtype=torch.int64, device=dev),
             input_ids=torch.tensor([ids], dtype=torch.long, device=dev),
             position_ids=torch.tensor([pos], dtype=torch.long, device=dev),
-            pool=self.device_pool, backend=self.attn_backend, window=self.spec.window, layer_events=layer_events,
+            pool=self.device_pool, backend=self.attn_backend, windows=self.spec.windows, layer_events=layer_events,
             dense_slots=dense_slots, layered=layered,
             hidden=None if self.capture is None else StepHidden(
                 self.capture, torch.tensor(slots, dtype=torch.long), restore if restore and restore.chunks else None),

@@ -18,12 +18,14 @@ class KVSpec:
     dtype: torch.dtype = torch.float32
     device: torch.device = torch.device("cpu")
     block_size: int = 32          # tokens per block = tokens per chunk (the eviction unit)
-    window: int | None = None     # sliding-window attention span, None for full attention
+    windows: tuple[int | None, ...] = ()   # [num_layers] sliding-window span per layer (None: full); () all full
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"KVSpec.{name} must be positive, got {getattr(self, name)}")
+        if self.windows and len(self.windows) != self.num_layers:
+            raise ValueError(f"KVSpec.windows has {len(self.windows)} entries for {self.num_layers} layers")
 
     @property
     def bytes_per_token(self) -> int:

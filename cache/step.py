@@ -36,7 +36,7 @@ class StepBatch:
     position_ids: torch.Tensor          # [1, T]
     pool: BlockPool
     backend: str = "torch"
-    window: int | None = None
+    windows: tuple[int | None, ...] = ()   # [num_layers] sliding window of each layer (KVSpec.windows)
     layer_events: tuple | None = None   # per layer, CUDA events of swap-in copies its KV waits for
     hidden: StepHidden | None = None    # capture of the rows' hidden states, restore of hidden chunks
     dense_slots: tuple[int, ...] | None = None  # virtual layout: each entry's slot (dense kernels, no table)
@@ -56,6 +56,10 @@ class StepBatch:
         if self.hidden is not None and self.hidden.restore is not None:
             self.hidden.restore.run(layer, self.pool)
         return self.pool.layer(layer)
+
+    def window(self, layer: int) -> int | None:
+        """The sliding-window span of `layer` (keys j > pos - window), None for full attention."""
+        return self.windows[layer] if self.windows else None
 
     def capture_hidden(self, layer: int, hidden: torch.Tensor) -> None:
         """Keep the rows' hidden state entering `layer` ([1, T, D]) when the store uses hidden states."""

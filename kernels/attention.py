@@ -44,9 +44,11 @@ def paged_attention(
     validate: bool = True,
     plan: StepPlan | None = None,
     overlay: Overlay | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:              # [T, Hq, D]
     """Causal attention by absolute position: row t of sub-request i attends to that sub-request's
     keys at positions <= q_pos[t] (and > q_pos[t] - window when a sliding window is given).
+    `softcap` c: the scaled logits s become c * tanh(s / c) before masking and softmax (Gemma 2).
 
     `plan` (kernels.plan(batch, block_size, backend), made once per step) carries the backend's
     per-batch work; without one, the plan is made on the first call and cached on the batch, so
@@ -57,6 +59,8 @@ def paged_attention(
         _check_overlay(overlay, key_cache, batch)
     if window is not None and window < 1:
         raise ValueError(f"paged_attention: window must be >= 1 or None, got {window}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"paged_attention: softcap must be > 0 or None, got {softcap}")
     num_blocks, block_size = key_cache.shape[:2]
     if plan is None:
         plan = plan_for(batch, block_size, backend, query.dtype)
@@ -68,7 +72,7 @@ def paged_attention(
         batch.validate(num_blocks, block_size)
         plan.validated_for = num_blocks
     scale = query.shape[-1] ** -0.5 if scale is None else scale
-    return plan.run(query, key_cache, value_cache, scale, window, overlay)
+    return plan.run(query, key_cache, value_cache, scale, window, overlay, softcap)
 
 
 def _check_overlay(overlay: Overlay, key_cache: torch.Tensor, batch: PagedBatch) -> None:

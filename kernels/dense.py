@@ -3,7 +3,7 @@
 Sub-request i reads rows 0 .. kv_len[i] - 1 of its slot of `[slots, max_context, Hkv, D]` caches
 as one contiguous tensor, masked by absolute position like every backend. Few query rows (decode)
 use one grouped matmul per KV head (the query heads of a group share their K/V, which CPU SDPA
-with GQA would copy per head); longer ones run SDPA.
+with GQA would copy per head); longer ones run SDPA, except with a logit softcap (SDPA has none).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ def dense_attention(
     slots: list[int],           # slot of each sub-request
     scale: float,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:              # [T, Hq, D]
     cu_q, kv_len = batch.host
     if len(slots) != len(kv_len):
@@ -41,8 +42,8 @@ def dense_attention(
         mask = key_pos[None, :] <= pos[:, None]
         if window is not None:
             mask &= key_pos[None, :] > pos[:, None] - window
-        if b - a <= GROUPED_ROWS:
-            out[a:b] = _grouped(query[a:b], k, v, mask, scale)
+        if b - a <= GROUPED_ROWS or softcap is not None:
+            out[a:b] = _grouped(query[a:b], k, v, mask, scale, softcap)
             continue
         o = F.scaled_dot_product_attention(query[a:b].transpose(0, 1), k, v, attn_mask=mask, scale=scale,
                                            enable_gqa=gqa)
@@ -53,13 +54,16 @@ def dense_attention(
 GROUPED_ROWS = 16
 
 
-def _grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+def _grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+             softcap: float | None = None) -> torch.Tensor:
     """q [n, Hq, D]; k, v [Hkv, kv, D] (views); mask [n, kv] -> [n, Hq, D]."""
     n, hq, d = q.shape
     hkv = k.shape[0]
     g = hq // hkv
     qg = q.view(n, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * n, d)         # rows: (head in group, row)
     s = torch.matmul(qg, k.transpose(1, 2)) * scale                                # [Hkv, g*n, kv]
+    if softcap is not None:                                                        # Gemma 2: c * tanh(s / c)
+        s = torch.tanh(s / softcap) * softcap
     s = s.masked_fill(~mask.repeat(g, 1), float("-inf"))
     o = torch.matmul(s.softmax(-1), v)                                             # [Hkv, g*n, D]
     return o.view(hkv, g, n, d).permute(2, 0, 1, 3).reshape(n, hq, d)

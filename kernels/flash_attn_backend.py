@@ -3,7 +3,7 @@
 Mask convention: FA2's causal mask is bottom-right aligned (row r of q_len rows over kv_len keys sits at
 kv_len - q_len + r), so sub-requests are first cut into runs of consecutive positions (runs.py); each
 run is one varlen sequence with kv_len' = its last position + 1. Window w (keys j > pos - w) is
-window_size=(w - 1, 0).
+window_size=(w - 1, 0), per call (each layer its own); a logit softcap c is FA2's softcap=c.
 
 Layouts: q/out are [total_q, Hq, D] as we pack them (cu_seqlens_q = the runs' row offsets).
 FA2 reads a paged cache only when page_block_size % 256 == 0 (flash_api.cpp checks it), so:
@@ -55,7 +55,8 @@ class FlashAttnPlan:
             self.key_blocks = torch.tensor(blocks, dtype=torch.long, device=device)
             self.key_offsets = torch.tensor(offsets, dtype=torch.long, device=device)
 
-    def run(self, query, key_cache, value_cache, scale: float, window: int | None = None) -> torch.Tensor:
+    def run(self, query, key_cache, value_cache, scale: float, window: int | None = None,
+            softcap: float | None = None) -> torch.Tensor:
         # query [T, Hq, D]; caches [num_blocks, block_size, Hkv, D]  ->  [T, Hq, D]
         from flash_attn import flash_attn_varlen_func
 
@@ -68,6 +69,8 @@ class FlashAttnPlan:
             max_seqlen_q=self.runs.max_q, max_seqlen_k=self.runs.max_kv,
             softmax_scale=scale, causal=True, window_size=(window_left(window), 0 if window else -1),
         )
+        if softcap is not None:   # FA2 >= 2.6: c * tanh(scaled logits / c)
+            common["softcap"] = softcap
         if self.paged:
             return flash_attn_varlen_func(query, key_cache, value_cache, block_table=self.block_table, **common)
         k = key_cache[self.key_blocks, self.key_offsets]     # [total_k, Hkv, D]

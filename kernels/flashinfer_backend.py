@@ -8,7 +8,9 @@ because FlashInfer's causal mask is bottom-right aligned):
     paged_kv_indptr[r+1] - paged_kv_indptr[r] = ceil(kv_len'_r / block_size)
     paged_kv_indices = the concatenated prefixes of the block table rows
     paged_kv_last_page_len[r] = kv_len'_r - (pages_r - 1) * block_size      (1 .. block_size)
-Sliding window w (keys j > pos - w) = FlashInfer's inclusive window_left = w - 1.
+Sliding window w (keys j > pos - w) = FlashInfer's inclusive window_left = w - 1 (planned per
+window: a model with sliding and global layers passes each layer's own). Softcap c = FlashInfer's
+logits_soft_cap (c * tanh(scaled logits / c), as vLLM uses it for Gemma 2).
 FlashInfer computes in fp16/bf16 only; fp32 callers must use the torch or triton backend.
 """
 
@@ -54,24 +56,27 @@ class FlashInferPlan:
         self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self._planned: tuple | None = None
 
-    def _plan(self, query: torch.Tensor, key_cache: torch.Tensor, scale: float, window: int | None) -> None:
-        shape = (query.shape[1], key_cache.shape[2], query.shape[2], query.dtype, scale, window)
+    def _plan(self, query: torch.Tensor, key_cache: torch.Tensor, scale: float, window: int | None,
+              softcap: float | None) -> None:
+        shape = (query.shape[1], key_cache.shape[2], query.shape[2], query.dtype, scale, window, softcap)
         if shape == self._planned:
-            return                                   # every later layer of the step reuses the plan
+            return      # every later layer of the step with the same window reuses the plan (Gemma's
+            #             alternating sliding/global layers re-plan at each change: correct, not fastest)
         hq, hkv, d, dtype = shape[:4]
         self.wrapper.plan(
             self.qo_indptr, self.kv_indptr, self.kv_indices, self.last_page_len,
             hq, hkv, d, self.block_size,
-            causal=True, sm_scale=scale, window_left=window_left(window),
+            causal=True, sm_scale=scale, window_left=window_left(window), logits_soft_cap=softcap,
             q_data_type=dtype, kv_data_type=key_cache.dtype,
         )
         self._planned = shape
 
-    def run(self, query, key_cache, value_cache, scale: float, window: int | None = None) -> torch.Tensor:
+    def run(self, query, key_cache, value_cache, scale: float, window: int | None = None,
+            softcap: float | None = None) -> torch.Tensor:
         # query [T, Hq, D]; caches [num_blocks, block_size, Hkv, D]  ->  [T, Hq, D]
         if query.dtype not in (torch.float16, torch.bfloat16):
             raise TypeError(f"flashinfer backend computes in fp16/bf16, got {query.dtype}; use torch or triton")
         if query.shape[0] == 0:
             return torch.empty_like(query)
-        self._plan(query, key_cache, scale, window)
+        self._plan(query, key_cache, scale, window, softcap)
         return self.wrapper.run(query, (key_cache, value_cache))

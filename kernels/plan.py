@@ -53,9 +53,10 @@ class TritonPlan:
         self.batch, self.block_size = batch, block_size
         self.tiles = triton_backend.query_tiles(batch)
 
-    def run(self, query, key_cache, value_cache, scale: float, window: int | None = None) -> torch.Tensor:
+    def run(self, query, key_cache, value_cache, scale: float, window: int | None = None,
+            softcap: float | None = None) -> torch.Tensor:
         return triton_backend.triton_paged_attention(query, key_cache, value_cache, self.batch, scale, window,
-                                                     tiles=self.tiles)
+                                                     tiles=self.tiles, softcap=softcap)
 
 
 class StepPlan:
@@ -76,13 +77,13 @@ class StepPlan:
             self.impl = flash_attn_backend.FlashAttnPlan(batch, block_size)
 
     def run(self, query, key_cache, value_cache, scale: float, window: int | None = None,
-            overlay=None) -> torch.Tensor:
+            overlay=None, softcap: float | None = None) -> torch.Tensor:
         if overlay is None:
-            return self.impl.run(query, key_cache, value_cache, scale, window)
+            return self.impl.run(query, key_cache, value_cache, scale, window, softcap)
         if self.backend != "torch":
             raise NotImplementedError(f"the {self.backend} backend cannot read layer-wise overlays (host-resident "
                                       "layers of a LAYERED chunk); use attn_backend='torch' with layerwise_kv")
-        return self.impl.run(query, key_cache, value_cache, scale, window, overlay)
+        return self.impl.run(query, key_cache, value_cache, scale, window, softcap, overlay)
 
 
 def plan(batch: PagedBatch, block_size: int, backend: str = "auto", dtype: torch.dtype | None = None,

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from .batch import PagedBatch
+from .torch_batched import softcapped_attention
 
 
 def torch_paged_attention(
@@ -19,6 +20,7 @@ def torch_paged_attention(
     batch: PagedBatch,
     scale: float,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:              # [T, Hq, D]
     out = torch.empty_like(query)
     block_size = key_cache.shape[1]
@@ -36,15 +38,20 @@ def torch_paged_attention(
         mask = key_pos[None, :] <= pos[:, None]       # [q, kv]
         if window is not None:
             mask &= key_pos[None, :] > pos[:, None] - window
-        o = F.scaled_dot_product_attention(
-            query[a:b].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-            attn_mask=mask, scale=scale, enable_gqa=query.shape[1] != k.shape[1],
-        )
+        if softcap is not None:
+            group = query.shape[1] // k.shape[1]
+            o = softcapped_attention(query[a:b].transpose(0, 1), k.transpose(0, 1).repeat_interleave(group, 0),
+                                     v.transpose(0, 1).repeat_interleave(group, 0), mask, scale, softcap)
+        else:
+            o = F.scaled_dot_product_attention(
+                query[a:b].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                attn_mask=mask, scale=scale, enable_gqa=query.shape[1] != k.shape[1],
+            )
         out[a:b] = o.transpose(0, 1)
     return out
 
 
-def dense_reference(query, key_cache, value_cache, batch: PagedBatch, scale: float, window=None):
+def dense_reference(query, key_cache, value_cache, batch: PagedBatch, scale: float, window=None, softcap=None):
     """Naive float64 softmax(QK^T)V per row: the independent oracle for kernel tests."""
     block_size = key_cache.shape[1]
     cu_q, kv_len = batch.host
@@ -61,5 +68,7 @@ def dense_reference(query, key_cache, value_cache, batch: PagedBatch, scale: flo
             k = key_cache[blk, off].double().repeat_interleave(group, dim=1)   # [n, Hq, D]
             v = value_cache[blk, off].double().repeat_interleave(group, dim=1)
             s = torch.einsum("hd,nhd->hn", query[t].double(), k) * scale
+            if softcap is not None:
+                s = torch.tanh(s / softcap) * softcap
             out[t] = torch.einsum("hn,nhd->hd", s.softmax(-1), v).to(query.dtype)
     return out

@@ -163,7 +163,7 @@ class TorchPlan:
         return self._work[key]
 
     def run(self, query, key_cache, value_cache, scale: float, window: int | None = None,
-            overlay=None) -> torch.Tensor:
+            softcap: float | None = None, overlay=None) -> torch.Tensor:
         # query [T, Hq, D]; caches [num_blocks, block_size, Hkv, D] (strided views are fine)
         # overlay: kernels.Overlay, blocks of this layer read from overlay.key/value instead of the caches
         t, hq, d = query.shape
@@ -178,20 +178,20 @@ class TorchPlan:
             q = q_flat.index_select(0, src).view(g.n, hkv, rep * g.max_q, d)
             mask = g.mask(window, rep)
             if m == g.n:                  # one slice: SDPA's output is the group's
-                o = self._attend(g, 0, g.n, q, mask, key_cache, value_cache, kbuf, vbuf, scale,
+                o = self._attend(g, 0, g.n, q, mask, key_cache, value_cache, kbuf, vbuf, scale, softcap,
                                  ov and (overlay, *ov[0]))
             else:
                 o = torch.empty_like(q)
                 for a in range(0, g.n, m):
                     b = min(a + m, g.n)
                     o[a:b] = self._attend(g, a, b, q[a:b], mask[a:b], key_cache, value_cache, kbuf, vbuf, scale,
-                                          ov and (overlay, *ov[a // m]))
+                                          softcap, ov and (overlay, *ov[a // m]))
             out.index_copy_(0, dst, o.view(-1, d))
         return out[:-1].view(t, hq, d)
 
     @staticmethod
     def _attend(g: _Group, a: int, b: int, q, mask, key_cache, value_cache, kbuf, vbuf, scale: float,
-                over: tuple | None = None):
+                softcap: float | None = None, over: tuple | None = None):
         """SDPA of members a..b-1 of group g: [b - a, Hkv, rep * max_q, D]. `over`: (overlay,
         workspace block rows, source block ids) of this slice, read from the overlay's source."""
         hkv, d = key_cache.shape[2:]
@@ -208,4 +208,18 @@ class TorchPlan:
             vb.view(-1, hkv, d).index_fill_(0, tails, 0)
         k = kb.view(b - a, g.length, hkv, d).transpose(1, 2)
         v = vb.view(b - a, g.length, hkv, d).transpose(1, 2)
+        if softcap is not None:
+            return softcapped_attention(q, k, v, mask, scale, softcap)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                         softcap: float) -> torch.Tensor:
+    """softmax(mask(c * tanh(q k^T * scale / c))) v, in the order of transformers' eager attention
+    (SDPA has no softcap). q [..., Lq, D], k/v [..., Lk, D] with the same leading dims (or broadcastable),
+    mask [..., Lq, Lk] bool -> [..., Lq, D]. Rows that see no key give 0 (as the other paths do)."""
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    s = torch.tanh(s / softcap) * softcap
+    s = s.masked_fill(~mask, float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    return torch.matmul(p, v)

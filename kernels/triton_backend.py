@@ -4,6 +4,7 @@ One program per (query tile of one sub-request, query head). A tile is up to BLO
 packed rows of one sub-request; it walks that sub-request's blocks from the first key any of its rows
 can see to the last (one pool block = one BLOCK_N step), masking each (row, key) by absolute position:
     key j visible to row t  <=>  j <= q_pos[t]  and  j < kv_len[i]  and  j > q_pos[t] - window.
+With a softcap c, the scaled logits s become c * tanh(s / c) before masking (Gemma 2).
 Caches are read through their strides, so `pool[l, :, 0]` views of a
 [layers, blocks, 2, block_size, kv_heads, head_dim] pool work without a copy.
 
@@ -69,7 +70,7 @@ def _build():
         Q, K, V, Out,                     # Q/O [T, Hq, D]; K/V [num_blocks, block_size, Hkv, D] (strided)
         tile_seq, tile_row,               # [num_tiles] sub-request of the tile, its first packed row
         cu_q, q_pos, kv_len, block_table,  # the PagedBatch tensors
-        scale, window,                    # window <= 0: no sliding window
+        scale, window, softcap,           # window <= 0: no sliding window; softcap <= 0: no logit softcap
         sq_t, sq_h, sq_d, so_t, so_h, so_d,
         sk_b, sk_s, sk_h, sk_d, sv_b, sv_s, sv_h, sv_d,
         sbt_s, sbt_m,
@@ -122,6 +123,8 @@ def _build():
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_M, BLOCK_N] fp32
+            if softcap > 0:   # c * tanh(s / c), tanh(x) = 1 - 2 / (exp(2x) + 1): saturates to +-1, no nan
+                s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
             visible = (keys[None, :] <= pos[:, None]) & k_ok[None, :]
             if window > 0:
                 visible = visible & (keys[None, :] > pos[:, None] - window)
@@ -161,6 +164,7 @@ def triton_paged_attention(
     scale: float,
     window: int | None = None,
     tiles: tuple[torch.Tensor, torch.Tensor] | None = None,   # query_tiles(batch), precomputed per step
+    softcap: float | None = None,   # logits become softcap * tanh(logits / softcap) (Gemma 2)
 ) -> torch.Tensor:              # [T, Hq, D]
     global _KERNEL
     t, hq, d = query.shape
@@ -185,7 +189,7 @@ def triton_paged_attention(
         query, key_cache, value_cache, out,
         seqs, rows,
         batch.cu_q, batch.q_pos, batch.kv_len, batch.block_table,
-        float(scale), int(window or 0),
+        float(scale), int(window or 0), float(softcap or 0.0),
         *query.stride(), *out.stride(),
         *key_cache.stride(), *value_cache.stride(),
         *batch.block_table.stride(),

@@ -17,12 +17,13 @@ import time
 
 import torch
 
-from .adapter import ModelAdapter, decoder_layers, kv_projector
+from .adapter import ModelAdapter, decoder_layers
 from .cache.disk import DiskTier
 from .cache.hidden import HiddenCapture, HiddenPool, HiddenRestore, HiddenSpec
 from .cache.hplan import HiddenCosts
 from .cache.pool import BlockPool
 from .cache.spec import KVSpec
+from .projector import kv_projector
 
 _HOOKED = "_stateful_hf_capture_hooks"
 

@@ -71,14 +71,19 @@ _MASK_UNUSED = torch.ones(1, 1, 1, 1, dtype=torch.bool)
 def run_step(model: torch.nn.Module, step: StepBatch, logit_rows: torch.Tensor | None = None) -> torch.Tensor:
     """One forward over a planned step, outside `generate`.
 
-    Returns the logits [len(logit_rows), vocab] of the given packed rows, or, without `logit_rows`,
-    the final hidden states [T, hidden] (no LM head: a pure restore pass).
+    Returns the logits [len(logit_rows), vocab] of the given packed rows (with the model's final
+    logit softcap, as its own forward applies it: Gemma 2), or, without `logit_rows`, the final
+    hidden states [T, hidden] (no LM head: a pure restore pass).
     """
     hidden = model.base_model(input_ids=step.input_ids, position_ids=step.position_ids, stateful_step=step,
                               attention_mask=_MASK_UNUSED, use_cache=False).last_hidden_state[0]
     if logit_rows is None:
         return hidden
-    return model.get_output_embeddings()(hidden[logit_rows])
+    logits = model.get_output_embeddings()(hidden[logit_rows])
+    cap = getattr(model, _ENABLED).final_softcap
+    if cap is not None:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
 
 
 def restore(model: torch.nn.Module, cache: StatefulCache) -> int:

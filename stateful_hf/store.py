@@ -8,7 +8,6 @@ from collections.abc import Callable
 
 import torch
 
-from .adapter import kv_projector
 from .cache import DEFAULT_POLICY, POLICY_NAMES, CostProfile, EvictionPolicy, KVSpec, make_policy
 from .cache import SessionStore as _TensorStore
 from .cache.disk import saved_hidden_layers
@@ -19,6 +18,7 @@ from .hidden import install_capture, measure_hidden_costs
 from .integration import enable
 from .kernels import resolve_backend
 from .profile import measure_cost_profile
+from .projector import kv_projector
 from .stateful_cache import StatefulCache
 
 
@@ -80,7 +80,7 @@ class SessionStore(_TensorStore):
         adapter = enable(model)
         param = next(model.parameters())
         spec = KVSpec(adapter.num_layers, adapter.num_kv_heads, adapter.head_dim, dtype=param.dtype,
-                      device=param.device, block_size=chunk_size, window=adapter.window)
+                      device=param.device, block_size=chunk_size, windows=adapter.layer_windows)
         attn_backend = resolve_backend(attn_backend, spec.device, spec.dtype)
         if isinstance(policy, str) and policy in POLICY_NAMES:
             policy = make_policy(policy, None if policy == "lru" else cost_profile or measure_cost_profile(model, spec))

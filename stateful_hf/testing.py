@@ -26,7 +26,9 @@ Please summarize the previous answer in one sentence. Sure, here it is.
 """.strip().splitlines()
 
 
-def _seeded_model(model_cls, config, seed: int, scale: float) -> torch.nn.Module:
+def _seeded_model(model_cls, config, seed: int, scale: float, norms: bool = False) -> torch.nn.Module:
+    """`norms`: also perturb 1-D norm weights by N(0, 0.1), so RMSNorm weights (Gemma's 1 + weight,
+    Qwen3's and Gemma's q_norm/k_norm) are not the identity."""
     torch.manual_seed(seed)
     model = model_cls(config).eval()
     with torch.no_grad():
@@ -35,6 +37,8 @@ def _seeded_model(model_cls, config, seed: int, scale: float) -> torch.nn.Module
                 p.normal_(0.0, scale)
             elif name.endswith("bias"):
                 p.normal_(0.0, 0.1)     # non-zero biases, so q/k/v biases (Qwen2, OPT) matter
+            elif norms:
+                p.add_(torch.randn_like(p) * 0.1)
     return model
 
 
@@ -69,6 +73,61 @@ def tiny_opt(seed: int = 0, scale: float = 0.15, **overrides) -> torch.nn.Module
                 pad_token_id=1, bos_token_id=2, eos_token_id=2, tie_word_embeddings=False)
     config = transformers.OPTConfig(**{**base, **overrides})
     return _seeded_model(transformers.OPTForCausalLM, config, seed, scale)
+
+
+
+_SMALL = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-6,
+              tie_word_embeddings=False)
+
+
+def tiny_qwen3(seed: int = 0, scale: float = 0.15, **overrides) -> torch.nn.Module:
+    """A 2-layer Qwen3: q_norm/k_norm per head before RoPE (weights perturbed), GQA 4:2, head_dim 16."""
+    import transformers
+
+    config = transformers.Qwen3Config(**{**_SMALL, "head_dim": 16, **overrides})
+    return _seeded_model(transformers.Qwen3ForCausalLM, config, seed, scale, norms=True)
+
+
+def tiny_gemma3(seed: int = 0, scale: float = 0.15, **overrides) -> torch.nn.Module:
+    """A 2-layer Gemma 3 text model: layer 0 sliding (window 24 tokens, RoPE base 10^4), layer 1
+    global (base 10^6), query_pre_attn_scalar 32 (not head_dim), RMSNorm 1 + weight (perturbed),
+    QK-norm, embeddings scaled by sqrt(64). Pass num_attention_heads/num_key_value_heads/head_dim to
+    change the heads (the Triton kernel wants head_dim 64)."""
+    import transformers
+
+    base = {**_SMALL, "head_dim": 16, "sliding_window": 24, "layer_types": ["sliding_attention", "full_attention"],
+            "query_pre_attn_scalar": 32, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+            "hidden_activation": "gelu_pytorch_tanh", "pad_token_id": 0, "bos_token_id": 2, "eos_token_id": 1}
+    config = transformers.Gemma3TextConfig(**{**base, **overrides})
+    return _seeded_model(transformers.Gemma3ForCausalLM, config, seed, scale, norms=True)
+
+
+def tiny_gemma2(seed: int = 0, scale: float = 0.15, **overrides) -> torch.nn.Module:
+    """A 2-layer Gemma 2: sliding (window 24) then global layer, attention-logit softcap 2.0 (small,
+    so it changes the attention) and final-logit softcap 5.0; eager attention (SDPA cannot softcap)."""
+    import transformers
+
+    base = {**_SMALL, "head_dim": 16, "sliding_window": 24, "layer_types": ["sliding_attention", "full_attention"],
+            "query_pre_attn_scalar": 32, "attn_logit_softcapping": 2.0, "final_logit_softcapping": 5.0,
+            "hidden_activation": "gelu_pytorch_tanh", "pad_token_id": 0, "bos_token_id": 2, "eos_token_id": 1}
+    config = transformers.Gemma2Config(**{**base, **overrides})
+    config._attn_implementation = "eager"
+    return _seeded_model(transformers.Gemma2ForCausalLM, config, seed, scale, norms=True)
+
+
+def tiny_phi3(seed: int = 0, scale: float = 0.15, **overrides) -> torch.nn.Module:
+    """A 2-layer Phi-3: fused qkv_proj, partial rotary (half of head_dim 16), sliding window 24 on
+    every layer."""
+    import transformers
+
+    base = {**_SMALL, "sliding_window": 24, "partial_rotary_factor": 0.5, "original_max_position_embeddings": 2048,
+            "pad_token_id": 0, "bos_token_id": 2, "eos_token_id": 1}
+    config = transformers.Phi3Config(**{**base, **overrides})
+    return _seeded_model(transformers.Phi3ForCausalLM, config, seed, scale, norms=True)
+
+
+TINY_FAMILIES = {"qwen3": tiny_qwen3, "gemma3": tiny_gemma3, "gemma2": tiny_gemma2, "phi3": tiny_phi3}
 
 
 @functools.lru_cache(maxsize=1)
