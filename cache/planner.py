@@ -113,6 +113,7 @@ class StepPlannerMixin:
 
     def commit(self, step: StepBatch) -> None:
         with self._lock:
+            self.transfer.end_step()                 # the forward is over (emulator: pending copies land)
             if step.layered is not None:
                 step.layered.flush()                 # staged mode: rows of host layers reach the host now
             restore = step.hidden.restore if step.hidden is not None else None
@@ -143,6 +144,7 @@ class StepPlannerMixin:
         (chunks it copied up stay on the device: their KV is valid; chunks whose K/V was being
         rebuilt from hidden states stay on the device only if every layer was rebuilt)."""
         with self._lock:
+            self.transfer.end_step()
             if step.layered is not None:
                 step.layered.discard()
             restore = step.hidden.restore if step.hidden is not None else None

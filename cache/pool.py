@@ -18,6 +18,8 @@ class BlockPool:
     owns the mapping of blocks to sessions and holds its lock around every call.
     """
 
+    transfer = None     # set by the store: frees go through Transfer.release (transfer.py)
+
     def __init__(self, spec: KVSpec, num_blocks: int, device: torch.device | str | None = None, *,
                  pin_memory: bool = False, data: torch.Tensor | None = None):
         self.spec = spec
@@ -64,6 +66,8 @@ class BlockPool:
         self._free = [b for b in self._free if b not in wanted]
 
     def free(self, blocks: list[int]) -> None:
+        if self.transfer is not None and blocks:
+            blocks = self.transfer.release(self, blocks)
         self._free.extend(reversed(blocks))
 
     def check(self, owned: set[int]) -> None:

@@ -10,6 +10,7 @@ from ..kernels import PagedBatch
 from .hidden import StepHidden
 from .layered_step import LayeredStep
 from .pool import BlockPool
+from .transfer import wait_event
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,9 +51,8 @@ class StepBatch:
         """(K, V) views of one layer of the device pool, once that layer's swap-in has landed and the
         K/V of the context's hidden chunks has been rebuilt for this layer (HCache, layer-wise)."""
         if self.layer_events is not None:
-            stream = torch.cuda.current_stream(self.pool.device)
             for event in self.layer_events[layer]:
-                stream.wait_event(event)
+                wait_event(event, self.pool.device)
         if self.hidden is not None and self.hidden.restore is not None:
             self.hidden.restore.run(layer, self.pool)
         return self.pool.layer(layer)

@@ -29,7 +29,7 @@ from .session import TIERS, Chunk, ChunkState, Session
 from .spec import KVSpec, capacity_in_blocks
 from .stats import Counters
 from .tiering import DEVICE, DISK, DISK_HIDDEN, DROPPED, HIDDEN, HOST, ON_DISK, TieringMixin
-from .transfer import Transfer
+from .transfer import Transfer, emulate_from_env
 from .virtual import PageMapper, VirtualPool
 
 
@@ -75,7 +75,9 @@ class SessionStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin, 
     (`observe_return`, `prepare`).
     layerwise_kv: LayerKV's layer-wise allocation (`layerwise.py`): steps may fill chunks keeping only
     some layers on the device (shared blocks) and the rest on the host; needs a host tier, the paged
-    layout and the torch backend."""
+    layout and the torch backend.
+    emulate_async: run copies under the CPU async emulator (`transfer.py`); default: the environment
+    variable STATEFUL_HF_EMULATE_ASYNC=1."""
 
     def __init__(self, spec: KVSpec, device_capacity: int | str = 4096, *, host_capacity: int | str | None = None,
                  disk_dir: str | os.PathLike | None = None, disk_capacity: int | str | None = None,
@@ -85,7 +87,7 @@ class SessionStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin, 
                  project: Projector | None = None, layout: str = "paged", max_context: int | None = None,
                  clock: Callable[[], float] = time.monotonic, keep_freed: int | str = "64MiB",
                  map_ahead: bool = True, hidden_disk_capacity: int | str | None = None,
-                 layerwise_kv: bool = False):
+                 layerwise_kv: bool = False, emulate_async: bool | None = None):
         if not 0 <= swap_out_threshold < 1:
             raise ValueError(f"swap_out_threshold must be in [0, 1), got {swap_out_threshold}")
         if disk_capacity is not None and disk_dir is None:
@@ -114,7 +116,10 @@ class SessionStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin, 
         self.clock = clock
         self.attn_backend = attn_backend
         self.swap_out_threshold = swap_out_threshold
-        self.transfer = Transfer(self.device_pool.device)
+        self.transfer = Transfer(self.device_pool, emulate_from_env() if emulate_async is None else emulate_async)
+        for pool in (self.device_pool, self.host_pool, self.disk.pool if self.disk is not None else None):
+            if pool is not None:
+                pool.transfer = self.transfer
         self.counters = Counters()
         self.moves = MoveLedger()           # chunk moves between tiers (moves.py)
         self._move_reason = "explicit"
@@ -126,6 +131,11 @@ class SessionStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin, 
         self._init_layerwise(layerwise_kv)
         if self.disk is not None:
             self._load_disk_sessions()
+
+    @property
+    def emulate_async(self) -> bool:
+        """True when copies run under the CPU async emulator (transfer.py; STATEFUL_HF_EMULATE_ASYNC=1)."""
+        return self.transfer.emulate
 
     # ---- sessions -------------------------------------------------------------------------------
 

@@ -78,6 +78,7 @@ class VirtualPool:
         self.keep_bytes = keep_bytes
         self._cached: dict[int, bool] = {}           # free block with committed pages -> holds stale KV; oldest first
         self._guard = threading.RLock()
+        self.transfer = None    # set by the store: frees go through Transfer.release (transfer.py)
         self.pages_released = 0
         self.blocks_prefetched = 0
 
@@ -165,6 +166,8 @@ class VirtualPool:
 
     def free(self, blocks: list[int]) -> None:
         """Blocks become free; their pages stay committed (cached) within `keep_bytes`."""
+        if self.transfer is not None and blocks:
+            blocks = self.transfer.release(self, blocks)
         with self._guard, torch.inference_mode():
             for block in blocks:
                 sid = self._used.pop(block)
