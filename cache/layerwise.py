@@ -167,6 +167,7 @@ class LayerwiseMixin:
         sessions = [self._sessions[e.session_id] for e in entries]
         if not any(c.state is LAYERED for s, t in zip(sessions, tables) for c in s.chunks[:len(t)]):
             return None
+        self.transfer.settle(self.host_pool)     # host slots are read in place: copies into them land first
 
         def where(c: Chunk, off: int) -> tuple[int, int, int, int]:   # (device slot, host slot, factor, residue)
             if c.state is DEVICE:

@@ -41,7 +41,8 @@ class BlockPool:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Free blocks, counting those held back for a copy in flight (allocate waits for them)."""
+        return len(self._free) + (len(self.transfer.deferred_ids(self)) if self.transfer is not None else 0)
 
     @property
     def bytes(self) -> int:
@@ -52,6 +53,8 @@ class BlockPool:
 
     def allocate(self, n: int, owners: list[tuple[str, int]] | None = None) -> list[int]:
         """n free blocks (any; `owners` matters only to a VirtualPool, where ids follow from owners)."""
+        if n > len(self._free) and self.transfer is not None:
+            self.transfer.reclaim(self)            # blocks held back for copies in flight (transfer.py)
         if n > len(self._free):
             raise MemoryError(f"pool has {len(self._free)} free blocks, {n} requested")
         out = self._free[len(self._free) - n:][::-1]
@@ -66,13 +69,15 @@ class BlockPool:
         self._free = [b for b in self._free if b not in wanted]
 
     def free(self, blocks: list[int]) -> None:
-        if self.transfer is not None and blocks:
-            blocks = self.transfer.release(self, blocks)
+        """Blocks a copy in flight reads or writes return later, once it landed (transfer.py, rule 3)."""
+        self._give_back(self.transfer.release(self, blocks) if self.transfer is not None and blocks else blocks)
+
+    def _give_back(self, blocks: list[int]) -> None:
         self._free.extend(reversed(blocks))
 
     def check(self, owned: set[int]) -> None:
         """Assert every block is free or in `owned` (the chunk tables' blocks), never both or neither."""
-        free = self._free
+        free = self._free + (self.transfer.deferred_ids(self) if self.transfer is not None else [])
         assert len(free) == len(set(free)), "a block is free twice"
         both = set(free) & owned
         assert not both, f"blocks both free and owned: {sorted(both)[:8]}"

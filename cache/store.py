@@ -346,6 +346,7 @@ class SessionStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin, 
     def _sync_disk(self) -> None:
         if self.disk is None or not self._disk_dirty:
             return
+        self.transfer.settle(self.disk.pool)     # a chunk is named on disk once its bytes are there
         sessions = {}
         for s in self._sessions.values():
             kv = {str(k): c.loc for k, c in enumerate(s.chunks) if c.state is DISK}

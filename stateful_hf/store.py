@@ -65,6 +65,8 @@ class SessionStore(_TensorStore):
         chunk on the device (blocks shared by residue class) and the others on the host tier, read
         and written there layer by layer. Needs host_capacity, layout "paged", the torch backend and
         hidden_states "never"; `Engine(..., layerwise_kv=True)` makes such a store.
+    emulate_async: run every copy to or from the device under the CPU async emulator
+        (`cache/transfer.py`, docs/gpu.md); default: STATEFUL_HF_EMULATE_ASYNC=1 in the environment.
     """
 
     def __init__(self, model: torch.nn.Module, device_capacity: int | str = 4096, *, chunk_size: int = 32,
@@ -76,7 +78,7 @@ class SessionStore(_TensorStore):
                  hidden_costs: HiddenCosts | None = None, layout: str = "paged", max_context: int | None = None,
                  clock: Callable[[], float] = time.monotonic, keep_freed: int | str = "64MiB",
                  map_ahead: bool = True, hidden_disk_capacity: int | str | None = None,
-                 layerwise_kv: bool = False):
+                 layerwise_kv: bool = False, emulate_async: bool | None = None):
         adapter = enable(model)
         param = next(model.parameters())
         spec = KVSpec(adapter.num_layers, adapter.num_kv_heads, adapter.head_dim, dtype=param.dtype,
@@ -113,7 +115,7 @@ class SessionStore(_TensorStore):
                          project=kv_projector(model, adapter) if uses_hidden else None, layout=layout,
                          max_context=max_context or adapter.max_positions, clock=clock, keep_freed=keep_freed,
                          map_ahead=map_ahead, hidden_disk_capacity=hidden_disk_capacity,
-                         layerwise_kv=layerwise_kv)
+                         layerwise_kv=layerwise_kv, emulate_async=emulate_async)
         self.model = model
         self.adapter = adapter
 
