@@ -125,6 +125,7 @@ class HiddenCapture:
         self.data = torch.zeros((spec.hidden_layers, device_blocks, spec.kv.block_size, spec.hidden_size),
                                 dtype=spec.kv.dtype, pin_memory=pin)
         self.valid = [False] * device_blocks
+        self.stream = None        # CUDA: the side stream captures are copied on (StepHidden)
 
     def write(self, layer: int, slots_cpu: torch.Tensor, hidden: torch.Tensor) -> None:
         """hidden [T, D] of the rows at slots [T] (block * block_size + offset)."""
@@ -222,12 +223,40 @@ class HiddenRestore:
 
 
 class StepHidden:
-    """The hidden-state side of one step: capture of its rows and restore of its context."""
+    """The hidden-state side of one step: capture of its rows and restore of its context.
+
+    On CUDA a layer's rows are copied on a side stream into a pinned host buffer (no device sync per
+    layer); `flush` (the step's commit or abort) waits on each copy's event and writes the rows
+    into the capture buffer. Elsewhere `capture` writes them at once, as before."""
 
     def __init__(self, capture: HiddenCapture | None, slots_cpu: torch.Tensor, restore: HiddenRestore | None):
         self.capture_buf, self.slots_cpu, self.restore = capture, slots_cpu, restore
+        self._pending: list[tuple[int, torch.Tensor, object]] = []    # (layer, pinned rows [T, D], event)
 
     def capture(self, layer: int, hidden: torch.Tensor) -> None:
         """hidden: [1, T, D] or [T, D], the input of decoder layer `layer` for the step's rows."""
-        if self.capture_buf is not None:
-            self.capture_buf.write(layer, self.slots_cpu, hidden.reshape(-1, hidden.shape[-1]))
+        buf = self.capture_buf
+        if buf is None or layer >= buf.spec.hidden_layers:
+            return
+        rows = hidden.detach().reshape(-1, hidden.shape[-1])
+        if rows.device.type != "cuda":
+            buf.write(layer, self.slots_cpu, rows)
+            return
+        if buf.stream is None:
+            buf.stream = torch.cuda.Stream(rows.device)
+        rows = rows.clone()              # on the compute stream: later in-place kernels cannot change it
+        buf.stream.wait_stream(torch.cuda.current_stream(rows.device))    # the rows exist before the copy
+        with torch.cuda.stream(buf.stream):
+            stage = torch.empty(rows.shape, dtype=buf.data.dtype, pin_memory=True)   # owned until its event
+            stage.copy_(rows, non_blocking=True)
+            rows.record_stream(buf.stream)       # the compute stream may not reuse rows' memory before
+            event = torch.cuda.Event()
+            event.record(buf.stream)
+        self._pending.append((layer, stage, event))
+
+    def flush(self) -> None:
+        """Every captured layer is in the capture buffer when this returns."""
+        for layer, stage, event in self._pending:
+            event.synchronize()
+            self.capture_buf.write(layer, self.slots_cpu, stage)
+        self._pending.clear()

@@ -114,6 +114,8 @@ class StepPlannerMixin:
     def commit(self, step: StepBatch) -> None:
         with self._lock:
             self.transfer.end_step()                 # the forward is over (emulator: pending copies land)
+            if step.hidden is not None:
+                step.hidden.flush()                  # captured rows (CUDA: side-stream copies) reach the buffer
             if step.layered is not None:
                 step.layered.flush()                 # staged mode: rows of host layers reach the host now
             restore = step.hidden.restore if step.hidden is not None else None
@@ -145,6 +147,8 @@ class StepPlannerMixin:
         rebuilt from hidden states stay on the device only if every layer was rebuilt)."""
         with self._lock:
             self.transfer.end_step()
+            if step.hidden is not None:
+                step.hidden.flush()
             if step.layered is not None:
                 step.layered.discard()
             restore = step.hidden.restore if step.hidden is not None else None
@@ -218,7 +222,7 @@ class StepPlannerMixin:
             input_ids=torch.tensor([ids], dtype=torch.long, device=dev),
             position_ids=torch.tensor([pos], dtype=torch.long, device=dev),
             pool=self.device_pool, backend=self.attn_backend, windows=self.spec.windows, layer_events=layer_events,
-            dense_slots=dense_slots, layered=layered,
+            dense_slots=dense_slots, layered=layered, kernels=self.kernels,
             hidden=None if self.capture is None else StepHidden(
                 self.capture, torch.tensor(slots, dtype=torch.long), restore if restore and restore.chunks else None),
         )

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import PagedBatch
+from ..kernels import KernelState, PagedBatch
 from .hidden import StepHidden
 from .layered_step import LayeredStep
 from .pool import BlockPool
@@ -42,6 +42,7 @@ class StepBatch:
     hidden: StepHidden | None = None    # capture of the rows' hidden states, restore of hidden chunks
     dense_slots: tuple[int, ...] | None = None  # virtual layout: each entry's slot (dense kernels, no table)
     layered: LayeredStep | None = None  # layer-wise residency of rows and context (LAYERED chunks), else None
+    kernels: KernelState | None = None  # the store's long-lived kernel state (FlashInfer workspace + wrapper)
 
     @property
     def num_tokens(self) -> int:

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
+from ..kernels import KernelState
 from .audit import AuditMixin
 from .disk import DiskTier
 from .errors import SessionBusyError, StoreError, UnknownSessionError
@@ -115,6 +116,7 @@ class SessionStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin, 
         self.policy = policy or make_policy(DEFAULT_POLICY)
         self.clock = clock
         self.attn_backend = attn_backend
+        self.kernels = KernelState()        # one FlashInfer workspace + wrapper per store, planned per step
         self.swap_out_threshold = swap_out_threshold
         self.transfer = Transfer(self.device_pool, emulate_from_env() if emulate_async is None else emulate_async)
         for pool in (self.device_pool, self.host_pool, self.disk.pool if self.disk is not None else None):

@@ -178,10 +178,10 @@ class Transfer:
     def _launch(self, c: Copy) -> None:
         """CUDA: queue every layer of `c` on the copy stream, an event after each."""
         src, dst = c.src, c.dst
-        s_idx = torch.tensor(c.src_ids, device=src.device)
-        d_idx = torch.tensor(c.dst_ids, device=dst.device)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))   # rule 1
-        with torch.cuda.stream(self.stream):
+        with torch.cuda.stream(self.stream):     # everything made here belongs to the copy stream
+            s_idx = torch.tensor(c.src_ids, device=src.device)
+            d_idx = torch.tensor(c.dst_ids, device=dst.device)
             for layer in range(src.spec.num_layers):
                 part = src.read(layer, s_idx)            # [n, 2, block, H, D]; a gather on the copy stream
                 if dst.device.type == "cpu":             # device -> host: into pinned staging (rules 2, 4)

@@ -258,11 +258,16 @@ class VirtualPool:
         """Give back the pages of one block (each layer, K and V). Rows on pages shared with
         neighbouring blocks are zeroed instead, so a reused block reads as zeros either way."""
         bs = self.spec.block_size
-        for rows, start, end in self._block_rows(slot, k):
-            if not isinstance(self._mem, mmap.mmap):       # CUDA: zero (pieces are shared), unmap unused
+        if not isinstance(self._mem, mmap.mmap):   # CUDA: zero (pieces are shared), then unmap unused pieces,
+            ranges = []                           # only once the zeroing (and every kernel before it) ran:
+            for rows, start, end in self._block_rows(slot, k):
                 rows.zero_()
-                self._mem.release(start, end - start)
-                continue
+                ranges.append((start, end - start))
+            torch.cuda.current_stream(self.data.device).synchronize()   # cuMemUnmap is not stream-ordered
+            for start, length in ranges:
+                self._mem.release(start, length)
+            return
+        for rows, start, end in self._block_rows(slot, k):
             a, b = -(-start // PAGE) * PAGE, end // PAGE * PAGE
             if b <= a:                    # smaller than a page: nothing whole to give back
                 rows.zero_()

@@ -83,7 +83,8 @@ class CudaReservation:
             self._refs[piece] = self._refs.get(piece, 0) + 1
 
     def release(self, offset: int, length: int) -> None:
-        """Drop one reference to each piece of the range; unmap and free pieces nobody uses."""
+        """Drop one reference to each piece of the range; unmap and free pieces nobody uses. The caller
+        synchronises every stream that wrote or reads the range first (cuMemUnmap is not stream-ordered)."""
         _check(self._drv.cuCtxSetCurrent(self._ctx))
         for piece in self._pieces(offset, length):
             self._refs[piece] -= 1

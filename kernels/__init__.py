@@ -2,7 +2,7 @@
 
 from .attention import BACKENDS, paged_attention, write_kv
 from .batch import Overlay, PagedBatch
-from .plan import StepPlan, available_backends, plan, resolve_backend
+from .plan import KernelState, StepPlan, available_backends, plan, resolve_backend
 
-__all__ = ["BACKENDS", "Overlay", "PagedBatch", "StepPlan", "available_backends", "paged_attention", "plan",
-           "resolve_backend", "write_kv"]
+__all__ = ["BACKENDS", "KernelState", "Overlay", "PagedBatch", "StepPlan", "available_backends", "paged_attention",
+           "plan", "resolve_backend", "write_kv"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .batch import Overlay, PagedBatch
-from .plan import BACKENDS, StepPlan, plan_for, resolve_backend
+from .plan import BACKENDS, KernelState, StepPlan, plan_for, resolve_backend
 
 __all__ = ["BACKENDS", "paged_attention", "write_kv"]
 
@@ -45,6 +45,7 @@ def paged_attention(
     plan: StepPlan | None = None,
     overlay: Overlay | None = None,
     softcap: float | None = None,
+    state: KernelState | None = None,
 ) -> torch.Tensor:              # [T, Hq, D]
     """Causal attention by absolute position: row t of sub-request i attends to that sub-request's
     keys at positions <= q_pos[t] (and > q_pos[t] - window when a sliding window is given).
@@ -53,7 +54,8 @@ def paged_attention(
     `plan` (kernels.plan(batch, block_size, backend), made once per step) carries the backend's
     per-batch work; without one, the plan is made on the first call and cached on the batch, so
     later layers of the same step reuse it. Validation runs once per plan and pool size.
-    `overlay` reads some context blocks of this layer from another tensor (torch backend only)."""
+    `overlay` reads some context blocks of this layer from another tensor (torch backend only).
+    `state` (a KernelState kept by the caller across steps) holds FlashInfer's workspace and wrapper."""
     _check(query, key_cache, value_cache, batch)
     if overlay is not None:
         _check_overlay(overlay, key_cache, batch)
@@ -63,7 +65,7 @@ def paged_attention(
         raise ValueError(f"paged_attention: softcap must be > 0 or None, got {softcap}")
     num_blocks, block_size = key_cache.shape[:2]
     if plan is None:
-        plan = plan_for(batch, block_size, backend, query.dtype)
+        plan = plan_for(batch, block_size, backend, query.dtype, state)
     elif plan.batch is not batch or plan.block_size != block_size:
         raise ValueError("paged_attention: the plan was made for another batch or block size")
     elif backend != "auto" and resolve_backend(backend, query.device, query.dtype) != plan.backend:

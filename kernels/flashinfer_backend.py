@@ -33,12 +33,25 @@ def new_workspace(device: torch.device | str) -> torch.Tensor:
     return torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
 
 
-class FlashInferPlan:
-    """One FlashInfer wrapper planned for one step's batch and one (heads, dim, dtype, scale) shape."""
+class FlashInferWrapper:
+    """The long-lived half: one workspace and one BatchPrefillWithPagedKVCacheWrapper, kept per store
+    (kernels.KernelState) and re-planned by each step's FlashInferPlan. `planned`: (plan, shape) of
+    the last plan() call, so a step's layers of one shape plan once."""
 
-    def __init__(self, batch: PagedBatch, block_size: int, workspace: torch.Tensor | None = None):
+    def __init__(self, device: torch.device | str, workspace: torch.Tensor | None = None):
         import flashinfer
 
+        self.workspace = new_workspace(device) if workspace is None else workspace
+        self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self.planned: tuple | None = None
+
+
+class FlashInferPlan:
+    """One step's batch planned on a FlashInferWrapper for one (heads, dim, dtype, scale, window,
+    softcap) shape. Without `shared`, a wrapper of its own (over `workspace` if given) is made."""
+
+    def __init__(self, batch: PagedBatch, block_size: int, workspace: torch.Tensor | None = None,
+                 shared: FlashInferWrapper | None = None):
         self.batch, self.block_size = batch, block_size
         device = batch.cu_q.device
         self.runs = contiguous_runs(batch)
@@ -52,24 +65,23 @@ class FlashInferPlan:
         self.kv_indptr = as_int32(indptr, device)
         self.kv_indices = as_int32([b for row in rows for b in row], device)
         self.last_page_len = as_int32(last, device)
-        self.workspace = new_workspace(device) if workspace is None else workspace
-        self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
-        self._planned: tuple | None = None
+        self.shared = shared if shared is not None else FlashInferWrapper(device, workspace)
 
     def _plan(self, query: torch.Tensor, key_cache: torch.Tensor, scale: float, window: int | None,
               softcap: float | None) -> None:
         shape = (query.shape[1], key_cache.shape[2], query.shape[2], query.dtype, scale, window, softcap)
-        if shape == self._planned:
+        if self.shared.planned == (self, shape):
             return      # every later layer of the step with the same window reuses the plan (Gemma's
             #             alternating sliding/global layers re-plan at each change: correct, not fastest)
         hq, hkv, d, dtype = shape[:4]
-        self.wrapper.plan(
+        self.shared.planned = None
+        self.shared.wrapper.plan(
             self.qo_indptr, self.kv_indptr, self.kv_indices, self.last_page_len,
             hq, hkv, d, self.block_size,
             causal=True, sm_scale=scale, window_left=window_left(window), logits_soft_cap=softcap,
             q_data_type=dtype, kv_data_type=key_cache.dtype,
         )
-        self._planned = shape
+        self.shared.planned = (self, shape)
 
     def run(self, query, key_cache, value_cache, scale: float, window: int | None = None,
             softcap: float | None = None) -> torch.Tensor:
@@ -79,4 +91,4 @@ class FlashInferPlan:
         if query.shape[0] == 0:
             return torch.empty_like(query)
         self._plan(query, key_cache, scale, window, softcap)
-        return self.wrapper.run(query, (key_cache, value_cache))
+        return self.shared.wrapper.run(query, (key_cache, value_cache))

@@ -5,7 +5,8 @@
 
 A plan holds what a backend derives from the batch alone (groups and gather indices, query tiles,
 FlashInfer's planned wrapper, run metadata), so layers do no host work and no host-device syncs.
-No globals: the caller owns the plan (and, for FlashInfer, a workspace buffer it keeps across steps).
+No globals: the caller owns the plan and a KernelState it keeps across steps (one per store or
+engine: FlashInfer's workspace and wrapper, made on first use and re-planned by each step's plan).
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ _HALF = (torch.float16, torch.bfloat16)
 
 
 def available_backends(device: torch.device | str, dtype: torch.dtype | None = None) -> list[str]:
-    """Concrete backends usable on `device` (for `dtype`, when given), fastest first."""
+    """Concrete backends usable on `device` (for `dtype`, when given), in a fixed order of preference:
+    flashinfer, flash_attn (fp16/bf16 only), triton (CUDA), torch. Not measured: with small pages
+    (e.g. 32 tokens) flash_attn gathers the whole context every layer and may be slower than triton."""
     found = []
     if dtype is None or dtype in _HALF:
         found += [n for n, mod in (("flashinfer", flashinfer_backend), ("flash_attn", flash_attn_backend))
@@ -33,7 +36,8 @@ def available_backends(device: torch.device | str, dtype: torch.dtype | None = N
 
 
 def resolve_backend(name: str, device: torch.device | str, dtype: torch.dtype | None = None) -> str:
-    """The concrete backend for `name` on `device`: "auto" -> fastest available (torch on the CPU)."""
+    """The concrete backend for `name` on `device`: "auto" -> the first of `available_backends` (a
+    fixed order, not a measurement; torch on the CPU)."""
     if name not in BACKENDS:
         raise ValueError(f"unknown paged attention backend {name!r}; choose from {BACKENDS}")
     if name == "auto":
@@ -59,11 +63,25 @@ class TritonPlan:
                                                      tiles=self.tiles, softcap=softcap)
 
 
+class KernelState:
+    """Kernel state that outlives a step: one per store (or engine), passed to every step's plan.
+    Holds FlashInfer's 128 MiB workspace and its wrapper, made on first use."""
+
+    def __init__(self):
+        self._flashinfer = None
+
+    def flashinfer(self, device: torch.device | str):
+        if self._flashinfer is None:
+            self._flashinfer = flashinfer_backend.FlashInferWrapper(device)
+        return self._flashinfer
+
+
 class StepPlan:
     """A backend's per-step state for one PagedBatch. `run` has the signature of every backend."""
 
     def __init__(self, batch: PagedBatch, block_size: int, backend: str = "auto",
-                 dtype: torch.dtype | None = None, workspace: torch.Tensor | None = None):
+                 dtype: torch.dtype | None = None, workspace: torch.Tensor | None = None,
+                 state: KernelState | None = None):
         self.batch, self.block_size = batch, block_size
         self.validated_for: int | None = None      # num_blocks the batch was last validated against
         self.backend = resolve_backend(backend, batch.cu_q.device, dtype)
@@ -72,7 +90,8 @@ class StepPlan:
         elif self.backend == "triton":
             self.impl = TritonPlan(batch, block_size)
         elif self.backend == "flashinfer":
-            self.impl = flashinfer_backend.FlashInferPlan(batch, block_size, workspace)
+            shared = state.flashinfer(batch.cu_q.device) if state is not None and workspace is None else None
+            self.impl = flashinfer_backend.FlashInferPlan(batch, block_size, workspace, shared)
         else:
             self.impl = flash_attn_backend.FlashAttnPlan(batch, block_size)
 
@@ -87,15 +106,17 @@ class StepPlan:
 
 
 def plan(batch: PagedBatch, block_size: int, backend: str = "auto", dtype: torch.dtype | None = None,
-         workspace: torch.Tensor | None = None) -> StepPlan:
+         workspace: torch.Tensor | None = None, state: KernelState | None = None) -> StepPlan:
     """Plan one step: call once after building the batch, pass the result to every layer."""
-    return StepPlan(batch, block_size, backend, dtype, workspace)
+    return StepPlan(batch, block_size, backend, dtype, workspace, state)
 
 
-def plan_for(batch: PagedBatch, block_size: int, backend: str = "auto", dtype: torch.dtype | None = None) -> StepPlan:
+def plan_for(batch: PagedBatch, block_size: int, backend: str = "auto", dtype: torch.dtype | None = None,
+             state: KernelState | None = None) -> StepPlan:
     """The plan cached on `batch` for (block_size, backend, dtype), made on first use: lets callers that
-    pass no plan still do the per-batch work once per step rather than once per layer."""
+    pass no plan still do the per-batch work once per step rather than once per layer. `state`: the
+    caller's long-lived KernelState (without one, a FlashInfer plan makes its own workspace)."""
     key = (block_size, backend, dtype)
     if key not in batch.plans:
-        batch.plans[key] = StepPlan(batch, block_size, backend, dtype)
+        batch.plans[key] = StepPlan(batch, block_size, backend, dtype, state=state)
     return batch.plans[key]

@@ -57,7 +57,7 @@ def stateful_attention(
         return out.unsqueeze(0), None
     out = paged_attention(q, key_cache, value_cache, stateful_step.paged, scale=scaling,
                           backend=stateful_step.backend, window=window, validate=False,
-                          overlay=overlay, softcap=softcap)
+                          overlay=overlay, softcap=softcap, state=stateful_step.kernels)
     return out.unsqueeze(0), None
 
 

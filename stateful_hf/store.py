@@ -43,7 +43,8 @@ class SessionStore(_TensorStore):
     keep_freed: virtual layout: freed device pages kept committed for reuse (tokens or a size; zeroed
         when reused; `store.reclaim()` gives them back). map_ahead: virtual layout: a background
         thread maps the block each session grows into next, before the step that needs it.
-    attn_backend: "auto" (the fastest available for the model's device and dtype), "torch",
+    attn_backend: "auto" (the first available for the model's device and dtype in a fixed order,
+        flashinfer, flash_attn, triton, torch: not measured, see docs/gpu.md), "torch",
         "triton", "flashinfer" or "flash_attn"; resolved once here, so a missing one fails now.
     hidden_states: HCache. "never" (default): K/V only, nothing captured. "always": hidden states are
         captured while tokens are computed and chunks moving down from the device are kept as

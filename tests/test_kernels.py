@@ -218,6 +218,7 @@ def _gpu_case(dtype, bs):
     return query, pool[1, :, 0], pool[1, :, 1], batch
 
 
+@pytest.mark.cuda
 @pytest.mark.parametrize("backend", ["flashinfer", "flash_attn"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 33])

@@ -181,6 +181,7 @@ def test_bad_virtual_configuration(make_store):
         stateful_hf.SessionStore(model, layout="sparse", cost_profile=PROFILE)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA and cuda-python")
 def test_cuda_virtual_memory_exact(make_store):
     pytest.importorskip("cuda.bindings")
