@@ -151,18 +151,20 @@ class ReturnAwarePolicy(EvictionPolicy):
 
 
 class FairSharePolicy(EvictionPolicy):
-    """`inner`'s order, except that a tenant's chunks beyond its fair share of a tier come first.
+    """`inner`'s order, except that tenants above their fair share of a tier lose chunks first.
 
     For each chunk state (tier) separately, over the chunks stored in it: tenant t's fair share is
     weights[t] / (sum of the weights of the tenants with chunks there) of the tier's stored tokens
-    (weight 1 unless configured: equal shares). A tenant above its share has its excess marked: its
-    idle chunks in that tier, in `inner`'s order, while its tokens not yet marked exceed the share
-    (so at most one chunk's tokens below it). Key: (0 if marked else 1, *inner key): marked chunks go
-    first, in `inner`'s order among themselves, then every other chunk in `inner`'s order. With one
-    tenant nothing is marked and the order is `inner`'s. Busy sessions' chunks count towards usage
-    but are never marked (they cannot move). The blocks a step is taking are not counted yet (the
-    store appends them after making room), so a tenant exactly at its share when it needs room takes
-    that room by `inner`'s order once; it is above its share from then on."""
+    (weight 1 unless configured: equal shares). Each tenant's idle chunks in the tier are walked in
+    `inner`'s order with u = the tenant's tokens there not yet walked past:
+    - while u > share the chunk is excess: key (0, 0, *inner key), so all tenants' excess goes
+      first, in `inner`'s order among itself;
+    - after that: key (1, -u / share, *inner key): below its share a tenant's chunk goes before
+      another's when its tenant holds more of its share (water-filling), so a tenant at its share
+      needing room (the blocks a step takes are not counted until the step has them) takes it from
+      itself before a tenant under its share loses anything.
+    With one tenant nothing is excess and u decreases along `inner`'s order: the order is `inner`'s.
+    Busy sessions' chunks count towards usage but are never ranked (they cannot move)."""
 
     name = "fair_share"
 
@@ -174,7 +176,7 @@ class FairSharePolicy(EvictionPolicy):
         self.inner, self.weights, self.tenant = inner, dict(weights or {}), tenant
         self._sessions: list[Session] = []
         self._now = 0.0
-        self._marked: set[tuple[str, int]] | None = set()
+        self._rank: dict[tuple[str, int], tuple[int, float]] | None = {}
 
     def observe_return(self, gap):
         self.inner.observe_return(gap)
@@ -182,9 +184,9 @@ class FairSharePolicy(EvictionPolicy):
     def prepare(self, sessions, now):
         self._sessions, self._now = list(sessions), now
         self.inner.prepare(self._sessions, now)
-        self._marked = None                  # computed at the first key (it needs the block size)
+        self._rank = None                    # computed at the first key (it needs the block size)
 
-    def _mark(self, block_size: int) -> set[tuple[str, int]]:
+    def _ranks(self, block_size: int) -> dict[tuple[str, int], tuple[int, float]]:
         usage: dict[ChunkState, dict[str, int]] = {}
         idle: dict[tuple[ChunkState, str], list[tuple[tuple, Session, int, int]]] = {}
         for s in self._sessions:
@@ -198,24 +200,20 @@ class FairSharePolicy(EvictionPolicy):
                 if not s.busy:
                     idle.setdefault((c.state, t), []).append(
                         (self.inner.key(s, k, block_size, self._now), s, k, n))
-        marked = set()
+        rank = {}
         for state, per in usage.items():
-            if len(per) < 2:
-                continue
             total, wsum = sum(per.values()), sum(self.weights.get(t, 1.0) for t in per)
             for t, used in per.items():
                 share = total * self.weights.get(t, 1.0) / wsum
                 for _, s, k, n in sorted(idle.get((state, t), ()), key=lambda e: e[0]):
-                    if used <= share:
-                        break
-                    marked.add((s.session_id, k))
+                    rank[(s.session_id, k)] = (0, 0.0) if used > share else (1, -used / share)
                     used -= n
-        return marked
+        return rank
 
     def key(self, session, k, block_size, now):
-        if self._marked is None:
-            self._marked = self._mark(block_size)
-        return (0 if (session.session_id, k) in self._marked else 1, *self.inner.key(session, k, block_size, now))
+        if self._rank is None:
+            self._rank = self._ranks(block_size)
+        return (*self._rank.get((session.session_id, k), (1, 0.0)), *self.inner.key(session, k, block_size, now))
 
 
 POLICY_NAMES = ("recency_cost", "return_aware", "pensieve", "lru")
