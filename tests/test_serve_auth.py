@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import socket
 import subprocess
@@ -16,7 +17,8 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from stateful_hf.serve.auth import KeyRing, parse_keys_file  # noqa: E402
+from stateful_hf.serve.auth import Access, KeyRing, parse_keys_file  # noqa: E402
+from stateful_hf.serve.limits import Limits  # noqa: E402
 
 K1, K2, K3 = "first-key-of-tenant-a-000000", "only-key-of-tenant-b-000000", "second-key-of-tenant-a-00000"
 
@@ -45,6 +47,11 @@ def test_keys_file_and_reload(tmp_path):
     path.write_text(f"{K1} a\n")
     with pytest.raises(ValueError, match="another tenant"):
         KeyRing(K1, path)
+    # crossing to a Ray actor (the cluster's ingress) re-reads the file there
+    path.write_text(f"{K2} b\n")
+    access = pickle.loads(pickle.dumps(Access(KeyRing("the-default-key-0123456789", path), "m", Limits(10))))
+    assert access.keys.tenant(K2) == "b" and access.keys.tenant("the-default-key-0123456789") == "default"
+    assert access.limits.max_body_bytes == 10 and access.metrics_key == "m"
 
 
 def _free_port() -> int:

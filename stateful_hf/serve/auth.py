@@ -6,6 +6,8 @@
    error shape. The key's tenant goes into the request's state (`request_tenant`). Without a key
    ring (no key configured) every request is the default tenant's.
 2. A body longer than `max_body_bytes` gets 413 (by Content-Length before reading, or while reading).
+   (FastAPI's own `max_body_size` is newer than the fastapi>=0.110 we support, and answers in its
+   `{"detail"}` shape, not OpenAI's.)
 
 Keys are compared as SHA-256 digests with `hmac.compare_digest`, against every key of the ring (no
 early exit), so the time taken does not depend on how much of a key was right. `KeyRing.reload()`
@@ -67,7 +69,6 @@ class KeyRing:
         self.api_key, self.keys_file = api_key, keys_file
         self._entries: tuple[tuple[bytes, str], ...] = ()
         self._lock = threading.Lock()
-        self.generation = 0
         self._load()
 
     def _load(self) -> int:
@@ -81,7 +82,6 @@ class KeyRing:
             log.warning("API keys shorter than 16 characters (tenants %s): use long random keys", short)
         with self._lock:
             self._entries = tuple((_digest(k), t) for k, t in keys.items())
-            self.generation += 1
         return len(keys)
 
     def reload(self) -> bool:
