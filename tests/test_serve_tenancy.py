@@ -251,3 +251,44 @@ def test_router_and_migration_keep_the_namespace():
         await router.shutdown()
 
     asyncio.run(main())
+
+
+def test_concurrent_admissions_cannot_overshoot_a_limit():
+    """Replicas that answer usage questions slowly (as over Ray): turns admitted meanwhile are counted,
+    so 6 concurrent new sessions under a limit of 2 admit exactly 2, and the token limit holds too."""
+    from stateful_hf.serve.limits import LimitError, TenantGate
+
+    class SlowRouter:
+        def __init__(self):
+            self.history: dict[str, int] = {}
+
+        async def tenant_usage(self, tenant, keys):
+            await asyncio.sleep(0.01)
+            mine = {k: n for k, n in self.history.items() if k.startswith(f"@{tenant}/")}
+            return {"sessions": len(mine), "history_tokens": sum(mine.values()), "stored_tokens": 0,
+                    "present": {k: mine[k] for k in keys if k in mine}}
+
+        async def stream(self, sid, prompt, sampling):
+            self.history.setdefault(sid, 0)               # the session exists once the turn runs
+            await asyncio.sleep(0.05)
+            self.history[sid] = len(prompt) + sampling.max_new_tokens
+            yield {"type": "done"}
+
+    async def attempt(gate, sid, n):
+        try:
+            async for _ in gate.stream(session_key("t", sid), [1] * 10, SamplingParams(max_new_tokens=n)):
+                pass
+            return "ok"
+        except LimitError as e:
+            return e.code
+
+    async def main():
+        gate = TenantGate(SlowRouter(), Limits(max_sessions_per_tenant=2))
+        out = await asyncio.gather(*(attempt(gate, f"s{i}", 5) for i in range(6)))
+        assert sorted(out) == ["ok"] * 2 + ["tenant_session_limit"] * 4 and not gate._flight
+        gate = TenantGate(SlowRouter(), Limits(max_stored_tokens_per_tenant=100))
+        out = await asyncio.gather(*(attempt(gate, f"s{i}", 15) for i in range(6)))     # 25 tokens each at most
+        assert sorted(out) == ["ok"] * 4 + ["tenant_token_limit"] * 2
+        assert sum(gate.router.history.values()) == 100 and not gate._flight
+
+    asyncio.run(main())

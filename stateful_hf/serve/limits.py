@@ -11,13 +11,15 @@
   max_tokens) instead of its current length. When the turns in flight are what makes it exceed
   (they may well end shorter than max_tokens), the 429 carries `Retry-After`; otherwise it does not.
 
-Admission is atomic per event loop: the replicas are asked first (awaited), then the check and the
-reservation happen with no await between them; sessions reserved since the question count as new
-and at their most (conservative: concurrent turns cannot overshoot a limit together).
+Admission is atomic per tenant: under the tenant's lock the replicas are asked about the tenant and
+about its sessions with turns in flight, then the turn is checked and reserved; so concurrent turns
+cannot overshoot a limit together, and no session is counted twice. The lock covers the question,
+not the turn.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -63,6 +65,7 @@ class TenantGate:
     def __init__(self, router, limits: Limits):
         self.router, self.limits = router, limits
         self._flight: dict[str, dict[str, list[int]]] = {}
+        self._locks: dict[str, asyncio.Lock] = {}        # one per tenant seen (kept)
 
     def __getattr__(self, name):
         return getattr(self.router, name)
@@ -78,7 +81,9 @@ class TenantGate:
                     yield ev
             return
         tenant = split_key(session_id)[0]
-        await self._admit(tenant, session_id, len(prompt) + sampling.max_new_tokens)
+        lock = self._locks.setdefault(tenant, asyncio.Lock())
+        async with lock:
+            await self._admit(tenant, session_id, len(prompt) + sampling.max_new_tokens)
         try:
             async with contextlib.aclosing(self.router.stream(session_id, prompt, sampling)) as events:
                 async for ev in events:
@@ -93,9 +98,8 @@ class TenantGate:
                     del self._flight[tenant]
 
     async def _admit(self, tenant: str, sid: str, most: int) -> None:
-        asked = [sid, *self._flight.get(tenant, {})]
-        usage = await self.router.tenant_usage(tenant, asked)       # the only await
-        flight = self._flight.get(tenant, {})
+        flight = {k: tuple(v) for k, v in self._flight.get(tenant, {}).items()}   # as asked (turns may end)
+        usage = await self.router.tenant_usage(tenant, [sid, *flight])
         present = usage["present"]                                 # {key: history tokens} of stored ones
         lim = self.limits
         if lim.max_sessions_per_tenant is not None and sid not in present and sid not in flight:
