@@ -28,6 +28,7 @@ from .pool import BlockPool
 from .session import TIERS, Chunk, ChunkState, Session
 from .spec import KVSpec, capacity_in_blocks
 from .stats import Counters
+from .tenant import TenantUsage, tenant_of
 from .tiering import DEVICE, DISK, DISK_HIDDEN, DROPPED, HIDDEN, HOST, ON_DISK, TieringMixin
 from .transfer import Transfer
 from .virtual import PageMapper, VirtualPool
@@ -151,6 +152,18 @@ class SessionStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin, 
     def session_ids(self) -> list[str]:
         with self._lock:
             return list(self._sessions)
+
+    def tenant_usage(self) -> dict[str, TenantUsage]:
+        """Per tenant (`tenant.py`: the tenant is part of the session key): sessions, history tokens,
+        and tokens whose KV is stored in some tier."""
+        with self._lock:
+            acc: dict[str, list[int]] = {}
+            for sid, s in self._sessions.items():
+                a = acc.setdefault(tenant_of(sid), [0, 0, 0])
+                a[0] += 1
+                a[1] += s.num_tokens
+                a[2] += s.num_tokens - s.tokens_in(DROPPED, self.block_size)
+            return {t: TenantUsage(*a) for t, a in acc.items()}
 
     def delete(self, session_id: str) -> None:
         with self._lock:

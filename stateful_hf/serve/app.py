@@ -4,7 +4,9 @@ Endpoints: POST /v1/chat/completions, POST /v1/completions (both stream with ser
 `"stream": true`), POST /v1/hints, GET /v1/models, GET /metrics, GET /health.
 
 The session of a request is, first found: the `X-Session-Id` header, the body's `session_id`, the
-body's `user`. Without one the turn runs in a throwaway session (nothing is kept).
+body's `user`. Without one the turn runs in a throwaway session (nothing is kept). Sessions are
+named within the caller's tenant (`auth.py`: the API key's; `cache/tenant.py`: the store's key).
+`Access` (keys, limits) is enforced by `auth.Guard` and `limits.TenantGate`.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..cache.tenant import session_key, split_key
+from .auth import Access, Guard, request_tenant
+from .limits import TenantGate
 from .protocol import (
     APIError,
     ChatCompletionRequest,
@@ -45,7 +50,7 @@ class ServeConfig:
 
 
 def _error_response(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+    return JSONResponse(e.body(), status_code=e.status, headers=getattr(e, "headers", None))
 
 
 async def _parse(request: Request, model_cls):
@@ -64,9 +69,12 @@ async def _parse(request: Request, model_cls):
                        code="missing_required_parameter" if err["type"] == "missing" else "invalid_value") from None
 
 
-def create_app(router, config: ServeConfig) -> FastAPI:
+def create_app(router, config: ServeConfig, access: Access | None = None) -> FastAPI:
     app = FastAPI(title="stateful-hf", docs_url=None, redoc_url=None)
-    app.state.router, app.state.config = router, config
+    app.state.router, app.state.config, app.state.access = router, config, access or Access()
+    app.add_middleware(Guard, access=app.state.access)
+    limits = app.state.access.limits
+    router = TenantGate(router, limits)
     tok = config.tokenizer
 
     @app.exception_handler(APIError)
@@ -88,7 +96,8 @@ def create_app(router, config: ServeConfig) -> FastAPI:
                            param="model", code="model_not_found")
 
     def session_of(request: Request, body) -> str | None:
-        return request.headers.get(SESSION_HEADER) or body.session_id or body.user or None
+        sid = request.headers.get(SESSION_HEADER) or body.session_id or body.user or None
+        return session_key(request_tenant(request), sid) if sid else None
 
     def check_length(ids: list[int], max_tokens: int, param: str) -> None:
         if len(ids) + max_tokens > config.max_model_len:
@@ -139,8 +148,9 @@ def create_app(router, config: ServeConfig) -> FastAPI:
                     ev = await anext(events, None)
                 yield "data: [DONE]\n\n"
 
+        shown = split_key(sid)[1] if sid else ""               # the caller's own id, not the store's key
         return StreamingResponse(sse(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Session-Id": sid or ""})
+                                 headers={"Cache-Control": "no-cache", "X-Session-Id": shown})
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -155,6 +165,7 @@ def create_app(router, config: ServeConfig) -> FastAPI:
             raise APIError(400, f"the chat template failed on these messages: {e}", param="messages",
                            code="invalid_messages") from None
         check_length(ids, sampling.max_new_tokens, "messages")
+        limits.check_prompt(len(ids), config.max_model_len, "messages")
         out = await run(request, session_of(request, body), ids, sampling, body.stream,
                         bool(body.stream_options and body.stream_options.include_usage), "chat", body.return_token_ids)
         return out
@@ -169,6 +180,7 @@ def create_app(router, config: ServeConfig) -> FastAPI:
         if not ids:
             raise APIError(400, "the prompt has no tokens", param="prompt", code="invalid_value")
         check_length(ids, sampling.max_new_tokens, "prompt")
+        limits.check_prompt(len(ids), config.max_model_len, "prompt")
         out = await run(request, session_of(request, body), ids, sampling, body.stream,
                         bool(body.stream_options and body.stream_options.include_usage), "completion",
                         body.return_token_ids)
@@ -178,7 +190,9 @@ def create_app(router, config: ServeConfig) -> FastAPI:
     async def hints(request: Request):
         body = await _parse(request, HintRequest)
         check_model(body.model)
-        return JSONResponse(await router.hint(body.session_id, body.expected_arrival, body.priority))
+        out = await router.hint(session_key(request_tenant(request), body.session_id), body.expected_arrival,
+                                body.priority)
+        return JSONResponse({**out, "session_id": body.session_id})
 
     @app.get("/v1/models")
     async def models():

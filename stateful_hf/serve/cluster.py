@@ -50,6 +50,9 @@ class EngineReplica:
     async def session_tokens(self, session_id) -> int:
         return self.replica.session_tokens(session_id)
 
+    async def tenant_usage(self, tenant, keys) -> dict:
+        return self.replica.tenant_usage(tenant, keys)
+
     async def export_session(self, session_id):
         return await asyncio.to_thread(self.replica.export_session, session_id)
 
@@ -91,6 +94,9 @@ class RayClient:
     async def session_tokens(self, session_id) -> int:
         return await self.handle.session_tokens.remote(session_id)
 
+    async def tenant_usage(self, tenant, keys) -> dict:
+        return await self.handle.tenant_usage.remote(tenant, list(keys))
+
     async def export(self, session_id):
         return self.handle.export_session.remote(session_id)     # not awaited: passed on by reference
 
@@ -115,7 +121,8 @@ class RayClient:
 class Ingress:
     """The HTTP app and the router (one instance: the router's view of sessions is global)."""
 
-    def __init__(self, model_path: str | None, served_name: str | None, default_max_tokens: int, *replicas):
+    def __init__(self, model_path: str | None, served_name: str | None, default_max_tokens: int, *replicas,
+                 access=None):
         from transformers import AutoConfig, AutoTokenizer
         if model_path is None:
             from ..testing import tiny_llama, tiny_tokenizer
@@ -126,14 +133,15 @@ class Ingress:
             max_len, name = AutoConfig.from_pretrained(model_path).max_position_embeddings, model_path.rstrip("/")
         self.router = Router([RayClient(h, f"replica-{i}") for i, h in enumerate(replicas)])
         self.config = ServeConfig(served_name or name, tokenizer, max_len, default_max_tokens)
+        self.access = access        # keys file read here at deploy (SIGHUP reload: single machine only)
 
     def __serve_build_asgi_app__(self):
-        return create_app(self.router, self.config)
+        return create_app(self.router, self.config, self.access)
 
 
 def build_app(model_path: str | None, options: EngineOptions, replicas: int, served_name: str | None = None,
               default_max_tokens: int = 256, replica_cpus: float = 1.0, replica_gpus: float = 0.0,
-              dtype: str = "float32", device: str = "cpu"):
+              dtype: str = "float32", device: str = "cpu", access=None):
     """The Serve application: `replicas` engine deployments behind the ingress."""
     opts = dataclasses.asdict(options)
     actor = {"num_cpus": replica_cpus, "num_gpus": replica_gpus, "runtime_env": {"env_vars": logs.env()}}
@@ -141,7 +149,7 @@ def build_app(model_path: str | None, options: EngineOptions, replicas: int, ser
         model_path, opts, f"replica-{i}", dtype, device)
         for i in range(replicas)]
     return Ingress.options(ray_actor_options={"num_cpus": 0}).bind(model_path, served_name, default_max_tokens,
-                                                                    *engines)
+                                                                    *engines, access=access)
 
 
 def start(model_path: str | None, options: EngineOptions, replicas: int, *, host: str = "127.0.0.1",

@@ -59,6 +59,8 @@ class _Sampling(BaseModel):
     user: str | None = None
     session_id: str | None = None                  # extension: the conversation's session (see README)
     return_token_ids: bool = False                 # extension (vLLM spelling): choices[0].token_ids
+    # vLLM's: will scope prefix sharing across sessions (not built yet); validated, no effect today
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
 
     @field_validator("n")
     @classmethod

@@ -249,6 +249,13 @@ class Replica:
     def session_tokens(self, session_id: str) -> int:
         return self.store.session(session_id).num_tokens if session_id in self.store else 0
 
+    def tenant_usage(self, tenant: str, keys: list[str]) -> dict:
+        """The tenant's sessions and tokens here, and the history tokens of those of `keys` held here."""
+        u = self.store.tenant_usage().get(tenant)
+        present = {k: self.store.session(k).num_tokens for k in keys if k in self.store}
+        return {"sessions": u.sessions if u else 0, "history_tokens": u.history_tokens if u else 0,
+                "stored_tokens": u.stored_tokens if u else 0, "present": present}
+
     def export_session(self, session_id: str) -> SessionExport | None:
         """The session's history and stored KV (None if this replica does not have it)."""
         if session_id not in self.store:

@@ -46,6 +46,9 @@ class LocalClient:
     async def session_tokens(self, session_id) -> int:
         return self.replica.session_tokens(session_id)
 
+    async def tenant_usage(self, tenant, keys) -> dict:
+        return self.replica.tenant_usage(tenant, keys)
+
     async def export(self, session_id):
         return await asyncio.to_thread(self.replica.export_session, session_id)
 
@@ -240,6 +243,17 @@ class Router:
     async def metrics_text(self) -> str:
         """The page in the text format (0.0.4)."""
         return (await self.metrics_page())[0].decode()
+
+    async def tenant_usage(self, tenant: str, keys: list[str]) -> dict:
+        """A tenant's sessions and tokens over all replicas; `present`: {key: history tokens} of
+        those of `keys` stored somewhere (the largest copy, should one be mid-migration)."""
+        parts = await asyncio.gather(*(c.tenant_usage(tenant, keys) for c in self.clients))
+        out = {f: sum(p[f] for p in parts) for f in ("sessions", "history_tokens", "stored_tokens")}
+        out["present"] = {}
+        for p in parts:
+            for k, n in p["present"].items():
+                out["present"][k] = max(n, out["present"].get(k, 0))
+        return out
 
     async def health(self) -> list[dict]:
         return list(await asyncio.gather(*(c.health() for c in self.clients)))

@@ -7,9 +7,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from ..cache import FairSharePolicy
 from ..engine import Engine
 from ..store import SessionStore
 from .app import ServeConfig, create_app
+from .auth import Access
 from .replica import Replica
 from .router import LocalClient, Router
 
@@ -29,11 +31,15 @@ class EngineOptions:
     max_batch_tokens: int = 512
     max_num_seqs: int = 256
     store_kwargs: dict = field(default_factory=dict)
+    fair_share: bool = True                  # tenants above their share of a tier are evicted first
+    tenant_shares: dict = field(default_factory=dict)   # tenant -> weight (default 1: equal shares)
 
     def build(self, model, tokenizer, disk_dir: str | None = None) -> Engine:
         store = SessionStore(model, self.device_capacity, chunk_size=self.chunk_size,
                              host_capacity=self.host_capacity, disk_dir=disk_dir or self.disk_dir,
                              disk_capacity=self.disk_capacity, **self.store_kwargs)
+        if self.fair_share:
+            store.policy = FairSharePolicy(store.policy, self.tenant_shares)
         # on_busy="refuse": a turn for a session with one in flight gets HTTP 409 (see the README)
         return Engine(model, tokenizer, store, max_batch_tokens=self.max_batch_tokens,
                       max_num_seqs=self.max_num_seqs, on_busy="refuse")
@@ -53,12 +59,13 @@ def load_model(path: str | None, dtype: str = "float32", device: str = "cpu"):
 
 
 def build_local(model, tokenizer, name: str, options: EngineOptions | None = None,
-                default_max_tokens: int = 256):
-    """The single-machine server: one replica behind the router. Returns (app, router)."""
+                default_max_tokens: int = 256, access: Access | None = None):
+    """The single-machine server: one replica behind the router. Returns (app, router).
+    `access`: API keys and limits (auth.py); None: no keys (the default tenant), default limits."""
     engine = (options or EngineOptions()).build(model, tokenizer)
     router = Router([LocalClient(Replica(engine))])
     config = ServeConfig(name, tokenizer, engine.adapter.max_positions, default_max_tokens)
-    return create_app(router, config), router
+    return create_app(router, config, access), router
 
 
 class ServerThread:
