@@ -19,19 +19,23 @@ class APIError(Exception):
     """An error the server reports to the client (never a bug: those are 500s)."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, retry_after: int | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.retry_after = retry_after           # seconds: sent as the Retry-After header
+
+    def headers(self) -> dict[str, str]:
+        return {} if self.retry_after is None else {"Retry-After": str(self.retry_after)}
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def to_dict(self) -> dict:              # crosses process boundaries (Ray) as plain data
-        return {"status": self.status, **self.body()["error"]}
+        return {"status": self.status, **self.body()["error"], "retry_after": self.retry_after}
 
     @classmethod
     def from_dict(cls, d: dict) -> APIError:
-        return cls(d["status"], d["message"], d["type"], d.get("param"), d.get("code"))
+        return cls(d["status"], d["message"], d["type"], d.get("param"), d.get("code"), d.get("retry_after"))
 
 
 class StreamOptions(BaseModel):
@@ -67,8 +71,24 @@ class _Sampling(BaseModel):
             raise ValueError("only n=1 is supported")
         return v
 
-    def sampling(self, default_max_tokens: int) -> SamplingParams:
-        max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
+    def requested_max_tokens(self) -> int | None:
+        """The request's own max_tokens (None: the server picks, see `app.max_tokens_for`)."""
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise APIError(400, f"max_tokens must be at least 1, got {self.max_tokens}", param="max_tokens",
+                           code="invalid_value")
+        return self.max_tokens
+
+    def refuse_unsupported(self) -> None:
+        """A 400 naming the first field that asks for something this server does not do (rather than
+        a 200 that silently ignores it)."""
+        extra = self.model_extra or {}
+        for name, what in _UNSUPPORTED.items():
+            value = getattr(self, name, extra.get(name))
+            if _asks_for(name, value):
+                raise APIError(400, f"`{name}` is not supported by this server ({what}); remove it from the "
+                               "request", param=name, code="unsupported_parameter")
+
+    def sampling(self, max_tokens: int) -> SamplingParams:
         if max_tokens < 1:
             raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens",
                            code="invalid_value")
@@ -84,6 +104,32 @@ class _Sampling(BaseModel):
                                   ignore_eos=self.ignore_eos)
         except ValueError as e:
             raise APIError(400, str(e), code="invalid_value") from None
+
+
+# Fields that would change the answer or its shape, and why they are refused. A field is refused when
+# it asks for something (see `_asks_for`): `tool_choice: "none"`, `logprobs: false`, `response_format:
+# {"type": "text"}`, zero penalties and empty lists are what the server does anyway.
+_UNSUPPORTED = {
+    "tools": "no tool calling", "tool_choice": "no tool calling", "functions": "no function calling",
+    "function_call": "no function calling", "response_format": "no constrained decoding (JSON mode or schema)",
+    "logprobs": "no log probabilities", "top_logprobs": "no log probabilities",
+    "logit_bias": "no logit bias", "presence_penalty": "no penalties", "frequency_penalty": "no penalties",
+    "best_of": "one candidate per request", "suffix": "no insertion", "echo": "the prompt is not echoed",
+}
+
+
+def _asks_for(name: str, value) -> bool:
+    if value is None or value is False or value == [] or value == {}:
+        return False
+    if name in ("tool_choice", "function_call"):
+        return value != "none"
+    if name == "response_format":
+        return not (isinstance(value, dict) and value.get("type") == "text")
+    if name in ("presence_penalty", "frequency_penalty", "top_logprobs"):
+        return value != 0
+    if name == "best_of":
+        return value != 1
+    return True
 
 
 class ChatMessage(BaseModel):
@@ -107,10 +153,10 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
 
-    def sampling(self, default_max_tokens: int) -> SamplingParams:
+    def requested_max_tokens(self) -> int | None:
         if self.max_tokens is None and self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
-        return super().sampling(default_max_tokens)
+        return super().requested_max_tokens()
 
     def chat(self) -> list[dict]:
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
@@ -118,14 +164,9 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool = False
-    logprobs: int | None = None
-    suffix: str | None = None
 
     def prompt_one(self) -> str | list[int]:
         """The single prompt (a string or token ids); lists of prompts are refused."""
-        if self.echo or self.logprobs is not None or self.suffix is not None:
-            raise APIError(400, "echo, logprobs and suffix are not supported", param="prompt", code="unsupported")
         p = self.prompt
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
             if len(p) != 1:

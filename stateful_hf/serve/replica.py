@@ -21,6 +21,7 @@ from ..engine import Engine, SamplingParams
 from .metrics import ReplicaMetrics, store_snapshot
 from .migrate import SessionExport, export_session, import_session
 from .protocol import APIError
+from .session_queue import SessionQueue
 
 
 def api_error(e: BaseException) -> APIError:
@@ -29,7 +30,7 @@ def api_error(e: BaseException) -> APIError:
         return e
     if isinstance(e, SessionBusyError):
         return APIError(409, f"session {e.args[0]!r} has a turn in flight; retry when it has finished",
-                        param="session_id", code="session_busy")
+                        param="session_id", code="session_busy", retry_after=1)
     if isinstance(e, CapacityError):
         return APIError(400, str(e), code="capacity_exceeded")
     if isinstance(e, (ValueError, TypeError)):
@@ -109,14 +110,16 @@ class StreamHub:
 
 
 class Replica:
-    """An engine (started here) plus what the server needs around it. `name` labels its metrics."""
+    """An engine (started here) plus what the server needs around it. `name` labels its metrics.
+    Turns of one session queue in arrival order, each waiting at most `session_wait_timeout` s."""
 
-    def __init__(self, engine: Engine, name: str = "0"):
+    def __init__(self, engine: Engine, name: str = "0", session_wait_timeout: float = 30.0):
         self.engine, self.name = engine.start(), name
         self.store = engine.store
         self.metrics = ReplicaMetrics()
         self.hub = StreamHub(engine)
         self.inflight = 0
+        self.turns = SessionQueue(session_wait_timeout)
         self._gates: dict[str, threading.Event] = {}   # sessions being imported: turns wait
 
     # ---- turns ----------------------------------------------------------------------------------
@@ -131,8 +134,20 @@ class Replica:
         gate = self._gates.get(sid)
         if gate is not None:
             await asyncio.to_thread(gate.wait, 60)
+        if not ephemeral:
+            try:
+                await self.turns.acquire(sid)          # FIFO per session; 409 after the wait timeout
+            except APIError as e:
+                yield {"type": "error", "error": e.to_dict()}
+                return
         self.inflight += 1
-        handle, done = self.engine.submit(sid, prompt, sampling), False
+        try:
+            handle, done = self.engine.submit(sid, prompt, sampling), False
+        except BaseException:
+            self.inflight -= 1
+            if not ephemeral:
+                self.turns.release(sid)
+            raise
         st = self.hub.open(handle)
         sent_text, sent_tok = 0, 0
         try:
@@ -161,6 +176,8 @@ class Replica:
                 handle.cancel()               # the client went away: account the turn when it ends
             if not done or ephemeral:
                 self._when_done(handle, lambda out: self._after(out, sid, ephemeral, done))
+            elif not ephemeral:               # the engine has ended the request: the next turn may go
+                self.turns.release(sid)
 
     def _final(self, out) -> dict:
         m = out.metrics
@@ -173,6 +190,8 @@ class Replica:
     def _after(self, out, sid: str, ephemeral: bool, accounted: bool) -> None:
         if not accounted:
             self.metrics.finished(out)
+        if not ephemeral:
+            self.turns.release(sid)
         if ephemeral:
             with contextlib.suppress(Exception):   # gone already, or busy again (then it ages out by policy)
                 self.store.delete(sid)
@@ -202,6 +221,38 @@ class Replica:
 
     def session_tokens(self, session_id: str) -> int:
         return self.store.session(session_id).num_tokens if session_id in self.store else 0
+
+    def session_info(self, session_id: str) -> dict | None:
+        """The session's tokens per tier and last activity (None if this replica does not have it)."""
+        with self.store._lock:
+            if session_id not in self.store:
+                return None
+            s = self.store.session(session_id)
+            idle = max(self.store.clock() - s.last_active, 0.0)
+            return {"id": session_id, "object": "session", "replica": self.name, "tokens": s.num_tokens,
+                    "tiers": self.store.residency(session_id), "busy": s.busy or self.turns.busy(session_id),
+                    "queued_turns": self.turns.waiting(session_id), "idle_seconds": idle,
+                    "last_active_at": time.time() - idle}
+
+    def delete_session(self, session_id: str) -> dict:
+        """Free the session's KV in every tier and forget its history. A session with a turn running or
+        queued is not deleted: 409 (retry after the turn); an unknown one: 404."""
+        if self.turns.busy(session_id) or session_id in self._gates:
+            raise APIError(409, f"session {session_id!r} has a turn in flight or queued; delete it when the "
+                           "turn has finished", param="session_id", code="session_busy", retry_after=1)
+        if session_id not in self.store:
+            raise APIError(404, f"no session {session_id!r}", param="session_id", code="session_not_found",
+                           type="not_found_error")
+        tokens = self.store.session(session_id).num_tokens
+        try:
+            self.store.delete(session_id)
+        except SessionBusyError:        # a hint (or a migration) holds it this moment
+            raise APIError(409, f"session {session_id!r} is being moved between tiers; retry", param="session_id",
+                           code="session_busy", retry_after=1) from None
+        except KeyError:                # gone meanwhile (UnknownSessionError is a KeyError)
+            raise APIError(404, f"no session {session_id!r}", param="session_id", code="session_not_found",
+                           type="not_found_error") from None
+        return {"id": session_id, "object": "session.deleted", "deleted": True, "freed_tokens": tokens}
 
     def export_session(self, session_id: str) -> SessionExport | None:
         """The session's history and stored KV (None if this replica does not have it)."""

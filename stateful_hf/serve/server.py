@@ -28,15 +28,20 @@ class EngineOptions:
     chunk_size: int = 32
     max_batch_tokens: int = 512
     max_num_seqs: int = 256
+    session_wait_timeout: float = 30.0     # seconds a turn waits for its session's previous turn; then 409
     store_kwargs: dict = field(default_factory=dict)
 
     def build(self, model, tokenizer, disk_dir: str | None = None) -> Engine:
         store = SessionStore(model, self.device_capacity, chunk_size=self.chunk_size,
                              host_capacity=self.host_capacity, disk_dir=disk_dir or self.disk_dir,
                              disk_capacity=self.disk_capacity, **self.store_kwargs)
-        # on_busy="refuse": a turn for a session with one in flight gets HTTP 409 (see the README)
+        # the replica's SessionQueue already runs a session's turns one at a time; "wait" covers the
+        # moment between a turn's output and the end of its lease
         return Engine(model, tokenizer, store, max_batch_tokens=self.max_batch_tokens,
-                      max_num_seqs=self.max_num_seqs, on_busy="refuse")
+                      max_num_seqs=self.max_num_seqs, on_busy="wait")
+
+    def replica(self, model, tokenizer, name: str = "0", disk_dir: str | None = None) -> Replica:
+        return Replica(self.build(model, tokenizer, disk_dir), name, self.session_wait_timeout)
 
 
 def load_model(path: str | None, dtype: str = "float32", device: str = "cpu"):
@@ -53,11 +58,12 @@ def load_model(path: str | None, dtype: str = "float32", device: str = "cpu"):
 
 
 def build_local(model, tokenizer, name: str, options: EngineOptions | None = None,
-                default_max_tokens: int = 256):
-    """The single-machine server: one replica behind the router. Returns (app, router)."""
-    engine = (options or EngineOptions()).build(model, tokenizer)
-    router = Router([LocalClient(Replica(engine))])
-    config = ServeConfig(name, tokenizer, engine.adapter.max_positions, default_max_tokens)
+                default_max_tokens: int | None = None):
+    """The single-machine server: one replica behind the router. Returns (app, router).
+    default_max_tokens: cap on a chat's max_tokens when the request has none (None: the room left)."""
+    replica = (options or EngineOptions()).replica(model, tokenizer)
+    router = Router([LocalClient(replica)])
+    config = ServeConfig(name, tokenizer, replica.engine.adapter.max_positions, default_max_tokens)
     return create_app(router, config), router
 
 
