@@ -24,5 +24,6 @@ __all__ = [
     "DEFAULT_POLICY", "POLICY_NAMES", "BlockPool", "CapacityError", "Chunk", "ChunkState", "CostProfile",
     "EvictionPolicy", "KVSpec", "LRUPolicy", "RecencyCostPolicy", "RetentionPolicy", "ReturnAwarePolicy",
     "ReturnEstimator", "Session", "SessionBusyError", "SessionStats", "SessionStore", "StepBatch", "StepEntry",
-    "StoreError", "StoreStats", "TurnStats", "UnknownSessionError", "capacity_in_blocks", "make_policy", "parse_capacity",
+    "StoreError", "StoreStats", "TurnStats", "UnknownSessionError", "capacity_in_blocks", "make_policy",
+    "parse_capacity",
 ]

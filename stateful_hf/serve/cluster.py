@@ -22,7 +22,6 @@ from ray import serve
 
 from .app import ServeConfig, create_app
 from .protocol import APIError
-from .replica import Replica
 from .router import Router
 from .server import EngineOptions, load_model
 
