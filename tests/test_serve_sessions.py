@@ -110,8 +110,6 @@ def test_turn_waiting_past_the_timeout_gets_409_with_retry_after(served):
     ("tool_choice", "auto"),
     ("response_format", {"type": "json_object"}),
     ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
-    ("logprobs", True),
-    ("top_logprobs", 2),
     ("logit_bias", {"5": 10}),
     ("presence_penalty", 0.5),
     ("functions", [{"name": "f", "parameters": {}}]),
@@ -121,6 +119,50 @@ def test_unsupported_chat_fields_are_refused_by_name(served, field, value):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == field and err["code"] == "unsupported_parameter" and field in err["message"]
+
+
+def test_chat_logprobs_are_the_models_log_softmax_of_the_chosen_tokens(served, client):
+    """logprobs / top_logprobs (OpenAI's shape) come from the logits the sampler used: equal to the
+    stateless model's log_softmax at each generated position."""
+    import torch
+
+    tok, model = tiny_tokenizer(), tiny_llama()
+    msgs = [{"role": "user", "content": "Tell me a story about a fox."}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0, logprobs=True,
+                                       top_logprobs=3, extra_body={"ignore_eos": True, "return_token_ids": True},
+                                       extra_headers={"X-Session-Id": "lp"})
+    content = r.choices[0].logprobs.content
+    ids = list(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)["input_ids"])
+    gen = model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, output_logits=True,
+                         return_dict_in_generate=True)
+    want_ids = gen.sequences[0, len(ids):].tolist()
+    assert len(content) == 6
+    for k, c in enumerate(content):
+        lp = torch.log_softmax(gen.logits[k][0].float(), -1)
+        assert c.token == tok.decode([want_ids[k]]) and bytes(c.bytes) == c.token.encode("utf-8")
+        assert abs(c.logprob - lp[want_ids[k]].item()) < 1e-4
+        assert len(c.top_logprobs) == 3
+        assert c.top_logprobs[0].logprob == c.logprob          # greedy: the chosen token is the most likely
+        top = torch.topk(lp, 3)
+        assert [a.logprob for a in c.top_logprobs] == pytest.approx(top.values.tolist(), abs=1e-4)
+    # the next turn of the same session (history reused) still gives exact logprobs
+    msgs += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "More."}]
+    r2 = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=3, temperature=0, logprobs=True,
+                                        extra_headers={"X-Session-Id": "lp"})
+    assert r2.usage.prompt_tokens_details.cached_tokens > 0
+    ids = list(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)["input_ids"])
+    gen = model.generate(torch.tensor([ids]), max_new_tokens=3, do_sample=False, output_logits=True,
+                         return_dict_in_generate=True)
+    for k, c in enumerate(r2.choices[0].logprobs.content):
+        t = gen.sequences[0, len(ids) + k].item()
+        assert abs(c.logprob - torch.log_softmax(gen.logits[k][0].float(), -1)[t].item()) < 1e-4
+        assert c.top_logprobs == []
+    plain = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2, temperature=0)
+    assert plain.choices[0].logprobs is None
+    for body, param in (({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+                        ({"logprobs": True, "stream": True}, "logprobs")):
+        r = _chat(served[0], {"messages": msgs, "max_tokens": 2, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
 def test_neutral_values_of_those_fields_are_served(served, client):

@@ -127,7 +127,7 @@ def create_app(router, config: ServeConfig) -> FastAPI:
                     final = ev
             if final["type"] == "error":
                 raise APIError.from_dict(final["error"])
-            body = (chat_response if kind == "chat" else completion_response)(rid, model, final, token_ids)
+            body = (chat_response if kind == "chat" else completion_response)(rid, model, final, token_ids, tok)
             return JSONResponse(body, headers={"X-Replica": str(final.get("replica", ""))})
         if kind == "chat":
             piece = lambda text, reason=None, use=None, choices=True: chat_chunk(
@@ -162,6 +162,9 @@ def create_app(router, config: ServeConfig) -> FastAPI:
         body = await _parse(request, ChatCompletionRequest)
         check_model(body.model)
         body.refuse_unsupported()
+        if body.logprobs and body.stream:
+            raise APIError(400, "logprobs are returned by non-streaming requests only; set stream to false",
+                           param="logprobs", code="unsupported_parameter")
         requested = body.requested_max_tokens()
         try:
             ids = list(tok.apply_chat_template(body.chat(), add_generation_prompt=True, tokenize=True)["input_ids"])

@@ -6,6 +6,7 @@ and body OpenAI uses: `{"error": {"message", "type", "param", "code"}}`.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from typing import Any, Literal
@@ -13,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..engine import SamplingParams
+from ..engine.sampling import MAX_LOGPROBS
 
 
 class APIError(Exception):
@@ -83,6 +85,8 @@ class _Sampling(BaseModel):
         a 200 that silently ignores it)."""
         extra = self.model_extra or {}
         for name, what in _UNSUPPORTED.items():
+            if name in _SUPPORTED_BY.get(type(self).__name__, ()):
+                continue
             value = getattr(self, name, extra.get(name))
             if _asks_for(name, value):
                 raise APIError(400, f"`{name}` is not supported by this server ({what}); remove it from the "
@@ -112,10 +116,13 @@ class _Sampling(BaseModel):
 _UNSUPPORTED = {
     "tools": "no tool calling", "tool_choice": "no tool calling", "functions": "no function calling",
     "function_call": "no function calling", "response_format": "no constrained decoding (JSON mode or schema)",
-    "logprobs": "no log probabilities", "top_logprobs": "no log probabilities",
+    "logprobs": "no log probabilities for completions (chat has them)",
     "logit_bias": "no logit bias", "presence_penalty": "no penalties", "frequency_penalty": "no penalties",
     "best_of": "one candidate per request", "suffix": "no insertion", "echo": "the prompt is not echoed",
 }
+
+
+_SUPPORTED_BY = {"ChatCompletionRequest": ("logprobs",)}    # implemented there (see its fields)
 
 
 def _asks_for(name: str, value) -> bool:
@@ -152,6 +159,17 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
+
+    def sampling(self, max_tokens: int) -> SamplingParams:
+        p = super().sampling(max_tokens)
+        return dataclasses.replace(p, logprobs=self.top_logprobs or 0) if self.logprobs else p
 
     def requested_max_tokens(self) -> int | None:
         if self.max_tokens is None and self.max_completion_tokens is not None:
@@ -219,16 +237,29 @@ def completion_chunk(rid: str, model: str, created: int, text: str, finish_reaso
     return body
 
 
-def chat_response(rid: str, model: str, out: dict, token_ids: bool = False) -> dict:
-    choice = {"index": 0, "message": {"role": "assistant", "content": out["text"]}, "logprobs": None,
-              "finish_reason": out["finish_reason"]}
+def chat_logprobs(out: dict, tokenizer) -> dict | None:
+    """OpenAI's choice.logprobs of a chat reply: per generated token its text, log-probability, UTF-8
+    bytes and the most likely alternatives (None when the request did not ask)."""
+    if out.get("logprobs") is None:
+        return None
+
+    def entry(t: int, lp: float) -> dict:
+        text = tokenizer.decode([t])
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+    return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in alts]}
+                        for t, lp, alts in out["logprobs"]], "refusal": None}
+
+
+def chat_response(rid: str, model: str, out: dict, token_ids: bool = False, tokenizer=None) -> dict:
+    choice = {"index": 0, "message": {"role": "assistant", "content": out["text"]},
+              "logprobs": chat_logprobs(out, tokenizer), "finish_reason": out["finish_reason"]}
     if token_ids:
         choice["token_ids"] = out["token_ids"]
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": [choice], "usage": usage(out)}
 
 
-def completion_response(rid: str, model: str, out: dict, token_ids: bool = False) -> dict:
+def completion_response(rid: str, model: str, out: dict, token_ids: bool = False, tokenizer=None) -> dict:
     choice = {"index": 0, "text": out["text"], "logprobs": None, "finish_reason": out["finish_reason"]}
     if token_ids:
         choice["token_ids"] = out["token_ids"]

@@ -185,7 +185,9 @@ class Replica:
         return {"type": "done", "text": out.text or "", "token_ids": list(out.token_ids), "finish_reason": reason,
                 "prompt_tokens": m.prompt_tokens, "completion_tokens": m.output_tokens,
                 "reused_tokens": m.reused_tokens, "recomputed_tokens": m.recomputed_tokens,
-                "ttft": m.ttft, "tpot": m.tpot, "replica": self.name}
+                "ttft": m.ttft, "tpot": m.tpot, "replica": self.name,
+                "logprobs": None if out.logprobs is None else [[t, lp, [list(a) for a in alts]]
+                                                                for t, lp, alts in out.logprobs]}
 
     def _after(self, out, sid: str, ephemeral: bool, accounted: bool) -> None:
         if not accounted:
