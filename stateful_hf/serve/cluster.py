@@ -53,7 +53,7 @@ class EngineReplica:
 
     async def delete_session(self, session_id) -> dict:
         try:
-            return {"ok": await asyncio.to_thread(self.replica.delete_session, session_id)}
+            return {"ok": self.replica.delete_session(session_id)}   # on the loop: atomic with the turn queue
         except APIError as e:                       # crosses to the ingress as plain data
             return {"error": e.to_dict()}
 

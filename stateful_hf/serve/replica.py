@@ -238,7 +238,8 @@ class Replica:
 
     def delete_session(self, session_id: str) -> dict:
         """Free the session's KV in every tier and forget its history. A session with a turn running or
-        queued is not deleted: 409 (retry after the turn); an unknown one: 404."""
+        queued is not deleted: 409 (retry after the turn); an unknown one: 404. Call it on the replica's
+        event loop (where turns take their queue slot), so no turn slips in between check and delete."""
         if self.turns.busy(session_id) or session_id in self._gates:
             raise APIError(409, f"session {session_id!r} has a turn in flight or queued; delete it when the "
                            "turn has finished", param="session_id", code="session_busy", retry_after=1)

@@ -50,7 +50,7 @@ class LocalClient:
         return self.replica.session_info(session_id)
 
     async def delete_session(self, session_id) -> dict:
-        return await asyncio.to_thread(self.replica.delete_session, session_id)
+        return self.replica.delete_session(session_id)      # on the loop: atomic with the turn queue
 
     async def export(self, session_id):
         return await asyncio.to_thread(self.replica.export_session, session_id)
