@@ -16,7 +16,7 @@ from .policy import (
 from .pool import BlockPool
 from .returns import ReturnEstimator
 from .session import Chunk, ChunkState, Session, TurnStats
-from .spec import KVSpec, capacity_in_blocks
+from .spec import KVSpec, capacity_in_blocks, parse_capacity
 from .stats import SessionStats, StoreStats
 from .step import StepBatch, StepEntry
 from .store import SessionStore
@@ -28,5 +28,5 @@ __all__ = [
     "RetentionPolicy", "ReturnAwarePolicy", "ReturnEstimator",
     "Session", "SessionBusyError", "SessionStats", "SessionStore", "StepBatch", "StepEntry",
     "StoreError", "StoreStats", "TenantUsage", "TurnStats", "UnknownSessionError", "capacity_in_blocks",
-    "make_policy", "session_key", "split_key", "tenant_of",
+    "make_policy", "parse_capacity", "session_key", "split_key", "tenant_of",
 ]

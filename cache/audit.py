@@ -111,8 +111,9 @@ class AuditMixin:
                 disk_hidden_capacity_tokens=cap(dhid),
                 hidden_bytes_per_token=0 if hid is None else hid.hidden_spec.bytes_per_token,
                 device_reserved_bytes=self.device_pool.bytes,
-                device_committed_bytes=self.device_pool.committed_bytes() if self.layout == "virtual"
-                else self.device_pool.bytes,
+                device_committed_bytes=self.device_pool.committed_bytes(),
+                host_reserved_bytes=sum(p.reserved_bytes for p in (self.host_pool, hid) if p is not None),
+                host_committed_bytes=sum(p.committed_bytes() for p in (self.host_pool, hid) if p is not None),
                 device_pages_released=getattr(self.device_pool, "pages_released", 0),
                 device_kept_bytes=getattr(self.device_pool, "cached_bytes", 0),
                 device_blocks_prefetched=getattr(self.device_pool, "blocks_prefetched", 0),

@@ -50,7 +50,10 @@ class StoreStats:
     disk_hidden_bytes: int = 0    # of disk_bytes, used by hidden chunks
     disk_hidden_capacity_tokens: int = 0
     device_reserved_bytes: int = 0    # virtual layout: the reserved range (paged: the pool's bytes)
-    device_committed_bytes: int = 0   # virtual layout: resident pages of it (paged: the pool's bytes)
+    device_committed_bytes: int = 0   # resident pages of it (a CPU pool commits pages as they are first written;
+                                      # a paged pool on a GPU: all its bytes)
+    host_reserved_bytes: int = 0      # host tier (K/V and hidden-state pools): their bytes
+    host_committed_bytes: int = 0     # ... resident pages of them (unpinned: taken as used; pinned: all)
     device_pages_released: int = 0    # virtual layout: pages given back to the OS so far
     device_kept_bytes: int = 0        # virtual layout: committed pages of free blocks kept for reuse
     device_blocks_prefetched: int = 0  # virtual layout: blocks mapped ahead by the background mapper

@@ -7,9 +7,9 @@ import ipaddress
 import os
 import signal
 
+from ..cache import parse_capacity
 
-def _size(v: str) -> int | str:
-    return int(v) if v.isdigit() else v
+CAPACITY = "tokens (digits) or a size such as 2GiB"
 
 
 def _share(v: str) -> tuple[str, float]:
@@ -71,22 +71,27 @@ def reload_keys_on_sighup(keys) -> None:
     signal.signal(signal.SIGHUP, lambda *_: keys.reload())
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m stateful_hf.serve", description=__doc__)
-    p.add_argument("--model", help="a Hugging Face model directory or hub id (Llama family or OPT); default: the "
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m stateful_hf.serve", description=__doc__,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", help="a Hugging Face model directory or hub id (Llama family or OPT); none: the "
                    "offline tiny fixture with RANDOM weights")
-    p.add_argument("--served-model-name", help="the `model` clients send (default: --model)")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--device-capacity", type=_size, default="256MiB", help="KV on the device: tokens or a size")
-    p.add_argument("--host-capacity", type=_size, help="host tier: tokens or a size (default: none)")
-    p.add_argument("--disk-dir", help="disk tier directory (persistent; one server per directory)")
-    p.add_argument("--disk-capacity", type=_size)
-    p.add_argument("--chunk-size", type=int, default=32)
-    p.add_argument("--max-batch-tokens", type=int, default=512)
-    p.add_argument("--default-max-tokens", type=int, default=256, help="chat max_tokens when the request has none")
+    p.add_argument("--served-model-name", help="the `model` clients send (none: --model)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port")
+    p.add_argument("--dtype", default="float32", help="torch dtype of the model and its KV")
+    p.add_argument("--device", default="cpu", help="torch device of the model and the device KV tier")
+    p.add_argument("--device-capacity", type=parse_capacity, default="256MiB", help=f"device KV tier: {CAPACITY}")
+    p.add_argument("--host-capacity", type=parse_capacity,
+                   help=f"host KV tier: {CAPACITY}; none: no host tier (memory is taken as it is used)")
+    p.add_argument("--disk-dir", help="disk tier directory (persistent; one server per directory); none: no disk tier")
+    p.add_argument("--disk-capacity", type=parse_capacity, help=f"disk tier: {CAPACITY}; none: 1GiB with --disk-dir")
+    p.add_argument("--chunk-size", type=int, default=32, help="tokens per KV chunk")
+    p.add_argument("--max-batch-tokens", type=int, default=512, help="rows per forward")
+    p.add_argument("--default-max-tokens", type=int,
+                   help="cap on a chat's max_tokens when the request has none; none: the room left in the context")
+    p.add_argument("--session-wait-timeout", type=float, default=30.0,
+                   help="seconds a turn waits for its session's previous turn before a 409 (Retry-After: 1)")
     p.add_argument("--ray", action="store_true", help="cluster mode: engine replicas on Ray Serve")
     p.add_argument("--replicas", type=int, default=2, help="with --ray: engine replicas")
     p.add_argument("--ray-address", default="auto", help="with --ray: the cluster (`ray start --head` first)")
@@ -97,26 +102,36 @@ def main(argv=None) -> None:
     p.add_argument("--log-prompts", action="store_true", help="log prompt and completion text (off: never logged)")
     g = p.add_argument_group("access (docs/security.md)")
     g.add_argument("--api-key", default=os.environ.get("STATEFUL_HF_API_KEY"),
-                   help="the API key of tenant 'default' (default: $STATEFUL_HF_API_KEY)")
+                   help="the API key of tenant 'default' ($STATEFUL_HF_API_KEY)")
     g.add_argument("--api-keys-file", help="`key tenant` per line; SIGHUP reloads it")
-    g.add_argument("--metrics-key", help="a key /metrics then needs (default: /metrics is open)")
+    g.add_argument("--metrics-key", help="a key /metrics then needs (none: /metrics is open)")
     g.add_argument("--allow-unauthenticated", action="store_true",
                    help="serve a non-loopback --host without any API key")
     g.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="larger request bodies get 413")
-    g.add_argument("--max-prompt-tokens", type=int, help="longer prompts get 400 (default: the context)")
-    g.add_argument("--max-sessions-per-tenant", type=int, help="default: unlimited; beyond it 429")
+    g.add_argument("--max-prompt-tokens", type=int, help="longer prompts get 400 (none: the context)")
+    g.add_argument("--max-sessions-per-tenant", type=int, help="none: unlimited; beyond it 429")
     g.add_argument("--max-stored-tokens-per-tenant", type=int,
-                   help="history tokens kept per tenant (default: unlimited; beyond it 429)")
+                   help="history tokens kept per tenant (none: unlimited; beyond it 429)")
     g.add_argument("--tenant-share", type=_share, action="append", default=[], metavar="TENANT=WEIGHT",
                    help="weight of a tenant's fair share of each tier under eviction (default 1: equal)")
+    return p
+
+
+def main(argv=None) -> None:
+    p = parser()
     a = p.parse_args(argv)
+    if a.default_max_tokens is not None and a.default_max_tokens < 1:
+        p.error("--default-max-tokens must be >= 1")
+    if not a.session_wait_timeout > 0:
+        p.error("--session-wait-timeout must be > 0")
     from .logs import configure
     configure(a.log_format, a.log_level.upper(), a.log_prompts)
     access = _access(p, a)
     from .server import EngineOptions
     options = EngineOptions(device_capacity=a.device_capacity, host_capacity=a.host_capacity, disk_dir=a.disk_dir,
                             disk_capacity=a.disk_capacity, chunk_size=a.chunk_size,
-                            max_batch_tokens=a.max_batch_tokens, tenant_shares=dict(a.tenant_share))
+                            max_batch_tokens=a.max_batch_tokens, session_wait_timeout=a.session_wait_timeout,
+                            tenant_shares=dict(a.tenant_share))
     if a.ray:
         from .cluster import run_cluster
         _announce(access, a.host)

@@ -22,7 +22,7 @@ from ray import serve
 
 from . import logs
 from .app import ServeConfig, create_app
-from .replica import Replica
+from .protocol import APIError
 from .router import Router
 from .server import EngineOptions, load_model
 
@@ -38,7 +38,7 @@ class EngineReplica:
                  device: str = "cpu"):
         logs.configure_from_env()
         model, tokenizer, _ = load_model(model_path, dtype, device)
-        self.replica = Replica(EngineOptions(**options).build(model, tokenizer), name)
+        self.replica = EngineOptions(**options).replica(model, tokenizer, name)
 
     async def stream(self, session_id, prompt, sampling: dict) -> AsyncIterator[dict]:
         async for ev in self.replica.stream(session_id, prompt, sampling):
@@ -52,6 +52,15 @@ class EngineReplica:
 
     async def tenant_usage(self, tenant, keys) -> dict:
         return self.replica.tenant_usage(tenant, keys)
+
+    async def session_info(self, session_id) -> dict | None:
+        return self.replica.session_info(session_id)
+
+    async def delete_session(self, session_id) -> dict:
+        try:
+            return {"ok": self.replica.delete_session(session_id)}   # on the loop: atomic with the turn queue
+        except APIError as e:                       # crosses to the ingress as plain data
+            return {"error": e.to_dict()}
 
     async def export_session(self, session_id):
         return await asyncio.to_thread(self.replica.export_session, session_id)
@@ -97,6 +106,15 @@ class RayClient:
     async def tenant_usage(self, tenant, keys) -> dict:
         return await self.handle.tenant_usage.remote(tenant, list(keys))
 
+    async def session_info(self, session_id) -> dict | None:
+        return await self.handle.session_info.remote(session_id)
+
+    async def delete_session(self, session_id) -> dict:
+        out = await self.handle.delete_session.remote(session_id)
+        if "error" in out:
+            raise APIError.from_dict(out["error"])
+        return out["ok"]
+
     async def export(self, session_id):
         return self.handle.export_session.remote(session_id)     # not awaited: passed on by reference
 
@@ -121,7 +139,7 @@ class RayClient:
 class Ingress:
     """The HTTP app and the router (one instance: the router's view of sessions is global)."""
 
-    def __init__(self, model_path: str | None, served_name: str | None, default_max_tokens: int, *replicas,
+    def __init__(self, model_path: str | None, served_name: str | None, default_max_tokens: int | None, *replicas,
                  access=None):
         from transformers import AutoConfig, AutoTokenizer
         if model_path is None:
@@ -140,7 +158,7 @@ class Ingress:
 
 
 def build_app(model_path: str | None, options: EngineOptions, replicas: int, served_name: str | None = None,
-              default_max_tokens: int = 256, replica_cpus: float = 1.0, replica_gpus: float = 0.0,
+              default_max_tokens: int | None = None, replica_cpus: float = 1.0, replica_gpus: float = 0.0,
               dtype: str = "float32", device: str = "cpu", access=None):
     """The Serve application: `replicas` engine deployments behind the ingress."""
     opts = dataclasses.asdict(options)

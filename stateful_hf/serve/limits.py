@@ -51,11 +51,11 @@ class Limits:
 
 
 class LimitError(APIError):
-    """A 429 with an optional Retry-After header (the app sends `headers`)."""
+    """A 429, with Retry-After where waiting helps."""
 
     def __init__(self, message: str, code: str, retry_after: int | None):
-        super().__init__(429, message, type="rate_limit_error", param="session_id", code=code)
-        self.headers = {"Retry-After": str(retry_after)} if retry_after is not None else {}
+        super().__init__(429, message, type="rate_limit_error", param="session_id", code=code,
+                         retry_after=retry_after)
 
 
 class TenantGate:

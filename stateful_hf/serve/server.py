@@ -30,6 +30,7 @@ class EngineOptions:
     chunk_size: int = 32
     max_batch_tokens: int = 512
     max_num_seqs: int = 256
+    session_wait_timeout: float = 30.0     # seconds a turn waits for its session's previous turn; then 409
     store_kwargs: dict = field(default_factory=dict)
     fair_share: bool = True                  # tenants above their share of a tier are evicted first
     tenant_shares: dict = field(default_factory=dict)   # tenant -> weight (default 1: equal shares)
@@ -40,9 +41,13 @@ class EngineOptions:
                              disk_capacity=self.disk_capacity, **self.store_kwargs)
         if self.fair_share:
             store.policy = FairSharePolicy(store.policy, self.tenant_shares)
-        # on_busy="refuse": a turn for a session with one in flight gets HTTP 409 (see the README)
+        # the replica's SessionQueue already runs a session's turns one at a time; "wait" covers the
+        # moment between a turn's output and the end of its lease
         return Engine(model, tokenizer, store, max_batch_tokens=self.max_batch_tokens,
-                      max_num_seqs=self.max_num_seqs, on_busy="refuse")
+                      max_num_seqs=self.max_num_seqs, on_busy="wait")
+
+    def replica(self, model, tokenizer, name: str = "0", disk_dir: str | None = None) -> Replica:
+        return Replica(self.build(model, tokenizer, disk_dir), name, self.session_wait_timeout)
 
 
 def load_model(path: str | None, dtype: str = "float32", device: str = "cpu"):
@@ -59,12 +64,13 @@ def load_model(path: str | None, dtype: str = "float32", device: str = "cpu"):
 
 
 def build_local(model, tokenizer, name: str, options: EngineOptions | None = None,
-                default_max_tokens: int = 256, access: Access | None = None):
+                default_max_tokens: int | None = None, access: Access | None = None):
     """The single-machine server: one replica behind the router. Returns (app, router).
+    default_max_tokens: cap on a chat's max_tokens when the request has none (None: the room left).
     `access`: API keys and limits (auth.py); None: no keys (the default tenant), default limits."""
-    engine = (options or EngineOptions()).build(model, tokenizer)
-    router = Router([LocalClient(Replica(engine))])
-    config = ServeConfig(name, tokenizer, engine.adapter.max_positions, default_max_tokens)
+    replica = (options or EngineOptions()).replica(model, tokenizer)
+    router = Router([LocalClient(replica)])
+    config = ServeConfig(name, tokenizer, replica.engine.adapter.max_positions, default_max_tokens)
     return create_app(router, config, access), router
 
 
