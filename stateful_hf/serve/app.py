@@ -44,10 +44,13 @@ SESSION_HEADER = "x-session-id"
 
 class ServeConfig:
     """What the app needs besides the router: the model's name, its tokenizer (prompts are
-    tokenized here, once), its context length, and the cap on a chat's default max_tokens (None:
-    no cap, the room left in the context, as vLLM does)."""
+    tokenized here, once), its context length, the cap on a chat's default max_tokens (None: no cap,
+    the room left in the context, as vLLM does) and the model's generation config (where a request's
+    unset sampling fields come from; None: library defaults)."""
 
-    def __init__(self, model_name: str, tokenizer, max_model_len: int, default_max_tokens: int | None = None):
+    def __init__(self, model_name: str, tokenizer, max_model_len: int, default_max_tokens: int | None = None,
+                 generation_config=None):
+        self.generation_config = generation_config
         if default_max_tokens is not None and default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be >= 1 or None, got {default_max_tokens}")
         self.model_name, self.tokenizer = model_name, tokenizer
@@ -183,7 +186,7 @@ def create_app(router, config: ServeConfig, access: Access | None = None) -> Fas
             raise APIError(400, f"the chat template failed on these messages: {e}", param="messages",
                            code="invalid_messages") from None
         sampling = body.sampling(max_tokens_for(requested, len(ids), config.max_model_len,
-                                                config.default_max_tokens, "messages"))
+                                                config.default_max_tokens, "messages"), config.generation_config)
         limits.check_prompt(len(ids), config.max_model_len, "messages")
         out = await run(request, session_of(request, body), ids, sampling, body.stream,
                         bool(body.stream_options and body.stream_options.include_usage), "chat", body.return_token_ids)
@@ -201,7 +204,8 @@ def create_app(router, config: ServeConfig, access: Access | None = None) -> Fas
             raise APIError(400, "the prompt has no tokens", param="prompt", code="invalid_value")
         # OpenAI's default for completions is 16 tokens (less if the context has less room)
         default = requested if requested is not None else max(min(16, config.max_model_len - len(ids)), 1)
-        sampling = body.sampling(max_tokens_for(default, len(ids), config.max_model_len, None, "prompt"))
+        sampling = body.sampling(max_tokens_for(default, len(ids), config.max_model_len, None, "prompt"),
+                                 config.generation_config)
         limits.check_prompt(len(ids), config.max_model_len, "prompt")
         out = await run(request, session_of(request, body), ids, sampling, body.stream,
                         bool(body.stream_options and body.stream_options.include_usage), "completion",

@@ -141,16 +141,22 @@ class Ingress:
 
     def __init__(self, model_path: str | None, served_name: str | None, default_max_tokens: int | None, *replicas,
                  access=None):
-        from transformers import AutoConfig, AutoTokenizer
+        from transformers import AutoConfig, AutoTokenizer, GenerationConfig
         if model_path is None:
             from ..testing import tiny_llama, tiny_tokenizer
             from .server import TINY_NAME
-            tokenizer, max_len, name = tiny_tokenizer(), tiny_llama().config.max_position_embeddings, TINY_NAME
+            tiny = tiny_llama()
+            tokenizer, max_len, name = tiny_tokenizer(), tiny.config.max_position_embeddings, TINY_NAME
+            generation = tiny.generation_config
         else:
-            tokenizer = AutoTokenizer.from_pretrained(model_path)
-            max_len, name = AutoConfig.from_pretrained(model_path).max_position_embeddings, model_path.rstrip("/")
+            tokenizer, config = AutoTokenizer.from_pretrained(model_path), AutoConfig.from_pretrained(model_path)
+            max_len, name = config.max_position_embeddings, model_path.rstrip("/")
+            try:
+                generation = GenerationConfig.from_pretrained(model_path)
+            except OSError:                                  # no generation_config.json: the model config's
+                generation = GenerationConfig.from_model_config(config)
         self.router = Router([RayClient(h, f"replica-{i}") for i, h in enumerate(replicas)])
-        self.config = ServeConfig(served_name or name, tokenizer, max_len, default_max_tokens)
+        self.config = ServeConfig(served_name or name, tokenizer, max_len, default_max_tokens, generation)
         self.access = access        # keys file read here at deploy (SIGHUP reload: single machine only)
 
     def __serve_build_asgi_app__(self):

@@ -94,22 +94,28 @@ class _Sampling(BaseModel):
                 raise APIError(400, f"`{name}` is not supported by this server ({what}); remove it from the "
                                "request", param=name, code="unsupported_parameter")
 
-    def sampling(self, max_tokens: int) -> SamplingParams:
+    def sampling(self, max_tokens: int, generation_config=None) -> SamplingParams:
+        """The turn's SamplingParams. Precedence (docs/errors.md): the fields this request set, then
+        the model's generation config (greedy unless it sets do_sample=True), then library defaults."""
         if max_tokens < 1:
             raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens",
                            code="invalid_value")
-        temperature = 1.0 if self.temperature is None else self.temperature
-        if not 0.0 <= temperature <= 2.0:
-            raise APIError(400, f"temperature must be in [0, 2], got {temperature}", param="temperature",
+        if self.temperature is not None and not 0.0 <= self.temperature <= 2.0:
+            raise APIError(400, f"temperature must be in [0, 2], got {self.temperature}", param="temperature",
                            code="invalid_value")
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        given = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
+                 "stop": (self.stop,) if isinstance(self.stop, str) else _tuple(self.stop),
+                 "stop_token_ids": _tuple(self.stop_token_ids)}
+        explicit = {k: v for k, v in given.items() if v is not None}
         try:
-            return SamplingParams(max_new_tokens=max_tokens, temperature=temperature,
-                                  top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
-                                  seed=self.seed, stop=stop, stop_token_ids=tuple(self.stop_token_ids or ()),
-                                  ignore_eos=self.ignore_eos)
+            return SamplingParams.from_generation_config(generation_config, max_new_tokens=max_tokens,
+                                                         ignore_eos=self.ignore_eos, **explicit)
         except ValueError as e:
             raise APIError(400, str(e), code="invalid_value") from None
+
+
+def _tuple(values: list | None) -> tuple | None:
+    return None if values is None else tuple(values)
 
 
 # Fields that would change the answer or its shape, and why they are refused. A field is refused when
@@ -169,8 +175,8 @@ class ChatCompletionRequest(_Sampling):
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
 
-    def sampling(self, max_tokens: int) -> SamplingParams:
-        p = super().sampling(max_tokens)
+    def sampling(self, max_tokens: int, generation_config=None) -> SamplingParams:
+        p = super().sampling(max_tokens, generation_config)
         return dataclasses.replace(p, logprobs=self.top_logprobs or 0) if self.logprobs else p
 
     def requested_max_tokens(self) -> int | None:

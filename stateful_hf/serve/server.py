@@ -70,7 +70,8 @@ def build_local(model, tokenizer, name: str, options: EngineOptions | None = Non
     `access`: API keys and limits (auth.py); None: no keys (the default tenant), default limits."""
     replica = (options or EngineOptions()).replica(model, tokenizer)
     router = Router([LocalClient(replica)])
-    config = ServeConfig(name, tokenizer, replica.engine.adapter.max_positions, default_max_tokens)
+    config = ServeConfig(name, tokenizer, replica.engine.adapter.max_positions, default_max_tokens,
+                         replica.engine.generation_config)
     return create_app(router, config, access), router
 
 
