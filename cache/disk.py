@@ -40,8 +40,9 @@ import re
 import sqlite3
 from pathlib import Path
 
+from . import disk_index
 from .disk_file import DiskFile
-from .disk_index import FORMAT, DiskIndex, durability_point, read_meta, unpack_ids
+from .disk_index import FORMAT, DiskIndex, read_meta, unpack_ids
 from .errors import StoreError
 from .hidden import HiddenPool, HiddenSpec
 from .pool import BlockPool
@@ -106,7 +107,8 @@ class DiskTier:
 
     def __init__(self, spec: KVSpec, directory: str | os.PathLike, num_blocks: int, fingerprint: str = ""):
         self.dir, self.spec, self.fingerprint = Path(directory), spec, fingerprint
-        self.degraded, self.write_failures, self.checksum_failures = False, 0, 0
+        self.failing: set[str] = set()          # durability steps whose last try failed: "flush", "commit"
+        self.write_failures, self.checksum_failures = 0, 0
         self.files: dict[str, DiskFile] = {}
         self.hidden_pool: DiskHiddenPool | None = None
         self.index: DiskIndex | None = None
@@ -219,7 +221,7 @@ class DiskTier:
         try:
             new.flush()
             _fsync_dir(self.dir)
-            durability_point("relocate-copied")
+            disk_index.durability_point("relocate-copied")
             gen = new.path.name.split(".")[1]
             self.index.commit({f"{form}.file": new.path.name, f"{form}.slots": str(new.slots), "generation": gen,
                                **extra}, self.index.sessions, rows)
@@ -227,7 +229,7 @@ class DiskTier:
             new.close()
             new.path.unlink(missing_ok=True)
             raise StoreError(f"cannot set up the disk tier file {str(new.path)!r}: {e}") from e
-        durability_point("relocate-committed")
+        disk_index.durability_point("relocate-committed")
         self.files[form] = new
         if old is not None and old != new.path:
             old.unlink(missing_ok=True)
@@ -297,9 +299,10 @@ class DiskTier:
         try:
             f.flush()
         except OSError:
-            self._failed()
+            self._failed("flush")
             pool.free_unnamed(slots)
             return False
+        self.failing.discard("flush")
         for slot, tag in zip(slots, tags):
             pool.checksums[slot] = f.checksum(tag, slot)
             pool.verified.add(slot)
@@ -329,17 +332,35 @@ class DiskTier:
         try:
             self.index.commit({}, sessions, rows)
         except (OSError, sqlite3.Error):
-            self._failed()
+            self._failed("commit")
             return False
-        self.degraded = False
+        self.failing.discard("commit")
         for pool in (self.pool, self.hidden_pool):
             if pool is not None:
                 pool.release_limbo()
         return True
 
-    def _failed(self) -> None:
-        self.degraded = True
+    def _failed(self, step: str) -> None:
+        self.failing.add(step)
         self.write_failures += 1
+
+    @property
+    def degraded(self) -> bool:
+        """A durability step failed last time it was tried: new moves to disk retry it first."""
+        return bool(self.failing)
+
+    def retry_flush(self) -> bool:
+        """Try the data files' flush again (before writing while degraded)."""
+        if "flush" not in self.failing:
+            return True
+        try:
+            for f in self.files.values():
+                f.flush()
+        except OSError:
+            self._failed("flush")
+            return False
+        self.failing.discard("flush")
+        return True
 
     def drop_page_cache(self) -> bool:
         """Write the tier's files back and evict them from the OS page cache, so the next reads come

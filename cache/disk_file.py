@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import xxhash
 
-from .disk_index import durability_point
+from . import disk_index
 from .errors import StoreError
 
 
@@ -100,7 +100,7 @@ class DiskFile:
 
     def flush(self) -> None:
         """Make every write into the mapping durable (raises OSError if it cannot)."""
-        durability_point("data-flush")
+        disk_index.durability_point("data-flush")
         os.fdatasync(self.fd)
 
     def copy_from(self, other: DiskFile, src: list[int], dst: list[int]) -> None:

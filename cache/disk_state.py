@@ -55,11 +55,11 @@ class DiskStateMixin:
     def _disk_usable(self, strict: bool) -> bool:
         """Before a move to disk: a degraded tier retries its commit first. If it still fails, the
         move cannot be made durable: StoreError if `strict` (nothing moved), else False."""
-        if not self.disk.degraded or self._sync_disk(force=True):
+        if not self.disk.degraded or (self.disk.retry_flush() and self._sync_disk(force=True)):
             return True
         if strict:
-            raise StoreError(f"the disk tier {str(self.disk.dir)!r} is degraded (its index cannot be written: "
-                             "full or failing filesystem); nothing was moved. Turns go on without it")
+            raise StoreError(f"the disk tier {str(self.disk.dir)!r} is degraded (it cannot flush its data or commit its "
+                             "index: full or failing filesystem); nothing was moved. Turns go on without it")
         return False
 
     def _disk_written(self, items: list[tuple[Session, int]], target, slots: list[int]) -> bool:

@@ -1,0 +1,205 @@
+"""Crash the disk tier and count wrong turns: there must be none.
+
+    python -m benchmarks.disk_faults loop [--seconds 300] [--dir D] [--seed 0]
+    python -m benchmarks.disk_faults worker --dir D --seed S [--crash-at N] [--turns T] [--capacities 96 160]
+
+`worker` (always a fresh interpreter: a process that has run torch is never forked) plays
+conversations on four sessions of a tiny model through `model.generate` with a disk tier, with
+random moves between tiers after each turn (filling the disk, so freed slots are reused within one
+call), closing and reopening the store with another `disk_capacity` between phases (relocation).
+Every turn is compared with stateless `generate`; it prints `turn ok` / `turn WRONG`, and `point N
+NAME` at each durability point (`disk_index.durability_point`); with `--crash-at N` it SIGKILLs
+itself at the N-th one.
+
+`loop` starts workers and SIGKILLs each at a random time (during opening, turns and moves), then
+reopens the directory in this process (`check_dir`): `check_integrity()`, and one turn per saved
+session compared with stateless `generate`. Reports turns, wrong turns (0 expected), kills.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+CHUNK = 16
+STORE = {"device_capacity": 256, "host_capacity": 64, "chunk_size": CHUNK, "policy": "lru"}
+SESSIONS = ("s0", "s1", "s2", "s3")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _model():
+    from stateful_hf.testing import tiny_llama
+    return tiny_llama(seed=0)
+
+
+def _store(model, directory, capacity):
+    import stateful_hf
+    from stateful_hf.cache import CostProfile
+    return stateful_hf.SessionStore(model, disk_dir=directory, disk_capacity=capacity,
+                                    cost_profile=CostProfile(), **STORE)
+
+
+def _greedy(model, ids: list[int], n: int, cache=None) -> list[int]:
+    x = torch.tensor([ids])
+    out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
+                         pad_token_id=0, **({"cache": cache} if cache is not None else {}))
+    return out[0].tolist()
+
+
+def exact_turn(model, store, sid: str, ids: list[int], n: int = 6) -> tuple[bool, list[int]]:
+    """One turn through the store vs stateless generate: (equal, the stateless output)."""
+    want = _greedy(model, ids, n)
+    return _greedy(model, ids, n, cache=store.cache(sid)) == want, want
+
+
+# ---- the worker (a fresh interpreter) ---------------------------------------------------------------
+
+def worker(directory: str, seed: int, crash_at: int | None, turns: int, capacities: list[int]) -> None:
+    from stateful_hf.cache import StoreError, disk_index
+
+    count = 0
+
+    def point(name: str) -> None:
+        nonlocal count
+        count += 1
+        print(f"point {count} {name}", flush=True)
+        if count == crash_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    disk_index.durability_point = point
+    rng = random.Random(seed)
+    model = _model()
+    print("opening", flush=True)
+    for capacity in capacities:
+        store = _store(model, directory, capacity)
+        print("ready", flush=True)
+        convs = {sid: list(store.session(sid).token_ids) if sid in store else [] for sid in SESSIONS}
+        for _ in range(turns):
+            sid = rng.choice(SESSIONS)
+            if len(convs[sid]) > 160:                     # keep histories short: start over
+                store.delete(sid)
+                convs[sid] = []
+            ids = convs[sid] + [rng.randrange(3, 300) for _ in range(rng.randint(3, 12))]
+            ok, convs[sid] = exact_turn(model, store, sid, ids)
+            print("turn ok" if ok else f"turn WRONG {sid}", flush=True)
+            other = rng.choice([s for s in SESSIONS if s in store])
+            n = len(store.session(other).chunks)
+            ks = rng.sample(range(n), rng.randint(0, n)) if n else []
+            ks = [k for k in ks if store.session(other).chunks[k].state.value != "dropped"]
+            with contextlib.suppress(StoreError, ValueError):
+                store.move(other, ks, rng.choice(["disk", "disk", "host", "device", "dropped"]))
+            store.check_integrity()
+        store.close()
+    print("done", flush=True)
+
+
+def start_worker(directory, seed: int, crash_at: int | None = None, turns: int = 10_000,
+                 capacities: tuple[int, ...] = (96, 160, 64)) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "benchmarks.disk_faults", "worker", "--dir", str(directory), "--seed", str(seed),
+           "--turns", str(turns), "--capacities", *map(str, capacities)]
+    if crash_at is not None:
+        cmd += ["--crash-at", str(crash_at)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+
+
+def run_worker(directory, seed: int, crash_at: int | None = None, turns: int = 6,
+               capacities: tuple[int, ...] = (96, 48)) -> tuple[int, list[str]]:
+    """Run a worker to its end (or its crash): (return code, its output lines)."""
+    p = start_worker(directory, seed, crash_at, turns, capacities)
+    out, _ = p.communicate(timeout=300)
+    return p.returncode, out.splitlines()
+
+
+# ---- after a crash: reopen and check, in this process -------------------------------------------------
+
+def check_dir(model, directory, capacity: int, seed: int = 0) -> tuple[int, int]:
+    """Reopen the tier, check integrity, and play one turn per saved session against stateless
+    generate. Returns (turns, wrong turns)."""
+    rng = random.Random(seed)
+    store = _store(model, directory, capacity)
+    try:
+        store.check_integrity()
+        wrong = 0
+        sids = store.session_ids()
+        for sid in sids:
+            ids = list(store.session(sid).token_ids) + [rng.randrange(3, 300) for _ in range(5)]
+            ok, _ = exact_turn(model, store, sid, ids, n=4)
+            wrong += not ok
+        store.check_integrity()
+        return len(sids), wrong
+    finally:
+        store.close()
+
+
+def kill_loop(seconds: float, directory=None, seed: int = 0, log=print) -> dict:
+    """Workers killed at random times, each followed by a reopen and check. Returns the counts."""
+    rng = random.Random(seed)
+    model = _model()
+    totals = {"kills": 0, "worker_turns": 0, "worker_wrong": 0, "checked_turns": 0, "checked_wrong": 0}
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = Path(directory or tmp)
+        deadline = time.monotonic() + seconds
+        i = 0
+        while time.monotonic() < deadline:
+            caps = tuple(rng.choice([48, 96, 160]) for _ in range(3))
+            p = start_worker(directory, seed * 1000 + i, turns=rng.randint(2, 8), capacities=caps)
+            lines = []
+            wait_for = rng.choice(["opening", "ready", "ready"])
+            for line in p.stdout:                      # kill after it starts (opening) or is open (ready)
+                lines.append(line.strip())
+                if line.strip() == wait_for:
+                    break
+            time.sleep(rng.uniform(0, 1.5))
+            p.send_signal(signal.SIGKILL)
+            rest, _ = p.communicate()
+            lines += rest.splitlines()
+            totals["kills"] += p.returncode == -signal.SIGKILL
+            totals["worker_turns"] += sum(line.startswith("turn") for line in lines)
+            totals["worker_wrong"] += sum(line.startswith("turn WRONG") for line in lines)
+            turns, wrong = check_dir(model, directory, rng.choice([48, 96, 160]), seed=i)
+            totals["checked_turns"] += turns
+            totals["checked_wrong"] += wrong
+            i += 1
+            log(f"run {i}: killed={p.returncode == -signal.SIGKILL} after {sum(x.startswith('turn') for x in lines)} "
+                f"turns, {sum(x.startswith('point') for x in lines)} durability points; reopened: {turns} sessions, "
+                f"{wrong} wrong")
+    return totals
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    w = sub.add_parser("worker")
+    w.add_argument("--dir", required=True)
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--crash-at", type=int)
+    w.add_argument("--turns", type=int, default=10_000)
+    w.add_argument("--capacities", type=int, nargs="+", default=[96, 160, 64])
+    loop = sub.add_parser("loop")
+    loop.add_argument("--seconds", type=float, default=300)
+    loop.add_argument("--dir")
+    loop.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    if args.cmd == "worker":
+        worker(args.dir, args.seed, args.crash_at, args.turns, args.capacities)
+        return
+    t0 = time.monotonic()
+    totals = kill_loop(args.seconds, args.dir, args.seed)
+    print(f"{time.monotonic() - t0:.0f} s, load average {os.getloadavg()[0]:.2f}: {totals}")
+    if totals["worker_wrong"] or totals["checked_wrong"]:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
