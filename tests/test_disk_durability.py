@@ -17,7 +17,7 @@ import torch
 from conftest import FAMILIES, Conversation, engine_round, greedy
 
 import stateful_hf
-from stateful_hf.cache import CostProfile, StoreError, disk_index
+from stateful_hf.cache import CostProfile, StoreError
 
 PROFILE = CostProfile()
 KW = {"device_capacity": 512, "host_capacity": 128, "chunk_size": 16, "cost_profile": PROFILE, "policy": "lru"}
@@ -112,6 +112,8 @@ def test_capacity_change_relocates_and_stays_exact(second, tmp_path):
 
 class Faults:
     def __init__(self, monkeypatch, point):
+        from stateful_hf.cache import disk_index
+
         self.point, self.on, self.hits = point, True, 0
         monkeypatch.setattr(disk_index, "durability_point", self)
 
