@@ -416,3 +416,41 @@ def test_read_only_filesystem_is_a_clear_error(tmp_path, tmpfs):
     with pytest.raises(StoreError, match="not writable"):
         open_store(model, ro, 128)
     assert list(ro.iterdir()) == []
+
+
+# ---- 3. crashes: at every durability point, and at random times (fresh interpreters) ---------------
+
+POINTS = {"data-flush", "index-commit", "relocate-copied", "relocate-committed"}
+
+
+def test_crash_at_every_durability_point(tmp_path):
+    """Worker scenario (benchmarks/disk_faults.py, seed 1): a tier created, turns and moves that fill
+    the disk, then reopened smaller (relocation). Its durability points are, in order: creation
+    (1 index-commit, 2 data-flush, 3 relocate-copied, 4 index-commit, 5 relocate-committed), turns and
+    moves (6-10), relocation (11 data-flush, 12 relocate-copied, 13 index-commit, 14 relocate-committed),
+    turns (15-). Killed at one point of each kind per run (runs in parallel); the reopened tier must
+    serve every saved session exactly."""
+    import signal
+
+    from benchmarks.disk_faults import check_dir, start_worker
+
+    model, _ = models()
+    runs = {n: start_worker(tmp_path / f"crash{n}", seed=1, crash_at=n, turns=6, capacities=(96, 48))
+            for n in (3, 7, 13, 14)}
+    crashed_at = set()
+    for n, p in runs.items():
+        lines = p.communicate(timeout=600)[0].splitlines()
+        assert p.returncode == -signal.SIGKILL, (n, p.returncode, lines[-3:])
+        assert not any("WRONG" in line for line in lines), lines
+        crashed_at.add(lines[-1].split()[2])
+        turns, wrong = check_dir(model, tmp_path / f"crash{n}", 96, seed=n)
+        assert wrong == 0, (n, lines[-1])
+    assert crashed_at == POINTS
+
+
+def test_random_kills_never_give_a_wrong_turn():
+    from benchmarks.disk_faults import kill_loop
+
+    totals = kill_loop(seconds=15, seed=3, log=lambda line: None)
+    assert totals["kills"] >= 1 and totals["checked_turns"] > 0, totals
+    assert totals["worker_wrong"] == 0 and totals["checked_wrong"] == 0, totals
