@@ -1,6 +1,7 @@
 """Crash the disk tier and count wrong turns: there must be none.
 
     python -m benchmarks.disk_faults loop [--seconds 300] [--dir D] [--seed 0]
+    python -m benchmarks.disk_faults points
     python -m benchmarks.disk_faults worker --dir D --seed S [--crash-at N] [--turns T] [--capacities 96 160]
 
 `worker` (always a fresh interpreter: a process that has run torch is never forked) plays
@@ -9,9 +10,11 @@ random moves between tiers after each turn (filling the disk, so freed slots are
 call), closing and reopening the store with another `disk_capacity` between phases (relocation).
 Every turn is compared with stateless `generate`; it prints `turn ok` / `turn WRONG`, and `point N
 NAME` at each durability point (`disk_index.durability_point`); with `--crash-at N` it SIGKILLs
-itself at the N-th one.
+itself at the N-th one. With `--script` it plays a fixed scenario instead (`scripted`); `points`
+kills it at every one of its durability points in turn and checks each reopened directory.
 
-`loop` starts workers and SIGKILLs each at a random time (during opening, turns and moves), then
+`loop` starts workers and SIGKILLs each at a random time (during opening, turns and moves; half of
+them instead die at a random durability point, where the windows that matter are), then
 reopens the directory in this process (`check_dir`): `check_integrity()`, and one turn per saved
 session compared with stateless `generate`. Reports turns, wrong turns (0 expected), kills.
 """
@@ -64,8 +67,9 @@ def exact_turn(model, store, sid: str, ids: list[int], n: int = 6) -> tuple[bool
 
 # ---- the worker (a fresh interpreter) ---------------------------------------------------------------
 
-def worker(directory: str, seed: int, crash_at: int | None, turns: int, capacities: list[int]) -> None:
-    from stateful_hf.cache import StoreError, disk_index
+def _crash_hook(crash_at: int | None) -> None:
+    """Print each durability point; SIGKILL this process at the `crash_at`-th one."""
+    from stateful_hf.cache import disk_index
 
     count = 0
 
@@ -77,6 +81,12 @@ def worker(directory: str, seed: int, crash_at: int | None, turns: int, capaciti
             os.kill(os.getpid(), signal.SIGKILL)
 
     disk_index.durability_point = point
+
+
+def worker(directory: str, seed: int, crash_at: int | None, turns: int, capacities: list[int]) -> None:
+    from stateful_hf.cache import StoreError
+
+    _crash_hook(crash_at)
     rng = random.Random(seed)
     model = _model()
     print("opening", flush=True)
@@ -92,6 +102,10 @@ def worker(directory: str, seed: int, crash_at: int | None, turns: int, capaciti
             ids = convs[sid] + [rng.randrange(3, 300) for _ in range(rng.randint(3, 12))]
             ok, convs[sid] = exact_turn(model, store, sid, ids)
             print("turn ok" if ok else f"turn WRONG {sid}", flush=True)
+            if rng.random() < 0.6:                        # idle now: to disk (pushing others out, reusing slots)
+                with contextlib.suppress(StoreError):
+                    store.move(sid, [k for k, c in enumerate(store.session(sid).chunks)
+                                     if c.state.value != "dropped"], "disk")
             other = rng.choice([s for s in SESSIONS if s in store])
             n = len(store.session(other).chunks)
             ks = rng.sample(range(n), rng.randint(0, n)) if n else []
@@ -103,20 +117,50 @@ def worker(directory: str, seed: int, crash_at: int | None, turns: int, capaciti
     print("done", flush=True)
 
 
-def start_worker(directory, seed: int, crash_at: int | None = None, turns: int = 10_000,
-                 capacities: tuple[int, ...] = (96, 160, 64)) -> subprocess.Popen:
+def scripted(directory: str) -> None:
+    """The crash test's fixed scenario (4 slots, then 3): s0 to disk; s1 to disk, which pushes two of
+    s0's chunks out and reuses their slots; close; reopen smaller (relocation); turns; s0 to disk,
+    pushing s1 out. Its durability points are listed by running it (`point N NAME` lines)."""
+    from stateful_hf.cache import StoreError
+
+    model, rng = _model(), random.Random(7)
+    convs = {sid: [rng.randrange(3, 300) for _ in range(30)] for sid in ("s0", "s1")}
+
+    def turn_then_disk(store, sid):
+        ids = convs[sid] + ([rng.randrange(3, 300) for _ in range(5)] if sid in store else [])
+        ok, convs[sid] = exact_turn(model, store, sid, ids)
+        print("turn ok" if ok else f"turn WRONG {sid}", flush=True)
+        with contextlib.suppress(StoreError):
+            store.move(sid, [k for k, c in enumerate(store.session(sid).chunks) if c.state.value != "dropped"], "disk")
+        store.check_integrity()
+
+    store = _store(model, directory, 64)
+    print("ready", flush=True)
+    turn_then_disk(store, "s0")
+    turn_then_disk(store, "s1")
+    store.close()
+    store = _store(model, directory, 48)
+    print("ready", flush=True)
+    turn_then_disk(store, "s1")
+    turn_then_disk(store, "s0")
+    store.close()
+    print("done", flush=True)
+
+
+def start_worker(directory, seed: int = 0, crash_at: int | None = None, turns: int = 10_000,
+                 capacities: tuple[int, ...] = (96, 160, 64), script: bool = False) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "benchmarks.disk_faults", "worker", "--dir", str(directory), "--seed", str(seed),
-           "--turns", str(turns), "--capacities", *map(str, capacities)]
+           "--turns", str(turns), "--capacities", *map(str, capacities), *(["--script"] if script else [])]
     if crash_at is not None:
         cmd += ["--crash-at", str(crash_at)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
 
 
-def run_worker(directory, seed: int, crash_at: int | None = None, turns: int = 6,
-               capacities: tuple[int, ...] = (96, 48)) -> tuple[int, list[str]]:
+def run_worker(directory, seed: int = 0, crash_at: int | None = None, turns: int = 6,
+               capacities: tuple[int, ...] = (96, 48), script: bool = False) -> tuple[int, list[str]]:
     """Run a worker to its end (or its crash): (return code, its output lines)."""
-    p = start_worker(directory, seed, crash_at, turns, capacities)
+    p = start_worker(directory, seed, crash_at, turns, capacities, script)
     out, _ = p.communicate(timeout=300)
     return p.returncode, out.splitlines()
 
@@ -142,6 +186,25 @@ def check_dir(model, directory, capacity: int, seed: int = 0) -> tuple[int, int]
         store.close()
 
 
+def crash_sweep(model, points, directory, concurrency: int = 4) -> list[tuple[int, str, int, int]]:
+    """Run the scripted worker once per point in `points`, SIGKILLed there (up to `concurrency` at
+    a time), then reopen and check each directory. Returns (point, its name, turns checked, wrong
+    turns, counting the worker's own) per point."""
+    out, todo, running = [], list(points), {}
+    while todo or running:
+        while todo and len(running) < concurrency:
+            n = todo.pop(0)
+            running[n] = start_worker(Path(directory) / f"crash{n}", crash_at=n, script=True)
+        n = next(iter(running))
+        p = running.pop(n)
+        lines = p.communicate(timeout=600)[0].splitlines()
+        if p.returncode != -signal.SIGKILL:
+            raise RuntimeError(f"the worker did not die at point {n}: exit {p.returncode}, {lines[-3:]}")
+        turns, wrong = check_dir(model, Path(directory) / f"crash{n}", 64, seed=n)
+        out.append((n, lines[-1].split()[2], turns, wrong + sum("WRONG" in line for line in lines)))
+    return out
+
+
 def kill_loop(seconds: float, directory=None, seed: int = 0, log=print) -> dict:
     """Workers killed at random times, each followed by a reopen and check. Returns the counts."""
     rng = random.Random(seed)
@@ -153,7 +216,9 @@ def kill_loop(seconds: float, directory=None, seed: int = 0, log=print) -> dict:
         i = 0
         while time.monotonic() < deadline:
             caps = tuple(rng.choice([48, 96, 160]) for _ in range(3))
-            p = start_worker(directory, seed * 1000 + i, turns=rng.randint(2, 8), capacities=caps)
+            at_point = rng.random() < 0.5                 # half the runs die at a random durability point
+            p = start_worker(directory, seed * 1000 + i, crash_at=rng.randint(1, 60) if at_point else None,
+                             turns=rng.randint(2, 8), capacities=caps)
             lines = []
             wait_for = rng.choice(["opening", "ready", "ready"])
             for line in p.stdout:                      # kill after it starts (opening) or is open (ready)
@@ -161,7 +226,8 @@ def kill_loop(seconds: float, directory=None, seed: int = 0, log=print) -> dict:
                 if line.strip() == wait_for:
                     break
             time.sleep(rng.uniform(0, 1.5))
-            p.send_signal(signal.SIGKILL)
+            if not at_point:
+                p.send_signal(signal.SIGKILL)
             rest, _ = p.communicate()
             lines += rest.splitlines()
             totals["kills"] += p.returncode == -signal.SIGKILL
@@ -186,15 +252,30 @@ def main() -> None:
     w.add_argument("--crash-at", type=int)
     w.add_argument("--turns", type=int, default=10_000)
     w.add_argument("--capacities", type=int, nargs="+", default=[96, 160, 64])
+    w.add_argument("--script", action="store_true", help="the crash test's fixed scenario (`scripted`)")
+    sub.add_parser("points", help="crash the scripted worker at every one of its durability points")
     loop = sub.add_parser("loop")
     loop.add_argument("--seconds", type=float, default=300)
     loop.add_argument("--dir")
     loop.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     if args.cmd == "worker":
-        worker(args.dir, args.seed, args.crash_at, args.turns, args.capacities)
+        if args.script:
+            _crash_hook(args.crash_at)
+            scripted(args.dir)
+        else:
+            worker(args.dir, args.seed, args.crash_at, args.turns, args.capacities)
         return
     t0 = time.monotonic()
+    if args.cmd == "points":
+        with tempfile.TemporaryDirectory() as tmp:
+            code, lines = run_worker(Path(tmp) / "count", script=True)
+            n = sum(line.startswith("point") for line in lines)
+            results = crash_sweep(_model(), range(1, n + 1), tmp)
+        for point, name, turns, wrong in results:
+            print(f"crash at point {point:3d} {name:20s}: {turns} sessions reopened, {wrong} wrong")
+        print(f"{time.monotonic() - t0:.0f} s, load average {os.getloadavg()[0]:.2f}")
+        sys.exit(1 if any(r[3] for r in results) else 0)
     totals = kill_loop(args.seconds, args.dir, args.seed)
     print(f"{time.monotonic() - t0:.0f} s, load average {os.getloadavg()[0]:.2f}: {totals}")
     if totals["worker_wrong"] or totals["checked_wrong"]:

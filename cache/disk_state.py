@@ -58,8 +58,8 @@ class DiskStateMixin:
         if not self.disk.degraded or (self.disk.retry_flush() and self._sync_disk(force=True)):
             return True
         if strict:
-            raise StoreError(f"the disk tier {str(self.disk.dir)!r} is degraded (it cannot flush its data or commit its "
-                             "index: full or failing filesystem); nothing was moved. Turns go on without it")
+            raise StoreError(f"the disk tier {str(self.disk.dir)!r} is degraded (it cannot flush its data or commit "
+                             "its index: full or failing filesystem); nothing was moved. Turns go on without it")
         return False
 
     def _disk_written(self, items: list[tuple[Session, int]], target, slots: list[int]) -> bool:
