@@ -22,6 +22,7 @@ def model_fingerprint(model: torch.nn.Module) -> str:
         h.update(f"{name}|{tuple(t.shape)}|{t.dtype}".encode())
         flat = t.detach().reshape(-1)
         if flat.numel():
-            idx = torch.linspace(0, flat.numel() - 1, min(SAMPLES_PER_TENSOR, flat.numel()), device=flat.device).long()
+            m = min(SAMPLES_PER_TENSOR, flat.numel())
+            idx = (torch.arange(m, dtype=torch.int64) * (flat.numel() - 1) // max(m - 1, 1)).to(flat.device)
             h.update(flat[idx].float().cpu().numpy().tobytes())
     return h.hexdigest()[:32]
