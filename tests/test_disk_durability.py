@@ -444,3 +444,26 @@ def test_random_kills_never_give_a_wrong_turn():
     totals = kill_loop(seconds=15, seed=3, log=lambda line: None)
     assert totals["kills"] >= 1 and totals["checked_turns"] > 0, totals
     assert totals["worker_wrong"] == 0 and totals["checked_wrong"] == 0, totals
+
+
+@pytest.mark.parametrize("capacity", [512, 48])
+def test_hidden_file_capacity_change_relocates(capacity, tmp_path):
+    model, oracle = models("opt")
+    d = tmp_path / "d"
+    kw = {"hidden_states": "always", "hidden_layers": 1, "host_capacity": 256}
+    store = open_store(model, d, 256, hidden_disk_capacity=256, **kw)
+    conv = Conversation(seed=9, first=60)
+    play(store, {"a": conv}, oracle)
+    ks = range(len(store.session("a").chunks))             # 5 chunks
+    store.move("a", ks, "hidden")
+    store.move("a", ks, "disk")
+    store.close()
+    again = open_store(model, d, 256, hidden_disk_capacity=capacity, **kw)   # grown, or shrunk to 3 slots
+    assert again.disk_hidden_pool.num_blocks == capacity // 16 and len(list(d.glob("hidden.*.bin"))) == 1
+    kept = [k for k, c in enumerate(again.session("a").chunks) if c.state.value == "disk_hidden"]
+    assert kept == (list(ks) if capacity == 512 else list(ks)[-3:])
+    before = again.residency("a")
+    turns = play(again, {"a": conv}, oracle)
+    assert turns["a"].restored_hidden == before["disk_hidden"] and turns["a"].recomputed_tokens == before["dropped"]
+    assert again.stats().disk_checksum_failures == 0
+    again.close()
