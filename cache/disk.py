@@ -3,10 +3,15 @@
 The rule: a chunk is served from disk only if the store can prove it is the chunk it names;
 otherwise it is recomputed from its token ids. The proof is (1) a header checked at open (format,
 KV geometry, chunk size, dtype, slot counts, and a fingerprint of the model's config and weights,
-given by the caller), and (2) a checksum per chunk (`disk_file.chunk checksum`: its identity tag,
-which chains the token ids of its prefix, and its bytes), verified before the chunk is first read
-after it was written or the tier opened. A chunk that fails it is dropped and recomputed
-(`disk_checksum_failures`).
+given by the caller), and (2) a checksum per chunk (`DiskFile.checksum`: xxh3-64 of its identity
+tag, which chains the token ids of its prefix, and of its bytes), verified before the chunk is first
+read after the tier opened (a chunk written by this process is checksummed as it is written). A
+chunk that fails it is dropped and recomputed (`disk_checksum_failures`).
+
+Why SQLite for the index: transactions and durability are its job (WAL, synchronous=FULL), so one
+commit switches the whole disk state atomically, with no hand-written rename/fsync protocol; a
+diff of rows is written per change instead of the whole index. Why xxh3-64: the fastest well-kept
+64-bit hash here (`xxhash`), 64 bits so a wrong chunk passing by chance is negligible.
 
 Layout of `disk_dir`: `index.sqlite` (`disk_index.py`), `kv.<gen>.bin` (the KV pool's tensor,
 layer-major), `hidden.<gen>.bin` (with hidden states in use: hidden layers then K/V layers of
@@ -25,9 +30,10 @@ size, which is flushed, then one index transaction switches to it, then the old 
 (files not named by the index are leftovers of a crash and are deleted at open).
 
 The disk is a cache: a failed flush or commit (EIO, ENOSPC, a full SQLite) never fails a turn.
-The tier marks itself `degraded` (new moves to disk drop instead), counts `write_failures`, and
-retries the commit on later moves; chunks whose data could not be flushed stay where they were or
-are dropped (the caller's choice), and the last committed index stays true throughout.
+The tier marks itself `degraded` (`failing` names the step), counts `write_failures`, and new
+moves to disk retry the failed step first (if it fails again they drop instead); chunks whose data
+could not be flushed stay where they were or are dropped (the caller's choice), and the last
+committed index stays true throughout (limbo slots are not reused until a commit succeeds).
 """
 
 from __future__ import annotations
@@ -172,7 +178,10 @@ class DiskTier:
         header = {"format": FORMAT, "geometry": json.dumps(_geometry(self.spec), sort_keys=True),
                   "model": self.fingerprint}
         if "format" not in meta and not self.index.rows:       # never finished creating: a new tier
-            self.index.commit(header, {}, {})
+            try:
+                self.index.commit(header, {}, {})
+            except (OSError, sqlite3.Error) as e:
+                raise StoreError(f"cannot create the disk tier index in {where}: {e}") from e
             return
         if meta.get("format") != FORMAT:
             raise StoreError(f"disk tier {where} holds format {meta.get('format')!r}, this version reads "
