@@ -49,9 +49,9 @@ from pathlib import Path
 from . import disk_index
 from .disk_file import DiskFile
 from .disk_index import FORMAT, DiskIndex, read_meta, unpack_ids
+from .disk_pool import DiskHiddenPool, DiskPool, Quarantined
 from .errors import StoreError
-from .hidden import HiddenPool, HiddenSpec
-from .pool import BlockPool
+from .hidden import HiddenSpec
 from .spec import KVSpec
 
 _DATA_FILE = re.compile(r"(kv|hidden)\.\d+\.bin")
@@ -60,50 +60,6 @@ _DATA_FILE = re.compile(r"(kv|hidden)\.\d+\.bin")
 def _geometry(spec: KVSpec) -> dict:
     return {"num_layers": spec.num_layers, "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
             "block_size": spec.block_size, "dtype": str(spec.dtype).removeprefix("torch.")}
-
-
-class _Quarantined:
-    """A pool of disk slots: freed slots wait in `limbo` until a committed index no longer names
-    them; `checksums` / `verified` hold what is known of the slots in use."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.limbo: list[int] = []
-        self.checksums: dict[int, int] = {}     # slot -> checksum of the chunk written there
-        self.verified: set[int] = set()         # slots read and found to match since written or opened
-
-    def free(self, blocks: list[int]) -> None:
-        for b in blocks:
-            self.checksums.pop(b, None)
-            self.verified.discard(b)
-        self.limbo.extend(blocks)
-
-    def free_unnamed(self, blocks: list[int]) -> None:
-        """Free slots no committed index ever named (a write that was not made durable)."""
-        for b in blocks:
-            self.checksums.pop(b, None)
-            self.verified.discard(b)
-        super().free(blocks)
-
-    def release_limbo(self) -> None:
-        super().free(self.limbo)
-        self.limbo = []
-
-    def check(self, owned: set[int]) -> None:
-        waiting = set(self.limbo)
-        assert len(waiting) == len(self.limbo), "a disk slot is in limbo twice"
-        assert not waiting & set(self._free), "a disk slot is both free and in limbo"
-        assert not waiting & owned, f"disk slots both owned and in limbo: {sorted(waiting & owned)[:8]}"
-        assert set(self.checksums) <= owned, "a checksum is kept for a slot no chunk owns"
-        BlockPool.check(self, owned | waiting)
-
-
-class DiskPool(_Quarantined, BlockPool):
-    pass
-
-
-class DiskHiddenPool(_Quarantined, HiddenPool):
-    pass
 
 
 class DiskTier:
@@ -296,7 +252,7 @@ class DiskTier:
                 pool.checksums.setdefault(slot, checksum)
         return out
 
-    def pool_of(self, form: str) -> _Quarantined | None:
+    def pool_of(self, form: str) -> Quarantined | None:
         return self.pool if form == "kv" else self.hidden_pool
 
     # ---- running ------------------------------------------------------------------------------------
