@@ -241,15 +241,14 @@ class DiskTier:
         self._remove_leftovers()
         return same
 
-    def saved_sessions(self) -> dict[str, tuple[list[int], dict[int, tuple[str, int]]]]:
-        """{session: (token ids, {chunk: (form, slot)})} of the last committed index, with each named
-        slot's checksum entered in its pool. Rows of a form whose file is not open are left out."""
+    def saved_sessions(self) -> dict[str, tuple[list[int], dict[int, tuple[str, int, int]]]]:
+        """{session: (token ids, {chunk: (form, slot, checksum)})} of the last committed index. Rows
+        of a form whose file is not open, or naming a slot out of range, are left out."""
         out = {sid: (unpack_ids(blob), {}) for sid, blob in self.index.sessions.items()}
         for (sid, k), (form, slot, checksum) in self.index.rows.items():
             pool = self.pool_of(form)
             if sid in out and pool is not None and 0 <= slot < pool.num_blocks:
-                out[sid][1][k] = (form, slot)
-                pool.checksums.setdefault(slot, checksum)
+                out[sid][1][k] = (form, slot, checksum)
         return out
 
     def pool_of(self, form: str) -> Quarantined | None:

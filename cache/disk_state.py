@@ -101,18 +101,18 @@ class DiskStateMixin:
     def _load_disk_sessions(self) -> None:
         """Sessions of the last committed index: chunks named there are DISK / DISK_HIDDEN (unproven
         until read); rows that cannot be right (chunk out of range, a slot named twice) are left out."""
-        taken: dict[str, set[int]] = {"kv": set(), "hidden": set()}
+        taken: dict[str, dict[int, int]] = {"kv": {}, "hidden": {}}      # form -> {slot: checksum}
         for sid, (ids, chunks) in self.disk.saved_sessions().items():
             s = Session(sid, ids, last_active=self.clock())
             s.chunks = [Chunk() for _ in range(-(-len(ids) // self.block_size))]
-            for k, (form, slot) in sorted(chunks.items()):
-                if 0 <= k < len(s.chunks) and slot not in taken[form]:
-                    s.chunks[k] = Chunk(DISK if form == "kv" else DISK_HIDDEN, slot)
-                    taken[form].add(slot)
+            for k, (form, slot, checksum) in sorted(chunks.items()):
+                if 0 <= k < len(s.chunks) and slot not in taken[form]:   # a slot named twice: the first
+                    s.chunks[k] = Chunk(DISK if form == "kv" else DISK_HIDDEN, slot)  # claimant's checksum decides
+                    taken[form][slot] = checksum
             self._sessions[sid] = s
         for form, slots in taken.items():
             pool = self.disk.pool_of(form)
             if pool is not None:
                 pool.take(sorted(slots))
-                pool.checksums = {b: v for b, v in pool.checksums.items() if b in slots}
+                pool.checksums = dict(slots)
         self._disk_dirty = True
