@@ -7,7 +7,8 @@
 `worker` (always a fresh interpreter: a process that has run torch is never forked) plays
 conversations on four sessions of a tiny model through `model.generate` with a disk tier, with
 random moves between tiers after each turn (filling the disk, so freed slots are reused within one
-call), closing and reopening the store with another `disk_capacity` between phases (relocation).
+call), closing and reopening the store with the next `--capacities` every `--turns` turns
+(relocation), for `--phases` store lifetimes.
 Every turn is compared with stateless `generate`; it prints `turn ok` / `turn WRONG`, and `point N
 NAME` at each durability point (`disk_index.durability_point`); with `--crash-at N` it SIGKILLs
 itself at the N-th one. With `--script` it plays a fixed scenario instead (`scripted`); `points`
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import os
 import random
 import signal
@@ -83,20 +85,20 @@ def _crash_hook(crash_at: int | None) -> None:
     disk_index.durability_point = point
 
 
-def worker(directory: str, seed: int, crash_at: int | None, turns: int, capacities: list[int]) -> None:
+def worker(directory: str, seed: int, crash_at: int | None, turns: int, capacities: list[int], phases: int) -> None:
     from stateful_hf.cache import StoreError
 
     _crash_hook(crash_at)
     rng = random.Random(seed)
     model = _model()
     print("opening", flush=True)
-    for capacity in capacities:
+    for capacity in itertools.islice(itertools.cycle(capacities), phases):
         store = _store(model, directory, capacity)
         print("ready", flush=True)
         convs = {sid: list(store.session(sid).token_ids) if sid in store else [] for sid in SESSIONS}
         for _ in range(turns):
             sid = rng.choice(SESSIONS)
-            if len(convs[sid]) > 160:                     # keep histories short: start over
+            if len(convs[sid]) > 120:                     # keep histories short: start over
                 store.delete(sid)
                 convs[sid] = []
             ids = convs[sid] + [rng.randrange(3, 300) for _ in range(rng.randint(3, 12))]
@@ -148,9 +150,11 @@ def scripted(directory: str) -> None:
 
 
 def start_worker(directory, seed: int = 0, crash_at: int | None = None, turns: int = 10_000,
-                 capacities: tuple[int, ...] = (96, 160, 64), script: bool = False) -> subprocess.Popen:
+                 capacities: tuple[int, ...] = (96, 160, 64), script: bool = False,
+                 phases: int | None = None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "benchmarks.disk_faults", "worker", "--dir", str(directory), "--seed", str(seed),
-           "--turns", str(turns), "--capacities", *map(str, capacities), *(["--script"] if script else [])]
+           "--turns", str(turns), "--capacities", *map(str, capacities), *(["--script"] if script else []),
+           "--phases", str(phases or len(capacities))]
     if crash_at is not None:
         cmd += ["--crash-at", str(crash_at)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -169,7 +173,9 @@ def run_worker(directory, seed: int = 0, crash_at: int | None = None, turns: int
 
 def check_dir(model, directory, capacity: int, seed: int = 0) -> tuple[int, int]:
     """Reopen the tier, check integrity, and play one turn per saved session against stateless
-    generate. Returns (turns, wrong turns)."""
+    generate (then move it back to disk). Returns (turns, wrong turns)."""
+    from stateful_hf.cache import StoreError
+
     rng = random.Random(seed)
     store = _store(model, directory, capacity)
     try:
@@ -180,6 +186,9 @@ def check_dir(model, directory, capacity: int, seed: int = 0) -> tuple[int, int]
             ids = list(store.session(sid).token_ids) + [rng.randrange(3, 300) for _ in range(5)]
             ok, _ = exact_turn(model, store, sid, ids, n=4)
             wrong += not ok
+            with contextlib.suppress(StoreError):         # back to disk: the next worker finds it there
+                store.move(sid, [k for k, c in enumerate(store.session(sid).chunks) if c.state.value != "dropped"],
+                           "disk")
         store.check_integrity()
         return len(sids), wrong
     finally:
@@ -215,10 +224,10 @@ def kill_loop(seconds: float, directory=None, seed: int = 0, log=print) -> dict:
         deadline = time.monotonic() + seconds
         i = 0
         while time.monotonic() < deadline:
-            caps = tuple(rng.choice([48, 96, 160]) for _ in range(3))
+            caps = tuple(rng.choice([64, 128, 256]) for _ in range(3))
             at_point = rng.random() < 0.5                 # half the runs die at a random durability point
-            p = start_worker(directory, seed * 1000 + i, crash_at=rng.randint(1, 60) if at_point else None,
-                             turns=rng.randint(2, 8), capacities=caps)
+            p = start_worker(directory, seed * 1000 + i, crash_at=rng.randint(1, 40) if at_point else None,
+                             turns=rng.randint(2, 8), capacities=caps, phases=10_000)   # runs until killed
             lines = []
             wait_for = rng.choice(["opening", "ready", "ready"])
             for line in p.stdout:                      # kill after it starts (opening) or is open (ready)
@@ -233,7 +242,7 @@ def kill_loop(seconds: float, directory=None, seed: int = 0, log=print) -> dict:
             totals["kills"] += p.returncode == -signal.SIGKILL
             totals["worker_turns"] += sum(line.startswith("turn") for line in lines)
             totals["worker_wrong"] += sum(line.startswith("turn WRONG") for line in lines)
-            turns, wrong = check_dir(model, directory, rng.choice([48, 96, 160]), seed=i)
+            turns, wrong = check_dir(model, directory, rng.choice([64, 128, 256]), seed=i)
             totals["checked_turns"] += turns
             totals["checked_wrong"] += wrong
             i += 1
@@ -252,6 +261,7 @@ def main() -> None:
     w.add_argument("--crash-at", type=int)
     w.add_argument("--turns", type=int, default=10_000)
     w.add_argument("--capacities", type=int, nargs="+", default=[96, 160, 64])
+    w.add_argument("--phases", type=int, help="store lifetimes, cycling through the capacities (default: one each)")
     w.add_argument("--script", action="store_true", help="the crash test's fixed scenario (`scripted`)")
     sub.add_parser("points", help="crash the scripted worker at every one of its durability points")
     loop = sub.add_parser("loop")
@@ -264,7 +274,7 @@ def main() -> None:
             _crash_hook(args.crash_at)
             scripted(args.dir)
         else:
-            worker(args.dir, args.seed, args.crash_at, args.turns, args.capacities)
+            worker(args.dir, args.seed, args.crash_at, args.turns, args.capacities, args.phases or len(args.capacities))
         return
     t0 = time.monotonic()
     if args.cmd == "points":
