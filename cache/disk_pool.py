@@ -38,7 +38,9 @@ class Quarantined:
         assert len(waiting) == len(self.limbo), "a disk slot is in limbo twice"
         assert not waiting & set(self._free), "a disk slot is both free and in limbo"
         assert not waiting & owned, f"disk slots both owned and in limbo: {sorted(waiting & owned)[:8]}"
-        assert set(self.checksums) <= owned, "a checksum is kept for a slot no chunk owns"
+        assert set(self.checksums) == owned, (
+            f"disk slots owned without a checksum {sorted(owned - set(self.checksums))[:8]} or checksums of "
+            f"slots no chunk owns {sorted(set(self.checksums) - owned)[:8]}")
         BlockPool.check(self, owned | waiting)
 
 
