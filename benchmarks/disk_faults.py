@@ -69,26 +69,29 @@ def exact_turn(model, store, sid: str, ids: list[int], n: int = 6) -> tuple[bool
 
 # ---- the worker (a fresh interpreter) ---------------------------------------------------------------
 
-def _crash_hook(crash_at: int | None) -> None:
-    """Print each durability point; SIGKILL this process at the `crash_at`-th one."""
+def _crash_hook(crash_at: int | None, kind: str | None = None) -> None:
+    """Print each durability point; SIGKILL this process at the `crash_at`-th one (of `kind` only,
+    if given: e.g. "data-flush", where a write into a reused slot is not committed yet)."""
     from stateful_hf.cache import disk_index
 
-    count = 0
+    count = of_kind = 0
 
     def point(name: str) -> None:
-        nonlocal count
+        nonlocal count, of_kind
         count += 1
+        of_kind += kind is None or name == kind
         print(f"point {count} {name}", flush=True)
-        if count == crash_at:
+        if of_kind == crash_at and (kind is None or name == kind):
             os.kill(os.getpid(), signal.SIGKILL)
 
     disk_index.durability_point = point
 
 
-def worker(directory: str, seed: int, crash_at: int | None, turns: int, capacities: list[int], phases: int) -> None:
+def worker(directory: str, seed: int, crash_at: int | None, turns: int, capacities: list[int], phases: int,
+           crash_kind: str | None = None) -> None:
     from stateful_hf.cache import StoreError
 
-    _crash_hook(crash_at)
+    _crash_hook(crash_at, crash_kind)
     rng = random.Random(seed)
     model = _model()
     print("opening", flush=True)
@@ -151,12 +154,12 @@ def scripted(directory: str) -> None:
 
 def start_worker(directory, seed: int = 0, crash_at: int | None = None, turns: int = 10_000,
                  capacities: tuple[int, ...] = (96, 160, 64), script: bool = False,
-                 phases: int | None = None) -> subprocess.Popen:
+                 phases: int | None = None, crash_kind: str | None = None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "benchmarks.disk_faults", "worker", "--dir", str(directory), "--seed", str(seed),
            "--turns", str(turns), "--capacities", *map(str, capacities), *(["--script"] if script else []),
            "--phases", str(phases or len(capacities))]
     if crash_at is not None:
-        cmd += ["--crash-at", str(crash_at)]
+        cmd += ["--crash-at", str(crash_at)] + (["--crash-kind", crash_kind] if crash_kind else [])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
 
@@ -225,9 +228,13 @@ def kill_loop(seconds: float, directory=None, seed: int = 0, log=print) -> dict:
         i = 0
         while time.monotonic() < deadline:
             caps = tuple(rng.choice([64, 128, 256]) for _ in range(3))
-            at_point = rng.random() < 0.5                 # half the runs die at a random durability point
-            p = start_worker(directory, seed * 1000 + i, crash_at=rng.randint(1, 40) if at_point else None,
-                             turns=rng.randint(2, 8), capacities=caps, phases=10_000)   # runs until killed
+            # half the runs die at a random durability point, half of those at a data flush (the window
+            # between writing into a slot, maybe one just freed, and the commit naming it)
+            at_point = rng.random() < 0.5
+            kind = rng.choice([None, "data-flush"]) if at_point else None
+            p = start_worker(directory, seed * 1000 + i, crash_at=rng.randint(1, 40 if kind is None else 12)
+                             if at_point else None, turns=rng.randint(2, 8), capacities=caps, phases=10_000,
+                             crash_kind=kind)   # runs until killed
             lines = []
             wait_for = rng.choice(["opening", "ready", "ready"])
             for line in p.stdout:                      # kill after it starts (opening) or is open (ready)
@@ -259,6 +266,7 @@ def main() -> None:
     w.add_argument("--dir", required=True)
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--crash-at", type=int)
+    w.add_argument("--crash-kind", help="count only durability points of this name for --crash-at")
     w.add_argument("--turns", type=int, default=10_000)
     w.add_argument("--capacities", type=int, nargs="+", default=[96, 160, 64])
     w.add_argument("--phases", type=int, help="store lifetimes, cycling through the capacities (default: one each)")
@@ -274,7 +282,8 @@ def main() -> None:
             _crash_hook(args.crash_at)
             scripted(args.dir)
         else:
-            worker(args.dir, args.seed, args.crash_at, args.turns, args.capacities, args.phases or len(args.capacities))
+            worker(args.dir, args.seed, args.crash_at, args.turns, args.capacities, args.phases or len(args.capacities),
+                   args.crash_kind)
         return
     t0 = time.monotonic()
     if args.cmd == "points":
