@@ -438,7 +438,7 @@ def test_crash_at_the_durability_points(tmp_path):
     from benchmarks.disk_faults import crash_sweep
 
     model, _ = models()
-    results = crash_sweep(model, (9, 10, 14, 15, 16, 20), tmp_path)
+    results = crash_sweep(model, (9, 10, 12, 14, 15, 16), tmp_path)
     assert {name for _, name, _, _ in results} == POINTS, results
     assert sum(turns for _, _, turns, _ in results) > 0
     assert all(wrong == 0 for _, _, _, wrong in results), results
