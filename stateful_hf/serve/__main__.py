@@ -1,9 +1,11 @@
-"""`python -m stateful_hf.serve [--model PATH] [--port 8000] [--ray --replicas N]`."""
+"""`python -m stateful_hf.serve [--model NAME|PATH] [--port 8000] [--ray --replicas N]`."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+
+from ..models import DEFAULT_MODEL, TINY_MODEL
 
 
 def _size(v: str) -> int | str:
@@ -12,8 +14,10 @@ def _size(v: str) -> int | str:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m stateful_hf.serve", description=__doc__)
-    p.add_argument("--model", help="a Hugging Face model directory or hub id (Llama family or OPT); default: the "
-                   "offline tiny fixture with RANDOM weights")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"a named model ({DEFAULT_MODEL}, fetched once into $STATEFUL_HF_MODELS; {TINY_MODEL}: the "
+                   f"offline fixture with RANDOM weights) or a Hugging Face model directory or hub id (Llama family "
+                   f"or OPT); default: {DEFAULT_MODEL}")
     p.add_argument("--served-model-name", help="the `model` clients send (default: --model)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)

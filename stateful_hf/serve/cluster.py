@@ -115,13 +115,16 @@ class Ingress:
 
     def __init__(self, model_path: str | None, served_name: str | None, default_max_tokens: int, *replicas):
         from transformers import AutoConfig, AutoTokenizer
-        if model_path is None:
+
+        from ..models import SOURCES, TINY_MODEL, model_dir
+        if model_path is None or model_path == TINY_MODEL:
             from ..testing import tiny_llama, tiny_tokenizer
             from .server import TINY_NAME
             tokenizer, max_len, name = tiny_tokenizer(), tiny_llama().config.max_position_embeddings, TINY_NAME
         else:
-            tokenizer = AutoTokenizer.from_pretrained(model_path)
-            max_len, name = AutoConfig.from_pretrained(model_path).max_position_embeddings, model_path.rstrip("/")
+            path = str(model_dir(model_path)) if model_path in SOURCES else model_path   # fetched by build_app
+            tokenizer = AutoTokenizer.from_pretrained(path)
+            max_len, name = AutoConfig.from_pretrained(path).max_position_embeddings, model_path.rstrip("/")
         self.router = Router([RayClient(h, f"replica-{i}") for i, h in enumerate(replicas)])
         self.config = ServeConfig(served_name or name, tokenizer, max_len, default_max_tokens)
 
@@ -133,6 +136,9 @@ def build_app(model_path: str | None, options: EngineOptions, replicas: int, ser
               default_max_tokens: int = 256, replica_cpus: float = 1.0, replica_gpus: float = 0.0,
               dtype: str = "float32", device: str = "cpu"):
     """The Serve application: `replicas` engine deployments behind the ingress."""
+    from ..models import SOURCES, fetch
+    if model_path in SOURCES:
+        fetch(model_path)                  # once, here, before the replicas load it
     opts = dataclasses.asdict(options)
     engines = [EngineReplica.options(name=f"replica-{i}", ray_actor_options={
         "num_cpus": replica_cpus, "num_gpus": replica_gpus}).bind(model_path, opts, f"replica-{i}", dtype, device)
