@@ -1,6 +1,7 @@
 """Gradio multi-turn chat on the stateful-hf engine.
 
-    python -m demo                       # offline tiny model with random weights
+    python -m demo                       # SmolLM2-135M-Instruct (stateful_hf.models; fetched once)
+    python -m demo --model tiny-random   # the offline tiny fixture (random weights: gibberish replies)
     python demo/app.py --model PATH      # a local (or cached hub) checkpoint via from_pretrained
 
 Each browser user gets their own session (per-user gr.State); replies stream; retry, undo and
@@ -18,6 +19,9 @@ if __package__ in (None, ""):           # run as a script: make `demo` and `stat
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+from stateful_hf.models import DEFAULT_MODEL, TINY_MODEL  # noqa: E402
+
+
 def _capacity(text: str | int | None):
     """A capacity flag's value: tokens (digits) or a size such as 2GiB (the server's parser)."""
     from stateful_hf.cache import parse_capacity
@@ -28,7 +32,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     from stateful_hf.cache import parse_capacity
     p = argparse.ArgumentParser(prog="python -m demo", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", help="checkpoint path or hub id (from_pretrained); default: the offline tiny model")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"a named model ({DEFAULT_MODEL}, fetched once; {TINY_MODEL}: the offline fixture with random "
+                   "weights), or a checkpoint path or hub id (from_pretrained)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=7860, help="HTTP port")
     p.add_argument("--device-capacity", type=parse_capacity, default=4096,
@@ -59,16 +65,14 @@ def build_engine(args):
 
     import stateful_hf
     from stateful_hf import Engine
+    from stateful_hf.models import ModelUnavailableError, load
 
-    if args.model:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).to(args.device)
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
-        if getattr(tokenizer, "chat_template", None) is None:
-            raise SystemExit(f"{args.model}: its tokenizer has no chat template; the demo needs one")
-    else:
-        from stateful_hf.testing import tiny_llama, tiny_tokenizer
-        model, tokenizer = tiny_llama(), tiny_tokenizer()
+    try:
+        model, tokenizer = load(args.model, dtype=getattr(torch, args.dtype), device=args.device)
+    except ModelUnavailableError as e:
+        raise SystemExit(f"{args.model}: {e}\n(--model {TINY_MODEL} runs offline on random weights)") from e
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise SystemExit(f"{args.model}: its tokenizer has no chat template; the demo needs one")
     store_kwargs = dict(chunk_size=args.chunk_size, policy=args.policy, attn_backend=args.backend,
                         disk_dir=args.disk_dir, disk_capacity=_capacity(args.disk_capacity))
     host = _capacity(args.host_capacity)
@@ -97,7 +101,7 @@ def main(argv=None) -> None:
 
     engine = build_engine(args)
     backend = ChatBackend(engine, max_new_tokens=args.max_new_tokens)
-    app = build_app(backend, random_weights=args.model is None, hints=not args.no_hints)
+    app = build_app(backend, random_weights=args.model == TINY_MODEL, hints=not args.no_hints)
     app.queue(default_concurrency_limit=32)
     engine.start()
     signal.signal(signal.SIGTERM, _interrupt)    # terminate = Ctrl+C: Gradio closes, then the engine stops

@@ -90,8 +90,9 @@ def test_sighup_reloads_keys_in_a_running_server(tmp_path):
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "server.log", "w")  # noqa: SIM115 - closed in the finally below
-    proc = subprocess.Popen([sys.executable, "-m", "stateful_hf.serve", "--port", str(port), "--api-keys-file",
-                             str(keys), "--default-max-tokens", "8"], stdout=log, stderr=subprocess.STDOUT, env=_env())
+    proc = subprocess.Popen([sys.executable, "-m", "stateful_hf.serve", "--model", "tiny-random", "--port", str(port),
+                             "--api-keys-file", str(keys), "--default-max-tokens", "8"],
+                            stdout=log, stderr=subprocess.STDOUT, env=_env())
     try:
         deadline = time.monotonic() + 300
         while True:

@@ -1,4 +1,4 @@
-"""`python -m stateful_hf.serve [--model PATH] [--port 8000] [--ray --replicas N] [--api-keys-file FILE]`."""
+"""`python -m stateful_hf.serve [--model NAME|PATH] [--port 8000] [--ray --replicas N] [--api-keys-file FILE]`."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import os
 import signal
 
 from ..cache import parse_capacity
+from ..models import DEFAULT_MODEL, TINY_MODEL
 
 CAPACITY = "tokens (digits) or a size such as 2GiB"
 
@@ -74,8 +75,9 @@ def reload_keys_on_sighup(keys) -> None:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m stateful_hf.serve", description=__doc__,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", help="a Hugging Face model directory or hub id (Llama family or OPT); none: the "
-                   "offline tiny fixture with RANDOM weights")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"a named model ({DEFAULT_MODEL}, fetched once into $STATEFUL_HF_MODELS; {TINY_MODEL}: the "
+                   "offline fixture with RANDOM weights) or a Hugging Face model directory or hub id")
     p.add_argument("--served-model-name", help="the `model` clients send (none: --model)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port")

@@ -142,17 +142,20 @@ class Ingress:
     def __init__(self, model_path: str | None, served_name: str | None, default_max_tokens: int | None, *replicas,
                  access=None):
         from transformers import AutoConfig, AutoTokenizer, GenerationConfig
-        if model_path is None:
+
+        from ..models import SOURCES, TINY_MODEL, model_dir
+        if model_path is None or model_path == TINY_MODEL:
             from ..testing import tiny_llama, tiny_tokenizer
             from .server import TINY_NAME
             tiny = tiny_llama()
             tokenizer, max_len, name = tiny_tokenizer(), tiny.config.max_position_embeddings, TINY_NAME
             generation = tiny.generation_config
         else:
-            tokenizer, config = AutoTokenizer.from_pretrained(model_path), AutoConfig.from_pretrained(model_path)
+            path = str(model_dir(model_path)) if model_path in SOURCES else model_path   # fetched by build_app
+            tokenizer, config = AutoTokenizer.from_pretrained(path), AutoConfig.from_pretrained(path)
             max_len, name = config.max_position_embeddings, model_path.rstrip("/")
             try:
-                generation = GenerationConfig.from_pretrained(model_path)
+                generation = GenerationConfig.from_pretrained(path)
             except OSError:                                  # no generation_config.json: the model config's
                 generation = GenerationConfig.from_model_config(config)
         self.router = Router([RayClient(h, f"replica-{i}") for i, h in enumerate(replicas)])
@@ -167,6 +170,9 @@ def build_app(model_path: str | None, options: EngineOptions, replicas: int, ser
               default_max_tokens: int | None = None, replica_cpus: float = 1.0, replica_gpus: float = 0.0,
               dtype: str = "float32", device: str = "cpu", access=None):
     """The Serve application: `replicas` engine deployments behind the ingress."""
+    from ..models import SOURCES, fetch
+    if model_path in SOURCES:
+        fetch(model_path)                  # once, here, before the replicas load it
     opts = dataclasses.asdict(options)
     actor = {"num_cpus": replica_cpus, "num_gpus": replica_gpus, "runtime_env": {"env_vars": logs.env()}}
     engines = [EngineReplica.options(name=f"replica-{i}", ray_actor_options=actor).bind(

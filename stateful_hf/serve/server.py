@@ -51,16 +51,17 @@ class EngineOptions:
 
 
 def load_model(path: str | None, dtype: str = "float32", device: str = "cpu"):
-    """(model, tokenizer, name). No path: the offline tiny fixture, whose weights are random."""
-    if path is None:
-        from ..testing import tiny_llama, tiny_tokenizer
-        log.warning("no --model given: serving the offline tiny Llama fixture; its weights are RANDOM, its "
-                    "replies are gibberish (useful for trying the API, not for chatting)")
-        return tiny_llama(), tiny_tokenizer(), TINY_NAME
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
-    return model, AutoTokenizer.from_pretrained(path), path.rstrip("/")
+    """(model, tokenizer, name). `path`: a named model of stateful_hf.models (fetched once), a checkpoint
+    directory or hub id; None or "tiny-random": the offline tiny fixture, whose weights are random."""
+    from ..models import TINY_MODEL, load
+    if path is None or path == TINY_MODEL:
+        log.warning("serving the offline tiny Llama fixture; its weights are RANDOM, its replies are gibberish "
+                    "(useful for trying the API, not for chatting)")
+        path, name = TINY_MODEL, TINY_NAME
+    else:
+        name = path.rstrip("/")
+    model, tokenizer = load(path, dtype=dtype, device=device)
+    return model, tokenizer, name
 
 
 def build_local(model, tokenizer, name: str, options: EngineOptions | None = None,
