@@ -2,10 +2,13 @@
 
     python -m benchmarks.bench_engine                    # ~100M-parameter Llama, random weights
     python -m benchmarks.bench_engine --sessions 4 --turns 2 --new 8 --layers 2   # smoke run
+    python -m benchmarks.bench_engine --model smollm2-135m-instruct   # real weights, real text prompts
 
 Workload: `sessions` conversations (default 24) of `turns` turns (default 4), all starting at t=0. A session's next turn
 arrives as soon as its previous answer is complete (think time 0): the prompt is the whole
 conversation so far plus `user` new tokens; every answer is exactly `new` greedy tokens (EOS off).
+User tokens are random ids, or with --model (SmolLM2-135M-Instruct, stateful_hf.models) windows of the
+bundled ShareGPT sample's text (benchmarks/multiturn/data), tokenized by the model's tokenizer.
 
   (a) stateless `model.generate`, one request at a time in arrival order (re-prefills everything);
   (b) transformers' continuous batching (`ContinuousBatchingManager`, block sharing = prefix caching);
@@ -53,10 +56,19 @@ class Workload:
     new: int             # generated tokens per turn
     vocab: int
     seed: int = 0
+    text: tuple[int, ...] = ()   # a tokenized text: user tokens are windows of it instead of random ids
 
     def user_tokens(self, session: int, turn: int) -> list[int]:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + session * 1009 + turn)
-        return torch.randint(3, self.vocab, (self.first if turn == 0 else self.user,), generator=g).tolist()
+        n = self.first if turn == 0 else self.user
+        if self.text:
+            start = int(torch.randint(0, len(self.text), (1,), generator=g))
+            return list((self.text[start:] + self.text * (1 + n // len(self.text)))[:n])
+        return torch.randint(3, self.vocab, (n,), generator=g).tolist()
+
+    def __repr__(self) -> str:
+        return (f"Workload(sessions={self.sessions}, turns={self.turns}, first={self.first}, user={self.user}, "
+                f"new={self.new}, {'text prompts' if self.text else f'random ids < {self.vocab}'})")
 
     @property
     def max_context(self) -> int:
@@ -87,6 +99,14 @@ def build_model(layers: int, seed: int = 0) -> transformers.LlamaForCausalLM:
     model = transformers.LlamaForCausalLM(cfg).eval()
     model.generation_config.eos_token_id = None     # every answer is exactly `new` tokens
     return model
+
+
+def load_named(name: str):
+    """(model, tokenizer) of a named model or path (stateful_hf.models), float32."""
+    from stateful_hf.models import load
+    model, tokenizer = load(name, dtype=torch.float32)
+    model.generation_config.eos_token_id = None     # every answer is exactly `new` tokens
+    return model, tokenizer
 
 
 class _FirstToken(BaseStreamer):
@@ -214,7 +234,9 @@ def main() -> None:
     ap.add_argument("--first", type=int, default=48)
     ap.add_argument("--user", type=int, default=16)
     ap.add_argument("--new", type=int, default=32)
-    ap.add_argument("--layers", type=int, default=12, help="12 layers of hidden 768 = ~100M parameters")
+    ap.add_argument("--model", help="a named model (smollm2-135m-instruct: fetched once; prompts are real text) or a "
+                    "path; default: a random-weight Llama of --layers layers")
+    ap.add_argument("--layers", type=int, default=12, help="12 layers of hidden 768 = ~100M parameters (no --model)")
     ap.add_argument("--max-batch-tokens", type=int, default=256)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     ap.add_argument("--skip", default="", help="comma-separated systems to skip: a,b,b+,c")
@@ -226,13 +248,22 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    wl = Workload(args.sessions, args.turns, args.first, args.user, args.new, vocab=16000)
     skip = set(filter(None, args.skip.split(",")))
     systems = [x for x in ("b", "b+", "c") if x not in skip]
-    models = {x: build_model(args.layers) for x in ["a", *systems]}     # identical weights, one per system
+    if args.model:
+        from .multiturn.workload import text_ids
+        loaded = {x: load_named(args.model) for x in ["a", *systems]}  # identical weights, one per system
+        models, tokenizer = {x: m for x, (m, _) in loaded.items()}, loaded["a"][1]
+        wl = Workload(args.sessions, args.turns, args.first, args.user, args.new, vocab=tokenizer.vocab_size,
+                      text=text_ids(tokenizer))
+        c = models["a"].config
+        described = f"{args.model}, {c.num_hidden_layers} layers, hidden {c.hidden_size}"
+    else:
+        wl = Workload(args.sessions, args.turns, args.first, args.user, args.new, vocab=16000)
+        models = {x: build_model(args.layers) for x in ["a", *systems]}     # identical weights, one per system
+        described = f"Llama {args.layers} layers, hidden 768, random weights"
     n_params = sum(p.numel() for p in models["a"].parameters())
-    print(f"model: Llama {args.layers} layers, hidden 768, {n_params / 1e6:.1f}M parameters, float32, "
-          f"{torch.get_num_threads()} torch threads")
+    print(f"model: {described}, {n_params / 1e6:.1f}M parameters, float32, {torch.get_num_threads()} torch threads")
     print(f"workload: {wl}; {wl.sessions * wl.turns} turns, {wl.sessions * wl.turns * wl.new} generated tokens")
     print("load average at start (1/5/15 min): {:.1f} {:.1f} {:.1f}".format(*os.getloadavg()))
     with torch.inference_mode():                                  # warm up torch's kernels once

@@ -6,6 +6,7 @@ from .policy import (
     POLICY_NAMES,
     CostProfile,
     EvictionPolicy,
+    FairSharePolicy,
     LRUPolicy,
     RecencyCostPolicy,
     RetentionPolicy,
@@ -15,14 +16,17 @@ from .policy import (
 from .pool import BlockPool
 from .returns import ReturnEstimator
 from .session import Chunk, ChunkState, Session, TurnStats
-from .spec import KVSpec, capacity_in_blocks
+from .spec import KVSpec, capacity_in_blocks, parse_capacity
 from .stats import SessionStats, StoreStats
 from .step import StepBatch, StepEntry
 from .store import SessionStore
+from .tenant import DEFAULT_TENANT, TenantUsage, session_key, split_key, tenant_of
 
 __all__ = [
-    "DEFAULT_POLICY", "POLICY_NAMES", "BlockPool", "CapacityError", "Chunk", "ChunkState", "CostProfile",
-    "EvictionPolicy", "KVSpec", "LRUPolicy", "RecencyCostPolicy", "RetentionPolicy", "ReturnAwarePolicy",
-    "ReturnEstimator", "Session", "SessionBusyError", "SessionStats", "SessionStore", "StepBatch", "StepEntry",
-    "StoreError", "StoreStats", "TurnStats", "UnknownSessionError", "capacity_in_blocks", "make_policy",
+    "DEFAULT_POLICY", "DEFAULT_TENANT", "POLICY_NAMES", "BlockPool", "CapacityError", "Chunk", "ChunkState",
+    "CostProfile", "EvictionPolicy", "FairSharePolicy", "KVSpec", "LRUPolicy", "RecencyCostPolicy",
+    "RetentionPolicy", "ReturnAwarePolicy", "ReturnEstimator",
+    "Session", "SessionBusyError", "SessionStats", "SessionStore", "StepBatch", "StepEntry",
+    "StoreError", "StoreStats", "TenantUsage", "TurnStats", "UnknownSessionError", "capacity_in_blocks",
+    "make_policy", "parse_capacity", "session_key", "split_key", "tenant_of",
 ]

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .pool import BlockPool
+from .pool import BlockPool, host_zeros, resident_bytes
 from .spec import KVSpec
 
 # (layer, hidden [n, D], positions [n]) -> (K, V), each [n, kv_heads, head_dim], on the hidden's device
@@ -71,11 +71,14 @@ class HiddenPool(BlockPool):
         kv, bs = spec.kv, spec.kv.block_size
         shapes = ((spec.hidden_layers, num_blocks, bs, spec.hidden_size),
                   (spec.kv_layers, num_blocks, 2, bs, kv.num_kv_heads, kv.head_dim))
-        if data is None:
-            pin = pin_memory and torch.device(device).type == "cpu" and torch.cuda.is_available()
-            data = tuple(torch.zeros(sh, dtype=kv.dtype, device=device, pin_memory=pin) for sh in shapes)
+        mems: tuple = (None, None)
+        if data is None:                  # lazily committed in unpinned CPU memory (pool.host_zeros)
+            made = [host_zeros(sh, kv.dtype, device, pin_memory) for sh in shapes]
+            data, mems = tuple(t for t, _ in made), tuple(m for _, m in made)
         elif tuple(tuple(t.shape) for t in data) != shapes or any(t.dtype != kv.dtype for t in data):
             raise ValueError(f"hidden pool data must be {shapes} {kv.dtype}")
+        self._mems = mems
+        self._mem = mems[1]
         self.spec, self.hidden_spec, self.num_blocks = kv, spec, num_blocks
         self.hidden, self.kv = data
         self.data = self.kv          # BlockPool.device reads it; `bytes` is overridden below
@@ -88,6 +91,10 @@ class HiddenPool(BlockPool):
     @property
     def bytes(self) -> int:
         return self.num_blocks * self.hidden_spec.bytes_per_block
+
+    def committed_bytes(self) -> int:
+        return sum(resident_bytes(t) if m is not None else t.numel() * t.element_size()
+                   for t, m in zip((self.hidden, self.kv), self._mems, strict=True))
 
     def layer(self, layer: int):
         raise TypeError("a hidden pool has no K/V view per layer; restore it through HiddenRestore")
@@ -121,9 +128,8 @@ class HiddenCapture:
 
     def __init__(self, spec: HiddenSpec, device_blocks: int):
         self.spec = spec
-        pin = spec.kv.device.type == "cuda"
-        self.data = torch.zeros((spec.hidden_layers, device_blocks, spec.kv.block_size, spec.hidden_size),
-                                dtype=spec.kv.dtype, pin_memory=pin)
+        self.data, self._mem = host_zeros((spec.hidden_layers, device_blocks, spec.kv.block_size, spec.hidden_size),
+                                          spec.kv.dtype, "cpu", pin_memory=spec.kv.device.type == "cuda")
         self.valid = [False] * device_blocks
         self.stream = None        # CUDA: the side stream captures are copied on (StepHidden)
 

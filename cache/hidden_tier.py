@@ -7,7 +7,6 @@ device the same way: read up layer by layer and projected (`HiddenRestore`)."""
 
 from __future__ import annotations
 
-from .errors import StoreError
 from .hidden import HiddenCapture, HiddenPool, HiddenRestore, HiddenSpec, Projector
 from .session import Chunk, ChunkState, Session
 from .spec import capacity_in_blocks
@@ -32,7 +31,6 @@ class HiddenTierMixin:
         self.hidden_mode, self.hidden_spec, self.project = mode, spec, project
         self.hidden_pool: HiddenPool | None = None
         self.disk_hidden_pool: HiddenPool | None = None
-        self._disk_hidden_usable = False      # the disk index's hidden chunks are of this split
         self.capture: HiddenCapture | None = None
         self._hidden_down = False
         if mode == "never":
@@ -52,7 +50,7 @@ class HiddenTierMixin:
         self.capture = HiddenCapture(spec, self.device_pool.num_blocks)
         self._hidden_down = True
         if self.disk is not None:
-            self._disk_hidden_usable = self.disk.open_hidden(spec, capacity_in_blocks(disk_capacity or "1GiB", spec))
+            self.disk.open_hidden(spec, capacity_in_blocks(disk_capacity or "1GiB", spec))
             self.disk_hidden_pool = self.disk.hidden_pool
 
     def _new_restore(self) -> HiddenRestore | None:
@@ -102,27 +100,3 @@ class HiddenTierMixin:
 
     def _hidden_used_bytes(self, pool: HiddenPool | None) -> int:
         return 0 if pool is None else (pool.num_blocks - pool.num_free) * pool.hidden_spec.bytes_per_block
-
-    def _disk_index_entry(self, s: Session) -> dict:
-        """The session's hidden chunks on disk for the disk index (chunks being rebuilt from one are
-        still there: a restart before the step commits finds them)."""
-        on_disk = {k: c.loc for k, c in enumerate(s.chunks) if c.state is DISK_HIDDEN}
-        on_disk.update({k: c.source[1] for k, c in enumerate(s.chunks)
-                        if c.source is not None and c.source[0] is DISK_HIDDEN})
-        return {str(k): slot for k, slot in sorted(on_disk.items())}
-
-    def _load_disk_hidden(self, s: Session, saved: dict) -> list[int]:
-        """Chunks of `s` the index keeps as hidden states on disk become DISK_HIDDEN (if the store keeps
-        the same split; otherwise they stay DROPPED: their token ids remain). Returns their slots."""
-        chunks = saved.get("hidden_chunks", {})
-        if not chunks or not self._disk_hidden_usable:
-            self._disk_dirty |= bool(chunks)
-            return []
-        taken = []
-        for k, slot in chunks.items():
-            k = int(k)
-            if not (0 <= k < len(s.chunks) and 0 <= slot < self.disk_hidden_pool.num_blocks):
-                raise StoreError(f"disk tier index names hidden chunk {k} slot {slot} of {s.session_id!r} out of range")
-            s.chunks[k] = Chunk(DISK_HIDDEN, slot)
-            taken.append(slot)
-        return taken

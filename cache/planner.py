@@ -50,6 +50,8 @@ class StepPlannerMixin:
                 raise ValueError(f"plan_step: {len(factors)} factors for {len(requests)} entries")
             if not self.layerwise and any(f != 1 for f in factors):
                 raise ValueError("plan_step: keep factors other than 1 need a store made with layerwise_kv=True")
+            for s, (_, _, pos) in zip(sessions, requests):     # disk chunks are proven before they are read
+                self._verify_disk(s, range(min(len(s.chunks), -(-(max(pos, default=-1) + 1) // self.block_size))))
             plans = [self._plan_entry(s, list(ids), list(pos)) for s, (_, ids, pos) in zip(sessions, requests)]
             for s, f, (_, swap) in zip(sessions, factors, plans):
                 if f != 1:     # layer-wise entry: its host chunks are read in place, not copied up

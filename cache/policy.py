@@ -22,16 +22,21 @@ benchmark's replay (benchmarks/multiturn/policy_grid.py) both products recompute
 in about half of the settings and fewer in the others, while the default never recomputed more than LRU
 (it drops as many chunks of the same conversations, by construction) and fewer wherever a partial chunk
 of a returning conversation was dropped. The same order decides device -> host, host -> disk and dropping.
+
+`FairSharePolicy` wraps any of them for a store shared by tenants (`tenant.py`): chunks of tenants
+above their fair share of a tier go first, so one tenant flooding the store cannot push everyone
+else's history down.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from .returns import ReturnEstimator
-from .session import Session
+from .session import ChunkState, Session
+from .tenant import tenant_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +148,72 @@ class ReturnAwarePolicy(EvictionPolicy):
         idle = max(now - session.last_active, 1e-6)
         value = cost * self.returns.p_return(idle) if self.returns.fitted else cost / idle
         return (value, session.last_active, session.session_id, cost, k)
+
+
+class FairSharePolicy(EvictionPolicy):
+    """`inner`'s order, except that tenants above their fair share of a tier lose chunks first.
+
+    For each chunk state (tier) separately, over the chunks stored in it: tenant t's fair share is
+    weights[t] / (sum of the weights of the tenants with chunks there) of the tier's stored tokens
+    (weight 1 unless configured: equal shares). Each tenant's idle chunks in the tier are walked in
+    `inner`'s order with u = the tenant's tokens there not yet walked past:
+    - while u > share the chunk is excess: key (0, 0, *inner key), so all tenants' excess goes
+      first, in `inner`'s order among itself;
+    - after that: key (1, -u / share, *inner key): below its share a tenant's chunk goes before
+      another's when its tenant holds more of its share (water-filling), so a tenant at its share
+      needing room (the blocks a step takes are not counted until the step has them) takes it from
+      itself before a tenant under its share loses anything.
+    With one tenant nothing is excess and u decreases along `inner`'s order: the order is `inner`'s.
+    Busy sessions' chunks count towards usage but are never ranked (they cannot move)."""
+
+    name = "fair_share"
+
+    def __init__(self, inner: EvictionPolicy, weights: Mapping[str, float] | None = None,
+                 tenant: Callable[[str], str] = tenant_of):
+        bad = {t: w for t, w in (weights or {}).items() if not w > 0}
+        if bad:
+            raise ValueError(f"tenant weights must be > 0, got {bad}")
+        self.inner, self.weights, self.tenant = inner, dict(weights or {}), tenant
+        self._sessions: list[Session] = []
+        self._now = 0.0
+        self._rank: dict[tuple[str, int], tuple[int, float]] | None = {}
+
+    def observe_return(self, gap):
+        self.inner.observe_return(gap)
+
+    def prepare(self, sessions, now):
+        self._sessions, self._now = list(sessions), now
+        self.inner.prepare(self._sessions, now)
+        self._rank = None                    # computed at the first key (it needs the block size)
+
+    def _ranks(self, block_size: int) -> dict[tuple[str, int], tuple[int, float]]:
+        usage: dict[ChunkState, dict[str, int]] = {}
+        idle: dict[tuple[ChunkState, str], list[tuple[tuple, Session, int, int]]] = {}
+        for s in self._sessions:
+            t = self.tenant(s.session_id)
+            for k, c in enumerate(s.chunks):
+                if c.state is ChunkState.DROPPED:
+                    continue
+                n = s.chunk_len(k, block_size)
+                per = usage.setdefault(c.state, {})
+                per[t] = per.get(t, 0) + n
+                if not s.busy:
+                    idle.setdefault((c.state, t), []).append(
+                        (self.inner.key(s, k, block_size, self._now), s, k, n))
+        rank = {}
+        for state, per in usage.items():
+            total, wsum = sum(per.values()), sum(self.weights.get(t, 1.0) for t in per)
+            for t, used in per.items():
+                share = total * self.weights.get(t, 1.0) / wsum
+                for _, s, k, n in sorted(idle.get((state, t), ()), key=lambda e: e[0]):
+                    rank[(s.session_id, k)] = (0, 0.0) if used > share else (1, -used / share)
+                    used -= n
+        return rank
+
+    def key(self, session, k, block_size, now):
+        if self._rank is None:
+            self._rank = self._ranks(block_size)
+        return (*self._rank.get((session.session_id, k), (1, 0.0)), *self.inner.key(session, k, block_size, now))
 
 
 POLICY_NAMES = ("recency_cost", "return_aware", "pensieve", "lru")

@@ -2,13 +2,71 @@
 
 Every tier (device, host, disk) is a BlockPool of the same geometry, so one copy routine moves
 chunks between any two of them, layer by layer.
+
+Memory is taken as it is used: a pool in (unpinned) CPU memory is an anonymous private mapping with
+MAP_NORESERVE (`lazy_zeros`), so creating it reserves address space only and the OS commits a page,
+zero-filled, when it is first written. Low block ids are handed out first, so a pool's committed
+memory grows with its high-water mark. `reserved_bytes` is the pool's size, `committed_bytes()`
+its resident pages (mincore). Pinned host pools (CUDA) and device pools on a GPU are committed at once.
 """
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+
 import torch
 
 from .spec import KVSpec
+
+PAGE = mmap.PAGESIZE
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, mmap.mmap]:
+    """A CPU tensor of zeros backed by an anonymous private mapping (nothing committed until written),
+    and the mapping (keep it alive as long as the tensor)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    nbytes = itemsize
+    for d in shape:
+        nbytes *= d
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype), None
+    mem = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0),
+                    prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    return torch.frombuffer(mem, dtype=dtype).view(shape), mem
+
+
+def resident_bytes(t: torch.Tensor) -> int:
+    """Bytes of the pages under a contiguous CPU tensor that are resident in RAM (mincore(2))."""
+    length = t.numel() * t.element_size()
+    if length == 0:
+        return 0
+    addr = t.data_ptr()
+    start = addr // PAGE * PAGE
+    n = (addr + length - start + PAGE - 1) // PAGE
+    vec = (ctypes.c_ubyte * n)()
+    if _libc().mincore(ctypes.c_void_p(start), ctypes.c_size_t(n * PAGE), vec) != 0:
+        raise OSError(ctypes.get_errno(), "mincore failed")
+    return int(torch.frombuffer(vec, dtype=torch.uint8).bitwise_and(1).sum()) * PAGE
+
+
+_LIBC = None
+
+
+def _libc():
+    global _LIBC
+    if _LIBC is None:
+        _LIBC = ctypes.CDLL(None, use_errno=True)
+    return _LIBC
+
+
+def host_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu",
+               pin_memory: bool = False) -> tuple[torch.Tensor, mmap.mmap | None]:
+    """Zeros for a pool: lazily committed on the CPU unless pinned (then, like off the CPU, at once)."""
+    device = torch.device(device)
+    if device.type == "cpu" and not (pin_memory and torch.cuda.is_available()):
+        return lazy_zeros(shape, dtype)
+    return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory and device.type == "cpu"), None
 
 
 class BlockPool:
@@ -25,10 +83,10 @@ class BlockPool:
         self.spec = spec
         self.num_blocks = num_blocks
         shape = (spec.num_layers, num_blocks, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        self._mem = None                  # the lazy mapping under `data`, if any
         if data is None:
             device = torch.device(device) if device is not None else spec.device
-            data = torch.zeros(shape, dtype=spec.dtype, device=device,
-                               pin_memory=pin_memory and device.type == "cpu" and torch.cuda.is_available())
+            data, self._mem = host_zeros(shape, spec.dtype, device, pin_memory)
         elif tuple(data.shape) != shape or data.dtype != spec.dtype:
             raise ValueError(f"pool data must be {shape} {spec.dtype}, got {tuple(data.shape)} {data.dtype}")
         self.data = data
@@ -47,6 +105,14 @@ class BlockPool:
     @property
     def bytes(self) -> int:
         return self.data.numel() * self.data.element_size()
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self.bytes
+
+    def committed_bytes(self) -> int:
+        """Resident bytes: the touched pages of a lazy pool, else (committed at creation) all of it."""
+        return resident_bytes(self.data) if self._mem is not None else self.bytes
 
     def free_ids(self) -> list[int]:
         return list(self._free)

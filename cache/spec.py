@@ -42,6 +42,18 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "pb": 10**15, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "pib": 2**50}
 
 
+def parse_capacity(text: str) -> int | str:
+    """A capacity as typed on a command line: digits are tokens (an int), anything else must be a
+    size like '2GiB' or '512MB' (kept as the string). The one parser of the server's and demo's flags."""
+    text = str(text).strip()
+    if text.isdigit():
+        return int(text)
+    m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([a-zA-Z]+)", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot parse capacity {text!r}: use tokens (digits) or a size like '2GiB' or '512MB'")
+    return text
+
+
 def capacity_in_blocks(capacity: int | str, spec: KVSpec) -> int:
     """`capacity` is a token count (int) or a size string like "2GiB" / "512 MB"; returns whole blocks."""
     if isinstance(capacity, bool) or not isinstance(capacity, (int, str)):

@@ -50,11 +50,17 @@ class StoreStats:
     disk_hidden_bytes: int = 0    # of disk_bytes, used by hidden chunks
     disk_hidden_capacity_tokens: int = 0
     device_reserved_bytes: int = 0    # virtual layout: the reserved range (paged: the pool's bytes)
-    device_committed_bytes: int = 0   # virtual layout: resident pages of it (paged: the pool's bytes)
+    device_committed_bytes: int = 0   # resident pages of it (a CPU pool commits pages as they are first written;
+                                      # a paged pool on a GPU: all its bytes)
+    host_reserved_bytes: int = 0      # host tier (K/V and hidden-state pools): their bytes
+    host_committed_bytes: int = 0     # ... resident pages of them (unpinned: taken as used; pinned: all)
     device_pages_released: int = 0    # virtual layout: pages given back to the OS so far
     device_kept_bytes: int = 0        # virtual layout: committed pages of free blocks kept for reuse
     device_blocks_prefetched: int = 0  # virtual layout: blocks mapped ahead by the background mapper
     layered_tokens: int = 0           # layerwise_kv: tokens of running requests kept per layer (host + shared device)
+    disk_degraded: bool = False       # the disk tier could not make its last change durable (retried on moves)
+    disk_write_failures: int = 0      # data flushes and index commits of the disk tier that failed
+    disk_checksum_failures: int = 0   # disk chunks that were not what they named: dropped and recomputed
 
     @property
     def bytes_per_token(self) -> dict[str, float]:
@@ -102,7 +108,10 @@ def summary(st: StoreStats) -> str:
         f"disk   : {st.disk_tokens:>8} tokens {_mib(st.disk_bytes):>12} of {st.disk_capacity_tokens} tokens"
         + (f"  ({st.disk_hidden_tokens} as hidden states; hidden capacity {st.disk_hidden_capacity_tokens})"
            if st.disk_hidden_capacity_tokens else ""),
-        f"dropped: {st.dropped_tokens:>8} tokens (ids only)",
+        f"dropped: {st.dropped_tokens:>8} tokens (ids only)"
+        + (f"   disk: {'DEGRADED, ' if st.disk_degraded else ''}{st.disk_write_failures} write failures, "
+           f"{st.disk_checksum_failures} checksum failures"
+           if st.disk_degraded or st.disk_write_failures or st.disk_checksum_failures else ""),
         f"traffic: hits {c.device_hits}, in host {c.swapped_in_host}, in disk {c.swapped_in_disk}, "
         f"out host {c.swapped_out_host}, out disk {c.swapped_out_disk}, dropped {c.dropped}, "
         f"recomputed {c.recomputed}, out hidden {c.swapped_out_hidden}, restored from hidden {c.restored_hidden} "

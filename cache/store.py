@@ -18,6 +18,8 @@ from contextlib import contextmanager
 from ..kernels import KernelState
 from .audit import AuditMixin
 from .disk import DiskTier
+from .disk_file import identity_tags
+from .disk_state import DiskStateMixin
 from .errors import SessionBusyError, StoreError, UnknownSessionError
 from .hidden import HiddenSpec, Projector
 from .hidden_tier import HiddenTierMixin
@@ -26,9 +28,10 @@ from .moves import MoveLedger
 from .planner import StepPlannerMixin
 from .policy import DEFAULT_POLICY, EvictionPolicy, make_policy
 from .pool import BlockPool
-from .session import TIERS, Chunk, ChunkState, Session
+from .session import TIERS, ChunkState, Session
 from .spec import KVSpec, capacity_in_blocks
 from .stats import Counters
+from .tenant import TenantUsage, tenant_of
 from .tiering import DEVICE, DISK, DISK_HIDDEN, DROPPED, HIDDEN, HOST, ON_DISK, TieringMixin
 from .transfer import Transfer, emulate_from_env
 from .virtual import PageMapper, VirtualPool
@@ -59,7 +62,7 @@ def _chunk_indices(chunks) -> list[int]:
     return out
 
 
-class SessionStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin, LayerwiseMixin):
+class SessionStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin, LayerwiseMixin, DiskStateMixin):
     """device_capacity / host_capacity / disk_capacity: tokens (int) or sizes ("2GiB"); a host or
     disk tier exists only when given (the disk tier also needs `disk_dir`). `swap_out_threshold`:
     share of device blocks kept free or reclaimable by ahead-of-time swap-out after each turn.
@@ -77,6 +80,9 @@ class SessionStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin, 
     layerwise_kv: LayerKV's layer-wise allocation (`layerwise.py`): steps may fill chunks keeping only
     some layers on the device (shared blocks) and the rest on the host; needs a host tier, the paged
     layout and the torch backend.
+    disk_fingerprint: identifies the model whose KV the disk tier holds (its config and weights); a
+    disk_dir made with another is refused. The disk tier serves a chunk only if it proves it is the
+    chunk it names, else recomputes it (`disk.py`).
     emulate_async: run copies under the CPU async emulator (`transfer.py`); default: the environment
     variable STATEFUL_HF_EMULATE_ASYNC=1."""
 
@@ -88,7 +94,7 @@ class SessionStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin, 
                  project: Projector | None = None, layout: str = "paged", max_context: int | None = None,
                  clock: Callable[[], float] = time.monotonic, keep_freed: int | str = "64MiB",
                  map_ahead: bool = True, hidden_disk_capacity: int | str | None = None,
-                 layerwise_kv: bool = False, emulate_async: bool | None = None):
+                 layerwise_kv: bool = False, disk_fingerprint: str = "", emulate_async: bool | None = None):
         if not 0 <= swap_out_threshold < 1:
             raise ValueError(f"swap_out_threshold must be in [0, 1), got {swap_out_threshold}")
         if disk_capacity is not None and disk_dir is None:
@@ -111,8 +117,8 @@ class SessionStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin, 
         with _allocating("host_capacity", host_capacity, spec):
             self.host_pool = None if host_capacity is None else BlockPool(
                 spec, capacity_in_blocks(host_capacity, spec), "cpu", pin_memory=spec.device.type == "cuda")
-        self.disk = None if disk_dir is None else DiskTier(
-            spec, disk_dir, capacity_in_blocks(disk_capacity if disk_capacity is not None else "1GiB", spec))
+        disk_blocks = capacity_in_blocks(disk_capacity if disk_capacity is not None else "1GiB", spec)
+        self.disk = None if disk_dir is None else DiskTier(spec, disk_dir, disk_blocks, disk_fingerprint)
         self.policy = policy or make_policy(DEFAULT_POLICY)
         self.clock = clock
         self.attn_backend = attn_backend
@@ -128,9 +134,14 @@ class SessionStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin, 
         self._sessions: dict[str, Session] = {}
         self._lock = threading.RLock()
         self._disk_dirty = False
-        self._init_hidden(hidden_states, hidden_spec, hidden_capacity, host_capacity, project,
-                          hidden_disk_capacity if hidden_disk_capacity is not None else disk_capacity)
-        self._init_layerwise(layerwise_kv)
+        try:
+            self._init_hidden(hidden_states, hidden_spec, hidden_capacity, host_capacity, project,
+                              hidden_disk_capacity if hidden_disk_capacity is not None else disk_capacity)
+            self._init_layerwise(layerwise_kv)
+        except BaseException:
+            if self.disk is not None:
+                self.disk.close()
+            raise
         if self.disk is not None:
             self._load_disk_sessions()
 
@@ -163,6 +174,18 @@ class SessionStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin, 
     def session_ids(self) -> list[str]:
         with self._lock:
             return list(self._sessions)
+
+    def tenant_usage(self) -> dict[str, TenantUsage]:
+        """Per tenant (`tenant.py`: the tenant is part of the session key): sessions, history tokens,
+        and tokens whose KV is stored in some tier."""
+        with self._lock:
+            acc: dict[str, list[int]] = {}
+            for sid, s in self._sessions.items():
+                a = acc.setdefault(tenant_of(sid), [0, 0, 0])
+                a[0] += 1
+                a[1] += s.num_tokens
+                a[2] += s.num_tokens - s.tokens_in(DROPPED, self.block_size)
+            return {t: TenantUsage(*a) for t, a in acc.items()}
 
     def delete(self, session_id: str) -> None:
         with self._lock:
@@ -219,9 +242,12 @@ class SessionStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin, 
                 for k in range(keep, len(s.chunks)):
                     self._release(s, k)
                 del s.chunks[keep:]
+                cut_inside = bool(s.chunks) and s.chunks[-1].state in ON_DISK and length % self.block_size
+                old_tag = identity_tags(s.token_ids[: keep * self.block_size], self.block_size)[-1] \
+                    if cut_inside else None
                 del s.token_ids[length:]
-                if s.chunks and s.chunks[-1].state in ON_DISK:
-                    self._disk_dirty = True
+                if cut_inside:       # its checksum named the longer prefix
+                    self._disk_cut(s, keep - 1, old_tag)
                 self._sync_disk()
             return cut
 
@@ -230,6 +256,7 @@ class SessionStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin, 
         Host and disk chunks are not missing: `plan_step` copies them up."""
         with self._lock:
             s = self.session(session_id)
+            self._verify_disk(s)        # disk chunks that are not what they name are missing too
             return [p for k, c in enumerate(s.chunks) if c.state is DROPPED for p in s.chunk_range(k, self.block_size)]
 
     def residency(self, session_id: str) -> dict[str, int]:
@@ -262,12 +289,16 @@ class SessionStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin, 
             self._check_hidden_move(s, ks, target)
             if target is not DROPPED and self._pool(target) is None:
                 raise ValueError(f"this store has no {tier} tier")
+            order = list(ChunkState)
+            reads = [k for k in ks if s.chunks[k].state in ON_DISK and
+                     order.index(s.chunks[k].state) > order.index(target)]
+            if self._verify_disk(s, reads):    # chunks that failed their checksum are dropped, not moved
+                ks = [k for k in ks if k not in reads or s.chunks[k].state is not DROPPED]
             dest = {k: self._hidden_target(s.chunks[k].state, target) for k in ks}
             ks = [k for k in ks if s.chunks[k].state is not dest[k]]
             if target is not DROPPED and any(s.chunks[k].state is DROPPED for k in ks):
                 raise ValueError(f"session {session_id!r}: dropped chunks keep only token ids and cannot move "
                                  f"to {tier}; the next turn recomputes them")
-            order = list(ChunkState)
             up = [k for k in ks if order.index(s.chunks[k].state) > order.index(dest[k])]
             down = [k for k in ks if k not in up]
             excl = {session_id}
@@ -343,37 +374,7 @@ class SessionStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin, 
             self._swap_out_ahead()
             self._sync_disk()
 
-    # ---- disk persistence -----------------------------------------------------------------------
-
-    def _sync_disk(self) -> None:
-        if self.disk is None or not self._disk_dirty:
-            return
-        self.transfer.settle(self.disk.pool)     # a chunk is named on disk once its bytes are there
-        sessions = {}
-        for s in self._sessions.values():
-            kv = {str(k): c.loc for k, c in enumerate(s.chunks) if c.state is DISK}
-            hidden = self._disk_index_entry(s)
-            if kv or hidden:
-                sessions[s.session_id] = {"token_ids": s.token_ids, "disk_chunks": kv, "hidden_chunks": hidden}
-        self.disk.write_index(sessions)
-        self._disk_dirty = False
-
-    def _load_disk_sessions(self) -> None:
-        taken, taken_hidden = [], []
-        for sid, saved in self.disk.saved_sessions.items():
-            s = Session(sid, list(saved["token_ids"]), last_active=self.clock())
-            s.chunks = [Chunk() for _ in range(-(-len(s.token_ids) // self.block_size))]
-            for k, slot in saved["disk_chunks"].items():
-                k = int(k)
-                if not (0 <= k < len(s.chunks) and 0 <= slot < self.disk.pool.num_blocks):
-                    raise StoreError(f"disk tier index names chunk {k} slot {slot} of {sid!r} out of range")
-                s.chunks[k] = Chunk(DISK, slot)
-                taken.append(slot)
-            taken_hidden += self._load_disk_hidden(s, saved)
-            self._sessions[sid] = s
-        self.disk.pool.take(taken)
-        if taken_hidden:
-            self.disk_hidden_pool.take(taken_hidden)
+    # ---- disk persistence (disk_state.py) ---------------------------------------------------------
 
     def close(self) -> None:
         """Write the disk index and release the disk tier's lock (device and host contents are lost)."""
@@ -382,6 +383,5 @@ class SessionStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin, 
             self.page_mapper = None
         with self._lock:
             if self.disk is not None:
-                self._disk_dirty = True
-                self._sync_disk()
+                self._sync_disk(force=True)      # best effort: the last committed index stays true
                 self.disk.close()

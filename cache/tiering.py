@@ -15,7 +15,7 @@ import math
 import time
 from contextlib import contextmanager
 
-from .errors import CapacityError
+from .errors import CapacityError, StoreError
 from .moves import REASONS, MoveBatch
 from .pool import BlockPool
 from .session import Chunk, ChunkState, Session
@@ -114,8 +114,12 @@ class TieringMixin:
         pool = self._pool(state)
         if getattr(pool, "virtual", False):
             self._free_device_slots(pool.slots_needed(owners), exclude)
+        if n > pool.num_free and state in ON_DISK and pool.limbo:
+            self._sync_disk(force=True)        # freed disk slots are reusable once the index forgets them
         if n > pool.num_free:
             self._make_room(state, n - pool.num_free, exclude)
+            if n > pool.num_free and state in ON_DISK:
+                self._sync_disk(force=True)
         if n > pool.num_free:
             raise CapacityError(f"{state.value} tier: {n} blocks needed, {pool.num_free} free and no more "
                                 "can be freed from idle sessions (the others are busy)")
@@ -182,6 +186,8 @@ class TieringMixin:
                 return
         target = target or self._below(state)
         exclude = exclude | {s.session_id for s, _ in items}
+        if target in ON_DISK and not self._disk_usable(strict):
+            target = DROPPED
         if target is not DROPPED:
             try:
                 slots = self._take(target, len(items), exclude)
@@ -204,6 +210,12 @@ class TieringMixin:
             self.hidden_pool.copy_slots([s.chunks[k].loc for s, k in items], self.disk_hidden_pool, slots)
         else:
             self.transfer.copy(self._pool(state), [s.chunks[k].loc for s, k in items], self._pool(target), slots)
+        if target in ON_DISK and not self._disk_written(items, target, slots):   # not durable: not on disk
+            if strict:
+                raise StoreError(f"the disk tier {str(self.disk.dir)!r} could not flush its data file; nothing "
+                                 "was moved and the tier is degraded")
+            self._move_down(items, state, exclude, target=DROPPED)
+            return
         self._record_move(state, target, items, t0)
         for (s, k), slot in zip(items, slots):
             self._release(s, k)

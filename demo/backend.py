@@ -88,8 +88,10 @@ class ChatBackend:
         return out
 
     def stream(self, session_id: str, messages: list[dict], turn: int, max_new_tokens: int | None = None,
-               temperature: float = 0.0) -> Iterator[tuple[str, TurnInfo | None]]:
-        """Yield (reply so far, None) while streaming, then (reply, TurnInfo)."""
+               temperature: float = 0.0, seed: int | None = 0) -> Iterator[tuple[str, TurnInfo | None]]:
+        """Yield (reply so far, None) while streaming, then (reply, TurnInfo). A failed turn raises its
+        error (the engine's: a prompt too long for the context or the pool, ...). `seed` matters only
+        with temperature > 0 (None: a fresh one, so a retry samples another reply)."""
         ids = self.encode(messages)
         at_send = self._at_send(session_id, ids)
         hint = self._hints.pop(session_id, None)
@@ -97,7 +99,7 @@ class ChatBackend:
         if hint is not None:
             hint.cancel()                       # whatever it has not moved, the turn's own step moves
         sampling = SamplingParams(max_new_tokens=max_new_tokens or self.max_new_tokens, temperature=temperature,
-                                  seed=0 if temperature > 0 else None)
+                                  seed=seed if temperature > 0 else None)
         handle = self.engine.submit(session_id, ids, sampling)
         text = ""
         for delta in handle.text_deltas():
@@ -149,14 +151,15 @@ class ChatBackend:
     def turns_html(turns: list[dict]) -> str:
         if not turns:
             return "<div class='shf-turns'><i>Per-turn numbers appear after the first reply.</i></div>"
-        head = ("<tr><th>turn</th><th>TTFT ms</th><th>prompt</th><th>reused</th><th>host/disk</th>"
-                "<th>hidden</th><th>recomp.</th><th>computed</th><th>cut</th><th>hint</th></tr>")
+        head = ("<tr><th>turn</th><th>TTFT<br>ms</th><th>prompt</th><th>reused</th><th>host/<br>disk</th>"
+                "<th>hidden</th><th>re-<br>comp.</th><th>com-<br>puted</th><th>cut</th><th>hint</th></tr>")
         body = "".join(
             f"<tr><td>{t['turn']}</td><td>{_ms(t['ttft_ms'])}</td><td>{t['prompt_tokens']}</td>"
             f"<td>{t['reused_tokens']}</td><td>{t['at_send_host']} / {t['at_send_disk']}</td>"
             f"<td>{t['at_send_hidden']}</td><td>{t['recomputed_tokens']}</td><td>{t['computed_tokens']}</td>"
             f"<td>{t['truncated_tokens']}</td><td>{t['hint_moved_tokens']}</td></tr>" for t in turns)
-        return (f"<table class='shf-turns'>{head}{body}</table><div class='shf-note'>Reused = history served "
+        return (f"<div class='shf-scroll'><table class='shf-turns'>{head}{body}</table></div>"
+                "<div class='shf-note'>Reused = history served "
                 "from stored KV; host / disk / hidden = where that history was when the turn was sent "
                 "(swapped in or rebuilt, not recomputed); recomp. = recomputed; cut = history dropped because "
                 "the conversation changed there (an edit, retry or undo, or a reply whose text re-tokenizes "

@@ -1,15 +1,17 @@
 """The engine: several chat sessions served together (one forward per step mixes their prompt and
 decode tokens), from several threads, with streaming, metrics and a typing hint.
-    python examples/engine_sessions.py
+    python examples/engine_sessions.py [MODEL]      # default smollm2-135m-instruct; tiny-random: offline
 """
 
+import sys
 import threading
 
 import stateful_hf
 from stateful_hf import Engine, SamplingParams
-from stateful_hf.testing import tiny_llama, tiny_tokenizer
+from stateful_hf.models import load
 
-model, tokenizer = tiny_llama(), tiny_tokenizer()
+MODEL = sys.argv[1] if len(sys.argv) > 1 else "smollm2-135m-instruct"   # or "tiny-random" (offline), or a path
+model, tokenizer = load(MODEL)                                         # fetched once (stateful_hf.models)
 store = stateful_hf.SessionStore(model, device_capacity=1024, host_capacity=4096, chunk_size=16)
 engine = Engine(model, tokenizer, store=store, max_batch_tokens=256).start()   # background step loop
 greedy = SamplingParams(max_new_tokens=12)

@@ -1,22 +1,15 @@
 """Multi-turn `model.generate` with a StatefulCache: each turn computes only its new tokens.
 
-Runs offline on the tiny random-weight fixture; pass a checkpoint path to use a real model:
-    python examples/multiturn_generate.py [MODEL_PATH]
+    python examples/multiturn_generate.py [MODEL]   # default smollm2-135m-instruct; tiny-random: offline
 """
 
 import sys
 
-import torch
-
 import stateful_hf
-from stateful_hf.testing import tiny_llama, tiny_tokenizer
+from stateful_hf.models import load
 
-if len(sys.argv) > 1:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    model = AutoModelForCausalLM.from_pretrained(sys.argv[1], torch_dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
-else:
-    model, tokenizer = tiny_llama(), tiny_tokenizer()
+MODEL = sys.argv[1] if len(sys.argv) > 1 else "smollm2-135m-instruct"   # or "tiny-random" (offline), or a path
+model, tokenizer = load(MODEL)                                         # fetched once (stateful_hf.models)
 
 store = stateful_hf.SessionStore(model, device_capacity=4096)     # tokens, or a size like "2GiB"
 cache = store.cache("alice")

@@ -2,7 +2,7 @@
 
 Code written for `transformers.pipeline("text-generation", ...)` keeps working; passing the growing
 message list with a session id each turn computes only the new tokens.
-    python examples/pipeline_chat.py [MODEL_PATH]
+    python examples/pipeline_chat.py [MODEL]        # default smollm2-135m-instruct; tiny-random: offline
 """
 
 import sys
@@ -10,12 +10,10 @@ import sys
 import transformers
 
 import stateful_hf
-from stateful_hf.testing import tiny_llama, tiny_tokenizer
+from stateful_hf.models import load
 
-if len(sys.argv) > 1:
-    model, tokenizer = sys.argv[1], None          # a path: the pipeline loads model and tokenizer
-else:
-    model, tokenizer = tiny_llama(), tiny_tokenizer()
+MODEL = sys.argv[1] if len(sys.argv) > 1 else "smollm2-135m-instruct"   # or "tiny-random" (offline), or a path
+model, tokenizer = load(MODEL)                                         # fetched once (stateful_hf.models)
 
 chat = stateful_hf.pipeline("text-generation", model=model, tokenizer=tokenizer, device_capacity=4096)
 messages = [{"role": "system", "content": "You are brief."}]

@@ -1,16 +1,18 @@
 """Tier movement: a session's KV moves between device, host, disk and dropped, and every turn comes
 back exact; `store.summary()` shows the tiers and the traffic.
-    python examples/tier_movement.py
+    python examples/tier_movement.py [MODEL]        # default smollm2-135m-instruct; tiny-random: offline
 """
 
+import sys
 import tempfile
 
 import torch
 
 import stateful_hf
-from stateful_hf.testing import tiny_llama, tiny_tokenizer
+from stateful_hf.models import load
 
-model, tokenizer = tiny_llama(), tiny_tokenizer()
+MODEL = sys.argv[1] if len(sys.argv) > 1 else "smollm2-135m-instruct"   # or "tiny-random" (offline), or a path
+model, tokenizer = load(MODEL)                                         # fetched once (stateful_hf.models)
 with tempfile.TemporaryDirectory() as disk:
     store = stateful_hf.SessionStore(model, device_capacity=512, host_capacity=512, disk_dir=disk, disk_capacity=1024)
     cache = store.cache("alice")

@@ -176,6 +176,7 @@ def prepare_turn(model: torch.nn.Module, cache: StatefulCache, ids: Sequence[int
     keep = min(store.match_prefix(sid, ids), len(ids) - 1)
     truncated = store.truncate(sid, keep)
     stats = TurnStats(truncated_tokens=truncated)
+    store.missing_positions(sid)      # proves the disk chunks first: those that fail count as recomputed
     s, bs = store.session(sid), store.block_size
     for k, c in enumerate(s.chunks):
         n = s.chunk_len(k, bs)

@@ -14,6 +14,7 @@ from .cache.disk import saved_hidden_layers
 from .cache.hidden import HiddenSpec
 from .cache.hidden_tier import HIDDEN_MODES
 from .cache.hplan import HiddenCosts, HiddenPlan, min_hidden_layers, plan_layers
+from .fingerprint import model_fingerprint
 from .hidden import install_capture, measure_hidden_costs
 from .integration import enable
 from .kernels import resolve_backend
@@ -60,7 +61,10 @@ class SessionStore(_TensorStore):
         With a disk tier, hidden chunks moving down from the host stay hidden states on disk, in a
         second file of hidden_disk_capacity (default disk_capacity); a store reopened over the same
         disk_dir keeps the split recorded there (unless hidden_layers says otherwise, in which case
-        those chunks are recomputed from their token ids).
+        those chunks are recomputed from their token ids). The disk tier records the model's fingerprint
+        (config and a sample of the weights) and refuses a disk_dir made for another model; it serves
+        a chunk only if its checksum proves it is the chunk it names, else recomputes it
+        (docs/durability.md).
     clock: the time source of sessions' last activity (the policy's idle time); default time.monotonic.
     layerwise_kv: LayerKV's layer-wise KV allocation: engine steps may keep only some layers of a
         chunk on the device (blocks shared by residue class) and the others on the host tier, read
@@ -116,7 +120,8 @@ class SessionStore(_TensorStore):
                          project=kv_projector(model, adapter) if uses_hidden else None, layout=layout,
                          max_context=max_context or adapter.max_positions, clock=clock, keep_freed=keep_freed,
                          map_ahead=map_ahead, hidden_disk_capacity=hidden_disk_capacity,
-                         layerwise_kv=layerwise_kv, emulate_async=emulate_async)
+                         layerwise_kv=layerwise_kv, emulate_async=emulate_async,
+                         disk_fingerprint=model_fingerprint(model) if disk_dir is not None else "")
         self.model = model
         self.adapter = adapter
 

@@ -1,4 +1,5 @@
-"""Every script in examples/ runs offline, as written, and prints what it promises."""
+"""Every script in examples/ runs offline on the tiny fixture (`tiny-random`; their default is the real
+model, which tests/test_real_model.py covers) and prints what it promises."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def test_every_example_runs_offline():
     assert scripts == sorted(EXPECT), f"examples/ has {scripts}; list each one in EXPECT"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     start = time.monotonic()
-    procs = {name: subprocess.Popen([sys.executable, f"examples/{name}"], cwd=ROOT, env=env, text=True,
+    procs = {name: subprocess.Popen([sys.executable, f"examples/{name}", "tiny-random"], cwd=ROOT, env=env, text=True,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE) for name in scripts}
     for name, proc in procs.items():
         try:

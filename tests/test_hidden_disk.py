@@ -4,8 +4,8 @@ under pressure, must give exactly the stateless tokens and keep every slot owned
 
 from __future__ import annotations
 
-import json
 import shutil
+import sqlite3
 
 import pytest
 import torch
@@ -92,8 +92,9 @@ def test_disk_hidden_comes_back_to_the_host_and_steps_abort_cleanly(make_store, 
     step = store.plan_step([("a", [5], [n])])      # rebuild in flight: sources still owned on disk
     assert store.session("a").chunks[0].source == (DH, store.session("a").chunks[0].source[1])
     store.check_integrity()
-    index = json.loads((tmp_path / "disk" / "index.json").read_text())
-    assert sorted(index["sessions"]["a"]["hidden_chunks"]) == ["0", "2"]   # a crash now loses nothing
+    with sqlite3.connect(tmp_path / "disk" / "index.sqlite") as index:
+        named = index.execute("SELECT k FROM chunks WHERE session = 'a' AND form = 'hidden' ORDER BY k").fetchall()
+    assert named == [(0,), (2,)]                   # a crash now loses nothing
     store.abort(step)                              # no forward ran: back on disk, nothing lost
     assert [c.state for c in store.session("a").chunks[:3]] == [DH, ChunkState.HIDDEN, DH]
     store.check_integrity()
@@ -176,9 +177,8 @@ def test_disk_bytes_per_token_for_mha(make_store, tmp_path):
     assert st.disk_tokens == st.disk_hidden_tokens == 3 * 128 and st.host_tokens == 0
     assert st.disk_bytes / st.disk_tokens <= 0.55 * st.kv_bytes_per_token, st
     assert st.bytes_per_token["disk"] == st.hidden_bytes_per_token
-    files = {p.name: p.stat().st_size for p in (tmp_path / "d").iterdir()}
     per_slot = store.hidden_spec.bytes_per_block
-    assert files["hidden.bin"] == store.disk_hidden_pool.num_blocks * per_slot
+    assert store.disk.files["hidden"].path.stat().st_size == store.disk_hidden_pool.num_blocks * per_slot
 
 
 def test_full_disk_and_bad_moves_are_clear_and_lose_nothing(make_store, tmp_path):

@@ -166,3 +166,20 @@ def test_cli_quick_path_writes_json_and_plots(tmp_path):
     assert all(v == 1.0 for v in saved["same_tokens_as_stateless"].values())
     assert "policy" in saved and len(saved["sweep"]["stateful_hf"]) == 2
     assert all(os.path.exists(p) for p in out["plots"]) and len(out["plots"]) == 3
+
+
+def test_synthesized_turns_can_be_cut_from_a_real_text():
+    """--model: turns at Pensieve's lengths whose ids are windows of the bundled sample's tokenized text."""
+    from benchmarks.multiturn.workload import synthesize, text_ids
+    from stateful_hf.testing import tiny_tokenizer
+
+    text = text_ids(tiny_tokenizer())
+    assert len(text) > 200
+    wl = synthesize(4, scale=0.2, text_ids=text, seed=1)
+    joined = ",".join(map(str, text + text)) + ","
+    for conv in wl.conversations:
+        for turn in conv.turns:
+            assert ",".join(map(str, turn.user_ids)) + "," in joined     # a contiguous window of the text
+    assert wl.source == "synthetic-sharegpt-text"
+    assert synthesize(4, scale=0.2, seed=1).conversations[0].turns[0].user_ids != \
+        wl.conversations[0].turns[0].user_ids

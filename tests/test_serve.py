@@ -148,27 +148,64 @@ def test_bad_input_gets_openai_errors(server, client):
     assert httpx.get(server.url + "/health", timeout=10).json()["status"] == "ok"
 
 
-def test_busy_session_is_409_and_disconnect_cancels(server):
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me about the sea."}], "max_tokens": 1500,
+def test_busy_session_queues_and_disconnect_cancels(server):
+    """A second turn of a session waits for the running one (it is not refused); the client leaving
+    the first stream cancels that turn, and the queued turn then runs."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me about the sea."}], "max_tokens": 1900,
             "ignore_eos": True, "stream": True}
     cancelled = metric(server, "requests_total", 'finish_reason="cancelled"')
+    second: dict = {}
+
+    def queued():
+        second["r"] = _post(server, "/v1/chat/completions",
+                            {**body, "stream": False, "max_tokens": 2, "session_id": "dave"})
+        second["t"] = time.monotonic()
     with httpx.Client(timeout=30) as http, http.stream("POST", server.url + "/v1/chat/completions", json=body,
                                                        headers={"X-Session-Id": "dave"}) as first:
         assert first.status_code == 200
         lines = first.iter_lines()
         assert next(line for line in lines if line.startswith("data:"))   # the turn is running
-        r = _post(server, "/v1/chat/completions", {**body, "stream": False, "max_tokens": 2, "session_id": "dave"})
-        err = _error(r, 409, "session_busy")
-        assert err["param"] == "session_id"
-    # leaving the stream early cancels the turn: the session becomes free again
-    deadline = time.monotonic() + 20
-    while True:
-        r = _post(server, "/v1/chat/completions", {**body, "stream": False, "max_tokens": 2, "session_id": "dave"})
-        if r.status_code == 200 or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    assert r.status_code == 200, r.text
+        t = threading.Thread(target=queued)
+        t.start()
+        time.sleep(0.3)
+        assert "r" not in second, "the second turn ran while the first was in flight"
+        left = time.monotonic()
+    t.join(30)
+    assert second["r"].status_code == 200, second["r"].text
+    assert second["t"] > left
+    assert second["r"].json()["usage"]["completion_tokens"] == 2
     assert metric(server, "requests_total", 'finish_reason="cancelled"') == cancelled + 1
+
+
+def test_five_concurrent_turns_of_one_session_run_in_arrival_order(server, client):
+    """Five turns of one session sent at once through the openai client (no retries): all succeed,
+    finish in the order they were sent, and each equals the stateless reference."""
+    reference = Engine(tiny_llama(), tiny_tokenizer())
+    n, finished, replies, errors = 5, [], {}, []
+    lock = threading.Lock()
+
+    def go(i):
+        try:
+            r = client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": f"Turn number {i}, please answer."}],
+                max_tokens=24, temperature=0, extra_body={"ignore_eos": True}, extra_headers={"X-Session-Id": "fifo"})
+            with lock:
+                finished.append(i)
+                replies[i] = r.choices[0].message.content
+        except Exception as e:     # noqa: BLE001
+            errors.append(e)
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+        time.sleep(0.02)           # a defined arrival order; each turn takes longer than this
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert finished == list(range(n))
+    greedy = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    for i in range(n):
+        msgs = [{"role": "user", "content": f"Turn number {i}, please answer."}]
+        assert replies[i] == reference.submit(f"r{i}", msgs, greedy).result().text
 
 
 def test_hint_endpoint_prefetches(server, client):

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from stateful_hf import SamplingParams  # noqa: E402
 from stateful_hf.cache.stats import Counters  # noqa: E402
 from stateful_hf.serve import LocalClient, Replica, Router  # noqa: E402
-from stateful_hf.serve.metrics import STORE_COUNTERS, UNEXPORTED_COUNTERS  # noqa: E402
+from stateful_hf.serve.metrics import STORE_COUNTERS, STORE_STAT_COUNTERS, UNEXPORTED_COUNTERS  # noqa: E402
 from stateful_hf.serve.server import EngineOptions  # noqa: E402
 from stateful_hf.testing import tiny_llama, tiny_tokenizer  # noqa: E402
 
@@ -98,6 +98,9 @@ def test_page_parses_with_types_help_replica_labels_and_owner_values():
             assert value(fams, "sessions", replica=r) == st.sessions
             for field, (name, _) in STORE_COUNTERS.items():
                 assert value(fams, name, name + "_total", replica=r) == pytest.approx(getattr(st.counters, field))
+            for field, (name, _) in STORE_STAT_COUNTERS.items():
+                assert value(fams, name, name + "_total", replica=r) == getattr(st, field)
+            assert value(fams, "disk_degraded", replica=r) == float(st.disk_degraded)
             served = [f for f in finals if f["replica"] == r]
             assert value(fams, "requests", "requests_total", replica=r) == len(served)
             assert value(fams, "time_to_first_token_seconds", "time_to_first_token_seconds_count",

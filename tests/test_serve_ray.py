@@ -107,3 +107,16 @@ def test_skewed_sessions_balanced_across_ray_replicas(cluster):
         after = [_metric(http, cluster, "router_requests_total", replica=f"replica-{i}") for i in range(2)]
     served = [x - y for x, y in zip(after, before)]
     assert sum(served) == len(order) and abs(served[0] - served[1]) <= 1, served
+
+
+def test_get_and_delete_session_reach_the_owning_ray_replica(cluster):
+    with httpx.Client(timeout=60) as http:
+        r = _chat(http, cluster, "ray-del", [{"role": "user", "content": "Hello there!"}])
+        owner = r.headers["x-replica"]
+        info = http.get(cluster + "/v1/sessions/ray-del").json()
+        assert info["replica"] == owner and info["tokens"] > 0 and info["tiers"]["device"] == info["tokens"]
+        d = http.delete(cluster + "/v1/sessions/ray-del")
+        assert d.status_code == 200 and d.json()["freed_tokens"] == info["tokens"]
+        for method in (http.get, http.delete):
+            r = method(cluster + "/v1/sessions/ray-del")
+            assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found", r.text

@@ -3,12 +3,14 @@
     python -m benchmarks.multiturn --quick --json multiturn.json --plots plots/
     python -m benchmarks.multiturn --data benchmarks/multiturn/data/sample_sharegpt.json --rate 0.5
     python -m benchmarks.multiturn --users 8 --think-time 2 --conversations 32
+    python -m benchmarks.multiturn --quick --model smollm2-135m-instruct    # real weights, real text
 
 Conversations (ShareGPT-format file via `datasets`, or synthesized with Pensieve's ShareGPT/UltraChat
 statistics, lengths scaled by --scale) arrive as a Poisson process (--rate conversations/s) or through
 --users concurrent users; a conversation's next turn is sent only after the previous answer plus an
 exponential think time (--think-time mean). Every system serves the same schedule on the same model
-(a ~100M-parameter Llama with random weights unless --layers changes it), float32, greedy, EOS
+(a ~100M-parameter Llama with random weights unless --layers changes it; --model smollm2-135m-instruct:
+SmolLM2-135M-Instruct with real text prompts), float32, greedy, EOS
 ignored so every answer has the workload's length, and the same device KV budget (--kv-budget).
 
 Pensieve's think time is 60 s and its lengths are full size; on this CPU (a 100M model decodes a few
@@ -26,12 +28,12 @@ import time
 
 import torch
 
-from ..models import llama_100m, n_params
+from ..models import build, kv_bytes_per_token, n_params
 from . import report
 from .arrivals import Arrivals
 from .bench import ALL_SYSTEMS, Bench, Config, budget_for, experiment, policy_budget_for, warm_up
 from .policy import load_cost_profile, replay_workload
-from .workload import load_sharegpt, synthesize
+from .workload import load_sharegpt, synthesize, text_ids
 
 QUICK = dict(conversations=5, scale=0.12, max_turns=4, max_output=24, rate=4.0, think_time=0.5, rates="1",
              memory_fraction=0.5, sweep_systems="hf_continuous_batching,stateful_hf", policy_fraction=0.25,
@@ -63,7 +65,10 @@ def parse(argv=None) -> argparse.Namespace:
     s = ap.add_argument_group("systems")
     s.add_argument("--systems", default=",".join(ALL_SYSTEMS),
                    help="comma-separated subset of " + ",".join(ALL_SYSTEMS))
-    s.add_argument("--layers", type=int, default=12, help="Llama layers (12 = ~100M parameters)")
+    s.add_argument("--model", help="a named model (smollm2-135m-instruct, fetched once; real text prompts: the "
+                   "--data file, else turns of Pensieve's lengths cut from the bundled ShareGPT sample) or a "
+                   "path; default: a random-weight Llama of --layers layers")
+    s.add_argument("--layers", type=int, default=12, help="Llama layers (12 = ~100M parameters); without --model")
     s.add_argument("--kv-budget", type=int, help="device KV budget in tokens, same for every system")
     s.add_argument("--memory-fraction", type=float,
                    help="without --kv-budget: budget = this share of the KV all conversations reach")
@@ -104,26 +109,26 @@ def main(argv=None) -> dict:
         torch.set_num_threads(args.threads)
     t_start = time.monotonic()
     env = report.environment()
-    model = llama_100m(num_hidden_layers=args.layers)
+    model, tokenizer, described = build(args.model, args.layers)
     vocab = model.config.vocab_size
     if args.data:
         wl = load_sharegpt(args.data, args.conversations, args.scale, args.max_turns, args.max_input,
-                           args.max_output, vocab)
-    else:
+                           args.max_output, vocab, tokenizer=tokenizer)
+    else:        # Pensieve's statistics; with a real model's tokenizer, turns cut from the bundled sample's text
         wl = synthesize(args.conversations, args.dataset, args.scale, args.max_turns, args.max_input,
-                        args.max_output, vocab, args.seed)
+                        args.max_output, vocab, args.seed, text_ids(tokenizer) if tokenizer is not None else ())
     arr = Arrivals(rate=0.0 if args.users else args.rate, think_s=args.think_time, users=args.users, seed=args.seed)
     budget = args.kv_budget or budget_for(wl, args.memory_fraction)
     cfg = Config(budget, args.max_batch_tokens, max_seqs=max(len(wl.conversations), 1),
                  host_factor=args.host_factor, profile_repeats=args.profile_repeats)
     systems = [x for x in args.systems.split(",") if x]
     rates = [float(x) for x in args.rates.split(",") if x] if args.rates else []
-    print(f"model: Llama {args.layers} layers, {n_params(model) / 1e6:.1f}M parameters, float32, random weights; "
+    print(f"model: {described}; "
           f"{env['torch_threads']} torch threads; load average {env['load_average_at_start']}")
     print(f"workload: {wl.describe()}")
     print(f"arrivals: {arr.describe()} (scaled for this CPU; Pensieve uses a 60 s mean think time)")
     print(f"KV budget: {budget} tokens on the device for every system "
-          f"({budget * 2 * args.layers * 768 * 4 / 2**20:.0f} MiB); host/disk tiers of variants: x{args.host_factor:g}")
+          f"({budget * kv_bytes_per_token(model) / 2**20:.0f} MiB); host/disk tiers of variants: x{args.host_factor:g}")
     warm_up(model, vocab)
     bench = Bench(model, cfg, progress=not args.no_progress,
                   cost_profile=load_cost_profile(args.cost_profile) if args.cost_profile else None)
@@ -135,7 +140,9 @@ def main(argv=None) -> dict:
     res = experiment(bench, wl, arr, systems, rates, [x for x in args.sweep_systems.split(",") if x], pbudget,
                      args.repeats, policy_wl=pwl, oracle=not args.no_oracle)
     out = {"command": "python -m benchmarks.multiturn " + " ".join(sys.argv[1:] if argv is None else argv),
-           "environment": env, "model": {"layers": args.layers, "params": n_params(model), "dtype": "float32"},
+           "environment": env, "model": {"name": args.model, "described": described,
+                                             "layers": model.config.num_hidden_layers, "params": n_params(model),
+                                             "dtype": "float32"},
            "workload": wl.describe(), "arrivals": arr.describe(), "kv_budget_tokens": budget,
            "max_batch_tokens": args.max_batch_tokens, "rates": rates, **res,
            "ratios_vs_baselines": report.ratios(res["systems"]),

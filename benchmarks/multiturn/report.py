@@ -113,8 +113,10 @@ def markdown(out: dict, plot_dir: str | None = None) -> str:
     """The README's performance section: command, setup, tables, ratios, policy, plots."""
     env, wl, arr = out["environment"], out["workload"], out["arrivals"]
     la = env.get("load_average_at_start")
+    model = out["model"].get("described") or \
+        f"{out['model']['params'] / 1e6:.1f}M-parameter Llama (random weights, float32)"
     lines = [
-        f"`{out['command']}` — {out['model']['params'] / 1e6:.1f}M-parameter Llama (random weights, float32), "
+        f"`{out['command']}` — {model}, "
         f"{env['cpu']}, {env['cpu_count']} cores, {env['torch_threads']} torch threads, torch {env['torch']}, "
         f"transformers {env['transformers']}; load average {la[0]:.1f} at the start and "
         f"{out['load_average_at_end'][0]:.1f} at the end (a shared machine), {out['elapsed_s']:.0f} s in all.",

@@ -9,17 +9,20 @@ system sees the same schedule.
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import re
 import zlib
 from dataclasses import dataclass, field
+from pathlib import Path
 
 # Pensieve §6 (DIGEST.md): mean turns per conversation, input and output tokens per turn.
 DATASET_STATS = {
     "sharegpt": (5.56, 37.77, 204.58),
     "ultrachat": (3.86, 51.78, 257.81),
 }
+SAMPLE = Path(__file__).parent / "data" / "sample_sharegpt.json"   # a small ShareGPT-format sample
 LOGNORMAL_SIGMA = 1.0          # spread of per-turn lengths (ShareGPT lengths are heavy-tailed)
 
 
@@ -78,9 +81,12 @@ def _geometric(rng: random.Random, mean: float, hi: int) -> int:
 
 
 def synthesize(n: int, dataset: str = "sharegpt", scale: float = 1.0, max_turns: int = 16, max_input: int = 1024,
-               max_output: int = 1024, vocab: int = 32000, seed: int = 0) -> Workload:
+               max_output: int = 1024, vocab: int = 32000, seed: int = 0,
+               text_ids: tuple[int, ...] = ()) -> Workload:
     """`n` conversations with the dataset's mean turns and per-turn lengths (lengths multiplied by
-    `scale`): turns geometric, lengths log-normal (sigma 1), clipped to the maxima."""
+    `scale`): turns geometric, lengths log-normal (sigma 1), clipped to the maxima. A turn's ids are
+    random in [3, vocab), or with `text_ids` (a tokenized text) a window of that text at a random
+    offset: real text at the published lengths, for a model with real weights."""
     turns_mean, in_mean, out_mean = DATASET_STATS[dataset]
     rng = random.Random(seed)
     convs = []
@@ -88,11 +94,23 @@ def synthesize(n: int, dataset: str = "sharegpt", scale: float = 1.0, max_turns:
         turns = []
         for _ in range(_geometric(rng, turns_mean, max_turns)):
             k = _lognormal_int(rng, in_mean * scale, 1, max_input)
-            turns.append(Turn(tuple(rng.randrange(3, vocab) for _ in range(k)),
-                              _lognormal_int(rng, out_mean * scale, 1, max_output)))
+            if text_ids:
+                start = rng.randrange(len(text_ids))
+                ids = tuple((text_ids[start:] + text_ids * (1 + k // len(text_ids)))[:k])
+            else:
+                ids = tuple(rng.randrange(3, vocab) for _ in range(k))
+            turns.append(Turn(ids, _lognormal_int(rng, out_mean * scale, 1, max_output)))
         convs.append(Conversation(f"c{i}", tuple(turns)))
-    return Workload(tuple(convs), f"synthetic-{dataset}",
+    return Workload(tuple(convs), f"synthetic-{dataset}" + ("-text" if text_ids else ""),
                     {"scale": scale, "paper_means": dict(zip(("turns", "input", "output"), DATASET_STATS[dataset]))})
+
+
+def text_ids(tokenizer, path: str | Path = SAMPLE) -> tuple[int, ...]:
+    """Every message of a ShareGPT-format JSON file (default: the bundled sample), in order, tokenized
+    with the model's tokenizer: the text `synthesize(text_ids=...)` cuts its turns from."""
+    records = json.loads(Path(path).read_text())
+    text = "\n".join(m["value"] for r in records for m in r.get("conversations") or r.get("items") or [])
+    return tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 _WORD = re.compile(r"\w+|[^\w\s]")

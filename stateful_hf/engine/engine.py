@@ -280,7 +280,8 @@ class Engine(ChatMixin, HintMixin):
 
     def _output(self, r: Request) -> RequestOutput:
         return RequestOutput(r.request_id, r.session_id, tuple(r.output_ids), r.text.text if r.text else None,
-                             r.finish_reason, r.metrics(self.ttft_slo, self.tpot_slo), r.error)
+                             r.finish_reason, r.metrics(self.ttft_slo, self.tpot_slo), r.error,
+                             tuple(r.logprobs) if r.sampling.logprobs is not None else None)
 
     def _account_slo(self, r: Request, out: RequestOutput) -> None:
         if self.slo is None:

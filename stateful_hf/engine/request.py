@@ -56,6 +56,7 @@ class RequestOutput:
     finish_reason: str | None          # "stop", "length", "cancelled", "error"
     metrics: RequestMetrics
     error: BaseException | None = None
+    logprobs: tuple | None = None      # with SamplingParams.logprobs: one sampling.TokenLogprob per token_ids
 
 
 @dataclass(slots=True, eq=False)
@@ -74,6 +75,7 @@ class Request:
     pending: list[int] = field(default_factory=list)      # ids to append to the session, not yet fed
     missing: list[int] = field(default_factory=list)      # history positions to recompute (ascending)
     output_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)          # with sampling.logprobs: one per output id
     text: OutputText | None = None                        # decoded output (with a tokenizer)
     lease: AbstractContextManager | None = None
     finish_reason: str | None = None

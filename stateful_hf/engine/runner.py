@@ -14,7 +14,7 @@ import torch
 
 from ..cache import StepBatch
 from ..integration import run_step
-from .sampling import sample
+from .sampling import sample, token_logprobs
 from .scheduler import WorkItem
 
 
@@ -55,6 +55,7 @@ class ModelRunner:
                     logits = run_step(self.model, step, last[want])          # [len(want), V]
                     tokens = sample(logits, [items[i].request.sampling for i in want],
                                     [items[i].request.generator for i in want])
+                    _keep_logprobs([items[i].request for i in want], logits, tokens)
                 else:                                                  # prefill/recompute chunks only
                     run_step(self.model, step)
         except BaseException:
@@ -72,3 +73,14 @@ class ModelRunner:
             num_tokens=sum(it.num_tokens for it in items), seconds=seconds,
             used_blocks=pool.num_blocks - pool.num_free, total_blocks=pool.num_blocks,
         )
+
+
+def _keep_logprobs(requests, logits: torch.Tensor, tokens: list[int]) -> None:
+    """Append each asking request's chosen-token log-probability, from the logits `sample` used.
+    `complete` appends every sampled token to output_ids, so the two lists stay aligned."""
+    rows = [j for j, r in enumerate(requests) if r.sampling.logprobs is not None]
+    if not rows:
+        return
+    got = token_logprobs(logits[rows], [tokens[j] for j in rows], [requests[j].sampling.logprobs for j in rows])
+    for j, entry in zip(rows, got, strict=True):
+        requests[j].logprobs.append(entry)

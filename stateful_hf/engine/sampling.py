@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+MAX_LOGPROBS = 20          # OpenAI's bound on top_logprobs
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -28,6 +30,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     skip_special_tokens: bool = True         # for the decoded text only
+    # log-probabilities of the chosen tokens (the model's distribution: before temperature / top-p /
+    # top-k) with this many most likely alternatives each (0..20); None: not computed
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -44,6 +49,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:
@@ -134,4 +141,21 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
             continue
         row = _filter(logits[i].float() / p.temperature, p.top_k, p.top_p)
         out[i] = int(torch.multinomial(row.softmax(-1), 1, generator=gen))
+    return out
+
+
+TokenLogprob = tuple[int, float, tuple[tuple[int, float], ...]]   # (token, logprob, ((alt, logprob), ...))
+
+
+def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], tops: Sequence[int]) -> list[TokenLogprob]:
+    """logits [R, V] (the rows `sample` drew `tokens` from) -> per row the chosen token's log-probability
+    under log_softmax(logits) and the `tops[i]` most likely tokens with theirs (descending)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    out = []
+    for i, (t, k) in enumerate(zip(tokens, tops, strict=True)):
+        alts = ()
+        if k:
+            v, ids = torch.topk(lp[i], k)
+            alts = tuple(zip(ids.tolist(), v.tolist()))
+        out.append((int(t), float(lp[i, t]), alts))
     return out

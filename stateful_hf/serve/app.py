@@ -1,10 +1,14 @@
 """The HTTP app (FastAPI): OpenAI-compatible completions over a `Router` of engine replicas.
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions (both stream with server-sent events when
-`"stream": true`), POST /v1/hints, GET /v1/models, GET /metrics, GET /health.
+`"stream": true`), POST /v1/hints, GET and DELETE /v1/sessions/{id}, GET /v1/models, GET /metrics,
+GET /health. docs/server-api.md describes them.
 
 The session of a request is, first found: the `X-Session-Id` header, the body's `session_id`, the
-body's `user`. Without one the turn runs in a throwaway session (nothing is kept).
+body's `user`. Without one the turn runs in a throwaway session (nothing is kept). `session_id_of`
+is the one place a request's session id is resolved: sessions are named within the caller's tenant
+(`auth.py`: the API key's; `cache/tenant.py`: the store's key). `Access` (keys, limits) is enforced by
+`auth.Guard` and `limits.TenantGate`.
 """
 
 from __future__ import annotations
@@ -19,6 +23,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..cache.tenant import session_key, split_key
+from .auth import Access, Guard, request_tenant
+from .limits import TenantGate
 from .protocol import (
     APIError,
     ChatCompletionRequest,
@@ -37,15 +44,37 @@ SESSION_HEADER = "x-session-id"
 
 class ServeConfig:
     """What the app needs besides the router: the model's name, its tokenizer (prompts are
-    tokenized here, once), its context length, and the default max_tokens."""
+    tokenized here, once), its context length, the cap on a chat's default max_tokens (None: no cap,
+    the room left in the context, as vLLM does) and the model's generation config (where a request's
+    unset sampling fields come from; None: library defaults)."""
 
-    def __init__(self, model_name: str, tokenizer, max_model_len: int, default_max_tokens: int = 256):
+    def __init__(self, model_name: str, tokenizer, max_model_len: int, default_max_tokens: int | None = None,
+                 generation_config=None):
+        self.generation_config = generation_config
+        if default_max_tokens is not None and default_max_tokens < 1:
+            raise ValueError(f"default_max_tokens must be >= 1 or None, got {default_max_tokens}")
         self.model_name, self.tokenizer = model_name, tokenizer
         self.max_model_len, self.default_max_tokens = max_model_len, default_max_tokens
 
 
+def max_tokens_for(requested: int | None, prompt_len: int, max_model_len: int, cap: int | None, param: str) -> int:
+    """A turn's max_tokens. Precedence: the request's field; else the room left in the context
+    (max_model_len - prompt), capped by `cap` when the server has one. Too long: 400."""
+    room = max_model_len - prompt_len
+    if requested is None:
+        if room >= 1:
+            return room if cap is None else min(room, cap)
+        requested = 1                        # the prompt alone fills the context: report it as below
+    if prompt_len + requested > max_model_len:
+        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, "
+                       f"you requested {prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} "
+                       "for the completion). Please reduce the prompt or max_tokens.", param=param,
+                       code="context_length_exceeded")
+    return requested
+
+
 def _error_response(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers())
 
 
 async def _parse(request: Request, model_cls):
@@ -64,9 +93,12 @@ async def _parse(request: Request, model_cls):
                        code="missing_required_parameter" if err["type"] == "missing" else "invalid_value") from None
 
 
-def create_app(router, config: ServeConfig) -> FastAPI:
+def create_app(router, config: ServeConfig, access: Access | None = None) -> FastAPI:
     app = FastAPI(title="stateful-hf", docs_url=None, redoc_url=None)
-    app.state.router, app.state.config = router, config
+    app.state.router, app.state.config, app.state.access = router, config, access or Access()
+    app.add_middleware(Guard, access=app.state.access)
+    limits = app.state.access.limits
+    router = TenantGate(router, limits)
     tok = config.tokenizer
 
     @app.exception_handler(APIError)
@@ -88,14 +120,8 @@ def create_app(router, config: ServeConfig) -> FastAPI:
                            param="model", code="model_not_found")
 
     def session_of(request: Request, body) -> str | None:
-        return request.headers.get(SESSION_HEADER) or body.session_id or body.user or None
-
-    def check_length(ids: list[int], max_tokens: int, param: str) -> None:
-        if len(ids) + max_tokens > config.max_model_len:
-            raise APIError(400, f"This model's maximum context length is {config.max_model_len} tokens. However, "
-                           f"you requested {len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} "
-                           "for the completion). Please reduce the prompt or max_tokens.", param=param,
-                           code="context_length_exceeded")
+        named = request.headers.get(SESSION_HEADER) or body.session_id or body.user or None
+        return None if named is None else session_id_of(request, named)
 
     async def run(request: Request, sid, ids, sampling, stream: bool, include_usage: bool, kind: str,
                   token_ids: bool = False):
@@ -112,7 +138,7 @@ def create_app(router, config: ServeConfig) -> FastAPI:
                     final = ev
             if final["type"] == "error":
                 raise APIError.from_dict(final["error"])
-            body = (chat_response if kind == "chat" else completion_response)(rid, model, final, token_ids)
+            body = (chat_response if kind == "chat" else completion_response)(rid, model, final, token_ids, tok)
             return JSONResponse(body, headers={"X-Replica": str(final.get("replica", ""))})
         if kind == "chat":
             piece = lambda text, reason=None, use=None, choices=True: chat_chunk(
@@ -139,14 +165,19 @@ def create_app(router, config: ServeConfig) -> FastAPI:
                     ev = await anext(events, None)
                 yield "data: [DONE]\n\n"
 
+        shown = split_key(sid)[1] if sid else ""               # the caller's own id, not the store's key
         return StreamingResponse(sse(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Session-Id": sid or ""})
+                                 headers={"Cache-Control": "no-cache", "X-Session-Id": shown})
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await _parse(request, ChatCompletionRequest)
         check_model(body.model)
-        sampling = body.sampling(config.default_max_tokens)
+        body.refuse_unsupported()
+        if body.logprobs and body.stream:
+            raise APIError(400, "logprobs are returned by non-streaming requests only; set stream to false",
+                           param="logprobs", code="unsupported_parameter")
+        requested = body.requested_max_tokens()
         try:
             ids = list(tok.apply_chat_template(body.chat(), add_generation_prompt=True, tokenize=True)["input_ids"])
         except APIError:
@@ -154,7 +185,9 @@ def create_app(router, config: ServeConfig) -> FastAPI:
         except Exception as e:
             raise APIError(400, f"the chat template failed on these messages: {e}", param="messages",
                            code="invalid_messages") from None
-        check_length(ids, sampling.max_new_tokens, "messages")
+        sampling = body.sampling(max_tokens_for(requested, len(ids), config.max_model_len,
+                                                config.default_max_tokens, "messages"), config.generation_config)
+        limits.check_prompt(len(ids), config.max_model_len, "messages")
         out = await run(request, session_of(request, body), ids, sampling, body.stream,
                         bool(body.stream_options and body.stream_options.include_usage), "chat", body.return_token_ids)
         return out
@@ -163,12 +196,17 @@ def create_app(router, config: ServeConfig) -> FastAPI:
     async def completions(request: Request):
         body = await _parse(request, CompletionRequest)
         check_model(body.model)
-        sampling = body.sampling(16)                          # OpenAI's default for completions
+        body.refuse_unsupported()
+        requested = body.requested_max_tokens()
         prompt = body.prompt_one()
         ids = tok(prompt, add_special_tokens=False)["input_ids"] if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise APIError(400, "the prompt has no tokens", param="prompt", code="invalid_value")
-        check_length(ids, sampling.max_new_tokens, "prompt")
+        # OpenAI's default for completions is 16 tokens (less if the context has less room)
+        default = requested if requested is not None else max(min(16, config.max_model_len - len(ids)), 1)
+        sampling = body.sampling(max_tokens_for(default, len(ids), config.max_model_len, None, "prompt"),
+                                 config.generation_config)
+        limits.check_prompt(len(ids), config.max_model_len, "prompt")
         out = await run(request, session_of(request, body), ids, sampling, body.stream,
                         bool(body.stream_options and body.stream_options.include_usage), "completion",
                         body.return_token_ids)
@@ -178,7 +216,16 @@ def create_app(router, config: ServeConfig) -> FastAPI:
     async def hints(request: Request):
         body = await _parse(request, HintRequest)
         check_model(body.model)
-        return JSONResponse(await router.hint(body.session_id, body.expected_arrival, body.priority))
+        out = await router.hint(session_id_of(request, body.session_id), body.expected_arrival, body.priority)
+        return JSONResponse({**out, "session_id": body.session_id})
+
+    @app.get("/v1/sessions/{session_id}")
+    async def get_session(request: Request, session_id: str):
+        return JSONResponse(await router.session_info(session_id_of(request, session_id)))
+
+    @app.delete("/v1/sessions/{session_id}")
+    async def delete_session(request: Request, session_id: str):
+        return JSONResponse(await router.delete_session(session_id_of(request, session_id)))
 
     @app.get("/v1/models")
     async def models():
@@ -198,6 +245,14 @@ def create_app(router, config: ServeConfig) -> FastAPI:
                             status_code=200 if ok else 503)
 
     return app
+
+
+def session_id_of(request: Request, named: str) -> str:
+    """The store's key of the session a client names (header, body or URL), within the caller's tenant.
+    The single place ids are resolved, so every endpoint sees the same scoping."""
+    if not named:
+        raise APIError(400, "the session id is empty", param="session_id", code="invalid_value")
+    return session_key(request_tenant(request), named)
 
 
 def _sse(obj: dict) -> str:

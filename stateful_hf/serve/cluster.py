@@ -22,7 +22,7 @@ from ray import serve
 
 from . import logs
 from .app import ServeConfig, create_app
-from .replica import Replica
+from .protocol import APIError
 from .router import Router
 from .server import EngineOptions, load_model
 
@@ -38,7 +38,7 @@ class EngineReplica:
                  device: str = "cpu"):
         logs.configure_from_env()
         model, tokenizer, _ = load_model(model_path, dtype, device)
-        self.replica = Replica(EngineOptions(**options).build(model, tokenizer), name)
+        self.replica = EngineOptions(**options).replica(model, tokenizer, name)
 
     async def stream(self, session_id, prompt, sampling: dict) -> AsyncIterator[dict]:
         async for ev in self.replica.stream(session_id, prompt, sampling):
@@ -49,6 +49,18 @@ class EngineReplica:
 
     async def session_tokens(self, session_id) -> int:
         return self.replica.session_tokens(session_id)
+
+    async def tenant_usage(self, tenant, keys) -> dict:
+        return self.replica.tenant_usage(tenant, keys)
+
+    async def session_info(self, session_id) -> dict | None:
+        return self.replica.session_info(session_id)
+
+    async def delete_session(self, session_id) -> dict:
+        try:
+            return {"ok": self.replica.delete_session(session_id)}   # on the loop: atomic with the turn queue
+        except APIError as e:                       # crosses to the ingress as plain data
+            return {"error": e.to_dict()}
 
     async def export_session(self, session_id):
         return await asyncio.to_thread(self.replica.export_session, session_id)
@@ -91,6 +103,18 @@ class RayClient:
     async def session_tokens(self, session_id) -> int:
         return await self.handle.session_tokens.remote(session_id)
 
+    async def tenant_usage(self, tenant, keys) -> dict:
+        return await self.handle.tenant_usage.remote(tenant, list(keys))
+
+    async def session_info(self, session_id) -> dict | None:
+        return await self.handle.session_info.remote(session_id)
+
+    async def delete_session(self, session_id) -> dict:
+        out = await self.handle.delete_session.remote(session_id)
+        if "error" in out:
+            raise APIError.from_dict(out["error"])
+        return out["ok"]
+
     async def export(self, session_id):
         return self.handle.export_session.remote(session_id)     # not awaited: passed on by reference
 
@@ -115,33 +139,47 @@ class RayClient:
 class Ingress:
     """The HTTP app and the router (one instance: the router's view of sessions is global)."""
 
-    def __init__(self, model_path: str | None, served_name: str | None, default_max_tokens: int, *replicas):
-        from transformers import AutoConfig, AutoTokenizer
-        if model_path is None:
+    def __init__(self, model_path: str | None, served_name: str | None, default_max_tokens: int | None, *replicas,
+                 access=None):
+        from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+        from ..models import SOURCES, TINY_MODEL, model_dir
+        if model_path is None or model_path == TINY_MODEL:
             from ..testing import tiny_llama, tiny_tokenizer
             from .server import TINY_NAME
-            tokenizer, max_len, name = tiny_tokenizer(), tiny_llama().config.max_position_embeddings, TINY_NAME
+            tiny = tiny_llama()
+            tokenizer, max_len, name = tiny_tokenizer(), tiny.config.max_position_embeddings, TINY_NAME
+            generation = tiny.generation_config
         else:
-            tokenizer = AutoTokenizer.from_pretrained(model_path)
-            max_len, name = AutoConfig.from_pretrained(model_path).max_position_embeddings, model_path.rstrip("/")
+            path = str(model_dir(model_path)) if model_path in SOURCES else model_path   # fetched by build_app
+            tokenizer, config = AutoTokenizer.from_pretrained(path), AutoConfig.from_pretrained(path)
+            max_len, name = config.max_position_embeddings, model_path.rstrip("/")
+            try:
+                generation = GenerationConfig.from_pretrained(path)
+            except OSError:                                  # no generation_config.json: the model config's
+                generation = GenerationConfig.from_model_config(config)
         self.router = Router([RayClient(h, f"replica-{i}") for i, h in enumerate(replicas)])
-        self.config = ServeConfig(served_name or name, tokenizer, max_len, default_max_tokens)
+        self.config = ServeConfig(served_name or name, tokenizer, max_len, default_max_tokens, generation)
+        self.access = access        # keys file read here at deploy (SIGHUP reload: single machine only)
 
     def __serve_build_asgi_app__(self):
-        return create_app(self.router, self.config)
+        return create_app(self.router, self.config, self.access)
 
 
 def build_app(model_path: str | None, options: EngineOptions, replicas: int, served_name: str | None = None,
-              default_max_tokens: int = 256, replica_cpus: float = 1.0, replica_gpus: float = 0.0,
-              dtype: str = "float32", device: str = "cpu"):
+              default_max_tokens: int | None = None, replica_cpus: float = 1.0, replica_gpus: float = 0.0,
+              dtype: str = "float32", device: str = "cpu", access=None):
     """The Serve application: `replicas` engine deployments behind the ingress."""
+    from ..models import SOURCES, fetch
+    if model_path in SOURCES:
+        fetch(model_path)                  # once, here, before the replicas load it
     opts = dataclasses.asdict(options)
     actor = {"num_cpus": replica_cpus, "num_gpus": replica_gpus, "runtime_env": {"env_vars": logs.env()}}
     engines = [EngineReplica.options(name=f"replica-{i}", ray_actor_options=actor).bind(
         model_path, opts, f"replica-{i}", dtype, device)
         for i in range(replicas)]
     return Ingress.options(ray_actor_options={"num_cpus": 0}).bind(model_path, served_name, default_max_tokens,
-                                                                    *engines)
+                                                                    *engines, access=access)
 
 
 def start(model_path: str | None, options: EngineOptions, replicas: int, *, host: str = "127.0.0.1",

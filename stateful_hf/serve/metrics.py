@@ -89,6 +89,14 @@ STORE_GAUGES = {
     "device_free_blocks": ("Free device blocks", (), _one("device_free_blocks")),
     "layered_tokens": ("Tokens of running requests kept per layer (layer-wise KV)", (), _one("layered_tokens")),
     "kv_hit_rate": ("Share of needed history tokens served from stored KV", (), lambda st: [((), st.hit_rate)]),
+    "disk_degraded": ("1 while the disk tier cannot make changes durable (no new writes; retried on moves)", (),
+                      lambda st: [((), float(st.disk_degraded))]),
+}
+# StoreStats fields that only grow: field -> (name without _total, help)
+STORE_STAT_COUNTERS = {
+    "disk_write_failures": ("store_disk_write_failures", "Disk tier data flushes and index commits that failed"),
+    "disk_checksum_failures": ("store_disk_checksum_failures",
+                               "Disk chunks that were not what they named: dropped and recomputed"),
 }
 # Counters fields exported: field -> (name without _total, help)
 STORE_COUNTERS = {
@@ -130,6 +138,8 @@ class StoreCollector:
             yield g
         for field, (name, help_) in STORE_COUNTERS.items():
             yield CounterMetricFamily(f"{PREFIX}_{name}", help_, value=float(getattr(st.counters, field)))
+        for field, (name, help_) in STORE_STAT_COUNTERS.items():
+            yield CounterMetricFamily(f"{PREFIX}_{name}", help_, value=float(getattr(st, field)))
         totals = self.store.moves.snapshot()
         for name, (field, help_) in MOVES.items():
             c = CounterMetricFamily(f"{PREFIX}_{name}", help_, labels=["src", "dst", "reason"])

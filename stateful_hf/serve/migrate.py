@@ -99,6 +99,7 @@ def export_session(store, session_id: str, timeout: float = _TIMEOUT) -> Session
     lease = _lease(store, session_id, timeout)
     try:
         store.transfer.synchronize()                   # no copy into a slot we read is in flight
+        store.missing_positions(session_id)            # disk chunks are proven before they are read
         pools = {ChunkState.DEVICE: store.device_pool, ChunkState.HOST: store.host_pool,
                  ChunkState.DISK: store.disk.pool if store.disk is not None else None}
         chunks, blocks = [], []

@@ -6,6 +6,7 @@ and body OpenAI uses: `{"error": {"message", "type", "param", "code"}}`.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from typing import Any, Literal
@@ -13,25 +14,30 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..engine import SamplingParams
+from ..engine.sampling import MAX_LOGPROBS
 
 
 class APIError(Exception):
     """An error the server reports to the client (never a bug: those are 500s)."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, retry_after: int | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.retry_after = retry_after           # seconds: sent as the Retry-After header
+
+    def headers(self) -> dict[str, str]:
+        return {} if self.retry_after is None else {"Retry-After": str(self.retry_after)}
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def to_dict(self) -> dict:              # crosses process boundaries (Ray) as plain data
-        return {"status": self.status, **self.body()["error"]}
+        return {"status": self.status, **self.body()["error"], "retry_after": self.retry_after}
 
     @classmethod
     def from_dict(cls, d: dict) -> APIError:
-        return cls(d["status"], d["message"], d["type"], d.get("param"), d.get("code"))
+        return cls(d["status"], d["message"], d["type"], d.get("param"), d.get("code"), d.get("retry_after"))
 
 
 class StreamOptions(BaseModel):
@@ -59,6 +65,8 @@ class _Sampling(BaseModel):
     user: str | None = None
     session_id: str | None = None                  # extension: the conversation's session (see README)
     return_token_ids: bool = False                 # extension (vLLM spelling): choices[0].token_ids
+    # vLLM's: will scope prefix sharing across sessions (not built yet); validated, no effect today
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
 
     @field_validator("n")
     @classmethod
@@ -67,23 +75,76 @@ class _Sampling(BaseModel):
             raise ValueError("only n=1 is supported")
         return v
 
-    def sampling(self, default_max_tokens: int) -> SamplingParams:
-        max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
+    def requested_max_tokens(self) -> int | None:
+        """The request's own max_tokens (None: the server picks, see `app.max_tokens_for`)."""
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise APIError(400, f"max_tokens must be at least 1, got {self.max_tokens}", param="max_tokens",
+                           code="invalid_value")
+        return self.max_tokens
+
+    def refuse_unsupported(self) -> None:
+        """A 400 naming the first field that asks for something this server does not do (rather than
+        a 200 that silently ignores it)."""
+        extra = self.model_extra or {}
+        for name, what in _UNSUPPORTED.items():
+            if name in _SUPPORTED_BY.get(type(self).__name__, ()):
+                continue
+            value = getattr(self, name, extra.get(name))
+            if _asks_for(name, value):
+                raise APIError(400, f"`{name}` is not supported by this server ({what}); remove it from the "
+                               "request", param=name, code="unsupported_parameter")
+
+    def sampling(self, max_tokens: int, generation_config=None) -> SamplingParams:
+        """The turn's SamplingParams. Precedence (docs/errors.md): the fields this request set, then
+        the model's generation config (greedy unless it sets do_sample=True), then library defaults."""
         if max_tokens < 1:
             raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens",
                            code="invalid_value")
-        temperature = 1.0 if self.temperature is None else self.temperature
-        if not 0.0 <= temperature <= 2.0:
-            raise APIError(400, f"temperature must be in [0, 2], got {temperature}", param="temperature",
+        if self.temperature is not None and not 0.0 <= self.temperature <= 2.0:
+            raise APIError(400, f"temperature must be in [0, 2], got {self.temperature}", param="temperature",
                            code="invalid_value")
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        given = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
+                 "stop": (self.stop,) if isinstance(self.stop, str) else _tuple(self.stop),
+                 "stop_token_ids": _tuple(self.stop_token_ids)}
+        explicit = {k: v for k, v in given.items() if v is not None}
         try:
-            return SamplingParams(max_new_tokens=max_tokens, temperature=temperature,
-                                  top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
-                                  seed=self.seed, stop=stop, stop_token_ids=tuple(self.stop_token_ids or ()),
-                                  ignore_eos=self.ignore_eos)
+            return SamplingParams.from_generation_config(generation_config, max_new_tokens=max_tokens,
+                                                         ignore_eos=self.ignore_eos, **explicit)
         except ValueError as e:
             raise APIError(400, str(e), code="invalid_value") from None
+
+
+def _tuple(values: list | None) -> tuple | None:
+    return None if values is None else tuple(values)
+
+
+# Fields that would change the answer or its shape, and why they are refused. A field is refused when
+# it asks for something (see `_asks_for`): `tool_choice: "none"`, `logprobs: false`, `response_format:
+# {"type": "text"}`, zero penalties and empty lists are what the server does anyway.
+_UNSUPPORTED = {
+    "tools": "no tool calling", "tool_choice": "no tool calling", "functions": "no function calling",
+    "function_call": "no function calling", "response_format": "no constrained decoding (JSON mode or schema)",
+    "logprobs": "no log probabilities for completions (chat has them)",
+    "logit_bias": "no logit bias", "presence_penalty": "no penalties", "frequency_penalty": "no penalties",
+    "best_of": "one candidate per request", "suffix": "no insertion", "echo": "the prompt is not echoed",
+}
+
+
+_SUPPORTED_BY = {"ChatCompletionRequest": ("logprobs",)}    # implemented there (see its fields)
+
+
+def _asks_for(name: str, value) -> bool:
+    if value is None or value is False or value == [] or value == {}:
+        return False
+    if name in ("tool_choice", "function_call"):
+        return value != "none"
+    if name == "response_format":
+        return not (isinstance(value, dict) and value.get("type") == "text")
+    if name in ("presence_penalty", "frequency_penalty", "top_logprobs"):
+        return value != 0
+    if name == "best_of":
+        return value != 1
+    return True
 
 
 class ChatMessage(BaseModel):
@@ -106,11 +167,22 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
-    def sampling(self, default_max_tokens: int) -> SamplingParams:
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
+
+    def sampling(self, max_tokens: int, generation_config=None) -> SamplingParams:
+        p = super().sampling(max_tokens, generation_config)
+        return dataclasses.replace(p, logprobs=self.top_logprobs or 0) if self.logprobs else p
+
+    def requested_max_tokens(self) -> int | None:
         if self.max_tokens is None and self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
-        return super().sampling(default_max_tokens)
+        return super().requested_max_tokens()
 
     def chat(self) -> list[dict]:
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
@@ -118,14 +190,9 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool = False
-    logprobs: int | None = None
-    suffix: str | None = None
 
     def prompt_one(self) -> str | list[int]:
         """The single prompt (a string or token ids); lists of prompts are refused."""
-        if self.echo or self.logprobs is not None or self.suffix is not None:
-            raise APIError(400, "echo, logprobs and suffix are not supported", param="prompt", code="unsupported")
         p = self.prompt
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
             if len(p) != 1:
@@ -178,16 +245,29 @@ def completion_chunk(rid: str, model: str, created: int, text: str, finish_reaso
     return body
 
 
-def chat_response(rid: str, model: str, out: dict, token_ids: bool = False) -> dict:
-    choice = {"index": 0, "message": {"role": "assistant", "content": out["text"]}, "logprobs": None,
-              "finish_reason": out["finish_reason"]}
+def chat_logprobs(out: dict, tokenizer) -> dict | None:
+    """OpenAI's choice.logprobs of a chat reply: per generated token its text, log-probability, UTF-8
+    bytes and the most likely alternatives (None when the request did not ask)."""
+    if out.get("logprobs") is None:
+        return None
+
+    def entry(t: int, lp: float) -> dict:
+        text = tokenizer.decode([t])
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+    return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in alts]}
+                        for t, lp, alts in out["logprobs"]], "refusal": None}
+
+
+def chat_response(rid: str, model: str, out: dict, token_ids: bool = False, tokenizer=None) -> dict:
+    choice = {"index": 0, "message": {"role": "assistant", "content": out["text"]},
+              "logprobs": chat_logprobs(out, tokenizer), "finish_reason": out["finish_reason"]}
     if token_ids:
         choice["token_ids"] = out["token_ids"]
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": [choice], "usage": usage(out)}
 
 
-def completion_response(rid: str, model: str, out: dict, token_ids: bool = False) -> dict:
+def completion_response(rid: str, model: str, out: dict, token_ids: bool = False, tokenizer=None) -> dict:
     choice = {"index": 0, "text": out["text"], "logprobs": None, "finish_reason": out["finish_reason"]}
     if token_ids:
         choice["token_ids"] = out["token_ids"]

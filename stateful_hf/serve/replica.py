@@ -16,12 +16,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from ..cache import CapacityError, SessionBusyError
+from ..cache import CapacityError, SessionBusyError, split_key
 from ..engine import Engine, SamplingParams
 from . import logs
 from .metrics import ReplicaMetrics
 from .migrate import SessionExport, export_session, import_session
 from .protocol import APIError
+from .session_queue import SessionQueue
 
 
 def api_error(e: BaseException) -> APIError:
@@ -29,8 +30,8 @@ def api_error(e: BaseException) -> APIError:
     if isinstance(e, APIError):
         return e
     if isinstance(e, SessionBusyError):
-        return APIError(409, f"session {e.session_id!r} has a turn in flight; retry when it has finished",
-                        param="session_id", code="session_busy")
+        return APIError(409, f"session {split_key(e.session_id)[1]!r} has a turn in flight; retry when it has "
+                        "finished", param="session_id", code="session_busy", retry_after=1)
     if isinstance(e, CapacityError):
         return APIError(400, str(e), code="capacity_exceeded")
     if isinstance(e, (ValueError, TypeError)):
@@ -110,9 +111,10 @@ class StreamHub:
 
 
 class Replica:
-    """An engine (started here) plus what the server needs around it. `name` labels its metrics."""
+    """An engine (started here) plus what the server needs around it. `name` labels its metrics.
+    Turns of one session queue in arrival order, each waiting at most `session_wait_timeout` s."""
 
-    def __init__(self, engine: Engine, name: str = "0"):
+    def __init__(self, engine: Engine, name: str = "0", session_wait_timeout: float = 30.0):
         self.engine, self.name = engine.start(), name
         self.store = engine.store
         self.metrics = ReplicaMetrics(self.store, engine)
@@ -123,6 +125,7 @@ class Replica:
         self.store.moves.subscribe(self._moved)
         self.hub = StreamHub(engine)
         self.inflight = 0
+        self.turns = SessionQueue(session_wait_timeout)
         self._gates: dict[str, threading.Event] = {}   # sessions being imported: turns wait
 
     # ---- turns ----------------------------------------------------------------------------------
@@ -137,6 +140,12 @@ class Replica:
         gate = self._gates.get(sid)
         if gate is not None:
             await asyncio.to_thread(gate.wait, 60)
+        if not ephemeral:
+            try:
+                await self.turns.acquire(sid)          # FIFO per session; 409 after the wait timeout
+            except APIError as e:
+                yield {"type": "error", "error": e.to_dict()}
+                return
         self.inflight += 1
         with self._track_lock:
             self._turns[sid] = self._turns.get(sid, 0) + 1
@@ -147,6 +156,8 @@ class Replica:
         except BaseException:
             self.inflight -= 1
             self._untrack(sid)
+            if not ephemeral:
+                self.turns.release(sid)
             raise
         st = self.hub.open(handle)
         sent_text, sent_tok = 0, 0
@@ -177,6 +188,8 @@ class Replica:
                 handle.cancel()               # the client went away: account the turn when it ends
             if not done or ephemeral:
                 self._when_done(handle, lambda out: self._after(out, sid, ephemeral, done, account))
+            elif not ephemeral:               # the engine has ended the request: the next turn may go
+                self.turns.release(sid)
 
     def _final(self, out) -> dict:
         m = out.metrics
@@ -184,7 +197,9 @@ class Replica:
         return {"type": "done", "text": out.text or "", "token_ids": list(out.token_ids), "finish_reason": reason,
                 "prompt_tokens": m.prompt_tokens, "completion_tokens": m.output_tokens,
                 "reused_tokens": m.reused_tokens, "recomputed_tokens": m.recomputed_tokens,
-                "ttft": m.ttft, "tpot": m.tpot, "replica": self.name}
+                "ttft": m.ttft, "tpot": m.tpot, "replica": self.name,
+                "logprobs": None if out.logprobs is None else [[t, lp, [list(a) for a in alts]]
+                                                                for t, lp, alts in out.logprobs]}
 
     def _moved(self, batch) -> None:
         """A store move batch (engine thread, store lock held): metrics, and per-turn restored tokens."""
@@ -218,6 +233,8 @@ class Replica:
     def _after(self, out, sid: str, ephemeral: bool, accounted: bool, account) -> None:
         if not accounted:
             account(out)
+        if not ephemeral:
+            self.turns.release(sid)
         if ephemeral:
             with contextlib.suppress(Exception):   # gone already, or busy again (then it ages out by policy)
                 self.store.delete(sid)
@@ -248,6 +265,48 @@ class Replica:
 
     def session_tokens(self, session_id: str) -> int:
         return self.store.session(session_id).num_tokens if session_id in self.store else 0
+
+    def tenant_usage(self, tenant: str, keys: list[str]) -> dict:
+        """The tenant's sessions and tokens here, and the history tokens of those of `keys` held here."""
+        u = self.store.tenant_usage().get(tenant)
+        present = {k: self.store.session(k).num_tokens for k in keys if k in self.store}
+        return {"sessions": u.sessions if u else 0, "history_tokens": u.history_tokens if u else 0,
+                "stored_tokens": u.stored_tokens if u else 0, "present": present}
+
+    def session_info(self, session_id: str) -> dict | None:
+        """The session's tokens per tier and last activity (None if this replica does not have it)."""
+        with self.store._lock:
+            if session_id not in self.store:
+                return None
+            s = self.store.session(session_id)
+            idle = max(self.store.clock() - s.last_active, 0.0)
+            return {"id": split_key(session_id)[1], "object": "session", "replica": self.name, "tokens": s.num_tokens,
+                    "tiers": self.store.residency(session_id), "busy": s.busy or self.turns.busy(session_id),
+                    "queued_turns": self.turns.waiting(session_id), "idle_seconds": idle,
+                    "last_active_at": time.time() - idle}
+
+    def delete_session(self, session_id: str) -> dict:
+        """`session_id` is the store key (tenant-qualified); replies name the caller's own id.
+        Free the session's KV in every tier and forget its history. A session with a turn running or
+        queued is not deleted: 409 (retry after the turn); an unknown one: 404. Call it on the replica's
+        event loop (where turns take their queue slot), so no turn slips in between check and delete."""
+        shown = split_key(session_id)[1]
+        if self.turns.busy(session_id) or session_id in self._gates:
+            raise APIError(409, f"session {shown!r} has a turn in flight or queued; delete it when the "
+                           "turn has finished", param="session_id", code="session_busy", retry_after=1)
+        if session_id not in self.store:
+            raise APIError(404, f"no session {shown!r}", param="session_id", code="session_not_found",
+                           type="not_found_error")
+        tokens = self.store.session(session_id).num_tokens
+        try:
+            self.store.delete(session_id)
+        except SessionBusyError:        # a hint (or a migration) holds it this moment
+            raise APIError(409, f"session {shown!r} is being moved between tiers; retry", param="session_id",
+                           code="session_busy", retry_after=1) from None
+        except KeyError:                # gone meanwhile (UnknownSessionError is a KeyError)
+            raise APIError(404, f"no session {shown!r}", param="session_id", code="session_not_found",
+                           type="not_found_error") from None
+        return {"id": shown, "object": "session.deleted", "deleted": True, "freed_tokens": tokens}
 
     def export_session(self, session_id: str) -> SessionExport | None:
         """The session's history and stored KV (None if this replica does not have it)."""

@@ -25,6 +25,7 @@ from collections import Counter
 from collections.abc import AsyncIterator
 
 from .exposition import merge, render
+from .protocol import APIError
 from .replica import Replica
 from .router_metrics import RouterMetrics
 
@@ -45,6 +46,15 @@ class LocalClient:
 
     async def session_tokens(self, session_id) -> int:
         return self.replica.session_tokens(session_id)
+
+    async def tenant_usage(self, tenant, keys) -> dict:
+        return self.replica.tenant_usage(tenant, keys)
+
+    async def session_info(self, session_id) -> dict | None:
+        return self.replica.session_info(session_id)
+
+    async def delete_session(self, session_id) -> dict:
+        return self.replica.delete_session(session_id)      # on the loop: atomic with the turn queue
 
     async def export(self, session_id):
         return await asyncio.to_thread(self.replica.export_session, session_id)
@@ -163,6 +173,42 @@ class Router:
                     self._idle.pop(sid).set()
                 self.location[sid] = i
 
+    # ---- sessions -------------------------------------------------------------------------------
+
+    async def _owner(self, sid: str) -> int:
+        """The replica holding the session (after any migration of it); 404 if none does."""
+        await self._locate(sid)
+        if sid in self.migrations:
+            await asyncio.shield(self.migrations[sid])
+        if sid in self._running:
+            return self._running[sid][0]
+        if sid in self.location:
+            return self.location[sid]
+        if len(self.clients) == 1:
+            return 0
+        raise APIError(404, f"no session {sid!r}", param="session_id", code="session_not_found",
+                       type="not_found_error")
+
+    async def session_info(self, sid: str) -> dict:
+        info = await self.clients[await self._owner(sid)].session_info(sid)
+        if info is None:
+            raise APIError(404, f"no session {sid!r}", param="session_id", code="session_not_found",
+                           type="not_found_error")
+        return info
+
+    async def delete_session(self, sid: str) -> dict:
+        """Delete on the owning replica (409 while a turn of it runs or waits there)."""
+        i = await self._owner(sid)
+        if sid in self._running:
+            raise APIError(409, f"session {sid!r} has a turn in flight or queued; delete it when the turn has "
+                           "finished", param="session_id", code="session_busy", retry_after=1)
+        out = await self.clients[i].delete_session(sid)
+        if self.location.get(sid) == i:
+            del self.location[sid]
+        if sid in self.planned:
+            self._unplan(sid)
+        return out
+
     # ---- hints and migration --------------------------------------------------------------------
 
     async def hint(self, session_id: str, expected_arrival: float | None = None, priority: int | None = None) -> dict:
@@ -240,6 +286,17 @@ class Router:
     async def metrics_text(self) -> str:
         """The page in the text format (0.0.4)."""
         return (await self.metrics_page())[0].decode()
+
+    async def tenant_usage(self, tenant: str, keys: list[str]) -> dict:
+        """A tenant's sessions and tokens over all replicas; `present`: {key: history tokens} of
+        those of `keys` stored somewhere (the largest copy, should one be mid-migration)."""
+        parts = await asyncio.gather(*(c.tenant_usage(tenant, keys) for c in self.clients))
+        out = {f: sum(p[f] for p in parts) for f in ("sessions", "history_tokens", "stored_tokens")}
+        out["present"] = {}
+        for p in parts:
+            for k, n in p["present"].items():
+                out["present"][k] = max(n, out["present"].get(k, 0))
+        return out
 
     async def health(self) -> list[dict]:
         return list(await asyncio.gather(*(c.health() for c in self.clients)))

@@ -7,9 +7,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from ..cache import FairSharePolicy
 from ..engine import Engine
 from ..store import SessionStore
 from .app import ServeConfig, create_app
+from .auth import Access
 from .replica import Replica
 from .router import LocalClient, Router
 
@@ -28,37 +30,50 @@ class EngineOptions:
     chunk_size: int = 32
     max_batch_tokens: int = 512
     max_num_seqs: int = 256
+    session_wait_timeout: float = 30.0     # seconds a turn waits for its session's previous turn; then 409
     store_kwargs: dict = field(default_factory=dict)
+    fair_share: bool = True                  # tenants above their share of a tier are evicted first
+    tenant_shares: dict = field(default_factory=dict)   # tenant -> weight (default 1: equal shares)
 
     def build(self, model, tokenizer, disk_dir: str | None = None) -> Engine:
         store = SessionStore(model, self.device_capacity, chunk_size=self.chunk_size,
                              host_capacity=self.host_capacity, disk_dir=disk_dir or self.disk_dir,
                              disk_capacity=self.disk_capacity, **self.store_kwargs)
-        # on_busy="refuse": a turn for a session with one in flight gets HTTP 409 (see the README)
+        if self.fair_share:
+            store.policy = FairSharePolicy(store.policy, self.tenant_shares)
+        # the replica's SessionQueue already runs a session's turns one at a time; "wait" covers the
+        # moment between a turn's output and the end of its lease
         return Engine(model, tokenizer, store, max_batch_tokens=self.max_batch_tokens,
-                      max_num_seqs=self.max_num_seqs, on_busy="refuse")
+                      max_num_seqs=self.max_num_seqs, on_busy="wait")
+
+    def replica(self, model, tokenizer, name: str = "0", disk_dir: str | None = None) -> Replica:
+        return Replica(self.build(model, tokenizer, disk_dir), name, self.session_wait_timeout)
 
 
 def load_model(path: str | None, dtype: str = "float32", device: str = "cpu"):
-    """(model, tokenizer, name). No path: the offline tiny fixture, whose weights are random."""
-    if path is None:
-        from ..testing import tiny_llama, tiny_tokenizer
-        log.warning("no --model given: serving the offline tiny Llama fixture; its weights are RANDOM, its "
-                    "replies are gibberish (useful for trying the API, not for chatting)")
-        return tiny_llama(), tiny_tokenizer(), TINY_NAME
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
-    return model, AutoTokenizer.from_pretrained(path), path.rstrip("/")
+    """(model, tokenizer, name). `path`: a named model of stateful_hf.models (fetched once), a checkpoint
+    directory or hub id; None or "tiny-random": the offline tiny fixture, whose weights are random."""
+    from ..models import TINY_MODEL, load
+    if path is None or path == TINY_MODEL:
+        log.warning("serving the offline tiny Llama fixture; its weights are RANDOM, its replies are gibberish "
+                    "(useful for trying the API, not for chatting)")
+        path, name = TINY_MODEL, TINY_NAME
+    else:
+        name = path.rstrip("/")
+    model, tokenizer = load(path, dtype=dtype, device=device)
+    return model, tokenizer, name
 
 
 def build_local(model, tokenizer, name: str, options: EngineOptions | None = None,
-                default_max_tokens: int = 256):
-    """The single-machine server: one replica behind the router. Returns (app, router)."""
-    engine = (options or EngineOptions()).build(model, tokenizer)
-    router = Router([LocalClient(Replica(engine))])
-    config = ServeConfig(name, tokenizer, engine.adapter.max_positions, default_max_tokens)
-    return create_app(router, config), router
+                default_max_tokens: int | None = None, access: Access | None = None):
+    """The single-machine server: one replica behind the router. Returns (app, router).
+    default_max_tokens: cap on a chat's max_tokens when the request has none (None: the room left).
+    `access`: API keys and limits (auth.py); None: no keys (the default tenant), default limits."""
+    replica = (options or EngineOptions()).replica(model, tokenizer)
+    router = Router([LocalClient(replica)])
+    config = ServeConfig(name, tokenizer, replica.engine.adapter.max_positions, default_max_tokens,
+                         replica.engine.generation_config)
+    return create_app(router, config, access), router
 
 
 class ServerThread:

@@ -1,0 +1,129 @@
+"""One data file of the disk tier: preallocated, memory-mapped slots, and the chunk checksum.
+
+The file holds tensors of `shapes` one after another; each is layer-major ([layers, slots, ...]),
+so one layer of a set of slots is read together. A slot's bytes are, per tensor and layer,
+`part[layer, slot]` (contiguous).
+
+Checksum of a chunk: xxh3-64 over (its identity tag, its bytes). The tag chains the token ids of
+every chunk up to and including it (`identity_tags`), so a checksum proves both the bytes and
+whose prefix they are the KV of: a slot holding another chunk's (or another session's) KV, zeros
+of a re-extended file, or scribbled bytes all fail it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+import shutil
+from array import array
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import xxhash
+
+from . import disk_index
+from .errors import StoreError
+
+
+def identity_tags(token_ids: Sequence[int], block_size: int) -> list[bytes]:
+    """Per chunk k, an 8-byte hash of token_ids[: end of chunk k] (a chain: tag_k = H(tag_k-1, ids of k))."""
+    tags, prev = [], b""
+    for start in range(0, len(token_ids), block_size):
+        prev = xxhash.xxh3_64_digest(prev + array("q", token_ids[start:start + block_size]).tobytes())
+        tags.append(prev)
+    return tags
+
+
+class DiskFile:
+    """`path` mapped as `parts` (tensors of `shapes`, `dtype`), each with `slots` slots on dim 1.
+
+    Opening an existing file that is shorter than its shapes need (truncated) extends it with zeros
+    and reports it in `short`; the checksums of the chunks that lived there no longer match.
+    Creating one checks free space first and removes the file if anything fails."""
+
+    def __init__(self, path: Path, shapes: Sequence[tuple[int, ...]], dtype: torch.dtype, *, create: bool):
+        self.path, self.shapes, self.dtype = path, [tuple(s) for s in shapes], dtype
+        self.slots = self.shapes[0][1]
+        sizes = [math.prod(sh) for sh in self.shapes]
+        self.nbytes = sum(sizes) * torch.empty((), dtype=dtype).element_size()
+        self.short = False
+        made = False
+        try:
+            if create or not path.exists():
+                free = shutil.disk_usage(path.parent).free
+                if free < self.nbytes:
+                    raise StoreError(f"cannot create the disk tier file {str(path)!r}: it needs {self.nbytes} "
+                                     f"bytes and the filesystem has {free} free; lower disk_capacity")
+                self.short = not create              # a file the index names was missing
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+                made = True
+            else:
+                fd = os.open(path, os.O_RDWR)
+            self.fd = fd
+            size = os.fstat(fd).st_size
+            if size < self.nbytes:
+                self.short |= not made
+                os.posix_fallocate(fd, 0, self.nbytes)   # ENOSPC now, not SIGBUS later
+                os.fsync(fd)
+            flat = torch.from_file(str(path), shared=True, size=sum(sizes), dtype=dtype)
+        except (OSError, RuntimeError) as e:
+            self._abandon(made)
+            raise StoreError(f"cannot create the disk tier file {str(path)!r} of {self.nbytes} bytes: {e}") from e
+        except StoreError:
+            self._abandon(made)
+            raise
+        self.flat = flat
+        self.parts = [part.view(sh) for part, sh in zip(flat.split(sizes), self.shapes)]
+
+    def _abandon(self, made: bool) -> None:
+        fd = getattr(self, "fd", None)
+        if fd is not None:
+            os.close(fd)
+            self.fd = None
+        if made:
+            self.path.unlink(missing_ok=True)
+
+    def slot_pieces(self, slot: int):
+        """The slot's bytes, as contiguous uint8 arrays (part by part, layer by layer)."""
+        for part in self.parts:
+            for layer in range(part.shape[0]):
+                yield part[layer, slot].view(torch.uint8).numpy()
+
+    def checksum(self, tag: bytes, slot: int) -> int:
+        """xxh3-64 of (tag, the slot's bytes), as a signed 64-bit integer (an SQLite INTEGER)."""
+        h = xxhash.xxh3_64(tag)
+        for piece in self.slot_pieces(slot):
+            h.update(piece)
+        return int.from_bytes(h.digest(), "little", signed=True)
+
+    def flush(self) -> None:
+        """Make every write into the mapping durable (raises OSError if it cannot)."""
+        disk_index.durability_point("data-flush")
+        os.fdatasync(self.fd)
+
+    def copy_from(self, other: DiskFile, src: list[int], dst: list[int]) -> None:
+        """self[:, dst] = other[:, src], every part (same shapes but the slot count)."""
+        s, d = torch.tensor(src, dtype=torch.long), torch.tensor(dst, dtype=torch.long)
+        for a, b in zip(other.parts, self.parts):
+            for layer in range(a.shape[0]):
+                b[layer].index_copy_(0, d, a[layer].index_select(0, s))
+
+    def drop_page_cache(self) -> bool:
+        """Write back and evict the file's pages (unmapped first: MADV_DONTNEED, 4). False where the
+        unmapping is not available (reads of mapped pages may then stay warm)."""
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            unmapped = libc.madvise(self.flat.data_ptr(), self.nbytes, 4) == 0
+        except (OSError, AttributeError):
+            unmapped = False
+        os.fsync(self.fd)
+        os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        return unmapped
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None

@@ -1,0 +1,120 @@
+"""The disk tier's index: an SQLite database (`index.sqlite`) that names what the data files hold.
+
+Tables:
+  meta(key, value)        header: format version, KV geometry, model fingerprint, and per data file
+                          ("kv", "hidden") its file name, slot count (and the hidden split)
+  sessions(id, token_ids) each session's token ids (int64 little-endian), up to the end of its last
+                          chunk on disk: what its chunks' identity tags are computed from
+  chunks(session, k, form, slot, checksum)
+                          chunk k of the session is in `slot` of the `form` file, with the xxh3-64
+                          `checksum` of its identity tag and its bytes (`disk_file.chunk_checksum`)
+
+Journal WAL, synchronous=FULL: `commit` returns once the transaction is durable, and a crash leaves
+the last committed transaction whole. Every commit is one transaction holding one whole state of
+the store (the difference from the last committed state is written), so the index on disk never
+shows half a move. SQLite does transactions and durability; this module only maps rows to values.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from array import array
+from collections.abc import Mapping
+from pathlib import Path
+
+from .errors import StoreError
+
+FORMAT = "stateful-hf disk tier 2"
+FORMS = ("kv", "hidden")
+Row = tuple[str, int, int]          # (form, slot, checksum) of one chunk
+
+
+def durability_point(name: str) -> None:
+    """Called at each step whose order matters for crash consistency ("data-flush", "index-commit",
+    "relocate-copied", "relocate-committed", ...). Does nothing; tests replace it to inject a failure
+    (raise OSError) or a crash (kill the process) exactly there."""
+
+
+def pack_ids(ids: list[int]) -> bytes:
+    return array("q", ids).tobytes()
+
+
+def unpack_ids(blob: bytes) -> list[int]:
+    out = array("q")
+    out.frombytes(blob)
+    return out.tolist()
+
+
+class DiskIndex:
+    """The open index of one disk directory. `meta`, `sessions` and `rows` are the last committed
+    state (as loaded at open, then as committed)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            self.conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        except sqlite3.Error as e:
+            raise StoreError(f"disk tier index {str(path)!r} cannot be opened: {e}") from e
+        try:
+            self.conn.execute("PRAGMA journal_mode=WAL")
+            self.conn.execute("PRAGMA synchronous=FULL")
+            self.conn.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+            self.conn.execute("CREATE TABLE IF NOT EXISTS sessions (id TEXT PRIMARY KEY, token_ids BLOB NOT NULL)")
+            self.conn.execute("CREATE TABLE IF NOT EXISTS chunks (session TEXT NOT NULL, k INTEGER NOT NULL, "
+                              "form TEXT NOT NULL, slot INTEGER NOT NULL, checksum INTEGER NOT NULL, "
+                              "PRIMARY KEY (session, k))")
+            self.meta = dict(self.conn.execute("SELECT key, value FROM meta"))
+            self.sessions = {sid: bytes(blob) for sid, blob in self.conn.execute("SELECT id, token_ids FROM sessions")}
+            self.rows: dict[tuple[str, int], Row] = {}
+            for sid, k, form, slot, checksum in self.conn.execute("SELECT * FROM chunks"):
+                if isinstance(k, int) and form in FORMS and isinstance(slot, int) and isinstance(checksum, int):
+                    self.rows[sid, k] = (form, slot, checksum)       # malformed rows are left out: recomputed
+        except (sqlite3.Error, TypeError, ValueError) as e:
+            self.conn.close()
+            raise StoreError(f"disk tier index {str(path)!r} is unreadable: {e}") from e
+
+    def commit(self, meta: Mapping[str, str], sessions: Mapping[str, bytes],
+               rows: Mapping[tuple[str, int], Row]) -> None:
+        """Make (meta, sessions, rows) the durable state in one transaction. Raises OSError or
+        sqlite3.Error with nothing changed (on disk or in this object) when it cannot."""
+        c = self.conn
+        c.execute("BEGIN IMMEDIATE")
+        try:
+            for key, value in meta.items():
+                if self.meta.get(key) != value:
+                    c.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
+            c.executemany("DELETE FROM sessions WHERE id = ?", [(s,) for s in self.sessions if s not in sessions])
+            c.executemany("INSERT OR REPLACE INTO sessions VALUES (?, ?)",
+                          [(s, b) for s, b in sessions.items() if self.sessions.get(s) != b])
+            c.executemany("DELETE FROM chunks WHERE session = ? AND k = ?",
+                          [key for key in self.rows if key not in rows])
+            c.executemany("INSERT OR REPLACE INTO chunks VALUES (?, ?, ?, ?, ?)",
+                          [(*key, *row) for key, row in rows.items() if self.rows.get(key) != row])
+            durability_point("index-commit")
+            c.execute("COMMIT")
+        except BaseException:
+            if c.in_transaction:
+                c.execute("ROLLBACK")
+            raise
+        self.meta = {**self.meta, **meta}
+        self.sessions, self.rows = dict(sessions), dict(rows)
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def read_meta(directory: Path) -> tuple[dict[str, str], int]:
+    """The header of the index in `directory` and how many hidden chunks it names, read without
+    opening the tier (({}, 0) if there is none or it is unreadable)."""
+    path = directory / "index.sqlite"
+    if not path.is_file():
+        return {}, 0
+    try:
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            meta = dict(conn.execute("SELECT key, value FROM meta"))
+            return meta, conn.execute("SELECT COUNT(*) FROM chunks WHERE form = 'hidden'").fetchone()[0]
+        finally:
+            conn.close()
+    except sqlite3.Error:
+        return {}, 0

