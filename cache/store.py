@@ -377,7 +377,9 @@ class SessionStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin, 
     # ---- disk persistence (disk_state.py) ---------------------------------------------------------
 
     def close(self) -> None:
-        """Write the disk index and release the disk tier's lock (device and host contents are lost)."""
+        """Land every copy, write the disk index and release the disk tier's lock (device and host
+        contents are lost)."""
+        self.transfer.synchronize()
         if self.page_mapper is not None:
             self.page_mapper.close()
             self.page_mapper = None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import gc
 import os
 import shutil
 import sqlite3
@@ -205,6 +206,7 @@ def tmpfs(tmp_path):
         return where
 
     yield mount
+    gc.collect()          # closed stores in reference cycles still map their files until collected
     for where in mounted:
         subprocess.run(["umount", str(where)], check=True)
 
