@@ -9,30 +9,13 @@ import random
 import threading
 
 import pytest
-import torch
-from conftest import greedy
+from test_layerwise import PROFILE, expected, models, prompt
 
 from stateful_hf import Engine, SamplingParams
-from stateful_hf.cache import CapacityError, ChunkState, CostProfile
-from stateful_hf.testing import tiny_llama, tiny_opt
+from stateful_hf.cache import CapacityError, ChunkState
+from stateful_hf.testing import tiny_llama
 
-PROFILE = CostProfile()      # ~1 s per chunk: every offload hides behind the prefill (x_min = 0)
-FAMILIES = {"llama": lambda: tiny_llama("llama", num_hidden_layers=6), "opt": lambda: tiny_opt(num_hidden_layers=4)}
-_MODELS: dict = {}
-
-
-def models(family):
-    if family not in _MODELS:
-        _MODELS[family] = (FAMILIES[family](), FAMILIES[family]())
-    return _MODELS[family]
-
-
-def ids(seed: int, n: int) -> list[int]:
-    return torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def expected(oracle, prompt: list[int], n: int) -> list[int]:
-    return greedy(oracle, torch.tensor([prompt]), n)[0, len(prompt):].tolist()
+ids = prompt     # seeded token ids
 
 
 def idle_and_sound(engine: Engine) -> None:
