@@ -245,6 +245,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1,
                     help="rounds of (b), (b+) and (c), in rotating order; each system's median-throughput run is "
                          "reported, with the per-round throughput ratios of (c) and their medians")
+    ap.add_argument("--json", help="write every figure, the per-round runs and the environment to this file")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -265,7 +266,8 @@ def main() -> None:
     n_params = sum(p.numel() for p in models["a"].parameters())
     print(f"model: {described}, {n_params / 1e6:.1f}M parameters, float32, {torch.get_num_threads()} torch threads")
     print(f"workload: {wl}; {wl.sessions * wl.turns} turns, {wl.sessions * wl.turns * wl.new} generated tokens")
-    print("load average at start (1/5/15 min): {:.1f} {:.1f} {:.1f}".format(*os.getloadavg()))
+    load_start = os.getloadavg()
+    print("load average at start (1/5/15 min): {:.1f} {:.1f} {:.1f}".format(*load_start))
     with torch.inference_mode():                                  # warm up torch's kernels once
         models["a"].generate(torch.tensor([wl.user_tokens(0, 0)]), max_new_tokens=2, do_sample=False, pad_token_id=0)
     results = []
@@ -292,7 +294,8 @@ def main() -> None:
             print(f"per-round engine/({base}) throughput: " + ", ".join(f"x{x:.2f}" for x in ratios)
                   + f"; median x{statistics.median(ratios):.2f}")
     # Systems run one after another: on a shared machine, other processes change the CPU they get.
-    print("load average at end (1/5/15 min): {:.1f} {:.1f} {:.1f}".format(*os.getloadavg()))
+    load_end = os.getloadavg()
+    print("load average at end (1/5/15 min): {:.1f} {:.1f} {:.1f}".format(*load_end))
     print(f"\n{'system':<28}{'wall s':>8}{'tok/s':>8}{'TTFT p50':>10}{'TTFT p90':>10}")
     for r in results:
         print(f"{r.name:<28}{r.wall:8.1f}{r.throughput:8.2f}{r.ttft_p(50):10.2f}{r.ttft_p(90):10.2f}")
@@ -306,6 +309,31 @@ def main() -> None:
         st = engine.stats()
         print(f"engine: {st.steps} steps, mean {st.mean_batch_tokens:.1f} rows/step, prompt rows {st.prompt_tokens}, "
               f"recomputed {st.recomputed_tokens}, occupancy {st.mean_occupancy:.0%}")
+    if args.json:
+        _save(args, described, n_params, wl, results, runs, load_start, load_end)
+
+
+def _figures(r: Result) -> dict:
+    return {"name": r.name, "wall_s": r.wall, "generated": r.generated, "tok_per_s": r.throughput,
+            "ttft_p50_s": r.ttft_p(50), "ttft_p90_s": r.ttft_p(90)}
+
+
+def _save(args, described, n_params, wl, results, runs, load_start, load_end) -> None:
+    import json
+    import platform
+    import sys
+    final = results[-1]
+    out = {"command": "python -m benchmarks.bench_engine " + " ".join(sys.argv[1:]),
+           "model": described, "parameters": n_params, "torch": torch.__version__,
+           "threads": torch.get_num_threads(), "processor": platform.processor() or platform.machine(),
+           "cpus": os.cpu_count(), "load_start": load_start, "load_end": load_end,
+           "workload": {k: getattr(wl, k) for k in ("sessions", "turns", "first", "user", "new")},
+           "median_runs": [_figures(r) for r in results],
+           "rounds": {x: [_figures(r) for r in rs] for x, rs in runs.items()},
+           "identical_answers": {r.name: sum(r.outputs[k] == final.outputs[k] for k in final.outputs)
+                                 for r in results[:-1]}, "answers": len(final.outputs)}
+    with open(args.json, "w") as f:
+        json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":
