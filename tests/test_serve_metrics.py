@@ -175,3 +175,29 @@ def test_a_replica_that_does_not_answer_is_reported_not_fatal():
         assert {ls["replica"] for _, ls, _ in fams[P + "requests"][2]} == {"up"}
     finally:
         up.shutdown()
+
+
+def test_error_responses_are_counted_by_status_and_code():
+    """Every error the app answers (a handler's or the key guard's) counts once, labelled by its HTTP
+    status and OpenAI error code: an unknown model, a bad body, a missing key, an unknown session."""
+    from fastapi.testclient import TestClient
+
+    from stateful_hf.serve.app import ServeConfig, create_app
+    from stateful_hf.serve.auth import Access, KeyRing
+
+    router = _router()
+    app = create_app(router, ServeConfig("m", tiny_tokenizer(), 512), Access(keys=KeyRing("k0")))
+    auth = {"Authorization": "Bearer k0"}
+    with TestClient(app) as client:
+        chat = {"model": "nope", "messages": [{"role": "user", "content": "hi"}]}
+        assert client.post("/v1/chat/completions", json=chat, headers=auth).status_code == 404
+        assert client.post("/v1/chat/completions", content=b"{", headers=auth).status_code == 400
+        assert client.post("/v1/chat/completions", json=chat).status_code == 401
+        assert client.delete("/v1/sessions/ghost", headers=auth).status_code == 404
+        assert client.delete("/v1/sessions/ghost", headers=auth).status_code == 404
+        fams = parse(client.get("/metrics").text)
+    assert value(fams, "api_errors", "api_errors_total", status=404, code="model_not_found") == 1
+    assert value(fams, "api_errors", "api_errors_total", status=400, code="invalid_json") == 1
+    assert value(fams, "api_errors", "api_errors_total", status=401, code="missing_api_key") == 1
+    assert value(fams, "api_errors", "api_errors_total", status=404, code="session_not_found") == 2
+    assert value(fams, "api_errors", "api_errors_total") == 5

@@ -96,23 +96,28 @@ async def _parse(request: Request, model_cls):
 def create_app(router, config: ServeConfig, access: Access | None = None) -> FastAPI:
     app = FastAPI(title="stateful-hf", docs_url=None, redoc_url=None)
     app.state.router, app.state.config, app.state.access = router, config, access or Access()
-    app.add_middleware(Guard, access=app.state.access)
+    count_error = router.metrics.error                   # every error response, by status and code
+    app.add_middleware(Guard, access=app.state.access, on_error=count_error)
     limits = app.state.access.limits
     router = TenantGate(router, limits)
     tok = config.tokenizer
 
+    def respond(e: APIError) -> JSONResponse:
+        count_error(e)
+        return _error_response(e)
+
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
-        return _error_response(e)
+        return respond(e)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return _error_response(APIError(e.status_code, str(e.detail), type=kind, code=kind))
+        return respond(APIError(e.status_code, str(e.detail), type=kind, code=kind))
 
     @app.exception_handler(Exception)
     async def _server_error(request: Request, e: Exception):
-        return _error_response(APIError(500, f"{type(e).__name__}: {e}", type="server_error", code="internal_error"))
+        return respond(APIError(500, f"{type(e).__name__}: {e}", type="server_error", code="internal_error"))
 
     def check_model(model: str | None) -> None:
         if model is not None and model != config.model_name:

@@ -157,10 +157,15 @@ def _unauthorized(token: str | None) -> APIError:
 
 
 class Guard:
-    """The ASGI middleware (see the module docstring)."""
+    """The ASGI middleware (see the module docstring). `on_error(e)` is told of every refusal."""
 
-    def __init__(self, app, access: Access):
-        self.app, self.access = app, access
+    def __init__(self, app, access: Access, on_error=None):
+        self.app, self.access, self.on_error = app, access, on_error
+
+    async def _refuse(self, send, e: APIError, headers: dict[str, str] | None = None) -> None:
+        if self.on_error is not None:
+            self.on_error(e)
+        await _refuse(send, e, headers)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -170,21 +175,21 @@ class Guard:
             if access.metrics_key is not None:
                 token = _bearer(scope)
                 if token is None or not hmac.compare_digest(_digest(token), _digest(access.metrics_key)):
-                    return await _refuse(send, _unauthorized(token), {"WWW-Authenticate": "Bearer"})
+                    return await self._refuse(send, _unauthorized(token), {"WWW-Authenticate": "Bearer"})
         elif path not in OPEN_PATHS:
             tenant = DEFAULT_TENANT
             if access.keys is not None:
                 token = _bearer(scope)
                 tenant = access.keys.tenant(token)
                 if tenant is None:
-                    return await _refuse(send, _unauthorized(token), {"WWW-Authenticate": "Bearer"})
+                    return await self._refuse(send, _unauthorized(token), {"WWW-Authenticate": "Bearer"})
             scope.setdefault("state", {})["tenant"] = tenant
         limit = access.limits.max_body_bytes
         too_big = APIError(413, f"the request body is larger than this server's limit of {limit} bytes "
                            "(--max-body-bytes)", code="request_too_large")
         for name, value in scope.get("headers", ()):
             if name == b"content-length" and value.isdigit() and int(value) > limit:
-                return await _refuse(send, too_big)
+                return await self._refuse(send, too_big)
         if scope.get("method") not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
         parts, total = [], 0
@@ -195,7 +200,7 @@ class Guard:
             parts.append(msg.get("body", b""))
             total += len(parts[-1])
             if total > limit:
-                return await _refuse(send, too_big)
+                return await self._refuse(send, too_big)
             if not msg.get("more_body", False):
                 break
         body, replayed = b"".join(parts), False

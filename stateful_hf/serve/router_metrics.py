@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from .exposition import families
@@ -57,6 +57,9 @@ class RouterMetrics:
         self.registry = CollectorRegistry(auto_describe=False)
         self.hint_lead = Histogram(f"{PREFIX}_hint_lead_time_seconds", "Time from a session's first hint to its "
                                    "request's arrival at the router", buckets=HINT_BUCKETS, registry=self.registry)
+        # every error response of the HTTP app, by status and OpenAI error code (a fixed set: no ids)
+        self.errors = Counter(f"{PREFIX}_api_errors", "Requests answered with an error, by HTTP status and error "
+                              "code", labelnames=["status", "code"], registry=self.registry)
         self.registry.register(_RouterCollector(router))
         self.hint_ttl = hint_ttl
         self.unreachable: set[str] = set()               # replicas that failed the last scrape
@@ -72,6 +75,10 @@ class RouterMetrics:
         t = self._hinted.pop(session_id, None) if session_id is not None else None
         if t is not None:
             self.hint_lead.observe(time.monotonic() - t)
+
+    def error(self, e) -> None:
+        """An error response (an `APIError`) was sent."""
+        self.errors.labels(str(e.status), e.code or e.type).inc()
 
     def snapshot(self) -> list[dict]:
         return families(self.registry.collect())
