@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from test_policy import turn as policy_turn
 
 from stateful_hf.cache import (
     DEFAULT_TENANT,
@@ -44,14 +45,7 @@ def test_key_shapes_and_bad_tenants():
 
 def turn(store: SessionStore, sid: str, tokens: int) -> None:
     """One turn of `tokens` new tokens (recomputing dropped history first, as a real turn would)."""
-    store.open(sid)
-    with store.lease(sid):
-        s = store.session(sid)
-        missing = store.missing_positions(sid)
-        if missing:
-            store.commit(store.plan_step([(sid, [s.token_ids[p] for p in missing], missing)]))
-        n = s.num_tokens
-        store.commit(store.plan_step([(sid, [1] * tokens, range(n, n + tokens))]))
+    policy_turn(store, sid, [1] * tokens, 1)
 
 
 def flood(policy) -> SessionStore:
