@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 from conftest import Conversation, engine_round, greedy, seed_of
-from test_hidden import lay_out
+from test_hidden import replay_layouts
 
 import stateful_hf
 from stateful_hf import Engine
@@ -41,15 +41,7 @@ def test_every_tier_and_hidden_states_exact(family, make_store, tmp_path):
     conv.reply(greedy(model, conv.ids, cache=cache))
     layouts = [["hidden"] * 9, ["host"] * 9, ["disk"] * 9, ["dropped"] * 9,
                ["dropped", "hidden", "disk", "hidden", "host", "device"]]
-    for layout in layouts:
-        lay_out(store, "a", layout)
-        before = store.residency("a")
-        out = greedy(model, conv.ids, cache=cache)
-        assert torch.equal(out, greedy(oracle, conv.ids)), layout
-        turn = store.stats("a").last_turn
-        assert turn.restored_hidden == before["hidden"] and turn.recomputed_tokens == before["dropped"]
-        assert turn.swapped_in_host == before["host"] and turn.swapped_in_disk == before["disk"]
-        conv.reply(out)
+    replay_layouts(store, model, oracle, cache, conv, layouts)
     c = store.stats().counters
     assert c.restored_hidden and c.swapped_in_host and c.swapped_in_disk and c.recomputed
 

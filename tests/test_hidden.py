@@ -41,6 +41,24 @@ def lay_out(store, sid, layout):
     store.check_integrity()
 
 
+def replay_layouts(store, model, oracle, cache, conv, layouts) -> int:
+    """For each layout: lay session "a" out so, run a turn (exact against stateless generate), check
+    that `last_turn` restored / swapped in / recomputed exactly what each tier held. Returns the
+    hidden-state tokens restored in all."""
+    restored = 0
+    for layout in layouts:
+        lay_out(store, "a", layout)
+        before = store.residency("a")
+        restored += before["hidden"]
+        out = greedy(model, conv.ids, cache=cache)
+        assert torch.equal(out, greedy(oracle, conv.ids)), layout
+        turn = store.stats("a").last_turn
+        assert turn.restored_hidden == before["hidden"] and turn.recomputed_tokens == before["dropped"]
+        assert turn.swapped_in_host == before["host"] and turn.swapped_in_disk == before["disk"]
+        conv.reply(out)
+    return restored
+
+
 @pytest.mark.parametrize("family,hidden_layers", [("llama", 1), ("mistral", 2), ("qwen2", 1), ("opt", 2),
                                                   ("opt-post-ln", 1), ("opt-proj", 2)])
 def test_hidden_alone_and_mixed_is_exact(family, hidden_layers, make_store, tmp_path):
@@ -53,17 +71,7 @@ def test_hidden_alone_and_mixed_is_exact(family, hidden_layers, make_store, tmp_
     layouts = [["hidden"] * 9, ["hidden", "device", "host", "disk", "dropped"],
                ["dropped", "hidden", "disk", "hidden", "host", "device"], ["hidden"] * 9,
                ["host", "hidden", "dropped", "hidden", "disk"]]
-    restored = 0
-    for layout in layouts:
-        lay_out(store, "a", layout)
-        before = store.residency("a")
-        restored += before["hidden"]
-        out = greedy(model, conv.ids, cache=cache)
-        assert torch.equal(out, greedy(oracle, conv.ids)), layout
-        turn = store.stats("a").last_turn
-        assert turn.restored_hidden == before["hidden"] and turn.recomputed_tokens == before["dropped"]
-        assert turn.swapped_in_host == before["host"] and turn.swapped_in_disk == before["disk"]
-        conv.reply(out)
+    restored = replay_layouts(store, model, oracle, cache, conv, layouts)
     c = store.stats().counters
     assert c.restored_hidden == restored > 0 and c.restore_seconds > 0 and c.swapped_in_host and c.recomputed
 
