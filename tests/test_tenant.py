@@ -48,12 +48,12 @@ def turn(store: SessionStore, sid: str, tokens: int) -> None:
     policy_turn(store, sid, [1] * tokens, 1)
 
 
-def flood(policy) -> SessionStore:
-    """Tenant B keeps 2 sessions of 8 tokens; then tenant A opens 30 sessions of 8 tokens in a store
-    of 64 device tokens; then B's sessions are looked at (no turn ran since)."""
+def flood(policy, b_sessions: int = 2) -> SessionStore:
+    """Tenant B keeps `b_sessions` sessions of 8 tokens; then tenant A opens 30 sessions of 8 tokens
+    in a store of 64 device tokens; then B's sessions are looked at (no turn ran since)."""
     t = [0.0]
     store = SessionStore(SPEC, device_capacity=64, policy=policy, clock=lambda: t[0])
-    for i in range(2):
+    for i in range(b_sessions):
         t[0] += 1
         turn(store, session_key("b", f"s{i}"), 8)
     for i in range(30):
@@ -98,18 +98,9 @@ def test_fair_share_weights_and_single_tenant_order():
     with pytest.raises(ValueError, match="weights"):
         FairSharePolicy(LRUPolicy(), {"a": 0})
 
-    t[0] = 0.0
-    store = SessionStore(SPEC, device_capacity=64, policy=FairSharePolicy(LRUPolicy(), {"b": 3}), clock=lambda: t[0])
-    for i in range(6):
-        t[0] += 1
-        turn(store, session_key("b", f"s{i}"), 8)
-    for i in range(30):
-        t[0] += 1
-        turn(store, session_key("a", f"s{i}"), 8)
-    usage = store.tenant_usage()
+    usage = flood(FairSharePolicy(LRUPolicy(), {"b": 3}), b_sessions=6).tenant_usage()
     assert usage["b"].stored_tokens >= 48 - 4 and usage["a"].stored_tokens <= 16 + 4
     assert sum(u.stored_tokens for u in usage.values()) == 64
-    store.check_integrity()
 
 
 def test_tenants_survive_a_restart_in_the_disk_index(tmp_path):
