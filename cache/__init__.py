@@ -1,6 +1,7 @@
 """The tiered session KV store. Knows tensors, not transformers."""
 
 from .errors import CapacityError, SessionBusyError, StoreError, UnknownSessionError
+from .kv_store import KVStore
 from .policy import (
     DEFAULT_POLICY,
     POLICY_NAMES,
@@ -19,14 +20,13 @@ from .session import Chunk, ChunkState, Session, TurnStats
 from .spec import KVSpec, capacity_in_blocks, parse_capacity
 from .stats import SessionStats, StoreStats
 from .step import StepBatch, StepEntry
-from .store import SessionStore
 from .tenant import DEFAULT_TENANT, TenantUsage, session_key, split_key, tenant_of
 
 __all__ = [
     "DEFAULT_POLICY", "DEFAULT_TENANT", "POLICY_NAMES", "BlockPool", "CapacityError", "Chunk", "ChunkState",
     "CostProfile", "EvictionPolicy", "FairSharePolicy", "KVSpec", "LRUPolicy", "RecencyCostPolicy",
     "RetentionPolicy", "ReturnAwarePolicy", "ReturnEstimator",
-    "Session", "SessionBusyError", "SessionStats", "SessionStore", "StepBatch", "StepEntry",
+    "KVStore", "Session", "SessionBusyError", "SessionStats", "StepBatch", "StepEntry",
     "StoreError", "StoreStats", "TenantUsage", "TurnStats", "UnknownSessionError", "capacity_in_blocks",
     "make_policy", "parse_capacity", "session_key", "split_key", "tenant_of",
 ]

@@ -51,7 +51,7 @@ from .disk_file import DiskFile
 from .disk_index import FORMAT, DiskIndex, read_meta, unpack_ids
 from .disk_pool import DiskHiddenPool, DiskPool, Quarantined
 from .errors import StoreError
-from .hidden import HiddenSpec
+from .hidden_states import HiddenSpec
 from .spec import KVSpec
 
 _DATA_FILE = re.compile(r"(kv|hidden)\.\d+\.bin")

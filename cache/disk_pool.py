@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .hidden import HiddenPool
+from .hidden_states import HiddenPool
 from .pool import BlockPool
 
 

@@ -7,7 +7,7 @@ device the same way: read up layer by layer and projected (`HiddenRestore`)."""
 
 from __future__ import annotations
 
-from .hidden import HiddenCapture, HiddenPool, HiddenRestore, HiddenSpec, Projector
+from .hidden_states import HiddenCapture, HiddenPool, HiddenRestore, HiddenSpec, Projector
 from .session import Chunk, ChunkState, Session
 from .spec import capacity_in_blocks
 

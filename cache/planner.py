@@ -14,7 +14,7 @@ import torch
 
 from ..kernels import PagedBatch
 from .errors import CapacityError
-from .hidden import StepHidden
+from .hidden_states import StepHidden
 from .session import Chunk, Session
 from .shares import check_factor
 from .step import StepBatch, StepEntry

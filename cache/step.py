@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import KernelState, PagedBatch
-from .hidden import StepHidden
+from .hidden_states import StepHidden
 from .layered_step import LayeredStep
 from .pool import BlockPool
 from .transfer import wait_event

@@ -6,7 +6,7 @@ Moving down follows the policy; making room in a tier moves its lowest-value chu
 device -> host -> disk -> dropped (a tier that is absent is skipped). With hidden states in use
 (`_hidden_down`), device chunks whose hidden states were captured go down to HIDDEN instead of
 HOST, hidden chunks go down to the disk tier's hidden file (DISK_HIDDEN) if there is a disk tier,
-and from there (or without one) to dropped (HCache, `hidden.py`).
+and from there (or without one) to dropped (HCache, `hidden_states.py`).
 """
 
 from __future__ import annotations

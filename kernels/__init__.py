@@ -1,7 +1,7 @@
 """Attention over paged KV for ragged multi-token queries. Never imports transformers."""
 
-from .attention import BACKENDS, paged_attention, write_kv
 from .batch import Overlay, PagedBatch
+from .dispatch import BACKENDS, paged_attention, write_kv
 from .plan import KernelState, StepPlan, available_backends, plan, resolve_backend
 
 __all__ = ["BACKENDS", "KernelState", "Overlay", "PagedBatch", "StepPlan", "available_backends", "paged_attention",

@@ -6,8 +6,8 @@ from .engine import Engine, RequestOutput, SamplingParams
 from .engine.hints import Hint
 from .integration import enable
 from .pipeline import StatefulTextGenerationPipeline, pipeline
+from .session_store import SessionStore
 from .stateful_cache import StatefulCache
-from .store import SessionStore
 
 __all__ = [
     "CapacityError", "SessionBusyError", "SessionStore", "StatefulCache", "StoreError", "UnknownSessionError",

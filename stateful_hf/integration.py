@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from . import attention
+from . import hf_attention
 from .adapter import ModelAdapter, adapter_for
 from .cache import ChunkState, StepBatch, TurnStats
 from .stateful_cache import StatefulCache
@@ -25,7 +25,7 @@ def enable(model: torch.nn.Module) -> ModelAdapter:
     if adapter is not None:
         return adapter
     adapter = adapter_for(model)
-    model.set_attn_implementation(attention.register())
+    model.set_attn_implementation(hf_attention.register())
     model.register_forward_pre_hook(_pre_forward, with_kwargs=True)
     model.register_forward_hook(_post_forward, with_kwargs=True)
     model.generate = functools.partial(_generate, model, model.generate)

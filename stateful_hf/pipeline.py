@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 from transformers.pipelines import PIPELINE_REGISTRY, TextGenerationPipeline
 from transformers.pipelines import pipeline as _hf_pipeline
 
-from .store import SessionStore
+from .session_store import SessionStore
 
 TASK = "stateful-text-generation"
 _STORE_KEYS = ("device_capacity", "host_capacity", "disk_dir", "disk_capacity", "chunk_size", "policy",

@@ -16,8 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .cache import CostProfile, KVSpec
-from .cache import SessionStore as TensorStore
+from .cache import CostProfile, KVSpec, KVStore
 from .integration import run_step
 
 _MEASURED: dict[str, CostProfile] = {}   # memo per model geometry and device, for this process
@@ -99,7 +98,7 @@ def _sweep(model: torch.nn.Module, spec: KVSpec, ids: list[int], lengths: list[i
     chunk's forward costs the same whatever the K/V it attends to holds (the blocks keep the pool's
     zeros), and computing 4096 tokens of real context would cost more than all the timed runs."""
     chunk = spec.block_size
-    store = TensorStore(spec, lengths[-1] + chunk, swap_out_threshold=0.0)
+    store = KVStore(spec, lengths[-1] + chunk, swap_out_threshold=0.0)
     store.open("p")
     seconds, done = [], 0
     for n in lengths:

@@ -15,7 +15,7 @@ from transformers.cache_utils import Cache
 from .cache.step import StepBatch
 
 if TYPE_CHECKING:
-    from .store import SessionStore
+    from .session_store import SessionStore
 
 
 class StatefulCache(Cache):

@@ -7,25 +7,25 @@ from __future__ import annotations
 import torch
 from conftest import Conversation, greedy
 
-from stateful_hf.cache import CostProfile, KVSpec, SessionStore
+from stateful_hf.cache import CostProfile, KVSpec, KVStore
 from stateful_hf.testing import tiny_llama
 
 PROFILE = CostProfile()
 CPU = torch.device("cpu")
 
 
-def _store(**kw) -> SessionStore:
+def _store(**kw) -> KVStore:
     spec = KVSpec(num_layers=2, num_kv_heads=1, head_dim=4, block_size=4, dtype=torch.float32, device=CPU)
-    return SessionStore(spec, 32, host_capacity=32, **{"emulate_async": True, **kw})
+    return KVStore(spec, 32, host_capacity=32, **{"emulate_async": True, **kw})
 
 
 def test_switch_env_and_argument(monkeypatch, make_store):
     monkeypatch.delenv("STATEFUL_HF_EMULATE_ASYNC", raising=False)
     assert not _store(emulate_async=False).emulate_async and _store().emulate_async
     spec = KVSpec(num_layers=1, num_kv_heads=1, head_dim=2, block_size=2, dtype=torch.float32, device=CPU)
-    assert not SessionStore(spec, 8).emulate_async
+    assert not KVStore(spec, 8).emulate_async
     monkeypatch.setenv("STATEFUL_HF_EMULATE_ASYNC", "1")
-    assert SessionStore(spec, 8).emulate_async
+    assert KVStore(spec, 8).emulate_async
     assert make_store(tiny_llama(), 64, cost_profile=PROFILE).emulate_async
 
 

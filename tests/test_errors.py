@@ -50,7 +50,7 @@ def test_capacity_beyond_any_tensor_is_a_clear_value_error(model, capacity):
 
 def test_a_pool_torch_cannot_allocate_is_a_store_error(model, monkeypatch):
     """No test allocates a huge pool on a shared machine: torch's out-of-memory is simulated."""
-    import stateful_hf.cache.store as cache_store
+    import stateful_hf.cache.kv_store as cache_store
 
     def refuse(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB")

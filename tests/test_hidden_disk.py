@@ -13,7 +13,7 @@ from conftest import FAMILIES, Conversation, greedy, seed_of
 
 import stateful_hf
 from stateful_hf.cache import CapacityError, ChunkState
-from stateful_hf.cache.hplan import HiddenCosts
+from stateful_hf.cache.hidden_partition import HiddenCosts
 from stateful_hf.testing import tiny_llama
 
 PROFILE = stateful_hf.cache.CostProfile()
@@ -212,7 +212,7 @@ def test_full_disk_and_bad_moves_are_clear_and_lose_nothing(make_store, tmp_path
 
 def test_disk_profile_reads_the_disk_tier_file(tmp_path):
     from stateful_hf.cache import KVSpec
-    from stateful_hf.hidden import measure_hidden_costs
+    from stateful_hf.hidden_capture import measure_hidden_costs
 
     model = FAMILIES["llama"]()
     adapter = stateful_hf.enable(model)

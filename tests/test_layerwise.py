@@ -13,10 +13,9 @@ from test_kernels import assert_close_to_reference, ragged_case
 
 import stateful_hf
 from stateful_hf import Engine, SamplingParams
-from stateful_hf.cache import CapacityError, ChunkState, CostProfile, KVSpec
-from stateful_hf.cache import SessionStore as TensorStore
+from stateful_hf.cache import CapacityError, ChunkState, CostProfile, KVSpec, KVStore
 from stateful_hf.cache.shares import ShareTable, kept_layers
-from stateful_hf.engine.layerwise import LayerwisePolicy
+from stateful_hf.engine.layer_offload import LayerwisePolicy
 from stateful_hf.integration import run_step
 from stateful_hf.kernels import Overlay, paged_attention
 from stateful_hf.testing import tiny_llama, tiny_opt
@@ -280,7 +279,7 @@ def test_layerwise_configuration_errors(make_store):
                    hidden_layers=1)
     spec = KVSpec(6, 2, 16, block_size=16)
     with pytest.raises(ValueError, match="attn_backend='torch'"):
-        TensorStore(spec, 256, host_capacity=512, attn_backend="flashinfer", layerwise_kv=True)
+        KVStore(spec, 256, host_capacity=512, attn_backend="flashinfer", layerwise_kv=True)
     plain.open("a")
     with pytest.raises(ValueError, match="layerwise_kv=True"):
         plain.plan_step([("a", [5, 6], [0, 1])], factors=[2])

@@ -13,12 +13,12 @@ from stateful_hf.cache import (
     CostProfile,
     EvictionPolicy,
     KVSpec,
+    KVStore,
     LRUPolicy,
     RecencyCostPolicy,
     RetentionPolicy,
     ReturnAwarePolicy,
     ReturnEstimator,
-    SessionStore,
     make_policy,
 )
 
@@ -26,7 +26,7 @@ SPEC = KVSpec(num_layers=1, num_kv_heads=1, head_dim=2, block_size=4)
 STEEP = CostProfile((4, 8, 16, 32, 64), (1.0, 10.0, 100.0, 1000.0, 10000.0))   # trailing chunks cost far more
 
 
-def turn(store: SessionStore, sid: str, new: list[int], out: int) -> None:
+def turn(store: KVStore, sid: str, new: list[int], out: int) -> None:
     """One turn as `generate` with a StatefulCache makes it: lease, recompute dropped history, the
     prompt's step, then one step per generated token but the last."""
     store.open(sid)
@@ -41,7 +41,7 @@ def turn(store: SessionStore, sid: str, new: list[int], out: int) -> None:
             store.commit(store.plan_step([(sid, [1], [s.num_tokens])]))
 
 
-def ranking(policy: EvictionPolicy, store: SessionStore, now: float) -> list[tuple[str, int]]:
+def ranking(policy: EvictionPolicy, store: KVStore, now: float) -> list[tuple[str, int]]:
     sessions = [store.session(sid) for sid in store.session_ids()]
     policy.prepare(sessions, now)
     items = [(s, k) for s in sessions for k in range(len(s.chunks))]
@@ -81,7 +81,7 @@ def test_idle_past_every_gap_ranks_below_recent_whatever_its_cost():
     """A conversation idle longer than any gap observed goes first, even its costliest chunk before the
     cheapest chunk of a recently idle one; Pensieve's Cost / T ranks the other way at these costs."""
     now = [0.0]
-    store = SessionStore(SPEC, 64, clock=lambda: now[0], policy=ReturnAwarePolicy(STEEP))
+    store = KVStore(SPEC, 64, clock=lambda: now[0], policy=ReturnAwarePolicy(STEEP))
     turn(store, "old", [5] * 20, 1)             # 5 chunks, idle from t = 0
     turn(store, "fresh", [5] * 4, 1)
     for t in (90.0, 95.0, 99.0):                # "fresh" comes back: gaps 90, 5 and 4 s
@@ -100,7 +100,7 @@ def test_idle_past_every_gap_ranks_below_recent_whatever_its_cost():
 
 def test_before_any_gap_return_aware_falls_back_to_pensieve():
     now = [0.0]
-    store = SessionStore(SPEC, 64, clock=lambda: now[0], policy=ReturnAwarePolicy(STEEP))
+    store = KVStore(SPEC, 64, clock=lambda: now[0], policy=ReturnAwarePolicy(STEEP))
     turn(store, "a", [5] * 12, 1)               # 3 full chunks
     now[0] = 40.0
     turn(store, "b", [5] * 8, 1)                # 2 full chunks, 40 s later
@@ -121,7 +121,7 @@ def test_store_reports_gaps_and_prepares_before_ranking():
             self.prepared.append((now, sorted(s.session_id for s in sessions)))
 
     now, spy = [0.0], Spy()
-    store = SessionStore(SPEC, 16, clock=lambda: now[0], policy=spy)     # 4 blocks
+    store = KVStore(SPEC, 16, clock=lambda: now[0], policy=spy)     # 4 blocks
     turn(store, "a", [5] * 8, 1)
     now[0] = 7.0
     turn(store, "a", [6], 1)
@@ -134,7 +134,7 @@ def test_store_reports_gaps_and_prepares_before_ranking():
 
 def test_recency_cost_orders_conversations_as_lru_and_chunks_by_cost():
     now = [0.0]
-    store = SessionStore(SPEC, 64, clock=lambda: now[0])
+    store = KVStore(SPEC, 64, clock=lambda: now[0])
     assert isinstance(store.policy, RecencyCostPolicy) and DEFAULT_POLICY == "recency_cost"
     turn(store, "long", [5] * 30, 1)            # chunks 0..6 full, chunk 7 holds 2 tokens
     now[0] = 5.0
@@ -162,7 +162,7 @@ def test_recency_cost_drops_as_many_chunks_as_lru_and_never_more_tokens():
     stores = {}
     for name in ("lru", "recency_cost"):
         now = [0.0]
-        store = SessionStore(SPEC, 160, clock=lambda now=now: now[0], policy=make_policy(name))
+        store = KVStore(SPEC, 160, clock=lambda now=now: now[0], policy=make_policy(name))
         dropped = []
         for t, sid, ids, n_out in sched:
             now[0] = t

@@ -10,10 +10,10 @@ from stateful_hf.cache import (
     ChunkState,
     CostProfile,
     KVSpec,
+    KVStore,
     LRUPolicy,
     RetentionPolicy,
     SessionBusyError,
-    SessionStore,
     UnknownSessionError,
     capacity_in_blocks,
 )
@@ -21,8 +21,8 @@ from stateful_hf.cache import (
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4)
 
 
-def new_store(capacity=32, **kw) -> SessionStore:
-    return SessionStore(SPEC, capacity, **kw)
+def new_store(capacity=32, **kw) -> KVStore:
+    return KVStore(SPEC, capacity, **kw)
 
 
 def append(store, sid, ids):

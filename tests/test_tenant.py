@@ -11,9 +11,9 @@ from stateful_hf.cache import (
     DEFAULT_TENANT,
     FairSharePolicy,
     KVSpec,
+    KVStore,
     LRUPolicy,
     RecencyCostPolicy,
-    SessionStore,
     TenantUsage,
     session_key,
     split_key,
@@ -43,16 +43,16 @@ def test_key_shapes_and_bad_tenants():
         session_key("acme", "")
 
 
-def turn(store: SessionStore, sid: str, tokens: int) -> None:
+def turn(store: KVStore, sid: str, tokens: int) -> None:
     """One turn of `tokens` new tokens (recomputing dropped history first, as a real turn would)."""
     policy_turn(store, sid, [1] * tokens, 1)
 
 
-def flood(policy, b_sessions: int = 2) -> SessionStore:
+def flood(policy, b_sessions: int = 2) -> KVStore:
     """Tenant B keeps `b_sessions` sessions of 8 tokens; then tenant A opens 30 sessions of 8 tokens
     in a store of 64 device tokens; then B's sessions are looked at (no turn ran since)."""
     t = [0.0]
-    store = SessionStore(SPEC, device_capacity=64, policy=policy, clock=lambda: t[0])
+    store = KVStore(SPEC, device_capacity=64, policy=policy, clock=lambda: t[0])
     for i in range(b_sessions):
         t[0] += 1
         turn(store, session_key("b", f"s{i}"), 8)
@@ -85,7 +85,7 @@ def test_fair_share_weights_and_single_tenant_order():
     b keeps 3/4 of the device while a floods, less one chunk: when both are exactly at their share
     (a tie) the inner order picks once; from then on a is above its share."""
     t = [0.0]
-    store = SessionStore(SPEC, device_capacity=64, policy=LRUPolicy(), clock=lambda: t[0])
+    store = KVStore(SPEC, device_capacity=64, policy=LRUPolicy(), clock=lambda: t[0])
     for i in range(5):
         t[0] += 1
         turn(store, f"s{i}", 8)
@@ -106,14 +106,14 @@ def test_fair_share_weights_and_single_tenant_order():
 def test_tenants_survive_a_restart_in_the_disk_index(tmp_path):
     """The tenant is part of the key the disk index records: a reopened store knows whose each session is."""
     keys = [session_key("a", "s"), session_key("b", "s"), "s", session_key("default", "@a/s")]
-    store = SessionStore(SPEC, 64, disk_dir=tmp_path, disk_capacity=64, policy=LRUPolicy())
+    store = KVStore(SPEC, 64, disk_dir=tmp_path, disk_capacity=64, policy=LRUPolicy())
     for i, key in enumerate(keys):
         turn(store, key, 5 + i)
         store.move(key, range(len(store.session(key).chunks)), "disk")
     before = store.tenant_usage()
     assert before == {"a": TenantUsage(1, 5, 5), "b": TenantUsage(1, 6, 6), "default": TenantUsage(2, 15, 15)}
     store.close()
-    again = SessionStore(SPEC, 64, disk_dir=tmp_path, disk_capacity=64, policy=LRUPolicy())
+    again = KVStore(SPEC, 64, disk_dir=tmp_path, disk_capacity=64, policy=LRUPolicy())
     assert sorted(split_key(k) for k in again.session_ids()) == sorted(
         [("a", "s"), ("b", "s"), ("default", "s"), ("default", "@a/s")])
     assert again.tenant_usage() == before

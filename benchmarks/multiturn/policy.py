@@ -30,8 +30,7 @@ import time
 import torch
 
 import stateful_hf
-from stateful_hf.cache import DEFAULT_POLICY, CostProfile, EvictionPolicy, KVSpec, make_policy
-from stateful_hf.cache import SessionStore as TensorStore
+from stateful_hf.cache import DEFAULT_POLICY, CostProfile, EvictionPolicy, KVSpec, KVStore, make_policy
 from stateful_hf.testing import VOCAB_SIZE
 
 from .arrivals import Arrivals, schedule
@@ -152,7 +151,7 @@ def replay_counts(wl: Workload, order: list[tuple[float, int, int]], budget: int
     count, with placeholder token ids. The counts are `replay`'s (tests/test_multiturn_bench.py
     checks it); there are no outputs to compare."""
     now = [0.0]
-    store = TensorStore(KVSpec(1, 1, 1, block_size=chunk), budget, policy=policy, clock=lambda: now[0])
+    store = KVStore(KVSpec(1, 1, 1, block_size=chunk), budget, policy=policy, clock=lambda: now[0])
     cost, t0 = 0.0, time.monotonic()
     for t, i, k in order:
         now[0] = t

@@ -18,7 +18,7 @@ Everything that passes may still wait for room; it is served once the pool is fr
 from __future__ import annotations
 
 from ..cache import CapacityError
-from .layerwise import LayerwisePolicy, share_blocks
+from .layer_offload import LayerwisePolicy, share_blocks
 from .request import Request
 
 

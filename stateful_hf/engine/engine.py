@@ -15,12 +15,12 @@ import torch
 
 from ..cache import SessionBusyError
 from ..integration import check_input_ids
-from ..store import SessionStore
+from ..session_store import SessionStore
 from .admission import refusal
 from .frontends import ChatMixin
 from .handle import RequestHandle
 from .hints import HintMixin
-from .layerwise import LayerwisePolicy
+from .layer_offload import LayerwisePolicy
 from .openmp import release_thread_pool
 from .request import Request, RequestOutput, RequestStatus
 from .runner import ModelRunner, StepRecord

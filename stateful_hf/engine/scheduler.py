@@ -18,8 +18,8 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
-from ..cache import CapacityError, ChunkState, SessionBusyError, SessionStore, TurnStats
-from .layerwise import LayerwisePolicy, LayerwiseScheduling, share_blocks
+from ..cache import CapacityError, ChunkState, KVStore, SessionBusyError, TurnStats
+from .layer_offload import LayerwisePolicy, LayerwiseScheduling, share_blocks
 from .request import Request, RequestStatus
 from .slo import SloPolicy, prefill_rows
 
@@ -62,7 +62,7 @@ class WorkItem:
 
 
 class Scheduler(LayerwiseScheduling):
-    def __init__(self, store: SessionStore, config: SchedulerConfig, max_positions: int,
+    def __init__(self, store: KVStore, config: SchedulerConfig, max_positions: int,
                  slo: SloPolicy | None = None, layerwise: LayerwisePolicy | None = None):
         if config.max_batch_tokens < store.block_size:
             raise ValueError(f"max_batch_tokens ({config.max_batch_tokens}) must be >= the store's chunk size "

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from ..cache import FairSharePolicy
 from ..engine import Engine
-from ..store import SessionStore
+from ..session_store import SessionStore
 from .app import ServeConfig, create_app
 from .auth import Access
 from .replica import Replica

@@ -21,7 +21,7 @@ from .disk import DiskTier
 from .disk_file import identity_tags
 from .disk_state import DiskStateMixin
 from .errors import SessionBusyError, StoreError, UnknownSessionError
-from .hidden import HiddenSpec, Projector
+from .hidden_states import HiddenSpec, Projector
 from .hidden_tier import HiddenTierMixin
 from .layerwise import LayerwiseMixin
 from .moves import MoveLedger
@@ -62,7 +62,7 @@ def _chunk_indices(chunks) -> list[int]:
     return out
 
 
-class SessionStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin, LayerwiseMixin, DiskStateMixin):
+class KVStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin, LayerwiseMixin, DiskStateMixin):
     """device_capacity / host_capacity / disk_capacity: tokens (int) or sizes ("2GiB"); a host or
     disk tier exists only when given (the disk tier also needs `disk_dir`). `swap_out_threshold`:
     share of device blocks kept free or reclaimable by ahead-of-time swap-out after each turn.

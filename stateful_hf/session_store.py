@@ -8,14 +8,13 @@ from collections.abc import Callable
 
 import torch
 
-from .cache import DEFAULT_POLICY, POLICY_NAMES, CostProfile, EvictionPolicy, KVSpec, make_policy
-from .cache import SessionStore as _TensorStore
+from .cache import DEFAULT_POLICY, POLICY_NAMES, CostProfile, EvictionPolicy, KVSpec, KVStore, make_policy
 from .cache.disk import saved_hidden_layers
-from .cache.hidden import HiddenSpec
+from .cache.hidden_partition import HiddenCosts, HiddenPlan, min_hidden_layers, plan_layers
+from .cache.hidden_states import HiddenSpec
 from .cache.hidden_tier import HIDDEN_MODES
-from .cache.hplan import HiddenCosts, HiddenPlan, min_hidden_layers, plan_layers
 from .fingerprint import model_fingerprint
-from .hidden import install_capture, measure_hidden_costs
+from .hidden_capture import install_capture, measure_hidden_costs
 from .integration import enable
 from .kernels import resolve_backend
 from .profile import measure_cost_profile
@@ -23,7 +22,7 @@ from .projector import kv_projector
 from .stateful_cache import StatefulCache
 
 
-class SessionStore(_TensorStore):
+class SessionStore(KVStore):
     """Session KV for one model. Creating it enables the model (see `stateful_hf.enable`).
 
     device_capacity / host_capacity / disk_capacity: tokens (int) or sizes ("2GiB"). A host tier

@@ -2,7 +2,7 @@
 
 A HIDDEN chunk stores, for layers [0, L_H), the hidden state entering the layer (the residual
 stream, `hidden_size` values per token) and, for layers [L_H, num_layers), plain K/V: the layer
-split chosen by HCache's bubble-free planner (`hplan.py`). K/V of a hidden layer are rebuilt by
+split chosen by HCache's bubble-free planner (`hidden_partition.py`). K/V of a hidden layer are rebuilt by
 `project(layer, hidden [n, D], positions [n]) -> (K, V) [n, kv_heads, head_dim]`, a callable the
 integration builds from the model's own modules (this package never imports transformers).
 

@@ -19,8 +19,8 @@ import torch
 
 from .adapter import ModelAdapter, decoder_layers
 from .cache.disk import DiskTier
-from .cache.hidden import HiddenCapture, HiddenPool, HiddenRestore, HiddenSpec
-from .cache.hplan import HiddenCosts
+from .cache.hidden_partition import HiddenCosts
+from .cache.hidden_states import HiddenCapture, HiddenPool, HiddenRestore, HiddenSpec
 from .cache.pool import BlockPool
 from .cache.spec import KVSpec
 from .projector import kv_projector
