@@ -77,7 +77,7 @@ def scraped() -> set[str]:
                 for i in range(3):
                     r = http.post(srv.url + "/v1/completions", json={
                         "model": "tiny", "prompt": f"The story number {i} of the lighthouse, part {turn}",
-                        "max_tokens": 3, "temperature": 0, "user": f"s{i}"})
+                        "max_tokens": 3, "temperature": 0, "session_id": f"s{i}"})
                     assert r.status_code == 200, r.text
             assert http.post(srv.url + "/v1/hints", json={"session_id": "s0"}).status_code == 200
             page = http.get(srv.url + "/metrics").text

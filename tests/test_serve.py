@@ -88,8 +88,9 @@ def test_non_streaming_chat_and_completions(server, client):
                                        extra_body={"session_id": "bob"})
     assert r.choices[0].message.content == reference.submit("x", msgs, SamplingParams(max_new_tokens=6)).result().text
     assert r.object == "chat.completion" and r.usage.completion_tokens <= 6
-    # `user` names the session too; a completion prompt as text and as ids
-    c = client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=5, temperature=0, user="carol")
+    # a completion prompt as text and as ids
+    c = client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=5, temperature=0,
+                                  extra_body={"session_id": "carol"})
     ids = tiny_tokenizer()("The quick brown fox", add_special_tokens=False)["input_ids"]
     want = reference.submit("y", ids, SamplingParams(max_new_tokens=5)).result()
     assert c.choices[0].text == want.text and c.usage.prompt_tokens == len(ids)
@@ -98,7 +99,7 @@ def test_non_streaming_chat_and_completions(server, client):
     assert streamed == want.text
     # the same session continued as a completion: its history is reused
     c2 = client.completions.create(model=MODEL, prompt=ids + list(want.token_ids) + ids, max_tokens=3, temperature=0,
-                                   user="carol")
+                                   extra_body={"session_id": "carol"})
     assert c2.usage.prompt_tokens_details.cached_tokens >= len(ids)
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]

@@ -84,7 +84,8 @@ def test_hint_migrates_session_between_ray_replicas(cluster):
         # streaming through the cluster with the openai client
         client = openai.OpenAI(base_url=cluster + "/v1", api_key="unused", timeout=60, max_retries=0)
         text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-            model=TINY_NAME, messages=msgs, max_tokens=N, temperature=0, stream=True, user="zed") if c.choices)
+            model=TINY_NAME, messages=msgs, max_tokens=N, temperature=0, stream=True,
+            extra_body={"session_id": "zed"}) if c.choices)
         assert text == choice["message"]["content"]
 
 

@@ -4,16 +4,18 @@ without one, in whichever thread waits on a handle."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
+import uuid
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from ..cache import SessionBusyError
+from ..cache import DEFAULT_TENANT, SessionBusyError, UnknownSessionError, session_key
 from ..integration import check_input_ids
 from ..session_store import SessionStore
 from .admission import refusal
@@ -129,6 +131,7 @@ class Engine(ChatMixin, HintMixin):
         self._totals = Counter()
         self._chats: dict[str, list[dict]] = {}
         self._last_chat: dict[str, RequestHandle] = {}
+        self._throwaway: set[str] = set()          # session keys deleted when their last turn ends
 
     # ---- submitting -----------------------------------------------------------------------------
 
@@ -150,16 +153,28 @@ class Engine(ChatMixin, HintMixin):
         from the model's generation config (generation_config="auto"), then SamplingParams' defaults."""
         return SamplingParams.from_generation_config(self.generation_config, **explicit)
 
-    def submit(self, session_id: str, prompt, sampling: SamplingParams | None = None) -> RequestHandle:
+    def submit(self, session_id: str | None, prompt, sampling: SamplingParams | None = None, *,
+               cache_salt: str | None = None, tenant: str | None = None) -> RequestHandle:
         """Queue one turn: `prompt` is the whole conversation (ids, text or messages). Never raises for
         a bad prompt or a busy session: the error is on the returned handle (`result()` raises it).
-        `sampling` None: `default_sampling` (the model's generation config, then library defaults)."""
+        `sampling` None: `default_sampling` (the model's generation config, then library defaults).
+        `session_id` None: the turn runs in a throwaway session of `tenant` (`throwaway_session`),
+        deleted when the turn ends; the handle's `session_id` names it. `tenant` is for throwaway
+        sessions only (a named session's tenant is part of its key, `cache.session_key`).
+        `cache_salt` (vLLM's): scopes prefix sharing within the tenant (docs/prefix-sharing.md)."""
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string or None, got {cache_salt!r}")
+        if session_id is None:
+            session_id = self.throwaway_session(tenant)
+        elif tenant is not None:
+            raise ValueError("tenant= names the tenant of a throwaway session (session_id=None); a named "
+                             "session's tenant is part of its key (stateful_hf.cache.session_key)")
         if not isinstance(session_id, str) or not session_id:
             raise ValueError(f"session id must be a non-empty string, got {session_id!r}")
         sampling = sampling or self.default_sampling
         rid = next(self._ids)
         handle = RequestHandle(self, rid, session_id)
-        r = Request(rid, session_id, [], sampling, None)
+        r = Request(rid, session_id, [], sampling, None, cache_salt=cache_salt)
         try:
             r.prompt = check_input_ids(self.encode(prompt), self.adapter)
             r.generator = make_generator(sampling, self.store.device_pool.device)
@@ -180,8 +195,29 @@ class Engine(ChatMixin, HintMixin):
             self._cv.notify_all()
         return handle
 
+    def throwaway_session(self, tenant: str | None = None) -> str:
+        """A fresh session key of `tenant` (default: the default tenant) that the engine deletes when
+        the last turn submitted for it ends (or is refused). `submit(None, ...)` uses one; a caller that
+        needs the key before submitting (to watch its moves) takes one here and submits with it."""
+        with self._cv:
+            while True:
+                key = session_key(tenant or DEFAULT_TENANT, f"~{uuid.uuid4().hex}")
+                if key not in self._throwaway and key not in self.store:
+                    self._throwaway.add(key)
+                    return key
+
+    def _forget_throwaway(self, session_id: str) -> None:
+        """Delete a throwaway session whose last turn has ended (engine._cv held; steps hold the store
+        lock only inside the step lock, so taking it here cannot deadlock)."""
+        if session_id in self._throwaway and not self._active[session_id]:
+            self._throwaway.discard(session_id)
+            with contextlib.suppress(UnknownSessionError):      # refused before its session was opened
+                self.store.delete(session_id)
+
     def _reject(self, handle: RequestHandle, r: Request, error: BaseException) -> RequestHandle:
         r.status, r.finish_reason, r.error, r.finished_at = RequestStatus.FAILED, "error", error, time.monotonic()
+        with self._cv:
+            self._forget_throwaway(r.session_id)
         handle._publish([], "", 0, self._output(r))
         return handle
 
@@ -270,11 +306,12 @@ class Engine(ChatMixin, HintMixin):
                 on_finish = self._on_finish.pop(r.request_id, None)
                 if on_finish is not None:     # before the handle reads as done (chat: the reply is kept first)
                     on_finish(out)
-                self._handles.pop(r.request_id)._publish(r.output_ids, out.text or "", len(out.text or ""), out)
                 self._requests.pop(r.request_id, None)
                 self._active[r.session_id] -= 1
                 if not self._active[r.session_id]:
                     del self._active[r.session_id]
+                self._forget_throwaway(r.session_id)       # before the handle reads as done
+                self._handles.pop(r.request_id)._publish(r.output_ids, out.text or "", len(out.text or ""), out)
                 self._totals["finished"] += 1
             self._cv.notify_all()
 

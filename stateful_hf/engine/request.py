@@ -91,6 +91,7 @@ class Request:
     recomputed: int = 0
     truncated: int = 0
     suspensions: int = 0
+    cache_salt: str | None = None         # scopes prefix sharing within the session's tenant (vLLM's)
     # Layer-wise allocation (layerwise_kv): keep factor of the chunks this turn fills (1: all layers on
     # the device, 0: none, f >= 2: l % f == r), chosen at admission, lowered when its layers are pushed down.
     factor: int = 1

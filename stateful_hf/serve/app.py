@@ -4,10 +4,13 @@ Endpoints: POST /v1/chat/completions, POST /v1/completions (both stream with ser
 `"stream": true`), POST /v1/hints, GET and DELETE /v1/sessions/{id}, GET /v1/models, GET /metrics,
 GET /health. docs/server-api.md describes them.
 
-The session of a request is, first found: the `X-Session-Id` header, the body's `session_id`, the
-body's `user`. Without one the turn runs in a throwaway session (nothing is kept). `session_id_of`
-is the one place a request's session id is resolved: sessions are named within the caller's tenant
-(`auth.py`: the API key's; `cache/tenant.py`: the store's key). `Access` (keys, limits) is enforced by
+The session of a request is, first found: the `X-Session-Id` header, the body's `session_id`. The
+OpenAI `user` field is not a session (two conversations of one user would overwrite each other).
+Without a session id the turn runs in a throwaway session of the caller's tenant, deleted when the
+turn ends (it still reuses and feeds the shared prefixes of its tenant and `cache_salt`:
+docs/prefix-sharing.md). `session_id_of` is the one place a request's session id is resolved:
+sessions are named within the caller's tenant (`auth.py`: the API key's; `cache/tenant.py`: the
+store's key). `Access` (keys, limits) is enforced by
 `auth.Guard` and `limits.TenantGate`.
 """
 
@@ -125,13 +128,16 @@ def create_app(router, config: ServeConfig, access: Access | None = None) -> Fas
                            param="model", code="model_not_found")
 
     def session_of(request: Request, body) -> str | None:
-        named = request.headers.get(SESSION_HEADER) or body.session_id or body.user or None
+        named = request.headers.get(SESSION_HEADER) or body.session_id or None
         return None if named is None else session_id_of(request, named)
 
-    async def run(request: Request, sid, ids, sampling, stream: bool, include_usage: bool, kind: str,
-                  token_ids: bool = False):
+    async def run(request: Request, body, ids, sampling, kind: str):
+        sid = session_of(request, body)
+        stream, token_ids = body.stream, body.return_token_ids
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
         rid, model, created = new_id("chatcmpl" if kind == "chat" else "cmpl"), config.model_name, int(time.time())
-        events = router.stream(sid, ids, sampling)
+        events = router.stream(sid, ids, sampling, cache_salt=body.cache_salt,
+                               tenant=request_tenant(request) if sid is None else None)
         first = await anext(events, None)
         if first is None or first["type"] == "error":
             await events.aclose()
@@ -193,9 +199,7 @@ def create_app(router, config: ServeConfig, access: Access | None = None) -> Fas
         sampling = body.sampling(max_tokens_for(requested, len(ids), config.max_model_len,
                                                 config.default_max_tokens, "messages"), config.generation_config)
         limits.check_prompt(len(ids), config.max_model_len, "messages")
-        out = await run(request, session_of(request, body), ids, sampling, body.stream,
-                        bool(body.stream_options and body.stream_options.include_usage), "chat", body.return_token_ids)
-        return out
+        return await run(request, body, ids, sampling, "chat")
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -212,10 +216,7 @@ def create_app(router, config: ServeConfig, access: Access | None = None) -> Fas
         sampling = body.sampling(max_tokens_for(default, len(ids), config.max_model_len, None, "prompt"),
                                  config.generation_config)
         limits.check_prompt(len(ids), config.max_model_len, "prompt")
-        out = await run(request, session_of(request, body), ids, sampling, body.stream,
-                        bool(body.stream_options and body.stream_options.include_usage), "completion",
-                        body.return_token_ids)
-        return out
+        return await run(request, body, ids, sampling, "completion")
 
     @app.post("/v1/hints")
     async def hints(request: Request):

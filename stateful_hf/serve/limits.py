@@ -74,9 +74,10 @@ class TenantGate:
     def active(self) -> bool:
         return self.limits.max_sessions_per_tenant is not None or self.limits.max_stored_tokens_per_tenant is not None
 
-    async def stream(self, session_id: str | None, prompt: list[int], sampling) -> AsyncIterator[dict]:
+    async def stream(self, session_id: str | None, prompt: list[int], sampling, **scope) -> AsyncIterator[dict]:
+        """`scope`: `cache_salt`, and `tenant` of a throwaway session (passed on to the router)."""
         if session_id is None or not self.active:
-            async with contextlib.aclosing(self.router.stream(session_id, prompt, sampling)) as events:
+            async with contextlib.aclosing(self.router.stream(session_id, prompt, sampling, **scope)) as events:
                 async for ev in events:
                     yield ev
             return
@@ -85,7 +86,7 @@ class TenantGate:
         async with lock:
             await self._admit(tenant, session_id, len(prompt) + sampling.max_new_tokens)
         try:
-            async with contextlib.aclosing(self.router.stream(session_id, prompt, sampling)) as events:
+            async with contextlib.aclosing(self.router.stream(session_id, prompt, sampling, **scope)) as events:
                 async for ev in events:
                     yield ev
         finally:

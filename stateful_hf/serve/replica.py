@@ -10,10 +10,8 @@ wakes after each engine step and forwards progress to the waiting coroutines.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
 import time
-import uuid
 from collections.abc import AsyncIterator
 
 from ..cache import CapacityError, SessionBusyError, split_key
@@ -130,13 +128,14 @@ class Replica:
 
     # ---- turns ----------------------------------------------------------------------------------
 
-    async def stream(self, session_id: str | None, prompt: list[int], sampling: SamplingParams | dict
-                     ) -> AsyncIterator[dict]:
-        """One turn. `session_id` None: a throwaway session, deleted when the turn ends."""
+    async def stream(self, session_id: str | None, prompt: list[int], sampling: SamplingParams | dict, *,
+                     cache_salt: str | None = None, tenant: str | None = None) -> AsyncIterator[dict]:
+        """One turn. `session_id` None: a throwaway session of `tenant`, deleted by the engine when the
+        turn ends (`Engine.throwaway_session`). `cache_salt`: scopes prefix sharing (`Engine.submit`)."""
         if isinstance(sampling, dict):
             sampling = SamplingParams(**sampling)
         ephemeral = session_id is None
-        sid = session_id or f"anon-{uuid.uuid4().hex}"
+        sid = self.engine.throwaway_session(tenant) if ephemeral else session_id
         gate = self._gates.get(sid)
         if gate is not None:
             await asyncio.to_thread(gate.wait, 60)
@@ -152,7 +151,7 @@ class Replica:
             baseline = dict(self._restored.setdefault(sid, {}))
         account = lambda out: self._account(out, sid, None if ephemeral else sid, baseline, prompt)
         try:
-            handle, done = self.engine.submit(sid, prompt, sampling), False
+            handle, done = self.engine.submit(sid, prompt, sampling, cache_salt=cache_salt), False
         except BaseException:
             self.inflight -= 1
             self._untrack(sid)
@@ -186,8 +185,8 @@ class Replica:
             self.inflight -= 1
             if not done:
                 handle.cancel()               # the client went away: account the turn when it ends
-            if not done or ephemeral:
-                self._when_done(handle, lambda out: self._after(out, sid, ephemeral, done, account))
+            if not done:
+                self._when_done(handle, lambda out: self._after(out, sid, ephemeral, account))
             elif not ephemeral:               # the engine has ended the request: the next turn may go
                 self.turns.release(sid)
 
@@ -230,14 +229,12 @@ class Replica:
                 del self._turns[sid]
                 self._restored.pop(sid, None)
 
-    def _after(self, out, sid: str, ephemeral: bool, accounted: bool, account) -> None:
-        if not accounted:
-            account(out)
+    def _after(self, out, sid: str, ephemeral: bool, account) -> None:
+        """A turn whose client went away has ended: account it, let the session's next turn go (a
+        throwaway session is deleted by the engine)."""
+        account(out)
         if not ephemeral:
             self.turns.release(sid)
-        if ephemeral:
-            with contextlib.suppress(Exception):   # gone already, or busy again (then it ages out by policy)
-                self.store.delete(sid)
 
     def _when_done(self, handle, fn) -> None:
         """Call fn(output) when the request has ended (now, if it has)."""

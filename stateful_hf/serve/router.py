@@ -38,8 +38,8 @@ class LocalClient:
     def __init__(self, replica: Replica):
         self.replica, self.name = replica, replica.name
 
-    def stream(self, session_id, prompt, sampling) -> AsyncIterator[dict]:
-        return self.replica.stream(session_id, prompt, sampling)
+    def stream(self, session_id, prompt, sampling, *, cache_salt=None, tenant=None) -> AsyncIterator[dict]:
+        return self.replica.stream(session_id, prompt, sampling, cache_salt=cache_salt, tenant=tenant)
 
     async def hint(self, session_id, expected_arrival, priority) -> dict:
         return self.replica.hint(session_id, expected_arrival, priority)
@@ -141,7 +141,10 @@ class Router:
         if max(held) > 0 and sid not in self.location:
             self.location[sid] = max(range(len(held)), key=lambda i: held[i])
 
-    async def stream(self, session_id: str | None, prompt: list[int], sampling) -> AsyncIterator[dict]:
+    async def stream(self, session_id: str | None, prompt: list[int], sampling, *, cache_salt: str | None = None,
+                     tenant: str | None = None) -> AsyncIterator[dict]:
+        """One turn on the replica `_route` picks. `session_id` None: a throwaway session of `tenant`
+        there; `cache_salt` scopes its prefix sharing (both passed to the replica)."""
         sid = session_id
         if sid is not None:
             await self._locate(sid)
@@ -159,7 +162,8 @@ class Router:
             self._running[sid] = (r, n + 1)
             self._idle.setdefault(sid, asyncio.Event()).clear()
         try:
-            async with contextlib.aclosing(self.clients[i].stream(sid, prompt, sampling)) as events:
+            async with contextlib.aclosing(self.clients[i].stream(sid, prompt, sampling, cache_salt=cache_salt,
+                                                                  tenant=tenant)) as events:
                 async for ev in events:
                     yield ev
         finally:
