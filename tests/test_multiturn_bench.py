@@ -183,3 +183,18 @@ def test_synthesized_turns_can_be_cut_from_a_real_text():
     assert wl.source == "synthetic-sharegpt-text"
     assert synthesize(4, scale=0.2, seed=1).conversations[0].turns[0].user_ids != \
         wl.conversations[0].turns[0].user_ids
+
+
+def test_system_prompt_opens_every_conversation():
+    from benchmarks.multiturn.workload import with_system_prompt
+
+    wl = synthesize(4, scale=0.2, max_turns=3, max_output=8, vocab=VOCAB_SIZE, seed=5)
+    shared = with_system_prompt(wl, 40, VOCAB_SIZE, seed=1)
+    heads = {c.turns[0].user_ids[:40] for c in shared.conversations}
+    assert len(heads) == 1 and all(3 <= i < VOCAB_SIZE for i in next(iter(heads)))
+    for a, b in zip(wl.conversations, shared.conversations):
+        assert b.turns[0].user_ids[40:] == a.turns[0].user_ids and b.turns[1:] == a.turns[1:]
+    assert shared.describe()["system_prompt_tokens"] == 40 and with_system_prompt(wl, 0, VOCAB_SIZE) == wl
+    text = tuple(range(100, 130))
+    assert with_system_prompt(wl, 50, VOCAB_SIZE, text=text).conversations[0].turns[0].user_ids[:50] == \
+        text + text[:20]

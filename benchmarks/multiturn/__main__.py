@@ -4,6 +4,7 @@
     python -m benchmarks.multiturn --data benchmarks/multiturn/data/sample_sharegpt.json --rate 0.5
     python -m benchmarks.multiturn --users 8 --think-time 2 --conversations 32
     python -m benchmarks.multiturn --quick --model smollm2-135m-instruct    # real weights, real text
+    python -m benchmarks.multiturn --quick --system-prompt 512      # one 512-token prompt opens every conversation
 
 Conversations (ShareGPT-format file via `datasets`, or synthesized with Pensieve's ShareGPT/UltraChat
 statistics, lengths scaled by --scale) arrive as a Poisson process (--rate conversations/s) or through
@@ -12,6 +13,10 @@ exponential think time (--think-time mean). Every system serves the same schedul
 (a ~100M-parameter Llama with random weights unless --layers changes it; --model smollm2-135m-instruct:
 SmolLM2-135M-Instruct with real text prompts), float32, greedy, EOS
 ignored so every answer has the workload's length, and the same device KV budget (--kv-budget).
+With --system-prompt N every conversation opens with the same N tokens (a system prompt) and the
+systems default to stateful_hf (prefix sharing), stateful_hf_unshared (each session its own copy) and
+transformers' CB with block sharing; the summary adds the device tokens each held at peak and the
+TTFT of first turns (docs/prefix-sharing.md).
 
 Pensieve's think time is 60 s and its lengths are full size; on this CPU (a 100M model decodes a few
 tens of tokens per second) both are scaled down: the values used are printed and stored in the JSON.
@@ -31,9 +36,9 @@ import torch
 from ..models import build, kv_bytes_per_token, n_params
 from . import report
 from .arrivals import Arrivals
-from .bench import ALL_SYSTEMS, Bench, Config, budget_for, experiment, policy_budget_for, warm_up
+from .bench import ALL_SYSTEMS, SHARING_SYSTEMS, Bench, Config, budget_for, experiment, policy_budget_for, warm_up
 from .policy import load_cost_profile, replay_workload
-from .workload import load_sharegpt, synthesize, text_ids
+from .workload import load_sharegpt, synthesize, text_ids, with_system_prompt
 
 QUICK = dict(conversations=5, scale=0.12, max_turns=4, max_output=24, rate=4.0, think_time=0.5, rates="1",
              memory_fraction=0.5, sweep_systems="hf_continuous_batching,stateful_hf", policy_fraction=0.25,
@@ -56,6 +61,8 @@ def parse(argv=None) -> argparse.Namespace:
     w.add_argument("--max-turns", type=int)
     w.add_argument("--max-input", type=int, default=512)
     w.add_argument("--max-output", type=int)
+    w.add_argument("--system-prompt", type=int, default=0, metavar="N",
+                   help="N tokens that open every conversation (the same for all: a shared system prompt)")
     a = ap.add_argument_group("arrivals")
     a.add_argument("--rate", type=float, help="Poisson conversation arrivals per second (open loop)")
     a.add_argument("--users", type=int, default=0, help="closed loop: this many concurrent users instead of --rate")
@@ -63,8 +70,8 @@ def parse(argv=None) -> argparse.Namespace:
     a.add_argument("--rates", help="comma-separated rates for the throughput-vs-latency sweep ('' = none)")
     a.add_argument("--sweep-systems", help="systems run in the sweep")
     s = ap.add_argument_group("systems")
-    s.add_argument("--systems", default=",".join(ALL_SYSTEMS),
-                   help="comma-separated subset of " + ",".join(ALL_SYSTEMS))
+    s.add_argument("--systems", help="comma-separated subset of " + ",".join(ALL_SYSTEMS) + " (default: all; "
+                   "with --system-prompt: " + ",".join(SHARING_SYSTEMS) + ")")
     s.add_argument("--model", help="a named model (smollm2-135m-instruct, fetched once; real text prompts: the "
                    "--data file, else turns of Pensieve's lengths cut from the bundled ShareGPT sample) or a "
                    "path; default: a random-weight Llama of --layers layers")
@@ -100,6 +107,10 @@ def parse(argv=None) -> argparse.Namespace:
     for k, v in (QUICK if args.quick else FULL).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    if args.systems is None:
+        args.systems = ",".join(SHARING_SYSTEMS if args.system_prompt else ALL_SYSTEMS)
+    if args.system_prompt and args.max_input < args.system_prompt + 1:
+        args.max_input = args.system_prompt + 512     # the prompt counts in the first turn's input
     return args
 
 
@@ -117,6 +128,9 @@ def main(argv=None) -> dict:
     else:        # Pensieve's statistics; with a real model's tokenizer, turns cut from the bundled sample's text
         wl = synthesize(args.conversations, args.dataset, args.scale, args.max_turns, args.max_input,
                         args.max_output, vocab, args.seed, text_ids(tokenizer) if tokenizer is not None else ())
+    if args.system_prompt:
+        wl = with_system_prompt(wl, args.system_prompt, vocab, args.seed,
+                                text_ids(tokenizer) if tokenizer is not None else ())
     arr = Arrivals(rate=0.0 if args.users else args.rate, think_s=args.think_time, users=args.users, seed=args.seed)
     budget = args.kv_budget or budget_for(wl, args.memory_fraction)
     cfg = Config(budget, args.max_batch_tokens, max_seqs=max(len(wl.conversations), 1),
@@ -144,6 +158,7 @@ def main(argv=None) -> dict:
                                              "layers": model.config.num_hidden_layers, "params": n_params(model),
                                              "dtype": "float32"},
            "workload": wl.describe(), "arrivals": arr.describe(), "kv_budget_tokens": budget,
+           "kv_bytes_per_token": kv_bytes_per_token(model), "system_prompt_tokens": args.system_prompt,
            "max_batch_tokens": args.max_batch_tokens, "rates": rates, **res,
            "ratios_vs_baselines": report.ratios(res["systems"]),
            "load_average_at_end": os.getloadavg(), "elapsed_s": time.monotonic() - t_start}
@@ -162,6 +177,9 @@ def main(argv=None) -> dict:
 def print_summary(out: dict) -> None:
     print("\n" + report.table(out["systems"]))
     print("\nTTFT by turn index (mean, s):\n" + report.ttft_by_turn_table(out["systems"]))
+    if out.get("system_prompt_tokens"):
+        print(f"\nshared system prompt of {out['system_prompt_tokens']} tokens:\n"
+              + report.sharing_table(out["systems"], out["kv_bytes_per_token"]))
     for name, r in out["ratios_vs_baselines"].items():
         print(f"stateful_hf vs {name} (>1 = stateful_hf better): throughput x{r['throughput_x']:.2f}, "
               f"p90 TTFT x{r['ttft_p90_reduction_x']:.2f} (theirs / ours), "

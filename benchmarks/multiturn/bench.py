@@ -22,7 +22,9 @@ from .systems import HFContinuousBatching, StatefulEngine, Stateless, store_opti
 from .workload import Workload
 
 ALL_SYSTEMS = ("hf_stateless", "hf_continuous_batching", "stateful_hf", "stateful_hf_host", "stateful_hf_disk",
-               "stateful_hf_hidden", "stateful_hf_lru")
+               "stateful_hf_hidden", "stateful_hf_lru", "stateful_hf_unshared")
+# --system-prompt: sharing on and off, against transformers' CB with block sharing
+SHARING_SYSTEMS = ("hf_continuous_batching", "stateful_hf", "stateful_hf_unshared")
 
 
 @dataclass(slots=True)
@@ -100,10 +102,14 @@ class Bench:
             "stateful_hf_host": {"host_capacity": lower},
             "stateful_hf_disk": {"disk_dir": None, "disk_capacity": lower},
             "stateful_hf_hidden": {"host_capacity": lower, "hidden_states": "always"},
+            "stateful_hf_unshared": {"prefix_sharing": False},      # each session its own copy of a shared prefix
         }
         if name not in variants:
             raise ValueError(f"unknown system {name!r}; choose from {ALL_SYSTEMS}")
         extra = dict(variants[name])
+        if "prefix_sharing" in extra and "prefix_sharing" not in store_options():
+            self.skipped[name] = "stateful_hf.SessionStore has no prefix_sharing option in this checkout"
+            return None
         if "hidden_states" in extra and "hidden_states" not in store_options():
             self.skipped[name] = "stateful_hf.SessionStore has no hidden_states option in this checkout"
             return None

@@ -53,6 +53,19 @@ def ratios(systems: dict[str, dict], ours: str = "stateful_hf") -> dict[str, dic
             for name, m in systems.items() if name.startswith("hf_")}
 
 
+def sharing_table(systems: dict[str, dict], kv_bytes_per_token: int) -> str:
+    """--system-prompt: device tokens held at peak (sampled device KV bytes / KV bytes per token:
+    physical, a shared chunk counts once), prompt tokens computed and reused, TTFT of first turns."""
+    rows = ["| system | peak device tokens | prompt tokens computed | reused | first-turn TTFT mean (s) | p90 (s) |",
+            "|---|---|---|---|---|---|"]
+    for name, m in systems.items():
+        first = m["ttft_by_turn_s"].get("0", {})
+        dev = m["peak_kv_bytes"].get("device", 0) // max(kv_bytes_per_token, 1)
+        rows.append(f"| {name} | {dev} | {m['prefill_computed_tokens']} | {m['reused_tokens']} | "
+                    f"{first.get('mean', float('nan')):.3f} | {first.get('p90', float('nan')):.3f} |")
+    return "\n".join(rows)
+
+
 def ttft_by_turn_table(systems: dict[str, dict]) -> str:
     turns = sorted({int(k) for m in systems.values() for k in m["ttft_by_turn_s"]})
     rows = ["| system | " + " | ".join(f"turn {t}" for t in turns) + " |", "|---|" + "---|" * len(turns)]

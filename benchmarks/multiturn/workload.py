@@ -105,6 +105,25 @@ def synthesize(n: int, dataset: str = "sharegpt", scale: float = 1.0, max_turns:
                     {"scale": scale, "paper_means": dict(zip(("turns", "input", "output"), DATASET_STATS[dataset]))})
 
 
+def with_system_prompt(wl: Workload, n: int, vocab: int, seed: int = 0, text: tuple[int, ...] = ()) -> Workload:
+    """Every conversation of `wl` opening with the same `n` tokens (a system prompt): random ids in
+    [3, vocab) from `seed`, or the first `n` of `text` (a tokenized text, for a model with real
+    weights), prepended to each conversation's first turn."""
+    if n < 0:
+        raise ValueError(f"system prompt of {n} tokens")
+    if n == 0:
+        return wl
+    if text:
+        prompt = tuple((text * (1 + n // len(text)))[:n])
+    else:
+        rng = random.Random(f"system-prompt-{seed}")
+        prompt = tuple(rng.randrange(3, vocab) for _ in range(n))
+    convs = tuple(Conversation(c.conv_id, (Turn(prompt + c.turns[0].user_ids, c.turns[0].output_len,
+                                                c.turns[0].think_s), *c.turns[1:]), c.start_s)
+                  for c in wl.conversations)
+    return Workload(convs, wl.source, {**wl.notes, "system_prompt_tokens": n})
+
+
 def text_ids(tokenizer, path: str | Path = SAMPLE) -> tuple[int, ...]:
     """Every message of a ShareGPT-format JSON file (default: the bundled sample), in order, tokenized
     with the model's tokenizer: the text `synthesize(text_ids=...)` cuts its turns from."""
