@@ -27,12 +27,17 @@ class AuditMixin:
                 owners[tier][slot] = who
 
             shared: dict[tuple[int, int], tuple[tuple[str, int], int]] = {}   # (block, residue) -> (who, factor)
+            seen: set[int] = set()        # chunk objects counted (a prefix-shared chunk is one object)
             for s in self._sessions.values():
                 n_chunks = -(-len(s.token_ids) // self.block_size)
                 assert len(s.chunks) == n_chunks, (
                     f"{s.session_id}: {len(s.chunks)} chunks for {len(s.token_ids)} tokens")
                 for k, c in enumerate(s.chunks):
                     who = (s.session_id, k)
+                    if id(c) in seen:
+                        assert c.entry is not None, f"{who}: a chunk object in two places that is not shared"
+                        continue
+                    seen.add(id(c))
                     if c.state is DROPPED:
                         assert c.loc is None and c.shadow is None, (who, c)
                     else:
@@ -62,6 +67,7 @@ class AuditMixin:
                         listed.add((block, r))
                 own(DEVICE, block, ("shared", block))
             assert listed == set(shared), f"shares not in the table: {sorted(set(shared) - listed)[:4]}"
+            self.sharing.check(list(self._sessions.values()))
             for tier, owned in owners.items():
                 pool = self._pool(tier)
                 if pool is not None:
@@ -79,12 +85,12 @@ class AuditMixin:
                 return SessionStats(session_id, s.num_tokens, r["device"], r["host"] + r["hidden"],
                                     r["disk"] + r["disk_hidden"], r["dropped"], s.busy, s.last_turn,
                                     hidden_tokens=r["hidden"], disk_hidden_tokens=r["disk_hidden"])
-            tot = {t.value: 0 for t in ChunkState}
-            for s in self._sessions.values():
-                for t, n in s.residency(bs).items():
-                    tot[t] += n
-            cached = sum(s.chunk_len(k, bs) for s in self._sessions.values()
-                         for k, c in enumerate(s.chunks) if c.shadow is not None)
+            tot = {t.value: 0 for t in ChunkState}          # physical: a shared chunk once
+            cached = 0
+            for s, k, c in self.sharing.physical(self._sessions.values()):
+                tot[c.state.value] += s.chunk_len(k, bs)
+                cached += s.chunk_len(k, bs) if c.shadow is not None else 0
+            logical, shared_tokens = self.sharing.stats(self._sessions.values())
             per_block = self.spec.bytes_per_block
 
             def used(pool):
@@ -120,6 +126,7 @@ class AuditMixin:
                 device_pages_released=getattr(self.device_pool, "pages_released", 0),
                 device_kept_bytes=getattr(self.device_pool, "cached_bytes", 0),
                 device_blocks_prefetched=getattr(self.device_pool, "blocks_prefetched", 0),
+                logical_tokens=logical, shared_tokens=shared_tokens, prefix_index_chunks=len(self.sharing.index),
             )
 
     def summary(self) -> str:

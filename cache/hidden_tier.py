@@ -8,7 +8,7 @@ device the same way: read up layer by layer and projected (`HiddenRestore`)."""
 from __future__ import annotations
 
 from .hidden_states import HiddenCapture, HiddenPool, HiddenRestore, HiddenSpec, Projector
-from .session import Chunk, ChunkState, Session
+from .session import ChunkState, Session
 from .spec import capacity_in_blocks
 
 HIDDEN_MODES = ("auto", "always", "never")
@@ -73,7 +73,7 @@ class HiddenTierMixin:
                 c.source = None
             else:
                 self.device_pool.free([block])
-                s.chunks[k] = Chunk(state, slot)
+                c.assign(state, slot)
                 n = s.chunk_len(k, self.block_size)
                 self.counters.restored_hidden -= n
                 self.counters.restored_hidden_disk -= n if state is DISK_HIDDEN else 0

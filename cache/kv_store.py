@@ -28,6 +28,7 @@ from .moves import MoveLedger
 from .planner import StepPlannerMixin
 from .policy import DEFAULT_POLICY, EvictionPolicy, make_policy
 from .pool import BlockPool
+from .prefix_sharing import PrefixSharing
 from .session import TIERS, ChunkState, Session
 from .spec import KVSpec, capacity_in_blocks
 from .stats import Counters
@@ -84,7 +85,9 @@ class KVStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin, Layer
     disk_dir made with another is refused. The disk tier serves a chunk only if it proves it is the
     chunk it names, else recomputes it (`disk.py`).
     emulate_async: run copies under the CPU async emulator (`transfer.py`); default: the environment
-    variable STATEFUL_HF_EMULATE_ASYNC=1."""
+    variable STATEFUL_HF_EMULATE_ASYNC=1.
+    prefix_sharing: full chunks of identical prefixes held once (`prefix_sharing.py`); None: on where
+    it can be (paged layout, no layerwise_kv)."""
 
     def __init__(self, spec: KVSpec, device_capacity: int | str = 4096, *, host_capacity: int | str | None = None,
                  disk_dir: str | os.PathLike | None = None, disk_capacity: int | str | None = None,
@@ -94,7 +97,8 @@ class KVStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin, Layer
                  project: Projector | None = None, layout: str = "paged", max_context: int | None = None,
                  clock: Callable[[], float] = time.monotonic, keep_freed: int | str = "64MiB",
                  map_ahead: bool = True, hidden_disk_capacity: int | str | None = None,
-                 layerwise_kv: bool = False, disk_fingerprint: str = "", emulate_async: bool | None = None):
+                 layerwise_kv: bool = False, disk_fingerprint: str = "", emulate_async: bool | None = None,
+                 prefix_sharing: bool | None = None):
         if not 0 <= swap_out_threshold < 1:
             raise ValueError(f"swap_out_threshold must be in [0, 1), got {swap_out_threshold}")
         if disk_capacity is not None and disk_dir is None:
@@ -103,6 +107,9 @@ class KVStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin, Layer
         self.block_size = spec.block_size
         if layout not in ("paged", "virtual"):
             raise ValueError(f"unknown layout {layout!r}; choose 'paged' or 'virtual'")
+        if prefix_sharing and (layout != "paged" or layerwise_kv):
+            raise ValueError("prefix_sharing needs layout='paged' and no layerwise_kv (a virtual layout keeps each "
+                             "session's KV in its own slot; layer-wise KV splits blocks among sessions)")
         if layout == "virtual" and max_context is None:
             raise ValueError("layout='virtual' needs max_context (tokens per session slot)")
         with _allocating("device_capacity", device_capacity, spec):
@@ -132,6 +139,8 @@ class KVStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin, Layer
         self.moves = MoveLedger()           # chunk moves between tiers (moves.py)
         self._move_reason = "explicit"
         self._sessions: dict[str, Session] = {}
+        self.sharing = PrefixSharing(spec.block_size, self._sessions.get,
+                                     prefix_sharing is not False and layout == "paged" and not layerwise_kv)
         self._lock = threading.RLock()
         self._disk_dirty = False
         try:
@@ -172,8 +181,9 @@ class KVStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin, Layer
         return session_id in self._sessions
 
     def session_ids(self) -> list[str]:
+        """Ids of the sessions (not of those deleted and retained for their shared prefix)."""
         with self._lock:
-            return list(self._sessions)
+            return [sid for sid, s in self._sessions.items() if not s.retained]
 
     def tenant_usage(self) -> dict[str, TenantUsage]:
         """Per tenant (`tenant.py`: the tenant is part of the session key): sessions, history tokens,
@@ -187,15 +197,30 @@ class KVStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin, Layer
                 a[2] += s.num_tokens - s.tokens_in(DROPPED, self.block_size)
             return {t: TenantUsage(*a) for t, a in acc.items()}
 
-    def delete(self, session_id: str) -> None:
+    def delete(self, session_id: str, keep_shared: bool = False) -> None:
+        """Forget the session and free what only it holds. `keep_shared` (the engine's throwaway
+        sessions): if it alone holds indexed chunks of a shared prefix, they stay in the store, held
+        by the session, now `retained` (its id is no longer listed; it takes no turns), until the
+        policy drops them, so that the next turn with that prefix reuses them (prefix_sharing.py)."""
         with self._lock:
             s = self.session(session_id)
             if s.busy:
                 raise SessionBusyError(session_id)
+            keep = self.sharing.retainable(s) if keep_shared else 0
+            if keep:
+                self.truncate(session_id, keep * self.block_size)
+                s.retained = True
+                return
             for k in range(len(s.chunks)):
                 self._release(s, k)
             del self._sessions[session_id]
             self._sync_disk()
+
+    def _collect_retained(self) -> None:
+        """Retained sessions none of whose chunks can be found any more are deleted."""
+        for sid in [sid for sid, s in self._sessions.items() if s.retained and not s.busy
+                    and not self.sharing.findable(s)]:
+            self.delete(sid)
 
     @contextmanager
     def lease(self, session_id: str) -> Iterator[Session]:
@@ -216,9 +241,23 @@ class KVStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin, Layer
                 s.last_active = self.clock()
                 self._settle_layered(s)
                 self._swap_out_ahead()
+                self._collect_retained()
                 self._sync_disk()
 
     # ---- history --------------------------------------------------------------------------------
+
+    def adopt_prefix(self, session_id: str, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
+        """Before a turn whose prompt is `token_ids`: the session takes the indexed chunks of the
+        longest shared prefix of the prompt (its tenant's and `cache_salt`'s, verified id by id, at
+        least one token short of the prompt) in place of its dropped chunks and past its history, if
+        its history is a prefix of the prompt. Returns the tokens it gained (`prefix_sharing.py`)."""
+        with self._lock:
+            s = self.session(session_id)
+            if s.busy and not s.turn_started:
+                raise SessionBusyError(session_id)
+            got = self.sharing.adopt(s, token_ids, cache_salt, self._release)
+            s.last_active = self.clock()
+            return got
 
     def match_prefix(self, session_id: str, token_ids: Sequence[int]) -> int:
         """Length of the longest common prefix of the session's history and `token_ids`."""
@@ -242,6 +281,8 @@ class KVStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin, Layer
                 for k in range(keep, len(s.chunks)):
                     self._release(s, k)
                 del s.chunks[keep:]
+                if length % self.block_size and not self.sharing.privatize(s, keep - 1):
+                    self._release(s, keep - 1)    # a shared chunk is immutable: its kept tokens are recomputed
                 cut_inside = bool(s.chunks) and s.chunks[-1].state in ON_DISK and length % self.block_size
                 old_tag = identity_tags(s.token_ids[: keep * self.block_size], self.block_size)[-1] \
                     if cut_inside else None
@@ -251,13 +292,22 @@ class KVStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin, Layer
                 self._sync_disk()
             return cut
 
-    def missing_positions(self, session_id: str) -> list[int]:
+    def missing_positions(self, session_id: str, cut: int | None = None) -> list[int]:
         """History positions whose KV is stored nowhere (DROPPED): a step must recompute them.
-        Host and disk chunks are not missing: `plan_step` copies them up."""
+        Host and disk chunks are not missing: `plan_step` copies them up. `cut`: as they will be
+        after `truncate(session_id, cut)` (positions < cut only): a cut inside a chunk other sessions
+        share drops the session's copy of it (shared chunks are immutable), its kept positions too."""
         with self._lock:
-            s = self.session(session_id)
+            s, bs = self.session(session_id), self.block_size
             self._verify_disk(s)        # disk chunks that are not what they name are missing too
-            return [p for k, c in enumerate(s.chunks) if c.state is DROPPED for p in s.chunk_range(k, self.block_size)]
+            out = [p for k, c in enumerate(s.chunks) if c.state is DROPPED for p in s.chunk_range(k, bs)]
+            if cut is None:
+                return out
+            k = cut // bs
+            if cut < s.num_tokens and cut % bs and s.chunks[k].state is not DROPPED \
+                    and s.chunks[k].entry is not None and s.chunks[k].entry.holders != {session_id}:
+                out = sorted(set(out) | set(range(k * bs, cut)))
+            return [p for p in out if p < cut]
 
     def residency(self, session_id: str) -> dict[str, int]:
         """Tokens of the session per tier."""
@@ -286,6 +336,10 @@ class KVStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin, Layer
             ks = sorted(set(chunks))
             if any(not 0 <= k < len(s.chunks) for k in ks):
                 raise IndexError(f"session {session_id!r} has chunks 0..{len(s.chunks) - 1}, got {ks}")
+            for k in ks:                          # a shared chunk moves for every holder: none may be busy
+                for h in self.sharing.holders(s, k):
+                    if h.busy:
+                        raise SessionBusyError(h.session_id)
             self._check_hidden_move(s, ks, target)
             if target is not DROPPED and self._pool(target) is None:
                 raise ValueError(f"this store has no {tier} tier")
@@ -323,7 +377,8 @@ class KVStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin, Layer
         with self._lock, self._moving("evict"):
             s = self.session(session_id)
             freed = self._settle_layered(s)           # layer-wise chunks: kept layers to the host
-            items = [(s, k) for k, c in enumerate(s.chunks) if c.state is DEVICE]
+            items = [(s, k) for k, c in enumerate(s.chunks) if c.state is DEVICE     # not what others run on
+                     and all(h is s or not h.busy for h in self.sharing.holders(s, k))]
             self._move_down(items, DEVICE, {session_id})
             for k, c in enumerate(s.chunks):          # cached shadows of host chunks go too
                 if c.shadow is not None:
@@ -337,8 +392,9 @@ class KVStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin, Layer
         """Device blocks a step could get now: free, cached shadows of idle sessions, and device
         chunks of idle sessions (which `plan_step` moves down). Busy sessions' blocks do not count."""
         with self._lock:
-            idle = sum(1 for s in self._sessions.values() if not s.busy for c in s.chunks
-                       if c.state is DEVICE or c.shadow is not None)
+            idle = sum(1 for s, _, c in self.sharing.physical(self._sessions.values())
+                       if (c.state is DEVICE or c.shadow is not None) and not s.busy
+                       and self.sharing.free_to_move(c, set()))
             return self.device_pool.num_free + idle
 
     def available_host_blocks(self) -> int:
@@ -347,7 +403,8 @@ class KVStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin, Layer
         if self.host_pool is None:
             return 0
         with self._lock:
-            idle = sum(1 for s in self._sessions.values() if not s.busy for c in s.chunks if c.state is HOST)
+            idle = sum(1 for s, _, c in self.sharing.physical(self._sessions.values())
+                       if c.state is HOST and not s.busy and self.sharing.free_to_move(c, set()))
             return self.host_pool.num_free + idle
 
     def available_slots(self) -> int | None:
@@ -372,6 +429,7 @@ class KVStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin, Layer
         """Run ahead-of-time swap-out now (it also runs whenever a lease ends)."""
         with self._lock:
             self._swap_out_ahead()
+            self._collect_retained()
             self._sync_disk()
 
     # ---- disk persistence (disk_state.py) ---------------------------------------------------------

@@ -57,10 +57,10 @@ class StepPlannerMixin:
                 if f != 1:     # layer-wise entry: its host chunks are read in place, not copied up
                     swap[:] = [k for k in swap if s.chunks[k].state is not HOST or s.chunks[k].shadow is not None]
             exclude = {s.session_id for s in sessions}
-            fresh = sum((len(f) if fac == 1 else self.shares.blocks_needed(fac, len(f)))
-                        + sum(1 for k in sw if s.chunks[k].shadow is None)
-                        for s, fac, (f, sw) in zip(sessions, factors, plans))
-            held = sum(1 for s in sessions for c in s.chunks if c.state is DEVICE or c.shadow is not None)
+            swaps = self.sharing.unique((s, k) for s, (_, sw) in zip(sessions, plans) for k in sw)
+            fresh = sum(len(f) if fac == 1 else self.shares.blocks_needed(fac, len(f))
+                        for fac, (f, _) in zip(factors, plans)) + sum(1 for s, k in swaps if s.chunks[k].shadow is None)
+            held = sum(1 for _, _, c in self.sharing.physical(sessions) if c.state is DEVICE or c.shadow is not None)
             if fresh + held > self.device_pool.num_blocks:
                 raise CapacityError(
                     f"request needs {fresh + held} device blocks of {self.block_size} tokens but the pool has "
@@ -128,6 +128,7 @@ class StepPlannerMixin:
             for e in step.entries:
                 if e.session_id in self._sessions:
                     self._sessions[e.session_id].last_active = now
+                    self.sharing.register(self._sessions[e.session_id], self._vacate)
                     if not self._sessions[e.session_id].busy:     # LAYERED chunks live only within a turn
                         self._settle_layered(self._sessions[e.session_id])
             if getattr(self, "page_mapper", None) is not None:

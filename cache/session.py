@@ -6,6 +6,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from .prefix_index import PrefixEntry, PrefixScope
+
 
 class ChunkState(enum.Enum):
     DEVICE = "device"    # KV in a block of the device pool
@@ -32,6 +34,9 @@ class Chunk:
     source: DEVICE only, while a step is in flight: (HIDDEN or DISK_HIDDEN, slot), the hidden form
             this block's KV is being rebuilt from layer by layer. Freed when the step commits; on abort
             of an unfinished rebuild the chunk returns to that state at that slot.
+    entry:  the prefix index entry of a shared chunk (`prefix_sharing.py`): then this one object is
+            chunk k of every holder, full and immutable, and its state changes in place (`assign`)
+            for all of them. None: private to one session.
     share:  LAYERED only: (device block, factor f >= 2, residue r < f) when layers l with
             l % f == r live in that device block (which up to f chunks of distinct residues share);
             every other layer lives in the host slot `loc`. None: every layer is in the host slot.
@@ -44,6 +49,13 @@ class Chunk:
     shadow: int | None = None
     source: tuple[ChunkState, int] | None = None
     share: tuple[int, int, int] | None = None
+    entry: PrefixEntry | None = None
+
+    def assign(self, state: ChunkState, loc: int | None = None, shadow: int | None = None,
+               source: tuple[ChunkState, int] | None = None) -> None:
+        """Change this chunk's place in place (for every holder of a shared chunk); `entry` is kept.
+        The caller has freed what the old place held."""
+        self.state, self.loc, self.shadow, self.source, self.share = state, loc, shadow, source, None
 
     def on_device(self, layer: int) -> bool:
         """Whether this chunk's KV of `layer` is in a device block (DEVICE, or a kept layer of LAYERED)."""
@@ -85,6 +97,8 @@ class Session:
     busy: bool = False
     turn_started: bool = False    # set by a lease, cleared by the turn's first step (for hit counting)
     last_turn: TurnStats = field(default_factory=TurnStats)
+    scope: PrefixScope | None = None    # whose prefixes it shares (prefix_sharing.py), set at its first turn
+    retained: bool = False              # deleted, kept only to hold its shared prefix (KVStore.delete)
 
     @property
     def num_tokens(self) -> int:

@@ -61,6 +61,12 @@ class StoreStats:
     disk_degraded: bool = False       # the disk tier could not make its last change durable (retried on moves)
     disk_write_failures: int = 0      # data flushes and index commits of the disk tier that failed
     disk_checksum_failures: int = 0   # disk chunks that were not what they named: dropped and recomputed
+    # Prefix sharing (prefix_sharing.py): the *_tokens fields above are physical (a chunk held by several
+    # sessions counts once); logical_tokens counts every session's stored tokens (a shared chunk once per
+    # holder) and shared_tokens the tokens of chunks held by more than one session (once each).
+    logical_tokens: int = 0
+    shared_tokens: int = 0
+    prefix_index_chunks: int = 0      # full chunks findable in the prefix index
 
     @property
     def bytes_per_token(self) -> dict[str, float]:

@@ -82,8 +82,16 @@ class TieringMixin:
         return s.chunk_len(k, self.block_size)
 
     def _release(self, s: Session, k: int) -> None:
-        """Free whatever the chunk holds and mark it DROPPED."""
-        c = s.chunks[k]
+        """Session `s` lets go of chunk k, which becomes a fresh DROPPED chunk of `s`; its slots are
+        freed unless other sessions still hold it (a shared chunk, prefix_sharing.py)."""
+        if self.sharing.detach(s, k):
+            return
+        self._vacate(s.chunks[k])
+        s.chunks[k] = Chunk()
+
+    def _vacate(self, c: Chunk) -> None:
+        """Free whatever chunk `c` holds (slot, shadow, hidden source, share); its fields are left for
+        the caller to reassign (`Chunk.assign`: in place, for every holder of a shared chunk)."""
         if c.loc is not None:
             self._pool(c.state).free([c.loc])
         if c.shadow is not None:
@@ -95,16 +103,20 @@ class TieringMixin:
             self._release_share(c)
         if c.state in ON_DISK:
             self._disk_dirty = True
-        s.chunks[k] = Chunk()
 
     def _candidates(self, state: ChunkState, exclude: set[str], shadowed: bool | None = None):
-        """(session, chunk) pairs in `state` of idle sessions outside `exclude`, in policy order."""
+        """(session, chunk) pairs in `state` of idle sessions outside `exclude`, in policy order: one
+        pair per physical chunk; a shared chunk only if every holder is idle and outside `exclude`,
+        ranked by its most valuable holder (its value counts every holder)."""
         now = self.clock()
         self.policy.prepare(self._sessions.values(), now)
         found = [(s, k) for s in self._sessions.values() if not s.busy and s.session_id not in exclude
                  for k, c in enumerate(s.chunks)
-                 if c.state is state and (shadowed is None or (c.shadow is not None) == shadowed)]
-        found.sort(key=lambda sk: self.policy.key(sk[0], sk[1], self.block_size, now))
+                 if c.state is state and (shadowed is None or (c.shadow is not None) == shadowed)
+                 and self.sharing.free_to_move(c, exclude)]
+        bs = self.block_size
+        found = self.sharing.unique(found)
+        found.sort(key=lambda sk: max(self.policy.key(h, sk[1], bs, now) for h in self.sharing.holders(*sk)))
         return found
 
     def _take(self, state: ChunkState, n: int, exclude: set[str],
@@ -165,7 +177,7 @@ class TieringMixin:
             for s, k in self._candidates(state, exclude, shadowed=True)[:n]:   # still on device: revert
                 c = s.chunks[k]
                 self._pool(state).free([c.loc])
-                s.chunks[k] = Chunk(DEVICE, c.shadow)
+                c.assign(DEVICE, c.shadow)
                 n -= 1
             if n > 0:
                 self._move_down(self._candidates(state, exclude, shadowed=False)[:n], state, exclude)
@@ -176,6 +188,7 @@ class TieringMixin:
                    target: ChunkState | None = None, strict: bool = False) -> None:
         """Move chunks in `state` down to `target` (default: the next present tier). When the target
         has no room they are dropped instead, or, if `strict`, CapacityError is raised unchanged."""
+        items = self.sharing.unique(items)
         if not items:
             return
         if target is None and state is DEVICE and self._hidden_down:   # the policy keeps hidden states
@@ -185,6 +198,8 @@ class TieringMixin:
             if not items:
                 return
         target = target or self._below(state)
+        if target in ON_DISK or target is DROPPED:    # a shared chunk never goes to disk shared
+            items = self.sharing.unshare(items)
         exclude = exclude | {s.session_id for s, _ in items}
         if target in ON_DISK and not self._disk_usable(strict):
             target = DROPPED
@@ -218,8 +233,8 @@ class TieringMixin:
             return
         self._record_move(state, target, items, t0)
         for (s, k), slot in zip(items, slots):
-            self._release(s, k)
-            s.chunks[k] = Chunk(target, slot)
+            self._vacate(s.chunks[k])
+            s.chunks[k].assign(target, slot)
             n = self._ntok(s, k)
             if target is HIDDEN:
                 self.counters.swapped_out_hidden += n
@@ -246,11 +261,12 @@ class TieringMixin:
         by the step) and keep their hidden slot as `source` until the step commits; DISK_HIDDEN
         chunks to HIDDEN are a copy of slots."""
         events = []
+        items = self.sharing.unique(items)     # a chunk shared by sessions of one step moves once
         flips = [(s, k) for s, k in items if target is DEVICE and s.chunks[k].shadow is not None]
         for s, k in flips:                     # cached on the device still: no copy
             c = s.chunks[k]
             self._pool(c.state).free([c.loc])
-            s.chunks[k] = Chunk(DEVICE, c.shadow)
+            c.assign(DEVICE, c.shadow)
             self.counters.device_hits += self._ntok(s, k)
         flipped = {(id(s), k) for s, k in flips}
         rest = [(s, k) for s, k in items if (id(s), k) not in flipped]
@@ -264,9 +280,9 @@ class TieringMixin:
                 n = self._ntok(s, k)
                 restore.add(self._pool(c.state), c.loc, slots[i], k * self.block_size, n,
                             (s.session_id, k, (c.state, c.loc)))
-                s.chunks[k] = Chunk(DEVICE, slots[i], source=(c.state, c.loc))
                 self.counters.restored_hidden += n
                 self.counters.restored_hidden_disk += n if c.state is DISK_HIDDEN else 0
+                c.assign(DEVICE, slots[i], source=(c.state, c.loc))
         if target is DEVICE:                   # queued for the step's rebuild, timed there (restore_seconds)
             for st, group in rebuilt.items():
                 self._record_move(st, DEVICE, group, time.perf_counter())
@@ -277,8 +293,8 @@ class TieringMixin:
                                              [slots[i] for i, _, _ in up])
             self._record_move(DISK_HIDDEN, HIDDEN, [(s, k) for _, s, k in up], t0)
             for i, s, k in up:
-                self._release(s, k)
-                s.chunks[k] = Chunk(HIDDEN, slots[i])
+                self._vacate(s.chunks[k])
+                s.chunks[k].assign(HIDDEN, slots[i])
         for source in (HOST, DISK):
             group = [(i, s, k) for i, (s, k) in enumerate(rest) if s.chunks[k].state is source]
             if not group:
@@ -290,8 +306,8 @@ class TieringMixin:
             if ev:
                 events.append(ev)
             for i, s, k in group:
-                self._release(s, k)
-                s.chunks[k] = Chunk(target, slots[i])
+                self._vacate(s.chunks[k])
+                s.chunks[k].assign(target, slots[i])
                 if target is DEVICE and self.capture is not None:
                     self.capture.valid[slots[i]] = False        # K/V only: its hidden states are unknown
                 if target is DEVICE:
@@ -310,7 +326,7 @@ class TieringMixin:
         if (self.host_pool is None and self.hidden_pool is None) or self.transfer.swap_in_pending() \
                 or getattr(pool, "virtual", False):   # a virtual layout frees slots on demand instead
             return
-        shadows = sum(1 for s in self._sessions.values() for c in s.chunks if c.shadow is not None)
+        shadows = sum(1 for _, _, c in self.sharing.physical(self._sessions.values()) if c.shadow is not None)
         want = math.ceil(self.swap_out_threshold * pool.num_blocks) - pool.num_free - shadows
         if want <= 0:
             return
@@ -337,7 +353,7 @@ class TieringMixin:
                 self.transfer.copy(pool, blocks, self.host_pool, slots)
             self._record_move(DEVICE, target, group, t0)
             for (s, k), slot in zip(group, slots):
-                s.chunks[k] = Chunk(target, slot, shadow=s.chunks[k].loc)
+                s.chunks[k].assign(target, slot, shadow=s.chunks[k].loc)
                 n = self._ntok(s, k)
                 if target is HIDDEN:
                     self.counters.swapped_out_hidden += n

@@ -173,6 +173,7 @@ def prepare_turn(model: torch.nn.Module, cache: StatefulCache, ids: Sequence[int
     """Cut what diverges from `ids`, restore what is missing; the session then holds a prefix of `ids`
     (at least one token short of it, so the turn computes logits)."""
     store, sid = cache.store, cache.session_id
+    store.adopt_prefix(sid, ids)          # shared chunks of the prompt's prefix (prefix_sharing.py)
     keep = min(store.match_prefix(sid, ids), len(ids) - 1)
     truncated = store.truncate(sid, keep)
     stats = TurnStats(truncated_tokens=truncated)

@@ -71,6 +71,9 @@ class SessionStore(KVStore):
         hidden_states "never"; `Engine(..., layerwise_kv=True)` makes such a store.
     emulate_async: run every copy to or from the device under the CPU async emulator
         (`cache/transfer.py`, docs/gpu.md); default: STATEFUL_HF_EMULATE_ASYNC=1 in the environment.
+    prefix_sharing: full chunks of identical prefixes (same tenant and cache_salt) are held once and
+        reused by every session whose prompt starts with them (docs/prefix-sharing.md). Default (None):
+        on where it can be (layout "paged", no layerwise_kv); True where it cannot raises ValueError.
     """
 
     def __init__(self, model: torch.nn.Module, device_capacity: int | str = 4096, *, chunk_size: int = 32,
@@ -82,7 +85,8 @@ class SessionStore(KVStore):
                  hidden_costs: HiddenCosts | None = None, layout: str = "paged", max_context: int | None = None,
                  clock: Callable[[], float] = time.monotonic, keep_freed: int | str = "64MiB",
                  map_ahead: bool = True, hidden_disk_capacity: int | str | None = None,
-                 layerwise_kv: bool = False, emulate_async: bool | None = None):
+                 layerwise_kv: bool = False, emulate_async: bool | None = None,
+                 prefix_sharing: bool | None = None):
         adapter = enable(model)
         param = next(model.parameters())
         spec = KVSpec(adapter.num_layers, adapter.num_kv_heads, adapter.head_dim, dtype=param.dtype,
@@ -119,7 +123,7 @@ class SessionStore(KVStore):
                          project=kv_projector(model, adapter) if uses_hidden else None, layout=layout,
                          max_context=max_context or adapter.max_positions, clock=clock, keep_freed=keep_freed,
                          map_ahead=map_ahead, hidden_disk_capacity=hidden_disk_capacity,
-                         layerwise_kv=layerwise_kv, emulate_async=emulate_async,
+                         layerwise_kv=layerwise_kv, emulate_async=emulate_async, prefix_sharing=prefix_sharing,
                          disk_fingerprint=model_fingerprint(model) if disk_dir is not None else "")
         self.model = model
         self.adapter = adapter

@@ -212,7 +212,7 @@ class Engine(ChatMixin, HintMixin):
         if session_id in self._throwaway and not self._active[session_id]:
             self._throwaway.discard(session_id)
             with contextlib.suppress(UnknownSessionError):      # refused before its session was opened
-                self.store.delete(session_id)
+                self.store.delete(session_id, keep_shared=True)    # its shared prefix stays findable
 
     def _reject(self, handle: RequestHandle, r: Request, error: BaseException) -> RequestHandle:
         r.status, r.finish_reason, r.error, r.finished_at = RequestStatus.FAILED, "error", error, time.monotonic()

@@ -222,9 +222,14 @@ class Scheduler(LayerwiseScheduling):
             s = store.open(r.session_id)
             if s.busy:
                 return False
+            try:                       # shared chunks of the prompt's prefix join the session (prefix_sharing.py)
+                store.adopt_prefix(r.session_id, r.prompt, r.cache_salt)
+            except ValueError as e:    # a cache_salt other than the session's
+                self._released += self._fail(r, e)
+                return False
             keep = min(store.match_prefix(r.session_id, r.prompt), len(r.prompt) - 1)
             r.pending = r.prompt[keep:]
-            r.missing = [p for p in store.missing_positions(r.session_id) if p < keep]
+            r.missing = store.missing_positions(r.session_id, cut=keep)     # as after the truncation below
             held = sum(1 for c in s.chunks[: -(-keep // store.block_size)] if c.state is ChunkState.DEVICE)
         else:                          # SUSPENDED: lease held, KV evicted
             keep, held = self._length(r), 0

@@ -1,0 +1,299 @@
+"""Prefix sharing in the store: full chunks of identical prefixes held once, by every session that has them.
+
+Owns: the prefix index (`prefix_index.py`), and is the one writer of `Chunk.entry` and
+`Session.scope`. A shared chunk is ONE `Chunk` object that sits at the same index k in the chunk
+list of every holder (`entry.holders`); the store's parts change a chunk's state in place
+(`Chunk.assign`), so a move of a shared chunk is a move for every holder. Collaborators: the
+session table (holders by id), and the caller's `free` (gives a chunk's slots back to its pools).
+
+What may happen to a shared chunk (the rules; `check` asserts the structural ones):
+- It is full and immutable: no step writes into it. A session whose history is cut inside it
+  (`truncate`) lets go of it (`detach`) and recomputes the tokens it keeps, < one chunk.
+- It enters a session by `adopt` (a turn's prompt starts with indexed chunks, verified id by id) and
+  the index by `register` (a step committed a full DEVICE chunk whose parent is indexed).
+- It moves between device, host and hidden states in place, once for all holders; it moves only
+  when no holder is busy (a running request reads it) and none is excluded, and the policy ranks it
+  by its most valuable holder (`candidates`: the key is the max over holders).
+- It never goes to disk shared: before a disk move or a drop, `unshare` leaves it to one holder
+  (the session the move names, or the one the policy picked it through) and takes it out of the
+  index; the other holders get a DROPPED chunk and recompute it, or adopt it again once it is indexed
+  anew. The disk index thus stays per session as it was.
+- A session that lets go (`detach`: delete, truncate, a refill) leaves it to the others; the last
+  holder frees it (and it leaves the index with every entry below it, `PrefixIndex.remove`).
+
+Sharing needs the paged layout (a virtual layout keeps each session's KV in its own contiguous
+slot) and no layer-wise KV (LAYERED chunks split one device block by residue among sessions).
+Every method runs with the store lock held.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+from .prefix_index import PrefixEntry, PrefixIndex, PrefixScope
+from .session import Chunk, ChunkState, Session
+from .tenant import tenant_of
+
+DEVICE, DROPPED = ChunkState.DEVICE, ChunkState.DROPPED
+ON_DISK = (ChunkState.DISK, ChunkState.DISK_HIDDEN)
+
+Items = list[tuple[Session, int]]
+
+
+class PrefixSharing:
+    """`enabled` False: every method is a no-op (no chunk is ever shared); `index` is still made."""
+
+    def __init__(self, block_size: int, session: Callable[[str], Session | None], enabled: bool = True):
+        self.index = PrefixIndex(block_size)
+        self.block_size, self.enabled = block_size, enabled
+        self._session = session      # session id -> Session (None if gone)
+
+    # ---- scope ----------------------------------------------------------------------------------
+
+    def scope(self, s: Session, cache_salt: str | None = None) -> PrefixScope:
+        """The session's sharing scope: its tenant and the `cache_salt` of its first turn. A later
+        turn with another salt is refused (ValueError): its history was shared under the first."""
+        want = PrefixScope(tenant_of(s.session_id), cache_salt)
+        if s.scope is None:
+            s.scope = want
+        elif s.scope != want and s.token_ids:
+            raise ValueError(f"session {s.session_id!r} was opened with cache_salt {s.scope.cache_salt!r}; a turn "
+                             f"with cache_salt {cache_salt!r} cannot continue it (use a new session)")
+        else:
+            s.scope = want
+        return s.scope
+
+    # ---- sessions take and let go -------------------------------------------------------------
+
+    def adopt(self, s: Session, prompt: Sequence[int], cache_salt: str | None, release: Callable[[Session, int], None]
+              ) -> int:
+        """Before a turn: chunks of the longest indexed prefix of `prompt` (at least one token short of
+        it, so the turn computes logits) replace the session's DROPPED chunks where its history equals
+        the prompt, and extend its history if that is a prefix of the prompt (a partial last chunk is
+        replaced by the full shared one: `release(s, k)`, the store's, lets go of it). Returns the
+        tokens of history the session gained or got back."""
+        scope = self.scope(s, cache_salt)
+        if not self.enabled:
+            return 0
+        bs = self.block_size
+        usable = (len(prompt) - 1) // bs
+        entries = self.index.match(scope, prompt, usable)
+        if not entries:
+            return 0
+        common = 0
+        for a, b in zip(s.token_ids, prompt):
+            if a != b:
+                break
+            common += 1
+        got, n_full = 0, common // bs
+        for k in range(min(n_full, len(entries))):          # dropped chunks of its own history come back
+            if s.chunks[k].state is DROPPED and s.chunks[k].entry is None:
+                self._hold(s, k, entries[k])
+                got += bs
+        n_full = len(s.token_ids) // bs
+        if common == len(s.token_ids) and len(entries) > n_full:     # its history is a prefix of the prompt
+            if len(s.token_ids) > n_full * bs:                 # its partial last chunk: the full shared one
+                release(s, n_full)
+                del s.chunks[n_full:]
+                del s.token_ids[n_full * bs:]
+            for k in range(n_full, len(entries)):
+                s.chunks.append(Chunk())
+                s.token_ids.extend(prompt[k * bs:(k + 1) * bs])
+                self._hold(s, k, entries[k])
+                got += bs
+        return got
+
+    def _hold(self, s: Session, k: int, e: PrefixEntry) -> None:
+        if e.payload.state is DROPPED:
+            raise AssertionError("an indexed chunk without KV")
+        s.chunks[k] = e.payload
+        self.index.acquire(e, s.session_id)
+
+    def register(self, s: Session, free: Callable[[Chunk], None]) -> None:
+        """After a committed step: the session's full DEVICE chunks, from the first not yet indexed,
+        join the index (each under its parent's entry). A chunk whose content another session has
+        indexed already (both computed it) is replaced by that one (its block is freed by `free`)
+        when that one is on the device; otherwise the chain stops there."""
+        if not self.enabled or s.scope is None:
+            return
+        bs, parent = self.block_size, None
+        for k in range(len(s.token_ids) // bs):
+            c = s.chunks[k]
+            if c.entry is not None:
+                if c.entry not in self.index:                # shared, but left the index with a parent
+                    e = self.index.insert(s.scope, s.token_ids, k, parent, c)
+                    if e is None or e.payload is not c:
+                        return
+                    e.holders, c.entry = c.entry.holders, e       # indexed again, same holders
+                parent = c.entry
+                continue
+            if c.state is not DEVICE or c.source is not None:
+                return
+            e = self.index.insert(s.scope, s.token_ids, k, parent, c)
+            if e is None:
+                return                                       # a collision: the chunk stays private
+            if e.payload is not c:
+                if e.payload.state is not DEVICE:
+                    return
+                free(c)
+                c.assign(DROPPED)
+                s.chunks[k] = e.payload
+            else:
+                c.entry = e
+            self.index.acquire(e, s.session_id)
+            parent = e
+
+    def detach(self, s: Session, k: int) -> bool:
+        """Session `s` lets go of its chunk k (it becomes a fresh DROPPED chunk of `s`). True when other
+        sessions still hold the chunk (its slots stay); False when the caller must free them (the
+        chunk was private, or `s` was its last holder: it has left the index then)."""
+        c = s.chunks[k]
+        e = c.entry
+        if e is None:
+            return False
+        left = self.index.release(e, s.session_id)
+        if left:
+            s.chunks[k] = Chunk()
+            return True
+        if e in self.index:
+            self._forget(self.index.remove(e))
+        c.entry = None
+        return False
+
+    def privatize(self, s: Session, k: int) -> bool:
+        """Make chunk k of `s` private if `s` alone holds it (it leaves the index, with every entry
+        below it). False if other sessions hold it too (it stays shared)."""
+        e = s.chunks[k].entry
+        if e is None:
+            return True
+        if e.holders != {s.session_id}:
+            return False
+        if e in self.index:
+            self._forget(self.index.remove(e))
+        self.index.release(e, s.session_id)
+        s.chunks[k].entry = None
+        return True
+
+    def unshare(self, items: Items) -> Items:
+        """Before a disk move or a drop of these chunks: each shared one becomes private to the session
+        named in `items` (it leaves the index, and so does every entry below it; its other holders get
+        fresh DROPPED chunks: they recompute it, or adopt it again once it is indexed anew). Returns
+        `items` with one (session, k) per physical chunk."""
+        items = self.unique(items)
+        for s, k in items:
+            c = s.chunks[k]
+            e = c.entry
+            if e is None:
+                continue
+            for h in sorted(e.holders - {s.session_id}):
+                self.index.release(e, h)
+                self._session(h).chunks[k] = Chunk()
+            if e in self.index:
+                self._forget(self.index.remove(e))
+            self.index.release(e, s.session_id)
+            c.entry = None
+        return items
+
+    def _forget(self, removed: list[PrefixEntry]) -> None:
+        """Entries that left the index: those whose chunk no session holds any more cannot exist (the
+        last holder frees a chunk); the others stay shared among their holders, unfindable."""
+        for e in removed:
+            if not e.holders:
+                e.payload.entry = None
+
+    def retainable(self, s: Session) -> int:
+        """Chunks of `s` worth keeping when it is deleted with `keep_shared`: its leading indexed chunks
+        up to the last one that no other session holds (0: nothing would be lost)."""
+        n = 0
+        for k, c in enumerate(s.chunks):
+            if c.entry is None or c.entry not in self.index:
+                break
+            if c.entry.holders == {s.session_id}:
+                n = k + 1
+        return n
+
+    def findable(self, s: Session) -> bool:
+        """Whether chunk 0 of `s` is in the index (else none of its chunks can be found)."""
+        return bool(s.chunks) and s.chunks[0].entry is not None and s.chunks[0].entry in self.index
+
+    # ---- what may move, and its rank -----------------------------------------------------------
+
+    @staticmethod
+    def unique(items: Iterable[tuple[Session, int]]) -> Items:
+        """`items` with one (session, k) per physical chunk (the first seen)."""
+        seen, out = set(), []
+        for s, k in items:
+            if id(s.chunks[k]) not in seen:
+                seen.add(id(s.chunks[k]))
+                out.append((s, k))
+        return out
+
+    def free_to_move(self, c: Chunk, exclude: set[str]) -> bool:
+        """Whether no holder of `c` is busy or in `exclude` (a private chunk: always; its session was checked)."""
+        if c.entry is None:
+            return True
+        for h in c.entry.holders:
+            hs = self._session(h)
+            if h in exclude or hs is None or hs.busy:
+                return False
+        return True
+
+    def holders(self, s: Session, k: int) -> list[Session]:
+        """Sessions holding chunk k of `s` (just `s` for a private chunk)."""
+        e = s.chunks[k].entry
+        if e is None:
+            return [s]
+        return [self._session(h) for h in sorted(e.holders)]
+
+    # ---- reading --------------------------------------------------------------------------------
+
+    def physical(self, sessions: Iterable[Session]) -> Iterable[tuple[Session, int, Chunk]]:
+        """Every chunk object of these sessions once: (a holding session, k, chunk)."""
+        seen = set()
+        for s in sessions:
+            for k, c in enumerate(s.chunks):
+                if id(c) not in seen:
+                    seen.add(id(c))
+                    yield s, k, c
+
+    def check(self, sessions: Sequence[Session]) -> None:
+        """Raise AssertionError unless holders and chunks agree: a chunk with an entry is that entry's
+        payload, at the entry's depth in exactly its holders, full, never DROPPED or on disk; an
+        indexed entry's payload names it; the index's own rules hold."""
+        self.index.check()
+        seen: dict[int, set[str]] = {}
+        bs = self.block_size
+        for s in sessions:
+            for k, c in enumerate(s.chunks):
+                if c.entry is None:
+                    continue
+                e = c.entry
+                who = (s.session_id, k)
+                assert e.payload is c and e.depth == k, f"{who}: chunk and entry disagree"
+                assert s.session_id in e.holders, f"{who}: holds a shared chunk it is not a holder of"
+                assert len(s.token_ids) >= (k + 1) * bs, f"{who}: a shared chunk must be full"
+                assert tuple(s.token_ids[k * bs:(k + 1) * bs]) == e.ids, f"{who}: ids differ from its entry's"
+                assert c.state is not DROPPED and c.state not in ON_DISK, f"{who}: shared chunk is {c.state.value}"
+                seen.setdefault(id(e), set()).add(s.session_id)
+        for s in sessions:
+            for c in s.chunks:
+                if c.entry is not None:
+                    held = sorted(seen[id(c.entry)])
+                    assert set(held) == c.entry.holders, (
+                        f"chunk {c.entry.depth}: holders {sorted(c.entry.holders)} but held by {held}")
+        for e in self.index.entries():
+            assert e.payload.entry is e, f"indexed chunk {e.depth} does not name its entry"
+            assert e.holders, f"indexed chunk {e.depth} has no holder"
+
+    def stats(self, sessions: Iterable[Session]) -> tuple[int, int]:
+        """(logical tokens: every session's stored tokens, a shared chunk once per holder; shared
+        tokens: tokens of chunks held by more than one session, each chunk once)."""
+        bs, logical, shared, seen = self.block_size, 0, 0, set()
+        for s in sessions:
+            for k, c in enumerate(s.chunks):
+                if c.state is not DROPPED:
+                    logical += s.chunk_len(k, bs)
+                if c.entry is not None and len(c.entry.holders) > 1 and id(c) not in seen:
+                    seen.add(id(c))
+                    shared += bs
+        return logical, shared
