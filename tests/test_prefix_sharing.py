@@ -201,3 +201,69 @@ def test_engine_under_device_pressure_with_a_shared_prompt(models):
         engine.store.check_integrity()
     c = engine.store.stats().counters
     assert c.swapped_out_host + c.dropped > 0                       # there was pressure
+
+
+OPS = st_ops = None
+try:
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    OPS = st.lists(st.tuples(st.sampled_from(["turn", "new", "edit", "move", "delete", "evict"]),
+                             st.integers(0, 3), st.integers(0, 60), st.sampled_from(["device", "host", "hidden",
+                                                                                       "disk", "dropped"])),
+                   min_size=3, max_size=9)
+except ImportError:      # pragma: no cover
+    pass
+
+
+@pytest.mark.skipif(OPS is None, reason="needs hypothesis")
+def test_random_operations_stay_exact_and_consistent(tmp_path_factory):
+    """Sessions opening with one of two prompts take turns, are edited, moved to any tier, evicted and
+    deleted in a random order: every turn is exact and the store's integrity holds after each step."""
+    import stateful_hf
+
+    model, oracle = FAMILIES["llama"](), FAMILIES["llama"]()
+    prompts = [SYSTEM, torch.cat([SYSTEM[:, :21], user(99, 30)], 1)]
+
+    @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(ops=OPS)
+    def run(ops):
+        store = stateful_hf.SessionStore(model, device_capacity=40 * BS, host_capacity=40 * BS, chunk_size=BS,
+                                         disk_dir=tmp_path_factory.mktemp("d"), disk_capacity=40 * BS,
+                                         cost_profile=stateful_hf.cache.CostProfile(), hidden_states="always",
+                                         hidden_layers=1)
+        convs: dict[str, torch.Tensor] = {}
+        try:
+            for i, (op, who, n, tier) in enumerate(ops):
+                sid = f"s{who}"
+                if op == "new" or (op == "turn" and sid not in convs):
+                    ids = torch.cat([prompts[who % 2], user(100 * i + who)], 1)
+                elif op == "turn":
+                    ids = torch.cat([convs[sid], user(100 * i + who)], 1)
+                elif op == "edit" and sid in convs:
+                    ids = convs[sid][:, : 1 + n % convs[sid].shape[1]].clone()
+                    ids[0, -1] = 3 + (int(ids[0, -1]) + 1) % 290
+                    ids = torch.cat([ids, user(100 * i)], 1)
+                else:
+                    if sid in store.session_ids():
+                        s = store.session(sid)
+                        if op == "move":
+                            ks = [k for k in range(len(s.chunks)) if (k + n) % 3 == 0]
+                            try:
+                                store.move(sid, ks, tier)
+                            except ValueError:         # e.g. K/V chunks cannot become hidden: nothing moved
+                                pass
+                        elif op == "evict":
+                            store.evict(sid)
+                        elif op == "delete":
+                            store.delete(sid)
+                            convs.pop(sid)
+                    store.check_integrity()
+                    continue
+                if op == "new" and sid in store.session_ids():
+                    store.delete(sid)
+                convs[sid] = turn(model, oracle, store, sid, ids)
+        finally:
+            store.close()
+
+    run()

@@ -75,6 +75,7 @@ def served():
 
 
 def test_user_field_does_not_name_a_session(served):
+    """(runs first on the module's server: nothing shared yet)"""
     srv, store = served
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", timeout=30, max_retries=0)
     for text in ("First conversation.", "A second, unrelated conversation."):
@@ -83,4 +84,19 @@ def test_user_field_does_not_name_a_session(served):
         assert r.usage.prompt_tokens_details.cached_tokens <= r.usage.prompt_tokens
     assert store.session_ids() == []                       # both ran in throwaway sessions, now deleted
     assert httpx.get(srv.url + "/v1/sessions/same-user", timeout=10).status_code == 404
+    store.check_integrity()
+
+
+def test_requests_without_a_session_reuse_a_shared_prompt(served):
+    srv, store = served
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", timeout=30, max_retries=0)
+    system = {"role": "system", "content": "You are a careful assistant. " * 12}
+    usage = []
+    for q in ("What is the tallest mountain?", "Name a river in Africa."):
+        r = client.chat.completions.create(model="tiny", messages=[system, {"role": "user", "content": q}],
+                                           max_tokens=3, temperature=0)
+        usage.append(r.usage)
+    assert usage[0].prompt_tokens_details.cached_tokens == 0
+    assert usage[1].prompt_tokens_details.cached_tokens >= 64        # the shared system prompt's full chunks
+    assert store.session_ids() == []
     store.check_integrity()
