@@ -102,7 +102,8 @@ class AuditMixin:
             disk_pool = self.disk.pool if self.disk is not None else None
             hid, dhid = self.hidden_pool, self.disk_hidden_pool
             return StoreStats(
-                sessions=len(self._sessions), device_tokens=tot["device"], host_tokens=tot["host"] + tot["hidden"],
+                sessions=sum(not s.retained for s in self._sessions.values()), device_tokens=tot["device"],
+                host_tokens=tot["host"] + tot["hidden"],
                 dropped_tokens=tot["dropped"], device_cached_tokens=cached,
                 device_bytes=used(self.device_pool), host_bytes=used(self.host_pool) + self._hidden_used_bytes(hid),
                 disk_bytes=used(disk_pool) + self._hidden_used_bytes(dhid),

@@ -191,6 +191,8 @@ class KVStore(StepPlannerMixin, AuditMixin, TieringMixin, HiddenTierMixin, Layer
         with self._lock:
             acc: dict[str, list[int]] = {}
             for sid, s in self._sessions.items():
+                if s.retained:                   # a retained prefix is a cache, not a session
+                    continue
                 a = acc.setdefault(tenant_of(sid), [0, 0, 0])
                 a[0] += 1
                 a[1] += s.num_tokens
