@@ -174,8 +174,12 @@ def describe_cycle(graph: dict[str, dict[str, int]], cycle: list[str]) -> str:
 def test_no_import_cycles():
     graph = import_graph()
     components = strongly_connected(graph)
+    modules = package_modules()
     report = [
-        f"{len(c)} modules {c}; one cycle: {describe_cycle(graph, shortest_cycle(graph, c))}" for c in components
+        f"{len(c)} modules {c}\n    one cycle: {describe_cycle(graph, shortest_cycle(graph, c))}"
+        + "\n    every import inside: "
+        + ", ".join(f"{modules[a].rel}:{graph[a][b]} -> {b}" for a in c for b in sorted(graph[a]) if b in c)
+        for c in components
     ]
     assert not components, "import cycles (TYPE_CHECKING and function-local imports count):\n  " + "\n  ".join(report)
 
