@@ -507,3 +507,27 @@ def test_architecture_doc_names_every_module_and_only_real_ones():
     unnamed = [rel for rel in modules if rel not in named]
     assert not missing, f"docs/architecture.md names paths that do not exist: {missing}"
     assert not unnamed, f"docs/architecture.md does not name these modules: {unnamed}"
+
+
+# A Python file name as prose names it: `kv_store.py`, `cache/kv_store.py`, `stateful_hf/engine/engine.py`.
+_FILE_NAME = re.compile(r"(?<![\w./<>-])((?:[a-z_]+/)*[a-z][a-z0-9_]*\.py)\b")
+# Files of other projects that comments may name.
+EXTERNAL_FILES: set[str] = set()
+
+
+def test_file_names_in_docstrings_comments_and_docs_exist():
+    """A module renamed or removed leaves no stale name behind: every `*.py` the package's source, the
+    client code, docs/ or README.md names is a file of the repository (a bare name: some file of that
+    name; a path: a file whose path ends with it)."""
+    repo = [p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*.py") if not set(p.parts) & {".venv", ".git"}]
+    basenames = {path.rpartition("/")[2] for path in repo}
+    texts = [*_checked_files(), *sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"]
+    stale = []
+    for path in texts:
+        for lineno, line in enumerate(path.read_text().splitlines(), 1):
+            for name in _FILE_NAME.findall(line):
+                known = any(r == name or r.endswith("/" + name) for r in repo) if "/" in name else name in basenames
+                if not known and name not in EXTERNAL_FILES:
+                    stale.append(f"{path.relative_to(ROOT).as_posix()}:{lineno} {name}")
+    assert not stale, "names of files that do not exist:\n  " + "\n  ".join(stale)
+
