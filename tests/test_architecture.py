@@ -184,6 +184,44 @@ def test_no_import_cycles():
     assert not components, "import cycles (TYPE_CHECKING and function-local imports count):\n  " + "\n  ".join(report)
 
 
+# Layers, lowest first: a module may import its own layer and those below, never one above.
+LAYERS = (
+    ("kernels", ("stateful_hf.kernels",)),
+    ("cache", ("stateful_hf.cache",)),
+    ("seam", ()),  # the other modules of stateful_hf/: adapter, integration, session_store, ...
+    ("engine", ("stateful_hf.engine",)),
+    ("serve", ("stateful_hf.serve",)),
+    ("facade", ()),  # stateful_hf/__init__.py re-exports from every layer
+)
+
+
+def layer_of(name: str) -> int:
+    if name == "stateful_hf":
+        return len(LAYERS) - 1
+    for i, (_, prefixes) in enumerate(LAYERS):
+        if any(name == p or name.startswith(p + ".") for p in prefixes):
+            return i
+    return 2
+
+
+def test_imports_go_one_way():
+    """kernels <- cache <- the transformers seam <- engine <- serve (<- the package's __init__)."""
+    modules, graph = package_modules(), import_graph()
+    upward = [
+        f"{modules[a].rel}:{line} ({LAYERS[layer_of(a)][0]}) imports {b} ({LAYERS[layer_of(b)][0]})"
+        for a, edges in sorted(graph.items())
+        for b, line in sorted(edges.items())
+        if layer_of(b) > layer_of(a)
+    ]
+    assert not upward, "imports against the layering:\n  " + "\n  ".join(upward)
+
+
+def test_layers_are_ordered():
+    names = ["stateful_hf.kernels.plan", "stateful_hf.cache", "stateful_hf.integration", "stateful_hf.engine.engine",
+             "stateful_hf.serve.app", "stateful_hf"]
+    assert [layer_of(n) for n in names] == list(range(len(LAYERS)))
+
+
 def test_cycle_finder_finds_a_cycle():
     graph = {"a": {"b": 1}, "b": {"c": 2}, "c": {"a": 3, "d": 4}, "d": {}}
     assert strongly_connected(graph) == [["a", "b", "c"]]
