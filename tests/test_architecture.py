@@ -325,7 +325,10 @@ class _Type:
 class _PrivateUseFinder(ast.NodeVisitor):
     """Finds `x._name` where `_name` is another module's: either this module does not define `_name`, or
     `x`'s static type is known (a parameter or attribute annotation, a constructor call) to be a class this
-    module imports rather than defines. `self`/`cls`/`super()` bases are the class's own."""
+    module imports rather than defines. `self._name`/`cls._name` count too when the class is this
+    package's own (no base classes, or only bases of this package) and this module does not define
+    `_name`: a mixin reaching into its host, or a class into its in-package base. `super()._name` and
+    `self._name` in a class deriving from a third-party class are not checked."""
 
     def __init__(self, tree: ast.Module, rel: str):
         self.rel = rel
@@ -337,6 +340,13 @@ class _PrivateUseFinder(ast.NodeVisitor):
             if isinstance(n, (ast.Import, ast.ImportFrom))
             for a in n.names
         }
+        self.in_package = self.local_classes | {  # names bound by imports from this package
+            a.asname or a.name
+            for n in ast.walk(tree)
+            if isinstance(n, ast.ImportFrom) and (n.level or (n.module or "").split(".")[0] == "stateful_hf")
+            for a in n.names
+        }
+        self.own_self: list[bool] = [False]  # per enclosing class: are `self._x` uses checked
         self.found: list[tuple[int, str]] = []
         self.scopes: list[dict[str, _Type]] = [{}]  # names -> types, innermost last
         self.attrs: list[dict[str, _Type]] = [{}]  # `self.<attr>` -> type, per enclosing class
@@ -417,7 +427,9 @@ class _PrivateUseFinder(ast.NodeVisitor):
                             if t is not None:
                                 attrs.setdefault(target.attr, t)
         self.attrs.append(attrs)
+        self.own_self.append(all(isinstance(b, ast.Name) and b.id in self.in_package for b in node.bases))
         self.generic_visit(node)
+        self.own_self.pop()
         self.attrs.pop()
 
     def visit_FunctionDef(self, node: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
@@ -456,7 +468,11 @@ class _PrivateUseFinder(ast.NodeVisitor):
     # -- uses
     def check(self, node: ast.AST, base: ast.AST, name: str) -> None:
         """Record `node` if it reaches `base.<name>` and that is another module's private member."""
-        if not _is_private(name) or not self.foreign_name(name) or _is_self(base) or _is_call_to(base, "super"):
+        if not _is_private(name) or not self.foreign_name(name) or _is_call_to(base, "super"):
+            return
+        if _is_self(base):
+            if self.own_self[-1] and name not in self.own:
+                self.found.append((node.lineno, ast.unparse(node)))
             return
         if name not in self.own or self.foreign_class(self.type_of(base)):
             self.found.append((node.lineno, ast.unparse(node)))
@@ -521,6 +537,13 @@ def test_private_use_heuristic(tmp_path):
         "        self._peers[1]._ready, self._peers.get(2)._ready\n"  # a dict of this module's Handles
         "        config._name_or_path = ''\n"  # a write to a foreign object
         "        return getattr(self._engine, '_cv'), super()._x, self.__mangled, p._replace(a=1)\n"
+        "class ChatMixin:\n"
+        "    def chat(self):\n"
+        "        return self._cv, self._engine\n"  # _cv: the host's (another module's); _engine is defined here
+        "from transformers import Cache\n"
+        "class Sub(Cache):\n"
+        "    def f(self):\n"
+        "        return self._inherited\n"  # a third-party base: not checked
     )
     uses = [u.split(" ", 1)[1] for u in private_uses(src)]
     assert uses == [
@@ -529,6 +552,7 @@ def test_private_use_heuristic(tmp_path):
         "self._engine._ready",
         "config._name_or_path",
         "getattr(self._engine, '_cv')",
+        "self._cv",
     ], uses
 
 
