@@ -4,7 +4,9 @@
 - unique module basenames and unique class names across the package;
 - `cache/` and `kernels/` never import transformers;
 - no module uses another module's private members (`obj._x`, `from m import _x`);
-- docs/architecture.md names every module of the package by path, and every path it names exists.
+- docs/architecture.md names every module of the package by path, and every path it names exists;
+- imports go one way (kernels <- cache <- the seam <- engine <- serve), every module has a docstring, and every
+  `*.py` a docstring, comment or doc names exists.
 
 The package is three source directories (pyproject's package-dir): `stateful_hf/` (with engine/ and serve/),
 `cache/` installed as `stateful_hf.cache` and `kernels/` installed as `stateful_hf.kernels`.
@@ -245,6 +247,13 @@ def test_unique_class_names():
                 by_name.setdefault(node.name, []).append(f"{module.rel}:{node.lineno}")
     repeated = {name: where for name, where in by_name.items() if len(where) > 1}
     assert not repeated, f"class names defined more than once: {repeated}"
+
+
+def test_every_module_says_what_it_holds():
+    """A module docstring on every module of the package (`__main__` aside): the first thing a reader sees."""
+    modules = [m for m in package_modules().values() if m.path.stem != "__main__"]
+    bare = [m.rel for m in modules if not ast.get_docstring(parse(m.path))]
+    assert not bare, f"modules without a docstring: {bare}"
 
 
 def test_cache_and_kernels_never_import_transformers():
