@@ -288,7 +288,8 @@ THIRD_PARTY_PRIVATE: dict[tuple[str, str], str] = {
 
 
 def _is_private(name: str) -> bool:
-    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+    """`_x` and `__x`; not dunders (`__x__`) nor enum's sunders (`_value_`, `_missing_`: its public API)."""
+    return name.startswith("_") and not name.endswith("_")
 
 
 def _is_self(node: ast.AST) -> bool:
