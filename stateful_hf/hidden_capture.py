@@ -1,5 +1,5 @@
 """HCache in the transformers integration: capture of hidden states while tokens are computed, and
-the per-layer costs that HCache's planner (`cache/hplan.py`) splits layers by.
+the per-layer costs that HCache's planner (`cache/hidden_partition.py`) splits layers by.
 
 Capture: one forward pre-hook per decoder layer hands the layer's input (the residual stream,
 [1, T, D]) of a stateful step to `StepBatch.capture_hidden`, which writes it at the step's slots.
