@@ -14,13 +14,13 @@ The parts (docs/store.md), each built here with its collaborators, in this order
     Placement      moving down, making room, the policy            placement.py
     SwapIn         moving up, settling hidden rebuilds             swap_in.py
     LayeredChunks  LayerKV's LAYERED chunks and residue blocks     layered_chunks.py
+    Relocation     `move`: chosen chunks to a named tier           relocation.py
     StepPlanner    plan/commit/abort, needs, last_turn             step_planner.py
 plus the transfer engine (transfer.py), integrity.py and store_stats.py (read-only).
 """
 
 from __future__ import annotations
 
-import operator
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -39,47 +39,23 @@ from .moves import MoveLedger
 from .placement import Placement
 from .policy import DEFAULT_POLICY, EvictionPolicy, make_policy
 from .pool import BlockPool
+from .relocation import Relocation, chunk_indices, target_state
 from .residue_blocks import ResidueTable, blocks_at_most
-from .session import ON_DISK, TIERS, ChunkState, Session, TurnStats
+from .session import ON_DISK, ChunkState, Session, TurnStats
 from .session_table import SessionTable
-from .spec import KVSpec, capacity_in_blocks
+from .spec import KVSpec
 from .stats import Counters, SessionStats, StoreStats, summary
 from .step import StepBatch
 from .step_planner import ChunkNeeds, StepPlanner
 from .store_stats import session_stats, store_stats
 from .swap_in import SwapIn
 from .tenant import TenantUsage, tenant_of
-from .tier_pools import TierPools
+from .tier_pools import TierPools, open_pools
 from .transfer import Transfer, emulate_from_env
-from .virtual import PageMapper, VirtualPool
+from .virtual import PageMapper
 
 DEVICE, HOST, HIDDEN, DISK = ChunkState.DEVICE, ChunkState.HOST, ChunkState.HIDDEN, ChunkState.DISK
 DISK_HIDDEN, DROPPED = ChunkState.DISK_HIDDEN, ChunkState.DROPPED
-
-
-@contextmanager
-def _allocating(name: str, capacity, spec) -> Iterator[None]:
-    """A pool allocation torch cannot make (out of memory) as a StoreError naming the option."""
-    try:
-        yield
-    except RuntimeError as e:                 # torch.OutOfMemoryError is one too
-        raise StoreError(f"cannot allocate the pool for {name}={capacity!r} on "
-                         f"{'cpu' if name == 'host_capacity' else spec.device}: {e}; give a smaller {name}") from e
-
-
-def _chunk_indices(chunks) -> list[int]:
-    """`move`'s chunk argument: an iterable of int chunk indices (not bools, floats or strings)."""
-    if isinstance(chunks, (str, bytes)) or not isinstance(chunks, Iterable):
-        raise TypeError(f"chunks must be an iterable of chunk indices (ints), got {chunks!r}")
-    out = []
-    for k in chunks:
-        try:
-            if isinstance(k, bool):
-                raise TypeError
-            out.append(operator.index(k))       # ints, numpy / 0-d torch integers
-        except TypeError:
-            raise TypeError(f"chunk indices must be ints, got {k!r} ({type(k).__name__})") from None
-    return out
 
 
 class KVStore:
@@ -124,18 +100,8 @@ class KVStore:
         if layout == "virtual" and max_context is None:
             raise ValueError("layout='virtual' needs max_context (tokens per session slot)")
         self.spec, self.block_size, self.layout, self.attn_backend = spec, spec.block_size, layout, attn_backend
-        with _allocating("device_capacity", device_capacity, spec):
-            if layout == "paged":
-                device_pool = BlockPool(spec, capacity_in_blocks(device_capacity, spec))
-            else:
-                device_pool = VirtualPool(spec, capacity_in_blocks(device_capacity, spec), max_context,
-                                          keep_bytes=0 if keep_freed in (0, "0") else
-                                          capacity_in_blocks(keep_freed, spec) * spec.bytes_per_block)
-        with _allocating("host_capacity", host_capacity, spec):
-            host_pool = None if host_capacity is None else BlockPool(
-                spec, capacity_in_blocks(host_capacity, spec), "cpu", pin_memory=spec.device.type == "cuda")
-        disk_blocks = capacity_in_blocks(disk_capacity if disk_capacity is not None else "1GiB", spec)
-        disk = None if disk_dir is None else DiskTier(spec, disk_dir, disk_blocks, disk_fingerprint)
+        device_pool, host_pool, disk = open_pools(spec, device_capacity, host_capacity, disk_dir, disk_capacity,
+                                                  layout, max_context, keep_freed, disk_fingerprint)
         self.kernels = KernelState()        # one FlashInfer workspace + wrapper per store, planned per step
         self.transfer = Transfer(device_pool, emulate_from_env() if emulate_async is None else emulate_async)
         self.counters = Counters()          # written by placement, swap-in, the planner and hidden restores
@@ -160,6 +126,8 @@ class KVStore:
             self.layered = LayeredChunks(layerwise_kv, self.tiers, self.placement, self.transfer, self.counters,
                                          layout=layout, attn_backend=attn_backend,
                                          capturing=self.hidden.capture is not None)
+            self.relocation = Relocation(self.tiers, self.placement, self.swap_in, self.hidden, self.layered,
+                                         self.transfer)
             self.planner = StepPlanner(self.sessions, self.tiers, self.placement, self.swap_in, self.hidden,
                                        self.layered, self.transfer, self.counters, self.kernels, layout=layout,
                                        attn_backend=attn_backend,
@@ -453,46 +421,10 @@ class KVStore:
         move to the device (K/V rebuilt by projection), to "disk" (where they stay hidden states,
         DISK_HIDDEN, and come back with "hidden" or "device") or are dropped. `reason` labels the
         moves in `self.moves` (moves.REASONS)."""
-        if tier not in TIERS:
-            raise ValueError(f"unknown tier {tier!r}; choose from {TIERS}")
-        target = ChunkState(tier)
-        chunks = _chunk_indices(chunks)
+        target = target_state(tier)
+        chunks = chunk_indices(chunks)
         with self.lock, self.placement.moving(reason):
-            s = self.sessions.get(session_id)
-            if s.busy:
-                raise SessionBusyError(session_id)
-            self.layered.settle(s)
-            ks = sorted(set(chunks))
-            if any(not 0 <= k < len(s.chunks) for k in ks):
-                raise IndexError(f"session {session_id!r} has chunks 0..{len(s.chunks) - 1}, got {ks}")
-            self.hidden.check_move(s, ks, target)
-            if target is not DROPPED and self.tiers.pool(target) is None:
-                raise ValueError(f"this store has no {tier} tier")
-            order = list(ChunkState)
-            reads = [k for k in ks if s.chunks[k].state in ON_DISK and
-                     order.index(s.chunks[k].state) > order.index(target)]
-            if self.placement.prove(s, reads):    # chunks that failed their checksum are dropped, not moved
-                ks = [k for k in ks if k not in reads or s.chunks[k].state is not DROPPED]
-            dest = {k: self.hidden.target(s.chunks[k].state, target) for k in ks}
-            ks = [k for k in ks if s.chunks[k].state is not dest[k]]
-            if target is not DROPPED and any(s.chunks[k].state is DROPPED for k in ks):
-                raise ValueError(f"session {session_id!r}: dropped chunks keep only token ids and cannot move "
-                                 f"to {tier}; the next turn recomputes them")
-            up = [k for k in ks if order.index(s.chunks[k].state) > order.index(dest[k])]
-            down = [k for k in ks if k not in up]
-            excl = {session_id}
-            groups = {state: [(s, k) for k in down if s.chunks[k].state is state]     # before any moves
-                      for state in (DEVICE, HOST, HIDDEN, DISK, DISK_HIDDEN)}
-            for state, items in groups.items():
-                if items:
-                    self.placement.move_down(items, state, excl, target=dest[items[0][1]], strict=True)
-            if up:
-                restore = self.hidden.new_restore(self.counters)
-                self.swap_in.move_up([(s, k) for k in up], target, excl, restore=restore)
-                if restore is not None:
-                    restore.finish(self.tiers.device)
-                    self.swap_in.settle(restore, ok=True)
-                self.transfer.synchronize()
+            self.relocation.move(self.sessions.get(session_id), chunks, target)
             self.disk_state.sync()
 
     def evict(self, session_id: str) -> int:

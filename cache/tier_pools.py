@@ -10,12 +10,19 @@ Every method runs with the store lock held.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from .disk import DiskTier
 from .disk_state import DiskState
+from .errors import StoreError
 from .hidden_states import HiddenPool
 from .pool import BlockPool
 from .residue_blocks import ResidueTable
 from .session import ON_DISK, Chunk, ChunkState, Session
+from .spec import KVSpec, capacity_in_blocks
+from .virtual import VirtualPool
 
 DEVICE, HOST, DISK, DROPPED = ChunkState.DEVICE, ChunkState.HOST, ChunkState.DISK, ChunkState.DROPPED
 HIDDEN, DISK_HIDDEN, LAYERED = ChunkState.HIDDEN, ChunkState.DISK_HIDDEN, ChunkState.LAYERED
@@ -84,3 +91,31 @@ class TierPools:
         hidden = getattr(pool, "hidden_spec", None)
         per = hidden.bytes_per_block if hidden is not None else pool.spec.bytes_per_block
         return (pool.num_blocks - pool.num_free) * per
+
+
+@contextmanager
+def _allocating(name: str, capacity, spec: KVSpec) -> Iterator[None]:
+    """A pool allocation torch cannot make (out of memory) as a StoreError naming the option."""
+    try:
+        yield
+    except RuntimeError as e:                 # torch.OutOfMemoryError is one too
+        raise StoreError(f"cannot allocate the pool for {name}={capacity!r} on "
+                         f"{'cpu' if name == 'host_capacity' else spec.device}: {e}; give a smaller {name}") from e
+
+
+def open_pools(spec: KVSpec, device_capacity, host_capacity, disk_dir: str | os.PathLike | None, disk_capacity,
+               layout: str, max_context: int | None, keep_freed, disk_fingerprint: str):
+    """(device pool, host pool or None, disk tier or None) of a store (`KVStore` has the options)."""
+    with _allocating("device_capacity", device_capacity, spec):
+        if layout == "paged":
+            device_pool = BlockPool(spec, capacity_in_blocks(device_capacity, spec))
+        else:
+            device_pool = VirtualPool(spec, capacity_in_blocks(device_capacity, spec), max_context,
+                                      keep_bytes=0 if keep_freed in (0, "0") else
+                                      capacity_in_blocks(keep_freed, spec) * spec.bytes_per_block)
+    with _allocating("host_capacity", host_capacity, spec):
+        host_pool = None if host_capacity is None else BlockPool(
+            spec, capacity_in_blocks(host_capacity, spec), "cpu", pin_memory=spec.device.type == "cuda")
+    disk_blocks = capacity_in_blocks(disk_capacity if disk_capacity is not None else "1GiB", spec)
+    disk = None if disk_dir is None else DiskTier(spec, disk_dir, disk_blocks, disk_fingerprint)
+    return device_pool, host_pool, disk
