@@ -128,8 +128,9 @@ class StepPlanner:
         if not self.layered.enabled and any(f != 1 for f in factors):
             raise ValueError("plan_step: keep factors other than 1 need a store made with layerwise_kv=True")
         bs, device = self.block_size, self.tiers.device
-        for s, (_, _, pos) in zip(sessions, requests):     # disk chunks are proven before they are read
-            self.placement.prove(s, range(min(len(s.chunks), -(-(max(pos, default=-1) + 1) // bs))))
+        if self.tiers.disk is not None:
+            for s, (_, _, pos) in zip(sessions, requests):     # disk chunks are proven before they are read
+                self.placement.prove(s, range(min(len(s.chunks), -(-(max(pos, default=-1) + 1) // bs))))
         plans = [self._plan_entry(s, list(ids), list(pos)) for s, (_, ids, pos) in zip(sessions, requests)]
         for s, f, (_, swap) in zip(sessions, factors, plans):
             if f != 1:     # layer-wise entry: its host chunks are read in place, not copied up
@@ -283,10 +284,12 @@ class StepPlanner:
             chunks = s.chunks
             ids += e.token_ids
             pos += e.positions
-            slots += [chunks[p // bs].table_block * bs + p % bs for p in e.positions]
+            # a DEVICE chunk's table block is its block (the common case, read without a call)
+            table = [c.loc if c.state is DEVICE else c.table_block for c in chunks[: -(-(max(e.positions) + 1) // bs)]]
+            slots += [table[p // bs] * bs + p % bs for p in e.positions]
             cu.append(len(pos))
             kv_len.append(max(e.positions) + 1)
-            tables.append([c.table_block for c in chunks[: -(-kv_len[-1] // bs)]])
+            tables.append(table)
         width = max(map(len, tables))
         paged = PagedBatch(torch.tensor(cu, dtype=torch.int32), torch.tensor(pos, dtype=torch.int64),
                            torch.tensor(kv_len, dtype=torch.int32),
