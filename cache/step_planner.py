@@ -90,8 +90,10 @@ class StepPlanner:
 
     @staticmethod
     def add_generated(s: Session, n: int) -> None:
-        """The turn of `s` generated `n` tokens (the one output count of its last_turn)."""
-        s.last_turn.generated_tokens = n
+        """The turn of `s` generated `n` tokens (the one output count of its last_turn). Outside a
+        begun turn it changes nothing: last_turn is then an earlier turn's."""
+        if s.in_turn:
+            s.last_turn.generated_tokens = n
 
     # ---- what a step needs --------------------------------------------------------------------------
 
