@@ -12,7 +12,7 @@ import torch
 
 from . import hf_attention
 from .adapter import ModelAdapter, adapter_for
-from .cache import ChunkState, StepBatch, TurnStats
+from .cache import StepBatch, TurnStats
 from .stateful_cache import StatefulCache
 
 _ENABLED = "_stateful_hf_adapter"
@@ -58,9 +58,8 @@ def _pre_forward(module, args, kwargs):
 def _post_forward(module, args, kwargs, output):
     cache, step = kwargs.get("past_key_values"), kwargs.get("stateful_step")
     if isinstance(cache, StatefulCache) and step is not None and cache.pending is step:
-        cache.store.commit(step)
+        cache.store.commit(step)              # counts the step's rows in the session's last_turn
         cache.pending = None
-        cache.store.session(cache.session_id).last_turn.computed_tokens += step.num_tokens
     return None
 
 
@@ -171,27 +170,11 @@ def _id_list(value) -> list[int]:
 
 def prepare_turn(model: torch.nn.Module, cache: StatefulCache, ids: Sequence[int]) -> TurnStats:
     """Cut what diverges from `ids`, restore what is missing; the session then holds a prefix of `ids`
-    (at least one token short of it, so the turn computes logits)."""
-    store, sid = cache.store, cache.session_id
-    keep = min(store.match_prefix(sid, ids), len(ids) - 1)
-    truncated = store.truncate(sid, keep)
-    stats = TurnStats(truncated_tokens=truncated)
-    store.missing_positions(sid)      # proves the disk chunks first: those that fail count as recomputed
-    s, bs = store.session(sid), store.block_size
-    for k, c in enumerate(s.chunks):
-        n = s.chunk_len(k, bs)
-        if c.state is ChunkState.DEVICE or c.shadow is not None:
-            stats.reused_device += n
-        elif c.state is ChunkState.HOST:
-            stats.swapped_in_host += n
-        elif c.state is ChunkState.DISK:
-            stats.swapped_in_disk += n
-        elif c.state in (ChunkState.HIDDEN, ChunkState.DISK_HIDDEN):   # K/V rebuilt layer by layer
-            stats.restored_hidden += n                                   # in the turn's first step
-    stats.reused_tokens = stats.reused_device + stats.swapped_in_host + stats.swapped_in_disk + stats.restored_hidden
-    stats.recomputed_tokens = restore(model, cache)
-    s.last_turn = stats
-    return stats
+    (at least one token short of it, so the turn computes logits). Returns the session's last_turn,
+    which the store fills (`KVStore.begin_turn`; recomputed rows are counted as their step commits)."""
+    turn = cache.store.begin_turn(cache.session_id, ids)
+    restore(model, cache)
+    return turn
 
 
 def _generate(model, original_generate, *args, cache=None, past_key_values=None, **kwargs):
@@ -223,6 +206,5 @@ def _generate(model, original_generate, *args, cache=None, past_key_values=None,
                 store.abort(cache.pending)
                 cache.pending = None
         seqs = out if isinstance(out, torch.Tensor) else out.sequences
-        stats = store.session(cache.session_id).last_turn
-        stats.generated_tokens = seqs.shape[1] - len(ids)
+        store.add_generated(cache.session_id, seqs.shape[1] - len(ids))
         return out
