@@ -9,10 +9,40 @@ import threading
 import pytest
 import torch
 from conftest import FAMILIES, Conversation, greedy
+from test_hidden import hidden_store, lay_out
 
 from stateful_hf import Engine, SamplingParams
 from stateful_hf.adapter import decoder_layers
 from stateful_hf.step_context import get_step
+
+
+def test_before_layer_runs_each_layer_once_in_order_before_it(make_store, tmp_path):
+    """A returning session whose chunks are hidden states: when decoder layer l starts, the step's
+    before_layer has rebuilt layers 0..l of its chunks and no later one (layer-wise, not ahead)."""
+    model, oracle = FAMILIES["llama"](), FAMILIES["llama"]()
+    store = hidden_store(make_store, model, tmp_path, hidden_layers=1)
+    cache = store.cache("a")
+    conv = Conversation(seed=7, first=70, turn=20)
+    conv.reply(greedy(model, conv.ids, cache=cache))
+    lay_out(store, "a", ["hidden"])
+    seen: list[tuple[int, list[int]]] = []
+
+    def spy(idx):
+        def hook(module, args, kwargs):       # runs after the enable()'s pre-hook of the same layer
+            step = get_step()
+            if step is not None and step.hidden is not None and step.hidden.restore is not None:
+                seen.append((idx, sorted(step.hidden.restore.done)))
+        return hook
+    layers = decoder_layers(model)
+    hooks = [layer.register_forward_pre_hook(spy(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    try:
+        out = greedy(model, conv.ids, cache=cache)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert torch.equal(out, greedy(oracle, conv.ids))
+    assert seen == [(i, list(range(i + 1))) for i in range(len(layers))]
+    assert store.stats("a").last_turn.restored_hidden > 0
 
 
 def test_a_forward_that_raises_ends_and_takes_back_its_step(make_store):
