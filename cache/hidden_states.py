@@ -194,19 +194,19 @@ class HiddenRestore:
         spec = self.capture.spec
         bs, hkv, hd, dev = spec.kv.block_size, spec.kv.num_kv_heads, spec.kv.head_dim, pool.device
         key_cache, value_cache = pool.layer(layer)                                 # [blocks, bs, Hkv, hd] views
-        rows = torch.arange(bs)
         for g in self.groups:
             src = torch.tensor(g.src, device=g.pool.device)
-            slots = (torch.tensor(g.dst)[:, None] * bs + rows).reshape(-1).to(dev)   # [n * bs]
+            dst = torch.tensor(g.dst, device=dev)
             if layer < spec.hidden_layers:
                 h = g.pool.hidden[layer].index_select(0, src)                       # [n, bs, D]
                 self._recapture(layer, g, h)
-                pos = (torch.tensor(g.first_pos)[:, None] + rows).reshape(-1).to(dev)   # [n * bs]
+                pos = (torch.tensor(g.first_pos)[:, None] + torch.arange(bs)).reshape(-1).to(dev)   # [n * bs]
                 k, v = self.project(layer, h.reshape(-1, spec.hidden_size).to(dev), pos)     # [n * bs, Hkv, hd]
+                shape = (len(g.dst), bs, hkv, hd)
+                write_kv(key_cache, value_cache, k.reshape(shape), v.reshape(shape), dst)
             else:                                                                   # the chunk's own K/V
                 kv = g.pool.kv[layer - spec.hidden_layers].index_select(0, src).to(dev)    # [n, 2, bs, Hkv, hd]
-                k, v = kv[:, 0].reshape(-1, hkv, hd), kv[:, 1].reshape(-1, hkv, hd)
-            write_kv(key_cache, value_cache, k, v, slots)
+                write_kv(key_cache, value_cache, kv[:, 0], kv[:, 1], dst)
         self.done.add(layer)
         if self.complete:
             for g in self.groups:
