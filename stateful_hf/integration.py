@@ -248,7 +248,8 @@ def _generate(model, original_generate, *args, cache=None, past_key_values=None,
             prepare_turn(model, cache, ids)
             out = original_generate(input_ids, past_key_values=cache, **kwargs)
         finally:
-            if cache.pending is not None:
+            if cache.pending is not None:     # a forward left without its hook (KeyboardInterrupt)
+                reset_step()
                 store.abort(cache.pending)
                 cache.pending = None
         seqs = out if isinstance(out, torch.Tensor) else out.sequences

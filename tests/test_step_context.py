@@ -70,6 +70,28 @@ def test_a_forward_that_raises_ends_and_takes_back_its_step(make_store):
     torch.testing.assert_close(got, oracle(ids).logits[:, 30:], rtol=1e-4, atol=1e-4)
 
 
+def test_generate_interrupted_mid_forward_ends_and_takes_back_its_step(make_store):
+    """A KeyboardInterrupt is no Exception: torch's always_call hook does not run, generate's finally does."""
+    model, oracle = FAMILIES["opt"](), FAMILIES["opt"]()
+    store = make_store(model)
+    cache = store.cache("a")
+    ids = torch.arange(3, 40)[None]
+    greedy(model, ids[:, :20], n=4, cache=cache)
+    before = list(store.session("a").token_ids)
+
+    def interrupt(module, args, kwargs):
+        raise KeyboardInterrupt
+    hook = decoder_layers(model)[0].register_forward_pre_hook(interrupt, with_kwargs=True)
+    with pytest.raises(KeyboardInterrupt):
+        greedy(model, ids, n=4, cache=cache)
+    hook.remove()
+    assert get_step() is None and cache.pending is None
+    assert store.session("a").token_ids == before[: len(store.session("a").token_ids)]
+    store.check_integrity()
+    assert torch.equal(greedy(model, ids, n=6), greedy(oracle, ids, n=6))
+    assert torch.equal(greedy(model, ids, n=6, cache=cache), greedy(oracle, ids, n=6))
+
+
 def test_another_threads_forward_never_sees_the_step(make_store):
     """Thread A stops inside its stateful forward (step current); meanwhile this thread's ordinary
     forward is plain SDPA, exactly the oracle's, and A's forward then finishes exactly."""
