@@ -31,7 +31,7 @@ import torch
 import stateful_hf
 from stateful_hf.cache import CostProfile
 from stateful_hf.cache.hidden_partition import HiddenCosts, HiddenPlan, min_hidden_layers, plan_layers
-from stateful_hf.hidden_capture import measure_hidden_costs
+from stateful_hf.hidden_profile import measure_hidden_costs
 from stateful_hf.integration import restore, run_step
 
 from .models import llama_100m, n_params

@@ -1,6 +1,6 @@
 """Restore cost of a returning session, per tier, vs recomputing its history.
 
-    python -m benchmarks.bench_tiers [--lengths 512 1024 2048 4096] [--reps 3]
+    python -m benchmarks.bench_tiers [--lengths 512 1024 2048 4096] [--reps 3] [--json FILE]
 
 For each history length N, one session's N tokens are placed wholly in one tier, then the time to
 make them usable on the device again is measured (median of --reps): `host` and `disk` copy the
@@ -106,8 +106,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096])
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--json", help="write the rows (seconds, medians of --reps) and the environment to this file")
     args = ap.parse_args()
-    bench(args.lengths, args.reps)
+    load_start = os.getloadavg()
+    rows = bench(args.lengths, args.reps)
+    if args.json:
+        import json
+        import sys
+        out = {"command": "python -m benchmarks.bench_tiers " + " ".join(sys.argv[1:]), "torch": torch.__version__,
+               "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "load_start": load_start,
+               "load_end": os.getloadavg(), "rows": rows}
+        with open(args.json, "w") as fh:
+            json.dump(out, fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -20,10 +20,12 @@ from .session import Chunk, ChunkState, Session, TurnStats
 from .spec import KVSpec, capacity_in_blocks, parse_capacity
 from .stats import SessionStats, StoreStats
 from .step import StepBatch, StepEntry
+from .step_planner import ChunkNeeds
 from .tenant import DEFAULT_TENANT, TenantUsage, session_key, split_key, tenant_of
 
 __all__ = [
-    "DEFAULT_POLICY", "DEFAULT_TENANT", "POLICY_NAMES", "BlockPool", "CapacityError", "Chunk", "ChunkState",
+    "DEFAULT_POLICY", "DEFAULT_TENANT", "POLICY_NAMES", "BlockPool", "CapacityError", "Chunk", "ChunkNeeds",
+    "ChunkState",
     "CostProfile", "EvictionPolicy", "FairSharePolicy", "KVSpec", "LRUPolicy", "RecencyCostPolicy",
     "RetentionPolicy", "ReturnAwarePolicy", "ReturnEstimator",
     "KVStore", "Session", "SessionBusyError", "SessionStats", "StepBatch", "StepEntry",

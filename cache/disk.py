@@ -333,6 +333,11 @@ class DiskTier:
         return all([f.drop_page_cache() for f in self.files.values()])
 
     def close(self) -> None:
+        """Unmap the data files (every view of them goes now, not at garbage collection), close the
+        index and release the directory's lock. The tier cannot be used afterwards."""
+        for pool in (getattr(self, "pool", None), self.hidden_pool):
+            if pool is not None:
+                pool.unmap()
         for f in self.files.values():
             f.close()
         if self.index is not None:

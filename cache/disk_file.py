@@ -124,6 +124,9 @@ class DiskFile:
         return unmapped
 
     def close(self) -> None:
+        """Close the file and drop this object's views of its mapping (the pools over it drop theirs:
+        `Quarantined.unmap`); the mapping is gone once no view is left."""
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+        self.flat, self.parts = None, []

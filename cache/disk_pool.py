@@ -33,6 +33,15 @@ class Quarantined:
         super().free(self.limbo)
         self.limbo = []
 
+    def unmap(self) -> None:
+        """Let go of the slots' storage (views of a disk file's mapping) when the tier closes, so the
+        mapping goes with the file's own views, not at the next garbage collection. The pool cannot
+        be read afterwards."""
+        for name in ("data", "hidden", "kv"):
+            t = getattr(self, name, None)
+            if t is not None:
+                setattr(self, name, t.new_empty((0,) * t.dim()))
+
     def check(self, owned: set[int]) -> None:
         waiting = set(self.limbo)
         assert len(waiting) == len(self.limbo), "a disk slot is in limbo twice"

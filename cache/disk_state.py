@@ -1,34 +1,49 @@
-"""The store's side of the disk tier (a mixin of SessionStore): what the index says, what is
-written and what is proven before it is read. Every method runs with the store lock held.
+"""The disk state: the store's side of the disk tier (`disk.py`): what its index says, what is
+written and what is proven before it is read.
+
+Owns: whether the committed index is stale (`mark_changed`, cleared by a successful `sync`).
+Collaborators: the session table (read: the rows of the index; `load` adds sessions), the disk
+tier, the transfer engine (copies into disk slots land before they are checksummed). It never frees
+a slot itself: `verify` and `cut` return what failed and the caller (placement) drops those chunks.
 
 Rules (see `disk.py` for the crash ordering):
-- a chunk becomes DISK / DISK_HIDDEN only after its data is flushed (`_disk_written`);
-- a disk chunk is read (copied up, rebuilt from, exported) only after `_verify_disk` proved it is
-  the chunk of its session's prefix; one that fails is dropped and recomputed from its token ids;
-- `_sync_disk` never raises: a failed commit leaves the tier degraded, the last committed index
-  true, and the change pending (retried on later syncs and moves).
+- a chunk becomes DISK / DISK_HIDDEN only after its data is flushed (`written`);
+- a disk chunk is read (copied up, rebuilt from, exported) only after `verify` proved it is the
+  chunk of its session's prefix; one that fails is dropped and recomputed from its token ids;
+- `sync` never raises: a failed commit leaves the tier degraded, the last committed index true, and
+  the change pending (retried on later syncs and moves).
+Every method runs with the store lock held.
 """
 
 from __future__ import annotations
 
+from .disk import DiskTier
 from .disk_file import identity_tags
 from .disk_index import pack_ids
 from .errors import StoreError
-from .session import Chunk, Session
-from .tiering import DISK, DISK_HIDDEN, ON_DISK
+from .session import ON_DISK, Chunk, ChunkState, Session
+from .session_table import SessionTable
+from .transfer import Transfer
 
+DISK, DISK_HIDDEN = ChunkState.DISK, ChunkState.DISK_HIDDEN
 FORM = {DISK: "kv", DISK_HIDDEN: "hidden"}
 
 
-class DiskStateMixin:
-    # provided by SessionStore: disk, _sessions, block_size, counters, _disk_dirty, _release, _ntok, clock
+class DiskState:
+    def __init__(self, sessions: SessionTable, disk: DiskTier | None, transfer: Transfer, block_size: int):
+        self.sessions, self.disk, self.transfer, self.block_size = sessions, disk, transfer, block_size
+        self._changed = False
 
-    def _disk_rows(self) -> tuple[dict[str, bytes], dict[tuple[str, int], tuple[str, int, int]]]:
+    def mark_changed(self) -> None:
+        """A disk slot was filled or freed, or a session's ids up to a disk chunk changed."""
+        self._changed = True
+
+    def rows(self) -> tuple[dict[str, bytes], dict[tuple[str, int], tuple[str, int, int]]]:
         """The index of the current state: per session with chunks on disk, its ids up to its last
         one, and (form, slot, checksum) per such chunk (chunks rebuilding from a disk hidden slot
         name that slot: a crash before the step commits finds them there)."""
         sessions, rows = {}, {}
-        for s in self._sessions.values():
+        for s in self.sessions:
             last = -1
             for k, c in enumerate(s.chunks):
                 at = (c.state, c.loc) if c.state in ON_DISK else c.source
@@ -42,27 +57,27 @@ class DiskStateMixin:
                 sessions[s.session_id] = pack_ids(s.token_ids[: (last + 1) * self.block_size])
         return sessions, rows
 
-    def _sync_disk(self, force: bool = False) -> bool:
+    def sync(self, force: bool = False) -> bool:
         """Commit the index if the disk state changed (or `force`). False if the commit failed."""
-        if self.disk is None or not (self._disk_dirty or force):
+        if self.disk is None or not (self._changed or force):
             return True
-        if not self.disk.commit(*self._disk_rows()):
-            self._disk_dirty = True
+        if not self.disk.commit(*self.rows()):
+            self._changed = True
             return False
-        self._disk_dirty = False
+        self._changed = False
         return True
 
-    def _disk_usable(self, strict: bool) -> bool:
+    def usable(self, strict: bool) -> bool:
         """Before a move to disk: a degraded tier retries its commit first. If it still fails, the
         move cannot be made durable: StoreError if `strict` (nothing moved), else False."""
-        if not self.disk.degraded or (self.disk.retry_flush() and self._sync_disk(force=True)):
+        if not self.disk.degraded or (self.disk.retry_flush() and self.sync(force=True)):
             return True
         if strict:
             raise StoreError(f"the disk tier {str(self.disk.dir)!r} is degraded (it cannot flush its data or commit "
                              "its index: full or failing filesystem); nothing was moved. Turns go on without it")
         return False
 
-    def _disk_written(self, items: list[tuple[Session, int]], target, slots: list[int]) -> bool:
+    def written(self, items: list[tuple[Session, int]], target: ChunkState, slots: list[int]) -> bool:
         """After `items` were copied into `slots` of the disk `target`: flush, record checksums. The
         copy lands first (transfer.py rule 2: the checksum and the flush read the destination)."""
         self.transfer.settle(self.disk.pool)
@@ -72,49 +87,40 @@ class DiskStateMixin:
                 tags[s.session_id] = identity_tags(s.token_ids, self.block_size)
         return self.disk.write_done(FORM[target], slots, [tags[s.session_id][k] for s, k in items])
 
-    def _verify_disk(self, s: Session, ks=None) -> int:
-        """Prove the session's disk chunks (of `ks`, default all) before they are read; drop those
-        that fail (their token ids stay: recomputed). Returns the tokens dropped."""
+    def failed(self, s: Session, ks=None) -> list[int]:
+        """The session's disk chunks (of `ks`, default all) that do not prove to be what they name;
+        the caller must drop them before anything reads them. Mutates nothing here."""
         if self.disk is None:
-            return 0
+            return []
         ks = [k for k in (range(len(s.chunks)) if ks is None else ks) if s.chunks[k].state in ON_DISK]
         if not ks:
-            return 0
-        tags, lost = identity_tags(s.token_ids, self.block_size), 0
-        for k in ks:
-            c = s.chunks[k]
-            if not self.disk.verify(FORM[c.state], c.loc, tags[k]):
-                n = self._ntok(s, k)
-                lost += n
-                self.counters.dropped += n
-                self._release(s, k)
-        return lost
+            return []
+        tags = identity_tags(s.token_ids, self.block_size)
+        return [k for k in ks if not self.disk.verify(FORM[s.chunks[k].state], s.chunks[k].loc, tags[k])]
 
-    def _disk_cut(self, s: Session, k: int, old_tag: bytes) -> None:
+    def cut(self, s: Session, k: int, old_tag: bytes) -> bool:
         """Chunk k, on disk, lost its last tokens (a truncation inside it): checksum it under its new
-        identity tag, or drop it if it does not hold what it should."""
+        identity tag. False if it does not hold what it should (the caller drops it)."""
         c = s.chunks[k]
-        new_tag = identity_tags(s.token_ids, self.block_size)[k]
-        if not self.disk.retag(FORM[c.state], c.loc, old_tag, new_tag):
-            self.counters.dropped += self._ntok(s, k)
-            self._release(s, k)
-        self._disk_dirty = True
+        self._changed = True
+        return self.disk.retag(FORM[c.state], c.loc, old_tag, identity_tags(s.token_ids, self.block_size)[k])
 
-    def _load_disk_sessions(self) -> None:
-        """Sessions of the last committed index: chunks named there are DISK / DISK_HIDDEN (unproven
-        until read); rows that cannot be right (chunk out of range, a slot named twice) are left out."""
+    def load(self) -> None:
+        """Sessions of the last committed index into the table: chunks named there are DISK /
+        DISK_HIDDEN (unproven until read); rows that cannot be right (chunk out of range, a slot named
+        twice) are left out. Mutates: the table, the disk pools' taken slots and checksums."""
         taken: dict[str, dict[int, int]] = {"kv": {}, "hidden": {}}      # form -> {slot: checksum}
         for sid, (ids, chunks) in self.disk.saved_sessions().items():
-            s = Session(sid, ids, last_active=self.clock())
+            s = Session(sid, ids, last_active=self.sessions.clock())
             s.chunks = [Chunk() for _ in range(-(-len(ids) // self.block_size))]
             for k, (form, slot, checksum) in sorted(chunks.items()):
                 if 0 <= k < len(s.chunks) and slot not in taken[form]:   # a slot named twice: the first
                     s.chunks[k] = Chunk(DISK if form == "kv" else DISK_HIDDEN, slot)  # claimant's checksum decides
                     taken[form][slot] = checksum
-            self._sessions[sid] = s
+            self.sessions.add(s)
         for form, slots in taken.items():
             pool = self.disk.pool_of(form)
             if pool is not None:
                 pool.take(sorted(slots))
                 pool.checksums = dict(slots)
-        self._disk_dirty = True
+        self._changed = True

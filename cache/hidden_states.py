@@ -6,9 +6,10 @@ split chosen by HCache's bubble-free planner (`hidden_partition.py`). K/V of a h
 `project(layer, hidden [n, D], positions [n]) -> (K, V) [n, kv_heads, head_dim]`, a callable the
 integration builds from the model's own modules (this package never imports transformers).
 
-Hidden states are captured while tokens are computed: a forward pre-hook of each decoder layer
-hands the step's rows to `StepHidden.capture`, which writes them into `HiddenCapture` at the
-step's slots (same addressing as the device pool). No second forward pass.
+Hidden states are captured while tokens are computed: the step's `before_layer` (run by a forward
+pre-hook of each decoder layer) hands the step's rows to `StepHidden.capture`, which writes them
+into `HiddenCapture` at the step's slots (same addressing as the device pool), then rebuilds the
+layer of the context's hidden chunks (`HiddenRestore.run`). No second forward pass.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .kv_writer import write_kv
 from .pool import BlockPool, host_zeros, resident_bytes
 from .spec import KVSpec
 
@@ -152,9 +154,10 @@ class _Group:
 class HiddenRestore:
     """Device blocks to rebuild from hidden chunks, one layer at a time (HCache's layer-wise restore).
 
-    `run(layer, device_pool)` is called at the start of that layer's attention (through
-    `StepBatch.layer_kv`): hidden layers are projected to K/V by the model's modules, KV layers are
-    copied. Each layer runs once; `finish` runs whatever a forward did not reach."""
+    `run(layer, device_pool)` is called before that layer runs (`StepBatch.before_layer`, after the
+    layer's capture): hidden layers are projected to K/V by the model's modules, KV layers are read
+    from the chunk; both are written through the one K/V writer (`kv_writer.write_kv`). Each layer
+    runs once; `finish` runs whatever a forward did not reach."""
 
     def __init__(self, capture: HiddenCapture, project: Projector, counters=None):
         self.capture, self.project, self.counters = capture, project, counters
@@ -182,13 +185,15 @@ class HiddenRestore:
 
     @torch.no_grad()
     def run(self, layer: int, pool: BlockPool) -> None:
-        """Rebuild `layer` of the planned blocks in the device pool (K and V written together)."""
+        """Rebuild `layer` of the planned blocks in the device pool (every row of each block, K and V).
+        Mutates that layer of the pool, the capture buffer (hidden layers) and `done`."""
         if layer in self.done or not self.groups:
             self.done.add(layer)
             return
         t0 = time.perf_counter()
         spec = self.capture.spec
-        bs, dev = spec.kv.block_size, pool.device
+        bs, hkv, hd, dev = spec.kv.block_size, spec.kv.num_kv_heads, spec.kv.head_dim, pool.device
+        key_cache, value_cache = pool.layer(layer)                                 # [blocks, bs, Hkv, hd] views
         for g in self.groups:
             src = torch.tensor(g.src, device=g.pool.device)
             dst = torch.tensor(g.dst, device=dev)
@@ -197,10 +202,11 @@ class HiddenRestore:
                 self._recapture(layer, g, h)
                 pos = (torch.tensor(g.first_pos)[:, None] + torch.arange(bs)).reshape(-1).to(dev)   # [n * bs]
                 k, v = self.project(layer, h.reshape(-1, spec.hidden_size).to(dev), pos)     # [n * bs, Hkv, hd]
-                shape = (len(g.dst), bs, spec.kv.num_kv_heads, spec.kv.head_dim)
-                pool.write(layer, dst, torch.stack([k.reshape(shape), v.reshape(shape)], 1).to(spec.kv.dtype))
-            else:                                                                   # one contiguous copy
-                pool.write(layer, dst, g.pool.kv[layer - spec.hidden_layers].index_select(0, src).to(dev))
+                shape = (len(g.dst), bs, hkv, hd)
+                write_kv(key_cache, value_cache, k.reshape(shape), v.reshape(shape), dst)
+            else:                                                                   # the chunk's own K/V
+                kv = g.pool.kv[layer - spec.hidden_layers].index_select(0, src).to(dev)    # [n, 2, bs, Hkv, hd]
+                write_kv(key_cache, value_cache, kv[:, 0], kv[:, 1], dst)
         self.done.add(layer)
         if self.complete:
             for g in self.groups:
@@ -212,7 +218,7 @@ class HiddenRestore:
     def _recapture(self, layer: int, g: _Group, h: torch.Tensor) -> None:
         """The capture buffer gets the chunks' hidden states h [n, bs, D] of `layer` back (so the
         rebuilt blocks can become hidden again); rows past a partial chunk's tokens are left alone:
-        this step's pre-hook of the layer, which ran before its attention, captured its new rows there."""
+        the step's capture of the layer, just before in `before_layer`, wrote its new rows there."""
         full = [i for i, n in enumerate(g.rows) if n == h.shape[1]]
         if full:
             idx = torch.tensor(full)

@@ -1,10 +1,12 @@
 """Per-layer residency of one step (LayerKV's per-layer block table): where each row's K/V is
 written and which context blocks attention reads from the host, layer by layer.
 
-Built once per step by the store when any row or context chunk is LAYERED; read by every layer's
-attention through `StepBatch.layered`. A chunk's layer l is on the device when the chunk is DEVICE
-(factor 1) or LAYERED with a share (factor f >= 2) and l % f == its residue; otherwise it is in the
-chunk's host slot. Layers with the same on-device pattern share one placement (made once).
+Built once per step by the store when any row or context chunk is LAYERED; every layer's attention
+reaches it through `StepBatch.write_rows`, which hands it the layer's rows. Every row it places goes
+through the one K/V writer (`kv_writer.write_kv`): device blocks, the host pool, staged buffers.
+A chunk's layer l is on the device when the chunk is DEVICE (factor 1) or LAYERED with a share
+(factor f >= 2) and l % f == its residue; otherwise it is in the chunk's host slot. Layers with the
+same on-device pattern share one placement (made once).
 
 On the CPU the host pool's layer view is read and written in place (zero copy): the "overlay" of
 the kernel points at it directly. Where the host pool is not on the pool's device (CUDA: pinned CPU
@@ -22,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import Overlay, write_kv
+from ..kernels import Overlay
+from .kv_writer import write_kv
 from .pool import BlockPool
 
 

@@ -1,8 +1,8 @@
 """The ledger of chunk moves between tiers: cumulative totals per (source, target, reason), a log
 line per move batch, and listeners (the server's metrics) told of each batch.
 
-A batch is one call that moves chunks of one tier to another (`TieringMixin._move_down`, a group of
-`_move_up`, an ahead-of-time swap-out group). Reasons (why the store moved them):
+A batch is one call that moves chunks of one tier to another (`Placement.move_down`, a group of
+`SwapIn.move_up`, an ahead-of-time swap-out group). Reasons (why the store moved them):
 
     pressure  a tier needed room: the eviction policy chose the lowest-value idle chunks
     ahead     ahead-of-time swap-out after a turn (Pensieve), chosen by the policy

@@ -136,9 +136,11 @@ class BlockPool:
 
     def free(self, blocks: list[int]) -> None:
         """Blocks a copy in flight reads or writes return later, once it landed (transfer.py, rule 3)."""
-        self._give_back(self.transfer.release(self, blocks) if self.transfer is not None and blocks else blocks)
+        self.give_back(self.transfer.release(self, blocks) if self.transfer is not None and blocks else blocks)
 
-    def _give_back(self, blocks: list[int]) -> None:
+    def give_back(self, blocks: list[int]) -> None:
+        """Blocks no copy touches any more join the free list (`free`, and the transfer engine for
+        blocks whose freeing it deferred). Mutates: the free list."""
         self._free.extend(reversed(blocks))
 
     def check(self, owned: set[int]) -> None:

@@ -11,7 +11,7 @@ from .prefix_index import PrefixEntry, PrefixScope
 
 class ChunkState(enum.Enum):
     DEVICE = "device"    # KV in a block of the device pool
-    LAYERED = "layered"  # KV per layer: a host slot, plus (maybe) a residue share of a device block (LayerKV)
+    LAYERED = "layered"  # KV per layer: a host slot, plus (maybe) a residue of a device block (LayerKV)
     HOST = "host"        # KV in a slot of the host pool (maybe still cached in a device block: `shadow`)
     HIDDEN = "hidden"    # per-layer hidden states (+ KV of the layers the plan keeps as KV) in the host hidden pool
     DISK = "disk"        # KV in a slot of the disk tier
@@ -20,6 +20,9 @@ class ChunkState(enum.Enum):
 
 
 TIERS = ("device", "host", "hidden", "disk", "dropped")
+SHADOWED = (ChunkState.HOST, ChunkState.HIDDEN)          # states whose chunks may keep a device shadow
+ON_DISK = (ChunkState.DISK, ChunkState.DISK_HIDDEN)      # states whose slot is in the disk tier
+HIDDEN_FORMS = (ChunkState.HIDDEN, ChunkState.DISK_HIDDEN)  # states holding hidden states (HCache)
 
 
 @dataclass(slots=True)
@@ -37,31 +40,40 @@ class Chunk:
     entry:  the prefix index entry of a shared chunk (`prefix_sharing.py`): then this one object is
             chunk k of every holder, full and immutable, and its state changes in place (`assign`)
             for all of them. None: private to one session.
-    share:  LAYERED only: (device block, factor f >= 2, residue r < f) when layers l with
-            l % f == r live in that device block (which up to f chunks of distinct residues share);
+    residue_block: LAYERED only: (device block, factor f >= 2, residue r < f) when layers l with
+            l % f == r live in that device block (a residue block: up to f chunks of distinct residues
+            hold one each);
             every other layer lives in the host slot `loc`. None: every layer is in the host slot.
             Only a busy session (a running request) has LAYERED chunks: they become HOST when its
-            turn ends (`layerwise.py`).
+            turn ends (`layered_chunks.py`).
     """
 
     state: ChunkState = ChunkState.DROPPED
     loc: int | None = None
     shadow: int | None = None
     source: tuple[ChunkState, int] | None = None
-    share: tuple[int, int, int] | None = None
+    residue_block: tuple[int, int, int] | None = None
     entry: PrefixEntry | None = None
 
     def assign(self, state: ChunkState, loc: int | None = None, shadow: int | None = None,
                source: tuple[ChunkState, int] | None = None) -> None:
         """Change this chunk's place in place (for every holder of a shared chunk); `entry` is kept.
         The caller has freed what the old place held."""
-        self.state, self.loc, self.shadow, self.source, self.share = state, loc, shadow, source, None
+        self.state, self.loc, self.shadow, self.source, self.residue_block = state, loc, shadow, source, None
 
     def on_device(self, layer: int) -> bool:
         """Whether this chunk's KV of `layer` is in a device block (DEVICE, or a kept layer of LAYERED)."""
         if self.state is ChunkState.DEVICE:
             return True
-        return self.share is not None and layer % self.share[1] == self.share[2]
+        return self.residue_block is not None and layer % self.residue_block[1] == self.residue_block[2]
+
+    @property
+    def table_block(self) -> int:
+        """The device block a step's block table names for this context chunk: its block (DEVICE),
+        its residue block (LAYERED with one) or 0 (LAYERED without: every layer comes from the host)."""
+        if self.state is ChunkState.LAYERED:
+            return self.residue_block[0] if self.residue_block is not None else 0
+        return self.loc
 
     @property
     def block(self) -> int | None:
@@ -78,7 +90,7 @@ class TurnStats:
     swapped_in_host: int = 0       #   of which copied up from the host tier
     swapped_in_disk: int = 0       #   of which copied up from the disk tier
     restored_hidden: int = 0       #   of which rebuilt from hidden states (projection per layer)
-    computed_tokens: int = 0       # tokens the model ran on in generate's steps
+    computed_tokens: int = 0       # rows the model ran in the turn's steps (new tokens and recomputed history)
     recomputed_tokens: int = 0     # history recomputed because its KV had been dropped
     generated_tokens: int = 0
     truncated_tokens: int = 0      # history cut because the new prompt diverged from it
@@ -96,6 +108,7 @@ class Session:
     last_active: float = field(default_factory=time.monotonic)
     busy: bool = False
     turn_started: bool = False    # set by a lease, cleared by the turn's first step (for hit counting)
+    in_turn: bool = False         # set by begin_turn, cleared when the lease ends: commits count in last_turn
     last_turn: TurnStats = field(default_factory=TurnStats)
     scope: PrefixScope | None = None    # whose prefixes it shares (prefix_sharing.py), set at its first turn
     retained: bool = False              # deleted, kept only to hold its shared prefix (KVStore.delete)

@@ -9,19 +9,20 @@ from .session import TurnStats
 
 @dataclass(slots=True)
 class Counters:
-    """Cumulative token counts since the store was created."""
+    """Cumulative token counts since the store was created. One record shared by the store's parts;
+    each field has the writers named beside it (module of the part, docs/store.md)."""
 
-    device_hits: int = 0          # history tokens a step found on the device (incl. cached shadows)
-    swapped_in_host: int = 0      # host -> device
-    swapped_in_disk: int = 0      # disk -> device
-    swapped_out_host: int = 0     # device -> host (ahead of time or under pressure)
-    swapped_out_disk: int = 0     # host/device -> disk
-    dropped: int = 0              # KV discarded, token ids kept
-    recomputed: int = 0           # dropped history computed again
-    swapped_out_hidden: int = 0   # device -> hidden states on the host (HCache)
-    restored_hidden: int = 0      # hidden -> device K/V by projection
-    restored_hidden_disk: int = 0  #   of which read from hidden states on disk
-    restore_seconds: float = 0.0  # wall time spent rebuilding K/V from hidden states
+    device_hits: int = 0          # history found on the device (incl. cached shadows): step_planner, swap_in
+    swapped_in_host: int = 0      # host -> device: swap_in
+    swapped_in_disk: int = 0      # disk -> device: swap_in
+    swapped_out_host: int = 0     # device -> host (ahead of time or under pressure): placement, layered_chunks
+    swapped_out_disk: int = 0     # host/device -> disk: placement
+    dropped: int = 0              # KV discarded, token ids kept: placement
+    recomputed: int = 0           # dropped history computed again: step_planner
+    swapped_out_hidden: int = 0   # device -> hidden states on the host (HCache): placement
+    restored_hidden: int = 0      # hidden -> device K/V by projection: swap_in
+    restored_hidden_disk: int = 0  #   of which read from hidden states on disk: swap_in
+    restore_seconds: float = 0.0  # wall time spent rebuilding K/V from hidden states: HiddenRestore
 
 
 @dataclass(frozen=True, slots=True)

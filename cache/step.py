@@ -1,4 +1,6 @@
-"""One forward step's metadata over the store: built once per step by the store, read by every layer."""
+"""One forward step over the store: built once per step by the store's planner, then, while the
+forward runs, the current step of its thread (`stateful_hf/step_context.py`), which every decoder
+layer prepares (`before_layer`) and whose attention places its rows (`write_rows`). docs/step.md."""
 
 from __future__ import annotations
 
@@ -6,8 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import KernelState, PagedBatch
+from ..kernels import KernelState, Overlay, PagedBatch
 from .hidden_states import StepHidden
+from .kv_writer import write_kv
 from .layered_step import LayeredStep
 from .pool import BlockPool
 from .transfer import wait_event
@@ -27,8 +30,10 @@ class StepEntry:
 
 @dataclass(frozen=True, slots=True)
 class StepBatch:
-    """What the attention of every layer needs: where to write each row's K/V (`slots`, [T]) and how
-    to attend (`paged`, one sub-request per entry). Rows are packed in entry order."""
+    """What every layer of the forward needs: where to write each row's K/V (`slots`, [T]) and how
+    to attend (`paged`, one sub-request per entry). Rows are packed in entry order. The fields are
+    fixed at planning; a forward mutates only pools and buffers, through `before_layer` (each layer,
+    first) and `write_rows` (each layer's attention); the store's commit or abort ends the step."""
 
     entries: tuple[StepEntry, ...]
     paged: PagedBatch
@@ -48,24 +53,37 @@ class StepBatch:
     def num_tokens(self) -> int:
         return self.slots.numel()
 
-    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(K, V) views of one layer of the device pool, once that layer's swap-in has landed and the
-        K/V of the context's hidden chunks has been rebuilt for this layer (HCache, layer-wise)."""
+    def before_layer(self, layer: int, hidden: torch.Tensor) -> None:
+        """The step's work for decoder layer `layer`, once, before the layer runs (its pre-hook),
+        given the layer's input `hidden` ([1, T, D], the residual stream of the step's rows). In order:
+        1. wait for the layer's swap-in copies (transfer rule 2: no read of a destination before its
+           event; emulated copies are performed here);
+        2. capture `hidden` at the rows' slots (stores with hidden states, layers [0, L_H));
+        3. rebuild this layer's K/V of the context's hidden chunks (HCache), through the K/V writer;
+           its capture of those chunks leaves the rows step 2 wrote alone.
+        Mutates the device pool's layer `layer` (restored blocks) and the capture buffer, nothing else."""
         if self.layer_events is not None:
             for event in self.layer_events[layer]:
                 wait_event(event, self.pool.device)
-        if self.hidden is not None and self.hidden.restore is not None:
-            self.hidden.restore.run(layer, self.pool)
-        return self.pool.layer(layer)
+        if self.hidden is not None:
+            self.hidden.capture(layer, hidden)
+            if self.hidden.restore is not None:
+                self.hidden.restore.run(layer, self.pool)
+
+    def write_rows(self, layer: int, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                   key: torch.Tensor, value: torch.Tensor) -> Overlay | None:
+        """Write the rows' K/V of `layer` ([T, Hkv, D]) through the one K/V writer: at `slots` in the
+        layer's device views `key_cache`, `value_cache` (`pool.layer(layer)`), or, for a layer-wise
+        step, where that layer of each row's chunk lives (`LayeredStep`). Returns the overlay the
+        attention reads this layer's host-resident context through (None: all on the device)."""
+        if self.layered is None:
+            write_kv(key_cache, value_cache, key, value, self.slots)
+            return None
+        return self.layered.write_and_overlay(layer, key_cache, value_cache, key, value)
 
     def window(self, layer: int) -> int | None:
         """The sliding-window span of `layer` (keys j > pos - window), None for full attention."""
         return self.windows[layer] if self.windows else None
-
-    def capture_hidden(self, layer: int, hidden: torch.Tensor) -> None:
-        """Keep the rows' hidden state entering `layer` ([1, T, D]) when the store uses hidden states."""
-        if self.hidden is not None:
-            self.hidden.capture(layer, hidden)
 
     def last_rows(self) -> torch.Tensor:
         """[S] index of each entry's last row (where its next-token logits come from)."""

@@ -133,7 +133,7 @@ def wait_event(event, device: torch.device) -> None:
 class Transfer:
     """Owns the copy stream, the copies in flight and the blocks held back for them (rule 3).
     Contract: called with the store lock held (an internal lock covers `synchronize` from outside
-    it); it changes free lists only through `BlockPool._give_back`, never chunk tables."""
+    it); it changes free lists only through `BlockPool.give_back`, never chunk tables."""
 
     def __init__(self, device_pool, emulate: bool = False):
         self.device_pool = device_pool
@@ -210,7 +210,7 @@ class Transfer:
         keep = []
         for c, p, blocks in self._deferred:
             if c.poll(wait=wait and (pool is None or p is pool)):
-                p._give_back(blocks)
+                p.give_back(blocks)
             else:
                 keep.append((c, p, blocks))
         self._deferred = keep

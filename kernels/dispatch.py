@@ -1,4 +1,5 @@
-"""The one entry point: attention of packed ragged queries over a paged KV pool, plus the KV write."""
+"""The one entry point: attention of packed ragged queries over a paged KV pool. Writing K/V into
+the pool is the store's (`cache/kv_writer.py`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import torch
 from .batch import Overlay, PagedBatch
 from .plan import BACKENDS, KernelState, StepPlan, plan_for, resolve_backend
 
-__all__ = ["BACKENDS", "paged_attention", "write_kv"]
+__all__ = ["BACKENDS", "paged_attention"]
 
 
 def _check(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch: PagedBatch) -> None:
@@ -87,17 +88,3 @@ def _check_overlay(overlay: Overlay, key_cache: torch.Tensor, batch: PagedBatch)
                          f"{overlay.key.device} must match the cache's {tuple(key_cache.shape[1:])} "
                          f"{key_cache.dtype} on {key_cache.device}")
 
-
-def write_kv(
-    key_cache: torch.Tensor,    # [num_blocks, block_size, Hkv, D] one layer
-    value_cache: torch.Tensor,
-    key: torch.Tensor,          # [T, Hkv, D]
-    value: torch.Tensor,
-    slots: torch.Tensor,        # [T] int: block * block_size + offset of each row
-) -> None:
-    """Store each row's K/V at its slot (vLLM's reshape_and_cache). The cache keeps values, not
-    autograd history: gradients never flow into stored KV."""
-    block_size = key_cache.shape[1]
-    blocks, offsets = slots // block_size, slots % block_size
-    key_cache[blocks, offsets] = key.detach().to(key_cache.dtype)
-    value_cache[blocks, offsets] = value.detach().to(value_cache.dtype)

@@ -27,7 +27,7 @@ PAD_SLACK = 1.5                 # a group may cost up to this much more than its
 WORKSPACE_BYTES = 16 << 20      # gathered K+V of one slice of a group (16-32 MiB best of 8..1024 MiB here)
 
 
-class _Group:
+class _SdpaGroup:
     """Sub-requests attended by one SDPA call. n members, padded to max_q rows and nb blocks.
 
     Padding reads real pool blocks: a member's keys past its kv_len (the rest of its last block, and
@@ -123,7 +123,7 @@ class TorchPlan:
             cur = trial
         if cur:
             groups.append(cur)
-        self.groups = [_Group(batch, g, block_size, table) for g in groups]
+        self.groups = [_SdpaGroup(batch, g, block_size, table) for g in groups]
         self._work: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._overlays: dict[int, tuple] = {}     # id(overlay.table) -> (table, per group, per slice: rows, ids)
 
@@ -190,7 +190,7 @@ class TorchPlan:
         return out[:-1].view(t, hq, d)
 
     @staticmethod
-    def _attend(g: _Group, a: int, b: int, q, mask, key_cache, value_cache, kbuf, vbuf, scale: float,
+    def _attend(g: _SdpaGroup, a: int, b: int, q, mask, key_cache, value_cache, kbuf, vbuf, scale: float,
                 softcap: float | None = None, over: tuple | None = None):
         """SDPA of members a..b-1 of group g: [b - a, Hkv, rep * max_q, D]. `over`: (overlay,
         workspace block rows, source block ids) of this slice, read from the overlay's source."""

@@ -1,6 +1,7 @@
-"""The attention implementation registered with transformers: writes each row's K/V into the
-session blocks of the step and attends through the paged kernel. Without a step (any ordinary call
-of the same model) it is plain SDPA, or the model's eager attention when it softcaps logits."""
+"""The attention implementation registered with transformers: reads this thread's step (the step
+context, `step_context.py`), has the step write each row's K/V (`StepBatch.write_rows`, the one K/V
+writer) and attends through the paged kernel. Without a step (any ordinary call of the same model)
+it is plain SDPA, or the model's eager attention when it softcaps logits."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .cache.step import StepBatch
-from .kernels import paged_attention, write_kv
+from .kernels import paged_attention
 from .kernels.dense import dense_attention
 from .kernels.torch_batched import softcapped_attention
+from .step_context import get_step
 
 NAME = "stateful"
 
@@ -25,39 +26,37 @@ def stateful_attention(
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
-    stateful_step: StepBatch | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:  # [1, T, Hq, D]
     """`scaling` (Gemma: query_pre_attn_scalar ** -0.5), `sliding_window` and `softcap` (Gemma 2:
     cap * tanh(logits / cap), applied to the scaled logits before the mask) are what the model's
-    attention passes; a layer's window must be the one the store was made with (KVSpec.windows)."""
-    if stateful_step is None:
+    attention passes; a layer's window must be the one the store was made with (KVSpec.windows).
+    The layer's `before_layer` already ran (its decoder layer's pre-hook): its swap-ins landed and its
+    hidden chunks are rebuilt."""
+    step = get_step()
+    if step is None:
         if kwargs.get("softcap") is not None:   # SDPA cannot softcap
             return _softcapped(query, key, value, attention_mask, scaling, kwargs["softcap"]), None
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)
-    window, softcap = stateful_step.window(module.layer_idx), kwargs.get("softcap")
+    layer = module.layer_idx
+    window, softcap = step.window(layer), kwargs.get("softcap")
     if "sliding_window" in kwargs and kwargs["sliding_window"] != window:
-        raise RuntimeError(f"layer {module.layer_idx} attends with sliding_window={kwargs['sliding_window']} but the "
+        raise RuntimeError(f"layer {layer} attends with sliding_window={kwargs['sliding_window']} but the "
                            f"store was made for window {window}: the model's adapter is out of date")
     if query.shape[0] != 1:
         raise ValueError("a stateful step packs all rows into batch dimension 1")
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))   # [T, H, D]
-    key_cache, value_cache = stateful_step.layer_kv(module.layer_idx)
-    overlay = None
-    if stateful_step.layered is None:
-        write_kv(key_cache, value_cache, k, v, stateful_step.slots)
-    else:   # LayerKV: each row's K/V goes where this layer of its chunk lives; host-resident context is read there
-        overlay = stateful_step.layered.write_and_overlay(module.layer_idx, key_cache, value_cache, k, v)
-    if stateful_step.dense_slots is not None:   # vAttention layout: contiguous per session, no block table
-        key_slots, value_slots = stateful_step.pool.dense(module.layer_idx)
-        out = dense_attention(q, key_slots, value_slots, stateful_step.paged, list(stateful_step.dense_slots),
+    key_cache, value_cache = step.pool.layer(layer)                  # [blocks, block_size, Hkv, D] views
+    overlay = step.write_rows(layer, key_cache, value_cache, k, v)
+    if step.dense_slots is not None:   # vAttention layout: contiguous per session, no block table
+        key_slots, value_slots = step.pool.dense(layer)
+        out = dense_attention(q, key_slots, value_slots, step.paged, list(step.dense_slots),
                               scale=scaling if scaling is not None else q.shape[-1] ** -0.5,
                               window=window, softcap=softcap)
         return out.unsqueeze(0), None
-    out = paged_attention(q, key_cache, value_cache, stateful_step.paged, scale=scaling,
-                          backend=stateful_step.backend, window=window, validate=False,
-                          overlay=overlay, softcap=softcap, state=stateful_step.kernels)
+    out = paged_attention(q, key_cache, value_cache, step.paged, scale=scaling, backend=step.backend,
+                          window=window, validate=False, overlay=overlay, softcap=softcap, state=step.kernels)
     return out.unsqueeze(0), None
 
 

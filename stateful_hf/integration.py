@@ -1,6 +1,8 @@
 """How an unmodified transformers model becomes stateful: `enable(model)` registers the attention,
-installs forward hooks that plan one store step per forward, and wraps `generate` so that the full
-conversation ids are checked against the session's history before transformers sees them."""
+installs forward hooks that plan one store step per forward and make it this thread's current step
+(`step_context.py`), one pre-hook per decoder layer that runs the step's `before_layer`, and wraps
+`generate` so that the full conversation ids are checked against the session's history before
+transformers sees them. `run_step` runs an already planned step. docs/step.md."""
 
 from __future__ import annotations
 
@@ -11,9 +13,10 @@ from collections.abc import Sequence
 import torch
 
 from . import hf_attention
-from .adapter import ModelAdapter, adapter_for
-from .cache import ChunkState, StepBatch, TurnStats
+from .adapter import ModelAdapter, adapter_for, decoder_layers
+from .cache import StepBatch, TurnStats
 from .stateful_cache import StatefulCache
+from .step_context import get_step, reset_step, set_step, stepping
 
 _ENABLED = "_stateful_hf_adapter"
 
@@ -27,17 +30,21 @@ def enable(model: torch.nn.Module) -> ModelAdapter:
     adapter = adapter_for(model)
     model.set_attn_implementation(hf_attention.register())
     model.register_forward_pre_hook(_pre_forward, with_kwargs=True)
-    model.register_forward_hook(_post_forward, with_kwargs=True)
+    model.register_forward_hook(_post_forward, with_kwargs=True, always_call=True)
+    for idx, layer in enumerate(decoder_layers(model)):
+        layer.register_forward_pre_hook(_before_layer(idx), with_kwargs=True)
     model.generate = functools.partial(_generate, model, model.generate)
     setattr(model, _ENABLED, adapter)
     return adapter
 
 
 def _pre_forward(module, args, kwargs):
+    """Every forward of the model sets this thread's step: a planned one with a StatefulCache, else None."""
     cache = kwargs.get("past_key_values")
-    if not isinstance(cache, StatefulCache) or "stateful_step" in kwargs:
+    if not isinstance(cache, StatefulCache):
+        set_step(None)
         return None
-    if cache.pending is not None:           # the previous forward raised: take its step back
+    if cache.pending is not None:           # a forward ended without its hook (KeyboardInterrupt): take it back
         cache.store.abort(cache.pending)
         cache.pending = None
     input_ids = kwargs.get("input_ids", args[0] if args else None)
@@ -50,18 +57,37 @@ def _pre_forward(module, args, kwargs):
     start = cache.get_seq_length()
     step = cache.store.plan_step([(cache.session_id, ids, range(start, start + len(ids)))])
     cache.pending = step
+    set_step(step)
     kwargs = {k: v for k, v in kwargs.items() if k != "attention_mask"}
-    kwargs.update(input_ids=step.input_ids, position_ids=step.position_ids, stateful_step=step)
+    kwargs.update(input_ids=step.input_ids, position_ids=step.position_ids)
     return (), kwargs
 
 
 def _post_forward(module, args, kwargs, output):
-    cache, step = kwargs.get("past_key_values"), kwargs.get("stateful_step")
-    if isinstance(cache, StatefulCache) and step is not None and cache.pending is step:
-        cache.store.commit(step)
+    """Registered with always_call: runs after the forward returned (commit) or raised (abort,
+    `output` None); either way the thread's step ends here."""
+    step = get_step()
+    reset_step()
+    cache = kwargs.get("past_key_values")
+    if step is None or not isinstance(cache, StatefulCache) or cache.pending is not step:
+        return None
+    if output is None:                      # the forward raised: take the step back now
         cache.pending = None
-        cache.store.session(cache.session_id).last_turn.computed_tokens += step.num_tokens
+        cache.store.abort(step)
+        return None
+    cache.store.commit(step)              # counts the step's rows in the session's last_turn
+    cache.pending = None
     return None
+
+
+def _before_layer(idx: int):
+    """Pre-hook of decoder layer `idx`: the current step's per-layer work, once, before the layer runs."""
+    def hook(module, args, kwargs):
+        step = get_step()
+        if step is not None:
+            step.before_layer(idx, args[0] if args else kwargs["hidden_states"])
+        return None
+    return hook
 
 
 # A prepared 4-D mask makes transformers skip building its own (the kernel masks by position).
@@ -69,14 +95,16 @@ _MASK_UNUSED = torch.ones(1, 1, 1, 1, dtype=torch.bool)
 
 
 def run_step(model: torch.nn.Module, step: StepBatch, logit_rows: torch.Tensor | None = None) -> torch.Tensor:
-    """One forward over a planned step, outside `generate`.
+    """One forward over a planned step, outside `generate`: the step is this thread's current step
+    for the forward (`step_context.stepping`); the caller commits or aborts it.
 
     Returns the logits [len(logit_rows), vocab] of the given packed rows (with the model's final
     logit softcap, as its own forward applies it: Gemma 2), or, without `logit_rows`, the final
     hidden states [T, hidden] (no LM head: a pure restore pass).
     """
-    hidden = model.base_model(input_ids=step.input_ids, position_ids=step.position_ids, stateful_step=step,
-                              attention_mask=_MASK_UNUSED, use_cache=False).last_hidden_state[0]
+    with stepping(step):
+        hidden = model.base_model(input_ids=step.input_ids, position_ids=step.position_ids,
+                                  attention_mask=_MASK_UNUSED, use_cache=False).last_hidden_state[0]
     if logit_rows is None:
         return hidden
     logits = model.get_output_embeddings()(hidden[logit_rows])
@@ -171,28 +199,11 @@ def _id_list(value) -> list[int]:
 
 def prepare_turn(model: torch.nn.Module, cache: StatefulCache, ids: Sequence[int]) -> TurnStats:
     """Cut what diverges from `ids`, restore what is missing; the session then holds a prefix of `ids`
-    (at least one token short of it, so the turn computes logits)."""
-    store, sid = cache.store, cache.session_id
-    store.adopt_prefix(sid, ids)          # shared chunks of the prompt's prefix (prefix_sharing.py)
-    keep = min(store.match_prefix(sid, ids), len(ids) - 1)
-    truncated = store.truncate(sid, keep)
-    stats = TurnStats(truncated_tokens=truncated)
-    store.missing_positions(sid)      # proves the disk chunks first: those that fail count as recomputed
-    s, bs = store.session(sid), store.block_size
-    for k, c in enumerate(s.chunks):
-        n = s.chunk_len(k, bs)
-        if c.state is ChunkState.DEVICE or c.shadow is not None:
-            stats.reused_device += n
-        elif c.state is ChunkState.HOST:
-            stats.swapped_in_host += n
-        elif c.state is ChunkState.DISK:
-            stats.swapped_in_disk += n
-        elif c.state in (ChunkState.HIDDEN, ChunkState.DISK_HIDDEN):   # K/V rebuilt layer by layer
-            stats.restored_hidden += n                                   # in the turn's first step
-    stats.reused_tokens = stats.reused_device + stats.swapped_in_host + stats.swapped_in_disk + stats.restored_hidden
-    stats.recomputed_tokens = restore(model, cache)
-    s.last_turn = stats
-    return stats
+    (at least one token short of it, so the turn computes logits). Returns the session's last_turn,
+    which the store fills (`KVStore.begin_turn`; recomputed rows are counted as their step commits)."""
+    turn = cache.store.begin_turn(cache.session_id, ids)
+    restore(model, cache)
+    return turn
 
 
 def _generate(model, original_generate, *args, cache=None, past_key_values=None, **kwargs):
@@ -201,7 +212,7 @@ def _generate(model, original_generate, *args, cache=None, past_key_values=None,
     cache = cache if cache is not None else past_key_values
     if not isinstance(cache, StatefulCache):
         return original_generate(*args, past_key_values=cache, **kwargs)
-    if cache.store.model is not model:
+    if getattr(cache.store, "model", None) is not model:
         raise ValueError("this StatefulCache belongs to a store of another model")
     input_ids = args[0] if args else kwargs.pop("input_ids", kwargs.pop("inputs", None))
     if input_ids is None or kwargs.get("inputs_embeds") is not None:
@@ -220,10 +231,10 @@ def _generate(model, original_generate, *args, cache=None, past_key_values=None,
             prepare_turn(model, cache, ids)
             out = original_generate(input_ids, past_key_values=cache, **kwargs)
         finally:
-            if cache.pending is not None:
+            if cache.pending is not None:     # a forward left without its hook (KeyboardInterrupt)
+                reset_step()
                 store.abort(cache.pending)
                 cache.pending = None
         seqs = out if isinstance(out, torch.Tensor) else out.sequences
-        stats = store.session(cache.session_id).last_turn
-        stats.generated_tokens = seqs.shape[1] - len(ids)
+        store.add_generated(cache.session_id, seqs.shape[1] - len(ids))
         return out

@@ -14,7 +14,7 @@ from .cache.hidden_partition import HiddenCosts, HiddenPlan, min_hidden_layers, 
 from .cache.hidden_states import HiddenSpec
 from .cache.hidden_tier import HIDDEN_MODES
 from .fingerprint import model_fingerprint
-from .hidden_capture import install_capture, measure_hidden_costs
+from .hidden_profile import measure_hidden_costs
 from .integration import enable
 from .kernels import resolve_backend
 from .profile import measure_cost_profile
@@ -115,7 +115,6 @@ class SessionStore(KVStore):
             uses_hidden = False     # the fastest restore is all K/V: keep K/V, capture nothing
         if uses_hidden:
             hidden_spec = HiddenSpec(spec, adapter.hidden_size, hidden_layers)
-            install_capture(model)
         super().__init__(spec, device_capacity, host_capacity=host_capacity, disk_dir=disk_dir,
                          disk_capacity=disk_capacity, policy=policy, attn_backend=attn_backend,
                          swap_out_threshold=swap_out_threshold, hidden_states=hidden_states if uses_hidden else "never",

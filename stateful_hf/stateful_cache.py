@@ -1,28 +1,26 @@
 """`StatefulCache`: a transformers `Cache` that is a view of one session of a store.
 
-The K/V themselves never pass through `update`: the registered attention writes them into the
-session's device blocks (one `StepBatch` per forward, planned by the store). The cache answers the
-questions transformers asks (`get_seq_length`, mask sizes) and carries the step in flight.
+The K/V themselves never pass through `update`: the registered attention has the step write them
+into the session's blocks (one `StepBatch` per forward, planned by the store and made the thread's
+current step by the model's hooks: docs/step.md). The cache answers the questions transformers asks
+(`get_seq_length`, mask sizes) and carries the step in flight (`pending`). It needs only the
+model-free store (`cache.KVStore`); `SessionStore.cache(sid)` is how one is made for a model.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from transformers.cache_utils import Cache
 
+from .cache import KVStore
 from .cache.step import StepBatch
-
-if TYPE_CHECKING:
-    from .session_store import SessionStore
 
 
 class StatefulCache(Cache):
     """Batch size 1, one session. `get_seq_length()` is the session's logical length, including
     tokens whose KV still has to be restored, so `generate` feeds only the new tokens."""
 
-    def __init__(self, store: SessionStore, session_id: str):
+    def __init__(self, store: KVStore, session_id: str):
         super().__init__(layers=[])
         self.store = store
         self.session_id = session_id

@@ -111,8 +111,7 @@ def tiny_gemma2(seed: int = 0, scale: float = 0.15, **overrides) -> torch.nn.Mod
     base = {**_SMALL, "head_dim": 16, "sliding_window": 24, "layer_types": ["sliding_attention", "full_attention"],
             "query_pre_attn_scalar": 32, "attn_logit_softcapping": 2.0, "final_logit_softcapping": 5.0,
             "hidden_activation": "gelu_pytorch_tanh", "pad_token_id": 0, "bos_token_id": 2, "eos_token_id": 1}
-    config = transformers.Gemma2Config(**{**base, **overrides})
-    config._attn_implementation = "eager"
+    config = transformers.Gemma2Config(**{**base, **overrides, "attn_implementation": "eager"})
     return _seeded_model(transformers.Gemma2ForCausalLM, config, seed, scale, norms=True)
 
 

@@ -1,6 +1,6 @@
-"""Layer-wise KV allocation (LayerKV): per-layer residency of chunks (device share + host slot), exact
+"""Layer-wise KV allocation (LayerKV): per-layer residency of chunks (device residue block + host slot), exact
 against stateless generate for Llama and OPT, prompts longer than the device pool, push-down, the
-share table's integrity, x_min and keep factor choice, and bad configuration."""
+residue table's integrity, x_min and keep factor choice, and bad configuration."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from test_kernels import assert_close_to_reference, ragged_case
 import stateful_hf
 from stateful_hf import Engine, SamplingParams
 from stateful_hf.cache import CapacityError, ChunkState, CostProfile, KVSpec, KVStore
-from stateful_hf.cache.shares import ShareTable, kept_layers
+from stateful_hf.cache.residue_blocks import ResidueTable, kept_layers
 from stateful_hf.engine.layer_offload import LayerwisePolicy
 from stateful_hf.integration import run_step
 from stateful_hf.kernels import Overlay, paged_attention
@@ -81,7 +81,7 @@ def test_overlay_shape_mismatch_raises():
         paged_attention(torch.zeros(1, 2, 8), kc, kc, batch, overlay=bad)
 
 
-# ---- the share table and kept layers ------------------------------------------------------------------
+# ---- the residue table and kept layers ------------------------------------------------------------------
 
 def test_kept_layers_are_evenly_spaced():
     assert kept_layers(8, 2, 1) == [1, 3, 5, 7]          # LayerKV's example: 8 layers keeping 4
@@ -89,8 +89,8 @@ def test_kept_layers_are_evenly_spaced():
     assert sorted(sum((kept_layers(6, 4, r) for r in range(4)), [])) == list(range(6))
 
 
-def test_share_table_places_distinct_residues_and_frees_empty_blocks():
-    t = ShareTable()
+def test_residue_table_places_distinct_residues_and_frees_empty_blocks():
+    t = ResidueTable()
     assert t.blocks_needed(3, 4) == 2 and t.blocks_needed(1, 4) == 0 and t.blocks_needed(0, 4) == 0
     placed = t.place(3, [("a", k) for k in range(4)], [7, 9])
     assert placed == [(7, 0), (7, 1), (7, 2), (9, 0)]
@@ -111,21 +111,22 @@ def test_integrity_catches_a_residue_owned_twice(make_store):
         store.commit(step)
         store.check_integrity()
         a, b = store.session("a").chunks[:2]
-        assert a.share[0] == b.share[0] and a.share[2] != b.share[2]     # one block, two residues
-        saved = b.share
-        b.share = a.share
+        # one block, two residues
+        assert a.residue_block[0] == b.residue_block[0] and a.residue_block[2] != b.residue_block[2]
+        saved = b.residue_block
+        b.residue_block = a.residue_block
         with pytest.raises(AssertionError, match="owned twice"):
             store.check_integrity()
-        b.share = saved
-    assert store.session("a").chunks[0].state is ChunkState.HOST and not store.shares.blocks
+        b.residue_block = saved
+    assert store.session("a").chunks[0].state is ChunkState.HOST and not store.residues.blocks
     store.delete("a")
-    assert store.device_pool.num_free == store.device_pool.num_blocks and not store.shares.blocks
+    assert store.device_pool.num_free == store.device_pool.num_blocks and not store.residues.blocks
 
 
 # ---- exactness through the store -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("family, stage", [("llama", None), ("opt", None), ("llama", True)])
-def test_every_keep_factor_exact_with_shared_blocks_and_push_down(family, stage, make_store):
+def test_every_keep_factor_exact_with_residue_blocks_and_push_down(family, stage, make_store):
     """Sessions of different keep factors prefill in chunks and decode together in the same steps,
     sharing device blocks by residue; one has its kept layers pushed down halfway; each is exact.
     stage=True: host-resident layers are staged into a per-layer buffer (the CUDA path) on the CPU."""
@@ -168,15 +169,15 @@ def test_every_keep_factor_exact_with_shared_blocks_and_push_down(family, stage,
         if len(got["f2"]) == 4 and factor["f2"] == 2:        # push f2's kept layers down mid-decode
             assert store.offload_layers("f2") > 0
             factor["f2"] = 0
-            assert all(c.share is None for c in store.session("f2").chunks)
+            assert all(c.residue_block is None for c in store.session("f2").chunks)
     states = {sid: {c.state for c in store.session(sid).chunks} for sid in sids}
     assert states["f1"] == {ChunkState.DEVICE} and states["f3"] == {ChunkState.LAYERED}
-    assert store.shares.blocks, "factors >= 2 were meant to share device blocks"
+    assert store.residues.blocks, "factors >= 2 were meant to split device blocks by residue"
     for lease in leases:
         lease.__exit__(None, None, None)
     for sid in sids:
         assert got[sid] == want[sid], sid
-    assert not store.shares.blocks and store.stats().layered_tokens == 0       # turns ended: HOST now
+    assert not store.residues.blocks and store.stats().layered_tokens == 0       # turns ended: HOST now
     # next turn of a formerly layered session, plain (all layers swapped in from the host): still exact
     p2 = prompts["f3"] + got["f3"] + prompt(99, 10)
     out = greedy(model, torch.tensor([p2]), 6, cache=store.cache("f3"))

@@ -204,3 +204,57 @@ def test_stats():
     store.delete("a")
     assert store.device_pool.num_free == store.device_pool.num_blocks
     assert torch.is_tensor(store.device_pool.data)
+
+
+def test_turn_stats_have_one_writer_the_store():
+    """begin_turn cuts to the prompt's prefix and counts each tier; commits in the turn add their rows
+    (recomputed history among them); add_generated sets the output; steps outside a turn count nowhere."""
+    from stateful_hf.cache import StoreError
+    store = new_store(64, host_capacity=64, swap_out_threshold=0.0)
+    append(store, "a", list(range(20)))                      # chunks 0..4 on the device
+    store.move("a", [1, 2], "host")
+    store.move("a", [3], "dropped")
+    with pytest.raises(StoreError, match="not leased"):
+        store.begin_turn("a", list(range(20)))
+    with store.lease("a"):
+        turn = store.begin_turn("a", list(range(18)) + [99, 98])   # diverges at 18: 2 tokens cut
+        assert store.session("a").last_turn is turn
+        assert (turn.truncated_tokens, turn.reused_device, turn.swapped_in_host) == (2, 6, 8)
+        assert turn.reused_tokens == 14 and turn.recomputed_tokens == turn.computed_tokens == 0
+        missing = store.missing_positions("a")
+        assert missing == [12, 13, 14, 15]
+        step = store.plan_step([("a", [12, 13, 14, 15, 99, 98], missing + [18, 19])])
+        store.abort(step)                                   # an aborted step counts nothing
+        assert turn.computed_tokens == 0
+        step = store.plan_step([("a", [12, 13, 14, 15, 99, 98], missing + [18, 19])])
+        store.commit(step)
+        assert (turn.computed_tokens, turn.recomputed_tokens) == (6, 4)
+        store.add_generated("a", 1)
+        assert turn.generated_tokens == 1
+    append(store, "a", [5])                                 # no turn: last_turn stays the turn's
+    assert store.stats("a").last_turn == turn and turn.computed_tokens == 6
+    store.check_integrity()
+
+
+@pytest.mark.parametrize("factor", [1, 0, 2])
+def test_blocks_needed_is_what_plan_step_takes(factor):
+    """The scheduler's question (store.blocks_needed / chunk_needs) has plan_step's answer: the device
+    blocks a step takes, for every mix of device, host and dropped chunks."""
+    spec = KVSpec(num_layers=4, num_kv_heads=2, head_dim=4, block_size=4)
+    store = KVStore(spec, 64, host_capacity=64, swap_out_threshold=0.0, layerwise_kv=factor != 1)
+    append(store, "a", list(range(22)))                      # 6 chunks, the last one partial
+    store.move("a", [1, 4], "host")
+    store.move("a", [2], "dropped")
+    s = store.session("a")
+    needs = store.chunk_needs("a", 30, factor=factor)
+    assert needs.fills == [2, 6, 7]
+    assert (needs.copies, needs.in_place) == (([], [1, 4]) if factor != 1 else ([1, 4], []))
+    need = store.blocks_needed("a", 30, factor=factor)
+    assert need == {1: 5, 0: 0, 2: 2}[factor]
+    free = store.device_pool.num_free
+    with store.lease("a"):
+        rows = [(p, s.token_ids[p]) for p in range(8, 12)] + [(p, 7) for p in range(22, 30)]
+        step = store.plan_step([("a", [t for _, t in rows], [p for p, _ in rows])], factors=[factor])
+        assert free - store.device_pool.num_free == need
+        store.commit(step)
+    store.check_integrity()

@@ -78,7 +78,7 @@ class Bench:
     def hidden_costs(self, max_context: int):
         """HCache's per-layer profile, measured once over the longest context used (whole chunks)."""
         if self.hcosts is None:
-            from stateful_hf.hidden_capture import measure_hidden_costs
+            from stateful_hf.hidden_profile import measure_hidden_costs
             store = stateful_hf.SessionStore(self.model, self.cfg.chunk * 2, policy="lru")
             tokens = -(-max_context // self.cfg.chunk) * self.cfg.chunk
             self.hcosts = measure_hidden_costs(self.model, store.adapter, store.spec, tokens=tokens,

@@ -9,8 +9,8 @@ chunks > device blocks. With it (LayerKV) the chunks the turn adds (`new`, past 
 shares with the session) may keep only some layers on the device, every layer they do not keep in a
 host slot; history on the host is read in place. Refused iff even the sparsest keep factor allowed
 by x_min does not fit:
-    new > host blocks, or share_blocks(f_max, new) > device blocks, or
-    chunks > host blocks + device blocks - share_blocks(f_max, new)
+    new > host blocks, or residue_blocks(f_max, new) > device blocks, or
+    chunks > host blocks + device blocks - residue_blocks(f_max, new)
 (f_max: the keep factor with the fewest layers on the device and >= x_min of them; 0 when x_min = 0.)
 Everything that passes may still wait for room; it is served once the pool is free enough.
 """
@@ -18,7 +18,7 @@ Everything that passes may still wait for room; it is served once the pool is fr
 from __future__ import annotations
 
 from ..cache import CapacityError
-from .layer_offload import LayerwisePolicy, share_blocks
+from .layer_offload import LayerwisePolicy, residue_blocks
 from .request import Request
 
 
@@ -48,7 +48,7 @@ def refusal(store, layerwise: LayerwisePolicy | None, r: Request) -> CapacityErr
     new = chunks - -(-keep // bs)
     x_min = layerwise.x_min(len(r.prompt) - keep, keep)
     sparsest = layerwise.factors(x_min)[-1]
-    on_device = share_blocks(sparsest, new)
+    on_device = residue_blocks(sparsest, new)
     if new <= host and on_device <= device and chunks <= host + device - on_device:
         return None
     kept = layerwise.num_layers if sparsest == 1 else (0 if sparsest == 0 else layerwise.num_layers // sparsest)

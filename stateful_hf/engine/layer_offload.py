@@ -24,6 +24,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from ..cache import ChunkState, CostProfile, StoreError
+from ..cache.residue_blocks import blocks_at_most
 from .request import Request, RequestStatus
 
 if TYPE_CHECKING:
@@ -90,23 +91,19 @@ class LayerwisePolicy:
 
 
 def held_blocks(store, session_id: str) -> float:
-    """Device blocks a session holds: whole blocks of DEVICE chunks, 1/f of a block per share."""
+    """Device blocks a session holds: whole blocks of DEVICE chunks, 1/f of a block per residue block."""
     s = store.session(session_id)
-    return sum(1.0 if c.state is ChunkState.DEVICE else (1.0 / c.share[1] if c.share is not None else 0.0)
+    return sum(1.0 if c.state is ChunkState.DEVICE else
+               (1.0 / c.residue_block[1] if c.residue_block is not None else 0.0)
                for c in s.chunks)
 
 
-def share_blocks(factor: int, chunks: int) -> int:
-    """Device blocks `chunks` new chunks of keep factor `factor` take at most: all (1), none (0),
-    ceil(chunks / f) shared blocks (f >= 2; fewer when shared blocks have free residues)."""
-    if factor == 1:
-        return chunks
-    return 0 if factor == 0 else -(-chunks // factor)
+residue_blocks = blocks_at_most      # the store's bound (cache/residue_blocks.py)
 
 
 class LayerwiseScheduling:
     """The scheduler's layer-wise methods (a mixin of Scheduler; `self.layerwise` is the policy)."""
-    # provided by Scheduler: store, config, running, slo, layerwise, _chunks_to_place, _length
+    # provided by Scheduler: store, config, running, slo, layerwise, _needs, _length
 
     def _layer_factor(self, r: Request, keep: int, held: int, room: int, host_avail: int) -> int | None:
         """Keep factor for admitting `r` (its whole remaining prompt + one block of decode growth
@@ -115,19 +112,19 @@ class LayerwiseScheduling:
         bs, lw = self.store.block_size, self.layerwise
         rows = len(r.pending) + len(r.missing)
         whole = self._whole_item(r, keep)
-        fills, swaps, in_place = self._chunks_to_place(r, whole, keep)
+        fills, swaps, in_place = self._needs(r, whole, keep)
         growth = 1 if (keep + len(r.pending)) % bs == 0 else 0     # the first decode token opens a chunk
         if len(fills) + growth + len(swaps) + len(in_place) + held <= room:
             return 1
-        # Not all layers fit: the new chunks keep some layers (x >= x_min) in shared blocks, the rest
+        # Not all layers fit: the new chunks keep some layers (x >= x_min) in residue blocks, the rest
         # on the host, and the history's host chunks are read in place (factor != 1), never copied up.
         x_min = lw.x_min(rows, keep)
         if len(fills) + growth > host_avail:
             return None
-        factor = lw.choose(len(fills) + growth, room - held - len(swaps), x_min, share_blocks, layered=True)
+        factor = lw.choose(len(fills) + growth, room - held - len(swaps), x_min, residue_blocks, layered=True)
         if factor is None and held and r.status is RequestStatus.WAITING \
                 and len(fills) + growth + held <= host_avail \
-                and lw.choose(len(fills) + growth, room - len(swaps), x_min, share_blocks, layered=True) is not None:
+                and lw.choose(len(fills) + growth, room - len(swaps), x_min, residue_blocks, layered=True) is not None:
             # a returning session's own device chunks crowd its new ones out: move them to the host
             # (the session is idle until its lease), where this turn reads them in place
             s = self.store.session(r.session_id)
@@ -144,7 +141,7 @@ class LayerwiseScheduling:
     def _future_blocks(self, r: Request, item: WorkItem) -> int:
         """Device blocks r's prefill will still take after `item` (at its keep factor)."""
         rest = len(r.pending) + len(r.missing) - item.num_tokens
-        return share_blocks(r.factor, -(-max(rest, 0) // self.store.block_size))
+        return residue_blocks(r.factor, -(-max(rest, 0) // self.store.block_size))
 
     def _committed(self, items: list[WorkItem]) -> int:
         """Blocks the running prefills will take after this step's items: not free for admissions."""
@@ -154,7 +151,7 @@ class LayerwiseScheduling:
             it = mine.get(q.request_id)
             rest = len(q.pending) + len(q.missing) - (it.num_tokens if it is not None else 0)
             if not q.decoding and rest > 0:
-                total += share_blocks(q.factor, -(-rest // self.store.block_size))
+                total += residue_blocks(q.factor, -(-rest // self.store.block_size))
         return total
 
     def _host_left(self, taken: int) -> int:
@@ -221,10 +218,10 @@ class LayerwiseScheduling:
             if q.output_ids and left <= h:
                 released += held_blocks(self.store, q.session_id)
             rows = min(left, h) if q.decoding else min(len(q.pending) + len(q.missing), h * budget)
-            allocated += share_blocks(q.factor, (n + rows - 1) // bs - (n - 1) // bs if n else -(-rows // bs))
+            allocated += residue_blocks(q.factor, (n + rows - 1) // bs - (n - 1) // bs if n else -(-rows // bs))
         projected = avail + released - allocated
         for q in reversed(self.running):          # most recently admitted first
             if projected >= reserve:
                 break
-            if any(c.share is not None for c in self.store.session(q.session_id).chunks):
+            if any(c.residue_block is not None for c in self.store.session(q.session_id).chunks):
                 projected += self._push_down(q, full=False)

@@ -1,8 +1,9 @@
 """The model runner: one step = one store plan + one forward of the unmodified model + sampling.
 
 The store builds the packed step (ids, positions, per-entry query ranges, block tables) once on
-the CPU; `run_step` passes it through the forward's kwargs to the registered attention and applies
-the LM head only at the rows that need a token.
+the CPU; `run_step` makes it the engine thread's current step for one forward (the step context
+read by the registered attention and the decoder-layer hooks: docs/step.md) and applies the LM head
+only at the rows that need a token.
 """
 
 from __future__ import annotations

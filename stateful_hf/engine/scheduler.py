@@ -4,7 +4,7 @@ Every step it (1) continues running requests oldest first (a decode token each, 
 their prefills and recomputations), suspending the latest-arrived ones when their session blocks
 do not fit; (2) admits queued requests in arrival order while more than a reserve of device blocks
 stays available and, with an SLO policy, while the queued prefills' predicted time fits in the
-running decodes' smallest TPOT slack (`slo.py`). With layer-wise allocation (`layerwise.py`) a
+running decodes' smallest TPOT slack (`slo.py`). With layer-wise allocation (`layered_chunks.py`) a
 prefill that does not fit with all layers is admitted keeping fewer layers on the device, and a
 running request short of blocks has its layers pushed down to the host before anyone is suspended.
 The store owns KV state; the scheduler only reads it and asks for steps/evictions/push-downs.
@@ -18,8 +18,8 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
-from ..cache import CapacityError, ChunkState, KVStore, SessionBusyError, TurnStats
-from .layer_offload import LayerwisePolicy, LayerwiseScheduling, share_blocks
+from ..cache import CapacityError, ChunkState, KVStore, SessionBusyError
+from .layer_offload import LayerwisePolicy, LayerwiseScheduling
 from .request import Request, RequestStatus
 from .slo import SloPolicy, prefill_rows
 
@@ -91,10 +91,7 @@ class Scheduler(LayerwiseScheduling):
         if r.status.done:
             return
         if r.lease is not None:
-            s = self.store.session(r.session_id)
-            s.last_turn = TurnStats(reused_tokens=r.reused, computed_tokens=r.computed,
-                                    recomputed_tokens=r.recomputed, generated_tokens=len(r.output_ids),
-                                    truncated_tokens=r.truncated)
+            self.store.add_generated(r.session_id, len(r.output_ids))    # the rest of last_turn: the store's
             r.lease.__exit__(None, None, None)
             r.lease = None
         for q in (self.waiting, self.running):
@@ -275,8 +272,8 @@ class Scheduler(LayerwiseScheduling):
             except SessionBusyError:
                 return False
             r.lease = lease
-            r.truncated = store.truncate(r.session_id, keep)
-            r.reused = keep - len(r.missing)
+            turn = store.begin_turn(r.session_id, r.prompt, r.cache_salt)      # cuts the history to `keep`
+            r.truncated, r.reused = turn.truncated_tokens, turn.reused_tokens
         r.swapped += self._below_device(r.session_id, keep)
         self.waiting.remove(r)
         bisect.insort(self.running, r, key=_order)
@@ -315,12 +312,10 @@ class Scheduler(LayerwiseScheduling):
     def _blocks_needed(self, r: Request, item: WorkItem, length: int | None = None) -> int:
         """Device blocks the store must give this item: chunks up to its last row that are not on the
         device (chunks past the history `length` are new or will be cut, so they count). A layer-wise
-        item (factor != 1) fills its chunks with shares, ceil(n / f) blocks at most, and reads host
+        item (factor != 1) fills its chunks with residue blocks, ceil(n / f) blocks at most, and reads host
         chunks in place."""
-        fills, swaps, _ = self._chunks_to_place(r, item, length)
-        if item.factor == 1:
-            return len(fills) + len(swaps)
-        return share_blocks(item.factor, len(fills)) + len(swaps)
+        return self.store.blocks_needed(r.session_id, self._end(item), length=self._length(r) if length is None
+                                        else length, factor=item.factor)
 
     def _whole_item(self, r: Request, keep: int) -> WorkItem:
         """All of r's remaining rows as one item at keep factor 0 (so host chunks count as in place)."""
@@ -328,27 +323,17 @@ class Scheduler(LayerwiseScheduling):
 
     def _host_needed(self, r: Request, item: WorkItem) -> int:
         """Host slots a layer-wise item's fills take (0 for an item keeping all layers)."""
-        return 0 if item.factor == 1 else len(self._chunks_to_place(r, item)[0])
+        return 0 if item.factor == 1 else len(self._needs(r, item).fills)
 
-    def _chunks_to_place(self, r: Request, item: WorkItem, length: int | None = None):
-        """(chunks the item fills, chunks it copies up, host chunks a layer-wise item reads in place)."""
-        bs = self.store.block_size
-        chunks = self.store.session(r.session_id).chunks
-        length = self._length(r) if length is None else length
-        end = max(item.start + len(item.new_ids), max(item.recompute, default=-1) + 1)
-        have = -(-length // bs)
-        fills, swaps, in_place = [], [], []
-        for k in range(-(-end // bs)):
-            c = chunks[k] if k < have else None
-            if c is None or c.state is ChunkState.DROPPED:
-                fills.append(k)
-            elif c.state in _RESIDENT:
-                continue
-            elif item.factor != 1 and c.state is ChunkState.HOST and c.shadow is None:
-                in_place.append(k)
-            else:
-                swaps.append(k)
-        return fills, swaps, in_place
+    def _needs(self, r: Request, item: WorkItem, length: int | None = None):
+        """The store's ChunkNeeds of the item: (chunks it fills, copies up, reads in place)."""
+        return self.store.chunk_needs(r.session_id, self._end(item), length=self._length(r) if length is None
+                                      else length, factor=item.factor)
+
+    @staticmethod
+    def _end(item: WorkItem) -> int:
+        """One past the item's last row position."""
+        return max(item.start + len(item.new_ids), max(item.recompute, default=-1) + 1)
 
     def _below_device(self, session_id: str, length: int) -> int:
         """History tokens < length whose KV is stored in a lower tier (host, disk, hidden states) and

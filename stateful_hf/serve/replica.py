@@ -272,15 +272,16 @@ class Replica:
 
     def session_info(self, session_id: str) -> dict | None:
         """The session's tokens per tier and last activity (None if this replica does not have it)."""
-        with self.store._lock:
-            if session_id not in self.store:
-                return None
+        try:        # each store call is atomic; a turn running meanwhile shows as busy
             s = self.store.session(session_id)
-            idle = max(self.store.clock() - s.last_active, 0.0)
-            return {"id": split_key(session_id)[1], "object": "session", "replica": self.name, "tokens": s.num_tokens,
-                    "tiers": self.store.residency(session_id), "busy": s.busy or self.turns.busy(session_id),
-                    "queued_turns": self.turns.waiting(session_id), "idle_seconds": idle,
-                    "last_active_at": time.time() - idle}
+            tiers = self.store.residency(session_id)
+        except KeyError:                # not here, or deleted meanwhile (UnknownSessionError is a KeyError)
+            return None
+        idle = max(self.store.clock() - s.last_active, 0.0)
+        return {"id": split_key(session_id)[1], "object": "session", "replica": self.name, "tokens": s.num_tokens,
+                "tiers": tiers, "busy": s.busy or self.turns.busy(session_id),
+                "queued_turns": self.turns.waiting(session_id), "idle_seconds": idle,
+                "last_active_at": time.time() - idle}
 
     def delete_session(self, session_id: str) -> dict:
         """`session_id` is the store key (tenant-qualified); replies name the caller's own id.

@@ -1,10 +1,6 @@
-"""HCache in the transformers integration: capture of hidden states while tokens are computed, and
-the per-layer costs that HCache's planner (`cache/hplan.py`) splits layers by.
-
-Capture: one forward pre-hook per decoder layer hands the layer's input (the residual stream,
-[1, T, D]) of a stateful step to `StepBatch.capture_hidden`, which writes it at the step's slots.
-Steps of a store without hidden states carry no capture buffer: the hook then returns at once.
-"""
+"""HCache's per-layer cost profile on the model: the costs its layer planner
+(`cache/hidden_partition.py`) splits layers by, measured through the store's own restore code.
+(Capture and restore themselves run in the step's `before_layer`: `cache/step.py`.)"""
 
 from __future__ import annotations
 
@@ -17,34 +13,13 @@ import time
 
 import torch
 
-from .adapter import ModelAdapter, decoder_layers
+from .adapter import ModelAdapter
 from .cache.disk import DiskTier
 from .cache.hidden_partition import HiddenCosts
 from .cache.hidden_states import HiddenCapture, HiddenPool, HiddenRestore, HiddenSpec
 from .cache.pool import BlockPool
 from .cache.spec import KVSpec
 from .projector import kv_projector
-
-_HOOKED = "_stateful_hf_capture_hooks"
-
-
-def install_capture(model: torch.nn.Module) -> None:
-    """Register the capture pre-hooks once per model (idempotent)."""
-    if getattr(model, _HOOKED, False):
-        return
-    for idx, layer in enumerate(decoder_layers(model)):
-        layer.register_forward_pre_hook(_capture_hook(idx), with_kwargs=True)
-    setattr(model, _HOOKED, True)
-
-
-def _capture_hook(idx: int):
-    def hook(module, args, kwargs):
-        step = kwargs.get("stateful_step")
-        if step is not None and step.hidden is not None:
-            step.capture_hidden(idx, args[0] if args else kwargs["hidden_states"])
-        return None
-    return hook
-
 
 _MEASURED: dict[str, HiddenCosts] = {}
 

@@ -1,9 +1,9 @@
-"""Device blocks shared by residue class among LAYERED chunks (LayerKV's layer-wise allocation).
+"""Residue blocks: device blocks split by residue class among LAYERED chunks (LayerKV's layer-wise allocation).
 
 The device pool is [layers, blocks, 2, block_size, Hkv, D]: a block is one token range for every
 layer. A LAYERED chunk with keep factor f and residue r needs only the layers l with l % f == r on
-the device, so up to f such chunks with distinct residues share one physical block, each owning its
-own layers of it. A share block in mode f holds owners[r] for r < f (None: residue r unused).
+the device, so up to f such chunks with distinct residues occupy one physical block, each owning its
+own layers of it. A residue block in mode f holds owners[r] for r < f (None: residue r unused).
 No policy here; the store holds its lock around every call.
 """
 
@@ -26,18 +26,27 @@ def check_factor(factor: int, num_layers: int) -> int:
     return factor
 
 
-class ShareTable:
+def blocks_at_most(factor: int, chunks: int) -> int:
+    """Device blocks `chunks` new chunks of keep factor `factor` take at most: all (1), none (0),
+    ceil(chunks / f) residue blocks (f >= 2; fewer when open residue blocks have free residues).
+    A bound that holds whatever else a step takes: what a scheduler adds up over a step's entries."""
+    if factor == 1:
+        return chunks
+    return 0 if factor == 0 else -(-chunks // factor)
+
+
+class ResidueTable:
     """blocks: {device block: (factor, [owner (session id, chunk index) or None] * factor)}.
 
     Invariant (checked by the store's audit): a block is in this table iff some LAYERED chunk's
-    `share` names it; its owners are exactly those chunks, at their residues; it is never free in
+    `residue_block` names it; its owners are exactly those chunks, at their residues; it is never free in
     the device pool and never owned whole by a DEVICE chunk or a shadow."""
 
     def __init__(self) -> None:
         self.blocks: dict[int, tuple[int, list[tuple[str, int] | None]]] = {}
 
     def free_residues(self, factor: int) -> int:
-        """Unused residue slots in the blocks already shared in mode `factor`."""
+        """Unused residue slots in the residue blocks already open in mode `factor`."""
         return sum(owners.count(None) for f, owners in self.blocks.values() if f == factor)
 
     def blocks_needed(self, factor: int, n: int) -> int:
@@ -55,7 +64,7 @@ class ShareTable:
                              f"{self.blocks_needed(factor, len(owners))} new blocks, got {len(new_blocks)}")
         for b in new_blocks:
             if b in self.blocks:
-                raise ValueError(f"block {b} is already shared")
+                raise ValueError(f"block {b} is already a residue block")
             self.blocks[b] = (factor, [None] * factor)
         out = []
         todo = iter(owners)
@@ -70,7 +79,7 @@ class ShareTable:
                     slots[r] = who
                     out.append((b, r))
         if len(out) != len(owners):
-            raise AssertionError("share placement ran out of residues")
+            raise AssertionError("residue placement ran out of residues")
         return out
 
     def release(self, block: int, residue: int) -> bool:

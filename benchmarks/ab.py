@@ -1,0 +1,106 @@
+"""Before/after one change: a benchmark run under two git revisions, interleaved, in one invocation.
+
+    python -m benchmarks.ab --before 39c8717 --after HEAD --rounds 3 -- bench_engine --skip a,b,b+
+    python -m benchmarks.ab --before 39c8717 --after HEAD --rounds 3 -- bench_tiers --lengths 512 1024 --reps 3
+
+Each revision gets a detached git worktree and a venv (`--system-site-packages`, the package installed
+editable with no dependencies) under ~/.cache/stateful_hf/ab/<commit>, made once and reused. Rounds
+alternate the order (before, after), (after, before), ... so load drift on a shared machine hits both
+sides alike; every run is a fresh interpreter running that revision's own benchmark with `--json`.
+Reported: each figure's median over the rounds per revision and after / before (for times, > 1 is
+slower; for throughput, < 1 is slower). The JSON (every run, the medians, the ratios, the load) goes
+to --json (default benchmarks/results/ab_<benchmark>.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+CACHE = Path(os.environ.get("STATEFUL_HF_AB_DIR", Path.home() / ".cache" / "stateful_hf" / "ab"))
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _git(*args: str, cwd: Path = REPO) -> str:
+    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def checkout(rev: str) -> tuple[str, Path]:
+    """(commit, python) of a worktree + venv at `rev`, made on first use."""
+    sha = _git("rev-parse", "--verify", f"{rev}^{{commit}}")
+    tree = CACHE / sha[:12]
+    python = tree / ".venv" / "bin" / "python"
+    if not python.exists():
+        CACHE.mkdir(parents=True, exist_ok=True)
+        if not tree.exists():
+            _git("worktree", "add", "--detach", str(tree), sha)
+        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(tree / ".venv")], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "-e", str(tree)], check=True,
+                       stdout=subprocess.DEVNULL)
+    return sha, python
+
+
+def figures(bench: str, out: dict) -> dict[str, float]:
+    """The comparable numbers of one run's JSON: name -> value."""
+    if bench == "bench_engine":
+        return {f"{r['name']} {k}": r[k] for r in out["median_runs"] for k in ("tok_per_s", "ttft_p50_s", "ttft_p90_s")}
+    if bench == "bench_tiers":
+        return {f"N={row['tokens']} {k} s": v for row in out["rows"] for k, v in row.items() if k != "tokens"}
+    raise SystemExit(f"no figure extraction for {bench}: add it to benchmarks/ab.py")
+
+
+def run(python: Path, bench: str, args: list[str]) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "out.json")
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        tree = python.parent.parent.parent
+        subprocess.run([str(python), "-m", f"benchmarks.{bench}", *args, "--json", path], cwd=tree, env=env, check=True)
+        with open(path) as fh:
+            return json.load(fh)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--before", required=True, help="a git revision")
+    ap.add_argument("--after", default="HEAD", help="a git revision (default HEAD; commit your changes first)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", help="default benchmarks/results/ab_<benchmark>.json")
+    ap.add_argument("bench", help="a module of benchmarks/ (bench_engine, bench_tiers)")
+    ap.add_argument("args", nargs=argparse.REMAINDER, help="its arguments (after --)")
+    a = ap.parse_args()
+    args = a.args[1:] if a.args[:1] == ["--"] else a.args
+    sides = {"before": checkout(a.before), "after": checkout(a.after)}
+    runs: dict[str, list[dict]] = {"before": [], "after": []}
+    load_start = os.getloadavg()
+    for r in range(a.rounds):
+        for side in ("before", "after") if r % 2 == 0 else ("after", "before"):
+            print(f"round {r + 1}/{a.rounds}: {side} ({sides[side][0][:12]}), 1-min load {os.getloadavg()[0]:.1f}",
+                  flush=True)
+            runs[side].append(run(sides[side][1], a.bench, args))
+    medians = {side: {k: statistics.median(figures(a.bench, o)[k] for o in runs[side])
+                      for k in figures(a.bench, runs[side][0])} for side in runs}
+    common = [k for k in medians["before"] if k in medians["after"]]
+    ratios = {k: medians["after"][k] / medians["before"][k] for k in common if medians["before"][k]}
+    print(f"\n{'figure':<44}{'before':>12}{'after':>12}{'after/before':>14}")
+    for k in common:
+        print(f"{k:<44}{medians['before'][k]:12.4g}{medians['after'][k]:12.4g}{ratios.get(k, float('nan')):14.3f}")
+    load_end = os.getloadavg()
+    print(f"load average at start / end (1 min): {load_start[0]:.1f} / {load_end[0]:.1f}")
+    out = {"command": "python -m benchmarks.ab " + " ".join(sys.argv[1:]),
+           "before": sides["before"][0], "after": sides["after"][0], "rounds": a.rounds,
+           "load_start": load_start, "load_end": load_end, "medians": medians, "after_over_before": ratios,
+           "runs": runs}
+    path = a.json or str(REPO / "benchmarks" / "results" / f"ab_{a.bench}.json")
+    with open(path, "w") as fh:
+        json.dump(out, fh, indent=1)
+    print(f"saved {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""The store's integrity check: every slot of every tier is free or owned by exactly one chunk.
+Read-only; the caller holds the store lock."""
+
+from __future__ import annotations
+
+from .session import SHADOWED, ChunkState
+from .session_table import SessionTable
+from .tier_pools import TierPools
+
+DEVICE, HOST, DROPPED, LAYERED = ChunkState.DEVICE, ChunkState.HOST, ChunkState.DROPPED, ChunkState.LAYERED
+HIDDEN, DISK, DISK_HIDDEN = ChunkState.HIDDEN, ChunkState.DISK, ChunkState.DISK_HIDDEN
+
+
+def check_integrity(sessions: SessionTable, tiers: TierPools, block_size: int) -> None:
+    """Raise AssertionError unless every slot of every tier is free or owned by exactly one chunk,
+    chunk tables match token counts, and only HOST/HIDDEN chunks have shadows. A residue block
+    (layerwise_kv) is owned per residue by distinct LAYERED chunks, each naming the block's factor,
+    and by nothing else."""
+    owners: dict[ChunkState, dict[int, tuple[str, int]]] = {DEVICE: {}, HOST: {}, HIDDEN: {}, DISK: {}, DISK_HIDDEN: {}}
+
+    def own(tier, slot, who):
+        pool = tiers.pool(tier)
+        assert pool is not None, f"{who} is {tier.value} but the store has no such tier"
+        assert 0 <= slot < pool.num_blocks, f"{who}: {tier.value} slot {slot} out of range"
+        assert slot not in owners[tier], f"{tier.value} slot {slot} owned by {owners[tier][slot]} and {who}"
+        owners[tier][slot] = who
+
+    held: dict[tuple[int, int], tuple[tuple[str, int], int]] = {}   # (block, residue) -> (who, factor)
+    seen: set[int] = set()          # chunk objects counted: a prefix-shared chunk is one object in many tables
+    for s in sessions:
+        n_chunks = -(-len(s.token_ids) // block_size)
+        assert len(s.chunks) == n_chunks, f"{s.session_id}: {len(s.chunks)} chunks for {len(s.token_ids)} tokens"
+        for k, c in enumerate(s.chunks):
+            who = (s.session_id, k)
+            if id(c) in seen:       # its holders against the index: PrefixSharing.check
+                assert c.entry is not None, f"{who}: one chunk object in two places, not a shared one"
+                continue
+            seen.add(id(c))
+            if c.state is DROPPED:
+                assert c.loc is None and c.shadow is None, (who, c)
+            else:
+                assert c.loc is not None, (who, c)
+                own(HOST if c.state is LAYERED else c.state, c.loc, who)
+            if c.residue_block is not None:
+                assert c.state is LAYERED, f"{who}: only layered chunks hold a residue block, {c}"
+                block, factor, residue = c.residue_block
+                assert 0 <= residue < factor, (who, c)
+                assert (block, residue) not in held, f"residue {residue} of block {block} owned twice"
+                held[block, residue] = (who, factor)
+            if c.shadow is not None:
+                assert c.state in SHADOWED, f"{who}: only host/hidden chunks keep a device shadow, {c}"
+                own(DEVICE, c.shadow, who)
+            if c.source is not None:
+                assert c.state is DEVICE, f"{who}: only device chunks are rebuilt from a hidden slot, {c}"
+                assert c.source[0] in (HIDDEN, DISK_HIDDEN), f"{who}: not a hidden form {c}"
+                own(c.source[0], c.source[1], who)
+    listed = set()
+    for block, (factor, slots) in tiers.residues.blocks.items():
+        assert any(o is not None for o in slots), f"residue block {block} has no owner and is not freed"
+        for r, o in enumerate(slots):
+            if o is not None:
+                assert held.get((block, r)) == (o, factor), (
+                    f"residue block {block} residue {r}: table says {o} (factor {factor}), "
+                    f"chunks say {held.get((block, r))}")
+                listed.add((block, r))
+        own(DEVICE, block, ("residue block", block))
+    assert listed == set(held), f"residues not in the table: {sorted(set(held) - listed)[:4]}"
+    for tier, owned in owners.items():
+        pool = tiers.pool(tier)
+        if pool is not None:
+            try:
+                pool.check(set(owned))
+            except AssertionError as e:
+                raise AssertionError(f"{tier.value} tier: {e}") from None

@@ -1,0 +1,275 @@
+"""Placement: where chunks go down when a tier needs room, chosen by the eviction policy.
+
+Making room in a tier moves its lowest-value idle chunks one tier down: device -> host -> disk ->
+dropped (an absent tier is skipped). With hidden states in use, device chunks whose hidden states
+were captured go down to HIDDEN instead of HOST, hidden chunks go to the disk tier's hidden file
+(DISK_HIDDEN) if there is one, and from there (or without one) are dropped. After a turn,
+Pensieve's ahead-of-time swap-out copies idle device chunks to the host and keeps their blocks as
+`shadow`s, reclaimed without a copy when blocks are needed.
+
+Owns: the eviction policy (`policy`, replaceable) and the reason of the moves under way (`moving`).
+Collaborators: the session table (read: idle sessions), the pools (`tier_pools.py`: allocation and
+release), the transfer engine (copies), the disk state (durability before a chunk counts as on
+disk), the hidden tier (capture), the move ledger and the counters (written: swapped_out_*, dropped).
+Mutates: chunks of idle sessions outside `exclude` (state, loc, shadow) and the slots of the pools.
+Invariant kept: a chunk's KV lives in exactly one place (plus, for HOST/HIDDEN chunks, an optional
+device `shadow`). Every method runs with the store lock held.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import contextmanager
+
+from .disk_state import DiskState
+from .errors import CapacityError, StoreError
+from .hidden_tier import HiddenTier
+from .moves import REASONS, MoveBatch, MoveLedger
+from .policy import EvictionPolicy
+from .session import ON_DISK, SHADOWED, ChunkState, Session
+from .session_table import SessionTable
+from .stats import Counters
+from .tier_pools import TierPools
+from .transfer import Transfer
+
+DEVICE, HOST, DROPPED = ChunkState.DEVICE, ChunkState.HOST, ChunkState.DROPPED
+HIDDEN, DISK_HIDDEN = ChunkState.HIDDEN, ChunkState.DISK_HIDDEN
+
+Items = list[tuple[Session, int]]       # (session, chunk index) pairs
+
+
+class Placement:
+    def __init__(self, sessions: SessionTable, tiers: TierPools, transfer: Transfer, disk_state: DiskState,
+                 hidden: HiddenTier, policy: EvictionPolicy, moves: MoveLedger, counters: Counters,
+                 swap_out_threshold: float):
+        self.sessions, self.tiers, self.transfer, self.disk_state = sessions, tiers, transfer, disk_state
+        self.hidden, self.policy, self.moves, self.counters = hidden, policy, moves, counters
+        self.swap_out_threshold = swap_out_threshold
+        self.block_size = tiers.device.spec.block_size
+        self._reason = "explicit"
+
+    # ---- accounting ------------------------------------------------------------------------------
+
+    @contextmanager
+    def moving(self, reason: str):
+        """Moves inside are recorded with `reason` (the innermost wins: room made during a step is "pressure")."""
+        if reason not in REASONS:
+            raise ValueError(f"unknown move reason {reason!r}; choose from {REASONS}")
+        prev, self._reason = self._reason, reason
+        try:
+            yield
+        finally:
+            self._reason = prev
+
+    def record(self, src: ChunkState, dst: ChunkState, items: Items, t0: float) -> None:
+        """Account one move batch (items: the chunks moved, in any state now); t0: perf_counter at its start."""
+        if not items:
+            return
+        pool = None if dst is DROPPED else self.tiers.pool(dst)
+        hidden = getattr(pool, "hidden_spec", None)
+        per_slot = 0 if pool is None else hidden.bytes_per_block if hidden is not None else pool.spec.bytes_per_block
+        per_session: dict[str, int] = {}
+        bs = self.block_size
+        for s, k in items:
+            per_session[s.session_id] = per_session.get(s.session_id, 0) + s.chunk_len(k, bs)
+        self.moves.record(MoveBatch(src.value, dst.value, self._reason, len(items), sum(per_session.values()),
+                                    per_slot * len(items), time.perf_counter() - t0, tuple(per_session.items())))
+
+    def drop(self, s: Session, k: int) -> None:
+        """Chunk k of `s` keeps only its token ids (recomputed when needed). Counts `dropped`."""
+        self.counters.dropped += s.chunk_len(k, self.block_size)
+        self.tiers.release(s, k)
+
+    def prove(self, s: Session, ks=None) -> int:
+        """Prove the session's disk chunks (of `ks`, default all) before they are read; drop those
+        that fail (their token ids stay: recomputed). Returns the tokens dropped."""
+        lost = 0
+        for k in self.disk_state.failed(s, ks):
+            lost += s.chunk_len(k, self.block_size)
+            self.drop(s, k)
+        return lost
+
+    # ---- making room ---------------------------------------------------------------------------
+
+    def candidates(self, state: ChunkState, exclude: set[str], shadowed: bool | None = None) -> Items:
+        """(session, chunk) pairs in `state` of idle sessions outside `exclude`, in policy order: one
+        pair per physical chunk; a shared chunk only if every holder is idle and outside `exclude`,
+        ranked by its most valuable holder (`prefix_sharing.py`: its value counts every holder)."""
+        now, sharing, bs = self.sessions.clock(), self.tiers.sharing, self.block_size
+        self.policy.prepare(self.sessions, now)
+        found = sharing.unique((s, k) for s in self.sessions if not s.busy and s.session_id not in exclude
+                               for k, c in enumerate(s.chunks)
+                               if c.state is state and (shadowed is None or (c.shadow is not None) == shadowed)
+                               and sharing.free_to_move(c, exclude))
+        found.sort(key=lambda sk: max(self.policy.key(h, sk[1], bs, now) for h in sharing.holders(*sk)))
+        return found
+
+    def take(self, state: ChunkState, n: int, exclude: set[str],
+             owners: list[tuple[str, int]] | None = None) -> list[int]:
+        """Allocate n slots of a tier, first making room by moving its lowest-value chunks down.
+        `owners` ((session id, chunk) per slot) places device blocks in a virtual layout's slots."""
+        pool = self.tiers.pool(state)
+        if getattr(pool, "virtual", False):
+            with self.moving("slots"):
+                self._free_slots(pool.slots_needed(owners), exclude)
+        if n > pool.num_free and state in ON_DISK and pool.limbo:
+            self.disk_state.sync(force=True)      # freed disk slots are reusable once the index forgets them
+        if n > pool.num_free:
+            self.make_room(state, n - pool.num_free, exclude)
+            if n > pool.num_free and state in ON_DISK:
+                self.disk_state.sync(force=True)
+        if n > pool.num_free:
+            raise CapacityError(f"{state.value} tier: {n} blocks needed, {pool.num_free} free and no more "
+                                "can be freed from idle sessions (the others are busy)")
+        return pool.allocate(n, owners)
+
+    def _free_slots(self, needed: int, exclude: set[str]) -> None:
+        """Virtual layout: while fewer slots are free than `needed`, the idle session of lowest value
+        holding a slot leaves the device (its chunks move down, its cached shadows are dropped)."""
+        pool, now = self.tiers.device, self.sessions.clock()
+        self.policy.prepare(self.sessions, now)
+        while pool.free_slots < needed:
+            holders = [s for s in self.sessions if not s.busy and s.session_id not in exclude
+                       and pool.slot_of(s.session_id) is not None]
+            if not holders:
+                raise CapacityError(f"all {pool.num_slots} device slots are held by busy sessions; "
+                                    "raise device_capacity or lower max_context")
+            victim = min(holders, key=lambda s: min(self.policy.key(s, k, self.block_size, now)
+                                                    for k in range(max(len(s.chunks), 1))))
+            self.move_down([(victim, k) for k, c in enumerate(victim.chunks) if c.state is DEVICE], DEVICE, exclude)
+            self.drop_shadows(victim)
+
+    def drop_shadows(self, s: Session) -> int:
+        """Free the device shadows of the session's HOST/HIDDEN chunks; returns how many."""
+        n = 0
+        for c in s.chunks:
+            if c.shadow is not None:
+                self.tiers.device.free([c.shadow])
+                c.shadow = None
+                n += 1
+        return n
+
+    def make_room(self, state: ChunkState, n: int, exclude: set[str]) -> None:
+        """Free n slots of tier `state` by moving idle chunks outside `exclude` down (policy order)."""
+        with self.moving("pressure"):
+            if state is DEVICE:
+                shadowed = (self.candidates(HOST, exclude, shadowed=True)
+                            + self.candidates(HIDDEN, exclude, shadowed=True))
+                for s, k in shadowed[:n]:   # lazy reclamation: no copy
+                    self.tiers.device.free([s.chunks[k].shadow])
+                    s.chunks[k].shadow = None
+                    n -= 1
+                if n > 0:
+                    self.move_down(self.candidates(DEVICE, exclude)[:n], DEVICE, exclude)
+            elif state in SHADOWED:
+                for s, k in self.candidates(state, exclude, shadowed=True)[:n]:   # still on device: revert
+                    c = s.chunks[k]
+                    self.tiers.pool(state).free([c.loc])
+                    c.assign(DEVICE, c.shadow)
+                    n -= 1
+                if n > 0:
+                    self.move_down(self.candidates(state, exclude, shadowed=False)[:n], state, exclude)
+            elif state in ON_DISK:
+                self.move_down(self.candidates(state, exclude)[:n], state, exclude)
+
+    # ---- moving down ---------------------------------------------------------------------------
+
+    def move_down(self, items: Items, state: ChunkState, exclude: set[str], target: ChunkState | None = None,
+                  strict: bool = False) -> None:
+        """Move chunks in `state` down to `target` (default: the next present tier). When the target
+        has no room they are dropped instead, or, if `strict`, CapacityError is raised unchanged.
+        A shared chunk moves once, for every holder; to disk or dropped it is first made private to
+        the session in `items` (`PrefixSharing.unshare`)."""
+        items = self.tiers.sharing.unique(items)
+        if not items:
+            return
+        if target is None and state is DEVICE and self.hidden.keeps_hidden:   # the policy keeps hidden states
+            valid = self.hidden.capture.valid
+            hid = [(s, k) for s, k in items if valid[s.chunks[k].loc]]
+            items = [(s, k) for s, k in items if not valid[s.chunks[k].loc]]
+            self.move_down(hid, DEVICE, exclude | {s.session_id for s, _ in items}, target=HIDDEN)
+            if not items:
+                return
+        target = target or self.tiers.below(state)
+        if target in ON_DISK or target is DROPPED:    # a shared chunk never goes to disk shared
+            items = self.tiers.sharing.unshare(items)
+        exclude = exclude | {s.session_id for s, _ in items}
+        if target in ON_DISK and not self.disk_state.usable(strict):
+            target = DROPPED
+        if target is not DROPPED:
+            try:
+                slots = self.take(target, len(items), exclude)
+            except CapacityError:
+                if strict:
+                    raise
+                target, slots = DROPPED, []
+        t0 = time.perf_counter()
+        if target is DROPPED:
+            for s, k in items:
+                self.drop(s, k)
+            self.record(state, DROPPED, items, t0)
+            return
+        src = [s.chunks[k].loc for s, k in items]
+        if target is HIDDEN:
+            self.hidden.check_source(items, state)
+            self.hidden.pool.store_from(self.hidden.capture, self.tiers.device, src, slots)
+        elif target is DISK_HIDDEN:   # from HIDDEN: same split, a copy of slots
+            self.tiers.hidden.copy_slots(src, self.tiers.disk_hidden, slots)
+        else:
+            self.transfer.copy(self.tiers.pool(state), src, self.tiers.pool(target), slots)
+        if target in ON_DISK and not self.disk_state.written(items, target, slots):   # not durable: not on disk
+            if strict:
+                raise StoreError(f"the disk tier {str(self.tiers.disk.dir)!r} could not flush its data file; nothing "
+                                 "was moved and the tier is degraded")
+            self.move_down(items, state, exclude, target=DROPPED)
+            return
+        self.record(state, target, items, t0)
+        for (s, k), slot in zip(items, slots):
+            self.tiers.vacate(s.chunks[k])
+            s.chunks[k].assign(target, slot)
+            self._count_out(target, s.chunk_len(k, self.block_size))
+        if target in ON_DISK:
+            self.disk_state.mark_changed()
+
+    def _count_out(self, target: ChunkState, n: int) -> None:
+        if target is HIDDEN:
+            self.counters.swapped_out_hidden += n
+        elif target is HOST:
+            self.counters.swapped_out_host += n
+        else:
+            self.counters.swapped_out_disk += n
+
+    def swap_out_ahead(self) -> None:
+        """Pensieve's ahead-of-time swap-out: while fewer than `swap_out_threshold` of device blocks
+        are free or reclaimable, copy the lowest-value idle device chunks to the host (or, captured,
+        to the hidden pool) and keep their blocks as shadows."""
+        pool = self.tiers.device
+        if (self.tiers.host is None and self.tiers.hidden is None) or self.transfer.swap_in_pending() \
+                or getattr(pool, "virtual", False):   # a virtual layout frees slots on demand instead
+            return
+        shadows = sum(1 for _, _, c in self.tiers.sharing.physical(self.sessions) if c.shadow is not None)
+        want = math.ceil(self.swap_out_threshold * pool.num_blocks) - pool.num_free - shadows
+        if want <= 0:
+            return
+        with self.moving("ahead"):
+            items = self.candidates(DEVICE, set())[:want]
+            hid = [(s, k) for s, k in items if self.hidden.captured(s.chunks[k].loc)]
+            kv = [(s, k) for s, k in items if not self.hidden.captured(s.chunks[k].loc)]
+            for group, target in ((hid, HIDDEN), (kv, HOST)):
+                if not group or self.tiers.pool(target) is None:
+                    continue
+                try:
+                    slots = self.take(target, len(group), {s.session_id for s, _ in items})
+                except CapacityError:
+                    continue
+                blocks = [s.chunks[k].loc for s, k in group]
+                t0 = time.perf_counter()
+                if target is HIDDEN:
+                    self.hidden.pool.store_from(self.hidden.capture, pool, blocks, slots)
+                else:
+                    self.transfer.copy(pool, blocks, self.tiers.host, slots)
+                self.record(DEVICE, target, group, t0)
+                for (s, k), slot in zip(group, slots):
+                    s.chunks[k].assign(target, slot, shadow=s.chunks[k].loc)
+                    self._count_out(target, s.chunk_len(k, self.block_size))

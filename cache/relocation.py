@@ -1,0 +1,93 @@
+"""Relocation: chosen chunks of an idle session moved to a named tier (`store.move`: operators,
+tests, hints, migration), made of placement's moves down and swap-in's moves up.
+
+Collaborators: the pools, placement, swap-in, the hidden tier, the layered chunks, the transfer
+engine. Mutates: the chosen chunks (and, to make room, other idle sessions' chunks by the policy).
+Nothing moves when a check fails. Runs with the store lock held.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable
+
+from .errors import SessionBusyError
+from .hidden_tier import HiddenTier
+from .layered_chunks import LayeredChunks
+from .placement import Placement
+from .session import ON_DISK, TIERS, ChunkState, Session
+from .swap_in import SwapIn
+from .tier_pools import TierPools
+from .transfer import Transfer
+
+DEVICE, HOST, HIDDEN, DISK = ChunkState.DEVICE, ChunkState.HOST, ChunkState.HIDDEN, ChunkState.DISK
+DISK_HIDDEN, DROPPED = ChunkState.DISK_HIDDEN, ChunkState.DROPPED
+_ORDER = list(ChunkState)      # up is towards the device
+
+
+def chunk_indices(chunks) -> list[int]:
+    """`move`'s chunk argument: an iterable of int chunk indices (not bools, floats or strings)."""
+    if isinstance(chunks, (str, bytes)) or not isinstance(chunks, Iterable):
+        raise TypeError(f"chunks must be an iterable of chunk indices (ints), got {chunks!r}")
+    out = []
+    for k in chunks:
+        try:
+            if isinstance(k, bool):
+                raise TypeError
+            out.append(operator.index(k))       # ints, numpy / 0-d torch integers
+        except TypeError:
+            raise TypeError(f"chunk indices must be ints, got {k!r} ({type(k).__name__})") from None
+    return out
+
+
+def target_state(tier: str) -> ChunkState:
+    if tier not in TIERS:
+        raise ValueError(f"unknown tier {tier!r}; choose from {TIERS}")
+    return ChunkState(tier)
+
+
+class Relocation:
+    def __init__(self, tiers: TierPools, placement: Placement, swap_in: SwapIn, hidden: HiddenTier,
+                 layered: LayeredChunks, transfer: Transfer):
+        self.tiers, self.placement, self.swap_in = tiers, placement, swap_in
+        self.hidden, self.layered, self.transfer = hidden, layered, transfer
+
+    def move(self, s: Session, chunks: list[int], target: ChunkState) -> None:
+        """`KVStore.move` (its docstring has the rules) on session `s`, under `placement.moving(reason)`."""
+        if s.busy:
+            raise SessionBusyError(s.session_id)
+        self.layered.settle(s)
+        ks = sorted(set(chunks))
+        if any(not 0 <= k < len(s.chunks) for k in ks):
+            raise IndexError(f"session {s.session_id!r} has chunks 0..{len(s.chunks) - 1}, got {ks}")
+        for k in ks:                     # a shared chunk moves for every holder: none may be running
+            for h in self.tiers.sharing.holders(s, k):
+                if h.busy:
+                    raise SessionBusyError(h.session_id)
+        self.hidden.check_move(s, ks, target)
+        if target is not DROPPED and self.tiers.pool(target) is None:
+            raise ValueError(f"this store has no {target.value} tier")
+        reads = [k for k in ks if s.chunks[k].state in ON_DISK and
+                 _ORDER.index(s.chunks[k].state) > _ORDER.index(target)]
+        if self.placement.prove(s, reads):    # chunks that failed their checksum are dropped, not moved
+            ks = [k for k in ks if k not in reads or s.chunks[k].state is not DROPPED]
+        dest = {k: self.hidden.target(s.chunks[k].state, target) for k in ks}
+        ks = [k for k in ks if s.chunks[k].state is not dest[k]]
+        if target is not DROPPED and any(s.chunks[k].state is DROPPED for k in ks):
+            raise ValueError(f"session {s.session_id!r}: dropped chunks keep only token ids and cannot move "
+                             f"to {target.value}; the next turn recomputes them")
+        up = [k for k in ks if _ORDER.index(s.chunks[k].state) > _ORDER.index(dest[k])]
+        down = [k for k in ks if k not in up]
+        excl = {s.session_id}
+        groups = {state: [(s, k) for k in down if s.chunks[k].state is state]     # before any moves
+                  for state in (DEVICE, HOST, HIDDEN, DISK, DISK_HIDDEN)}
+        for state, items in groups.items():
+            if items:
+                self.placement.move_down(items, state, excl, target=dest[items[0][1]], strict=True)
+        if up:
+            restore = self.hidden.new_restore(self.placement.counters)
+            self.swap_in.move_up([(s, k) for k in up], target, excl, restore=restore)
+            if restore is not None:
+                restore.finish(self.tiers.device)
+                self.swap_in.settle(restore, ok=True)
+            self.transfer.synchronize()

@@ -1,0 +1,319 @@
+"""The step planner: one forward step over the store (plan, commit, abort), what a step would need
+(`needs`, for the engine's scheduler), and the one writer of a session's `last_turn`.
+
+`plan` reserves device blocks (placement moves other sessions' chunks down by the policy), copies
+host/disk chunks of the context up (swap-in), queues hidden chunks for a layer-wise rebuild, appends
+the new tokens to the history and describes the step; `commit` makes it permanent, `abort` takes it
+back. Raising leaves the store unchanged.
+
+Collaborators: the session table, the pools, placement, swap-in, the hidden tier, the layered
+chunks, the transfer engine (end of step), the counters (written: recomputed, device_hits).
+Mutates: the step's sessions' token ids and chunk tables, and `last_turn` (`begin_turn` sets it and
+`in_turn`, `commit` adds the computed and recomputed rows of a session in a turn, `add_generated`
+the generated tokens).
+Ordering: `commit`/`abort` first end the transfer engine's step (emulated copies land), then flush
+captured hidden rows and staged layers, then settle hidden rebuilds; only then are slots freed.
+Every method runs with the store lock held.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from ..kernels import KernelState, PagedBatch
+from .errors import CapacityError
+from .hidden_states import StepHidden
+from .hidden_tier import HiddenTier
+from .layered_chunks import LayeredChunks
+from .placement import Placement
+from .residue_blocks import check_factor
+from .session import HIDDEN_FORMS, Chunk, ChunkState, Session, TurnStats
+from .session_table import SessionTable
+from .stats import Counters
+from .step import StepBatch, StepEntry
+from .swap_in import SwapIn
+from .tier_pools import TierPools
+from .transfer import Transfer
+from .virtual import PageMapper
+
+DEVICE, DROPPED, HOST, LAYERED = ChunkState.DEVICE, ChunkState.DROPPED, ChunkState.HOST, ChunkState.LAYERED
+DISK = ChunkState.DISK
+
+
+class ChunkNeeds(NamedTuple):
+    """Chunks below a step's last row, by what the step must do with them (chunk indices)."""
+
+    fills: list[int]        # stored nowhere (dropped, or past the kept history): a fresh block each
+    copies: list[int]       # in a lower tier (or only cached on the device): copied or rebuilt up
+    in_place: list[int]     # HOST chunks a layer-wise entry (factor != 1) reads in place
+
+
+class StepPlanner:
+    def __init__(self, sessions: SessionTable, tiers: TierPools, placement: Placement, swap_in: SwapIn,
+                 hidden: HiddenTier, layered: LayeredChunks, transfer: Transfer, counters: Counters,
+                 kernels: KernelState, *, layout: str, attn_backend: str, page_mapper: PageMapper | None):
+        self.sessions, self.tiers, self.placement, self.swap_in = sessions, tiers, placement, swap_in
+        self.hidden, self.layered, self.transfer, self.counters = hidden, layered, transfer, counters
+        self.kernels, self.layout, self.attn_backend, self.page_mapper = kernels, layout, attn_backend, page_mapper
+        self.spec = tiers.device.spec
+        self.block_size = self.spec.block_size
+
+    def stop_mapping(self) -> None:
+        """Stop the virtual layout's background mapper (at close). Mutates: `page_mapper`."""
+        if self.page_mapper is not None:
+            self.page_mapper.close()
+            self.page_mapper = None
+
+    # ---- turns: the one writer of last_turn -------------------------------------------------------
+
+    def begin_turn(self, s: Session, truncated: int) -> TurnStats:
+        """A turn starts on `s`, whose history was cut to the prompt's prefix (`truncated` tokens cut)
+        and whose disk chunks were proven: count what each tier holds for it. Sets `s.last_turn`."""
+        t = TurnStats(truncated_tokens=truncated)
+        bs = self.block_size
+        for k, c in enumerate(s.chunks):
+            n = s.chunk_len(k, bs)
+            if c.state is DEVICE or c.shadow is not None:
+                t.reused_device += n
+            elif c.state is HOST:
+                t.swapped_in_host += n
+            elif c.state is DISK:
+                t.swapped_in_disk += n
+            elif c.state in HIDDEN_FORMS:      # K/V rebuilt layer by layer in the turn's first step
+                t.restored_hidden += n
+        t.reused_tokens = t.reused_device + t.swapped_in_host + t.swapped_in_disk + t.restored_hidden
+        s.last_turn, s.in_turn = t, True
+        return t
+
+    @staticmethod
+    def add_generated(s: Session, n: int) -> None:
+        """The turn of `s` generated `n` tokens (the one output count of its last_turn). Outside a
+        begun turn it changes nothing: last_turn is then an earlier turn's."""
+        if s.in_turn:
+            s.last_turn.generated_tokens = n
+
+    # ---- what a step needs --------------------------------------------------------------------------
+
+    def needs(self, s: Session, end: int, length: int, factor: int) -> ChunkNeeds:
+        """What a step whose rows reach position `end` - 1 must do with each chunk below it, for a
+        history cut to `length` tokens (chunks past it count as fills) whose dropped chunks are
+        recomputed whole. The classification `plan` applies (`_plan_entry`), answered ahead of it."""
+        bs, chunks = self.block_size, s.chunks
+        have = -(-length // bs)
+        fills, copies, in_place = [], [], []
+        for k in range(-(-end // bs)):
+            c = chunks[k] if k < have else None
+            if c is None or c.state is DROPPED:
+                fills.append(k)
+            elif c.state is DEVICE or c.state is LAYERED:       # readable in place
+                continue
+            elif factor != 1 and c.state is HOST and c.shadow is None:
+                in_place.append(k)
+            else:
+                copies.append(k)
+        return ChunkNeeds(fills, copies, in_place)
+
+    # ---- one step --------------------------------------------------------------------------------
+
+    def plan(self, requests: Sequence[tuple[str, Sequence[int], Sequence[int]]],
+             factors: Sequence[int] | None) -> StepBatch:
+        """`KVStore.plan_step` (its docstring has the contract)."""
+        sessions = [self.sessions.get(sid) for sid, _, _ in requests]
+        if len({s.session_id for s in sessions}) != len(sessions):
+            raise ValueError("plan_step: at most one entry per session in a step")
+        factors = [1] * len(requests) if factors is None else [check_factor(f, self.spec.num_layers) for f in factors]
+        if len(factors) != len(requests):
+            raise ValueError(f"plan_step: {len(factors)} factors for {len(requests)} entries")
+        if not self.layered.enabled and any(f != 1 for f in factors):
+            raise ValueError("plan_step: keep factors other than 1 need a store made with layerwise_kv=True")
+        bs, device = self.block_size, self.tiers.device
+        if self.tiers.disk is not None:
+            for s, (_, _, pos) in zip(sessions, requests):     # disk chunks are proven before they are read
+                self.placement.prove(s, range(min(len(s.chunks), -(-(max(pos, default=-1) + 1) // bs))))
+        plans = [self._plan_entry(s, list(ids), list(pos)) for s, (_, ids, pos) in zip(sessions, requests)]
+        for s, f, (_, swap) in zip(sessions, factors, plans):
+            if f != 1:     # layer-wise entry: its host chunks are read in place, not copied up
+                swap[:] = [k for k in swap if s.chunks[k].state is not HOST or s.chunks[k].shadow is not None]
+        exclude = {s.session_id for s in sessions}
+        sharing = self.tiers.sharing            # a chunk shared by sessions of the step counts once
+        swaps = sharing.unique((s, k) for s, (_, sw) in zip(sessions, plans) for k in sw)
+        fresh = sum(len(f) if fac == 1 else self.layered.blocks_needed(fac, len(f))
+                    for fac, (f, _) in zip(factors, plans)) + sum(1 for s, k in swaps if s.chunks[k].shadow is None)
+        held = sum(1 for _, _, c in sharing.physical(sessions) if c.state is DEVICE or c.shadow is not None)
+        if fresh + held > device.num_blocks:
+            raise CapacityError(
+                f"request needs {fresh + held} device blocks of {bs} tokens but the pool has "
+                f"{device.num_blocks} in all ({device.num_blocks * bs} tokens); raise device_capacity")
+        n_fill = sum(len(f) for fac, (f, _) in zip(factors, plans) if fac == 1)
+        if fresh > device.num_free:
+            self.placement.make_room(DEVICE, fresh - device.num_free, exclude)
+        restore = self.hidden.new_restore(self.counters)
+        with self.placement.moving("step"):
+            events = self.swap_in.move_up([(s, k) for s, (_, sw) in zip(sessions, plans) for k in sw], DEVICE,
+                                          exclude, restore=restore)
+        fills = iter(self.placement.take(DEVICE, n_fill, exclude,
+                                         [(s.session_id, k) for s, fac, (f, _) in zip(sessions, factors, plans)
+                                          if fac == 1 for k in f]))
+        layered = []      # per entry: LAYERED chunks for its fills (factor != 1)
+        try:
+            for s, fac, (f, _) in zip(sessions, factors, plans):
+                layered.append(iter(self.layered.fill([(s, k) for k in f], fac, exclude) if fac != 1 else ()))
+        except CapacityError:     # give back what this step took so far: nothing is assigned yet
+            device.free(list(fills))
+            for made in layered:
+                for c in made:
+                    self.layered.discard(c)
+            raise
+        entries, capture = [], self.hidden.capture
+        for s, fac, (_, ids, pos), (fill, swap), made in zip(sessions, factors, requests, plans, layered):
+            if fac != 1:
+                for k in range(min(len(s.chunks), -(-(max(pos) + 1) // bs))):
+                    c = s.chunks[k]
+                    if c.state is HOST and c.shadow is None:     # read in place from now on
+                        s.chunks[k] = Chunk(LAYERED, c.loc)
+            old_len = len(s.token_ids)
+            if s.turn_started:   # count what a returning turn found on the device, once per turn
+                s.turn_started = False
+                self.counters.device_hits += sum(s.chunk_len(k, bs) for k, c in enumerate(s.chunks)
+                                                 if c.state is DEVICE and k not in fill and k not in swap
+                                                 and k * bs < max(pos))
+            self.counters.recomputed += sum(1 for p in pos if p < old_len)
+            s.token_ids.extend(t for p, t in zip(pos, ids) if p >= old_len)
+            while len(s.chunks) * bs < len(s.token_ids):
+                s.chunks.append(Chunk())
+            for k in fill:
+                self.tiers.release(s, k)
+                s.chunks[k] = Chunk(DEVICE, next(fills)) if fac == 1 else next(made)
+                if capture is not None:     # every token of it is computed while capturing
+                    capture.valid[s.chunks[k].loc] = True
+            entries.append(StepEntry(s.session_id, tuple(ids), tuple(pos), old_len, tuple(fill)))
+        return self._build(sessions, entries, events, restore)
+
+    def commit(self, step: StepBatch) -> None:
+        """`KVStore.commit`. Also adds the step's rows to each leased session's last_turn."""
+        self.transfer.end_step()                 # the forward is over (emulator: pending copies land)
+        if step.hidden is not None:
+            step.hidden.flush()                  # captured rows (CUDA: side-stream copies) reach the buffer
+        if step.layered is not None:
+            step.layered.flush()                 # staged mode: rows of host layers reach the host now
+        restore = step.hidden.restore if step.hidden is not None else None
+        if restore is not None:
+            restore.finish(self.tiers.device)    # layers a forward did not reach, if any
+            self.swap_in.settle(restore, ok=True)
+        now = self.sessions.clock()
+        for e in step.entries:
+            s = self.sessions.find(e.session_id)
+            if s is None:
+                continue
+            self.sessions.touch(s, now)
+            self.tiers.sharing.register(s, self.tiers.vacate)    # its new full chunks join the prefix index
+            if s.in_turn:                        # a turn's step: its rows count in its last_turn
+                turn = s.last_turn
+                turn.computed_tokens += len(e.positions)
+                turn.recomputed_tokens += sum(1 for p in e.positions if p < e.old_len)
+            if not s.busy:                       # LAYERED chunks live only within a turn
+                self.layered.settle(s)
+        if self.page_mapper is not None:
+            self.page_mapper.submit(self._growth_blocks(step))
+
+    def _growth_blocks(self, step: StepBatch) -> list[tuple[str, int]]:
+        """(session, chunk) of the block each session of the step grows into next, once its last
+        block is at least half full (or full): what the background mapper maps ahead."""
+        bs, out = self.block_size, []
+        for sid in dict.fromkeys(e.session_id for e in step.entries):
+            s = self.sessions.find(sid)
+            if s is not None and (s.num_tokens % bs == 0 or s.num_tokens % bs >= bs // 2):
+                out.append((sid, -(-s.num_tokens // bs)))
+        return out
+
+    def abort(self, step: StepBatch) -> None:
+        """`KVStore.abort` (its docstring has the contract)."""
+        self.transfer.end_step()
+        if step.hidden is not None:
+            step.hidden.flush()
+        if step.layered is not None:
+            step.layered.discard()
+        restore = step.hidden.restore if step.hidden is not None else None
+        if restore is not None:
+            self.swap_in.settle(restore, ok=restore.complete)
+        for e in step.entries:
+            s = self.sessions.find(e.session_id)
+            if s is None:
+                continue
+            for k in e.new_blocks:
+                if k < len(s.chunks):
+                    self.tiers.release(s, k)
+            del s.token_ids[e.old_len:]
+            del s.chunks[-(-e.old_len // self.block_size):]
+            if not s.busy:
+                self.layered.settle(s)
+
+    def _plan_entry(self, s: Session, ids: list[int], pos: list[int]) -> tuple[list[int], list[int]]:
+        """Validate one entry; return (chunks the rows fill: need a fresh block, chunks to copy up).
+        The classification of `needs`, except that a stored chunk whose every token is among the
+        rows is filled afresh too, and a dropped one that is not is an error."""
+        n, bs = len(s.token_ids), self.block_size
+        if len(ids) != len(pos) or not ids:
+            raise ValueError(f"session {s.session_id!r}: step needs >= 1 token and one position per token")
+        new = [p for p in pos if p >= n]
+        if new != list(range(n, n + len(new))) or min(pos) < 0 or len(set(pos)) != len(pos):
+            raise ValueError(f"session {s.session_id!r}: new positions must continue the history at {n} without gaps")
+        for p, t in zip(pos, ids):
+            if p < n and s.token_ids[p] != t:
+                raise ValueError(f"session {s.session_id!r}: recomputed token at {p} is {t}, "
+                                 f"history has {s.token_ids[p]}")
+        rows, end = set(pos), max(pos) + 1
+        fill, swap = [], []
+        for k in range(-(-end // bs)):
+            state = s.chunks[k].state if k < len(s.chunks) else DROPPED
+            if state is DEVICE or state is LAYERED:     # readable in place (LAYERED: layer by layer)
+                continue
+            if all(p in rows for p in range(k * bs, min((k + 1) * bs, n, end))):
+                fill.append(k)                 # every stored token of it is recomputed: fresh block
+            elif state is DROPPED:
+                raise ValueError(f"session {s.session_id!r}: chunk {k} is dropped; its positions must be "
+                                 "recomputed in the step (missing_positions)")
+            else:
+                swap.append(k)
+        return fill, swap
+
+    def _build(self, sessions: list[Session], entries: list[StepEntry], events: list, restore=None) -> StepBatch:
+        bs, device = self.block_size, self.tiers.device
+        dev = device.device
+        ids, pos, slots, cu, kv_len, tables = [], [], [], [0], [], []
+        for s, e in zip(sessions, entries):
+            chunks = s.chunks
+            ids += e.token_ids
+            pos += e.positions
+            # a DEVICE chunk's table block is its block (the common case, read without a call)
+            table = [c.loc if c.state is DEVICE else c.table_block for c in chunks[: -(-(max(e.positions) + 1) // bs)]]
+            slots += [table[p // bs] * bs + p % bs for p in e.positions]
+            cu.append(len(pos))
+            kv_len.append(max(e.positions) + 1)
+            tables.append(table)
+        width = max(map(len, tables))
+        paged = PagedBatch(torch.tensor(cu, dtype=torch.int32), torch.tensor(pos, dtype=torch.int64),
+                           torch.tensor(kv_len, dtype=torch.int32),
+                           torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32))
+        paged.validate(device.num_blocks, bs)
+        dense_slots = None
+        if self.layout == "virtual":   # each entry's KV is one contiguous row of its session's slot
+            dense_slots = tuple(device.slot_of(e.session_id) for e in entries)
+        layer_events = None
+        if events:   # per layer, the events of every copy group
+            layer_events = tuple(tuple(group[layer] for group in events) for layer in range(self.spec.num_layers))
+        layered = self.layered.step_map(sessions, [e.positions for e in entries], tables) \
+            if self.layered.enabled else None
+        capture = self.hidden.capture
+        return StepBatch(
+            entries=tuple(entries), paged=paged.to(dev), slots=torch.tensor(slots, dtype=torch.int64, device=dev),
+            input_ids=torch.tensor([ids], dtype=torch.long, device=dev),
+            position_ids=torch.tensor([pos], dtype=torch.long, device=dev),
+            pool=device, backend=self.attn_backend, windows=self.spec.windows, layer_events=layer_events,
+            dense_slots=dense_slots, layered=layered, kernels=self.kernels,
+            hidden=None if capture is None else StepHidden(
+                capture, torch.tensor(slots, dtype=torch.long), restore if restore and restore.chunks else None),
+        )

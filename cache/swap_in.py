@@ -1,0 +1,123 @@
+"""Swap-in: chunks coming up a tier (to the device for a step or a move, or disk hidden states up to
+the host hidden pool), and the settling of hidden-state rebuilds after the step that ran them.
+
+Collaborators: the pools, placement (to get slots, making room by the policy), the transfer engine
+(copies; per-layer events on CUDA), the hidden tier (capture), the disk state, the move ledger via
+placement, the counters (written: swapped_in_*, device_hits, restored_hidden*).
+Mutates: the moved chunks (state, loc, shadow, source) and the pools' slots. A chunk rebuilt from
+hidden states keeps its hidden slot as `source` until `settle` (after its step) frees it or, when
+the rebuild did not finish, puts the chunk back in its hidden form.
+Every method runs with the store lock held.
+"""
+
+from __future__ import annotations
+
+import time
+
+from .disk_state import DiskState
+from .hidden_states import HiddenRestore
+from .hidden_tier import HiddenTier
+from .placement import Items, Placement
+from .session import HIDDEN_FORMS, ChunkState
+from .session_table import SessionTable
+from .stats import Counters
+from .tier_pools import TierPools
+from .transfer import Transfer
+
+DEVICE, HOST, DISK = ChunkState.DEVICE, ChunkState.HOST, ChunkState.DISK
+HIDDEN, DISK_HIDDEN = ChunkState.HIDDEN, ChunkState.DISK_HIDDEN
+
+
+class SwapIn:
+    def __init__(self, sessions: SessionTable, tiers: TierPools, placement: Placement, transfer: Transfer,
+                 hidden: HiddenTier, disk_state: DiskState, counters: Counters):
+        self.sessions, self.tiers, self.placement, self.transfer = sessions, tiers, placement, transfer
+        self.hidden, self.disk_state, self.counters = hidden, disk_state, counters
+        self.block_size = tiers.device.spec.block_size
+
+    def move_up(self, items: Items, target: ChunkState, exclude: set[str],
+                restore: HiddenRestore | None = None) -> list:
+        """Copy HOST/DISK chunks up to `target` (DEVICE or HOST); returns per-layer copy events (CUDA).
+        HIDDEN / DISK_HIDDEN chunks to the device join `restore` (a HiddenRestore run layer by layer
+        by the step) and keep their hidden slot as `source` until `settle`; DISK_HIDDEN chunks to
+        HIDDEN are a copy of slots. Chunks still cached on the device (a shadow) take it back, no copy."""
+        events, bs, tiers, record = [], self.block_size, self.tiers, self.placement.record
+        items = tiers.sharing.unique(items)    # a chunk shared by sessions of one step moves once
+        flips = [(s, k) for s, k in items if target is DEVICE and s.chunks[k].shadow is not None]
+        for s, k in flips:
+            c = s.chunks[k]
+            tiers.pool(c.state).free([c.loc])
+            c.assign(DEVICE, c.shadow)
+            self.counters.device_hits += s.chunk_len(k, bs)
+        flipped = {(id(s), k) for s, k in flips}
+        rest = [(s, k) for s, k in items if (id(s), k) not in flipped]
+        slots = self.placement.take(target, len(rest), exclude, [(s.session_id, k) for s, k in rest]) if rest else []
+        rebuilt = {st: [(s, k) for s, k in rest if s.chunks[k].state is st] for st in HIDDEN_FORMS}
+        for i, (s, k) in enumerate(rest):
+            c = s.chunks[k]
+            if c.state in HIDDEN_FORMS and target is not HIDDEN:
+                if target is not DEVICE or restore is None:
+                    raise ValueError("hidden chunks move up to the device only (their K/V is rebuilt there)")
+                n = s.chunk_len(k, bs)
+                restore.add(tiers.pool(c.state), c.loc, slots[i], k * bs, n, (s.session_id, k, (c.state, c.loc)))
+                self.counters.restored_hidden += n
+                self.counters.restored_hidden_disk += n if c.state is DISK_HIDDEN else 0
+                c.assign(DEVICE, slots[i], source=(c.state, c.loc))     # in place: for every holder
+        if target is DEVICE:                   # queued for the step's rebuild, timed there (restore_seconds)
+            for st, group in rebuilt.items():
+                record(st, DEVICE, group, time.perf_counter())
+        up = [(i, s, k) for i, (s, k) in enumerate(rest) if s.chunks[k].state is DISK_HIDDEN]
+        if up:                                 # disk hidden states up to the host hidden pool
+            t0 = time.perf_counter()
+            tiers.disk_hidden.copy_slots([s.chunks[k].loc for _, s, k in up], tiers.hidden,
+                                         [slots[i] for i, _, _ in up])
+            record(DISK_HIDDEN, HIDDEN, [(s, k) for _, s, k in up], t0)
+            for i, s, k in up:
+                tiers.vacate(s.chunks[k])
+                s.chunks[k].assign(HIDDEN, slots[i])
+        for source in (HOST, DISK):
+            group = [(i, s, k) for i, (s, k) in enumerate(rest) if s.chunks[k].state is source]
+            if not group:
+                continue
+            t0 = time.perf_counter()
+            ev = self.transfer.copy(tiers.pool(source), [s.chunks[k].loc for _, s, k in group],
+                                    tiers.pool(target), [slots[i] for i, _, _ in group])
+            record(source, target, [(s, k) for _, s, k in group], t0)
+            if ev:
+                events.append(ev)
+            for i, s, k in group:
+                tiers.vacate(s.chunks[k])
+                s.chunks[k].assign(target, slots[i])
+                if target is DEVICE and self.hidden.capture is not None:
+                    self.hidden.capture.valid[slots[i]] = False        # K/V only: its hidden states are unknown
+                if target is DEVICE:
+                    n = s.chunk_len(k, bs)
+                    if source is HOST:
+                        self.counters.swapped_in_host += n
+                    else:
+                        self.counters.swapped_in_disk += n
+        return events
+
+    def settle(self, restore: HiddenRestore | None, ok: bool) -> None:
+        """After a step: `ok` (the K/V of every layer was rebuilt) frees the hidden slots the blocks
+        were rebuilt from; otherwise the chunks go back to their hidden form and their blocks are freed."""
+        if restore is None:
+            return
+        for (sid, k, source), block in restore.chunks:
+            s = self.sessions.find(sid)
+            c = s.chunks[k] if s is not None and k < len(s.chunks) else None
+            if c is None or c.state is not DEVICE or c.loc != block or c.source != source:
+                continue       # the chunk was released meanwhile (its slots went with it)
+            state, slot = source
+            if state is DISK_HIDDEN:
+                self.disk_state.mark_changed()
+            if ok:
+                self.tiers.pool(state).free([slot])
+                c.source = None
+            else:
+                self.tiers.device.free([block])
+                c.assign(state, slot)
+                n = s.chunk_len(k, self.block_size)
+                self.counters.restored_hidden -= n
+                self.counters.restored_hidden_disk -= n if state is DISK_HIDDEN else 0
+        restore.chunks = []

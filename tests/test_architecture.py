@@ -1,0 +1,605 @@
+"""The architecture rules, checked on the source text (ast only: nothing here imports torch or the package).
+
+- no import cycles among stateful_hf's modules, counting imports behind `TYPE_CHECKING` and inside functions;
+- unique module basenames and unique class names across the package;
+- `cache/` and `kernels/` never import transformers;
+- no module uses another module's private members (`obj._x`, `from m import _x`);
+- docs/architecture.md names every module of the package by path, and every path it names exists;
+- imports go one way (kernels <- cache <- the seam <- engine <- serve), every module has a docstring, and every
+  `*.py` a docstring, comment or doc names exists.
+
+The package is three source directories (pyproject's package-dir): `stateful_hf/` (with engine/ and serve/),
+`cache/` installed as `stateful_hf.cache` and `kernels/` installed as `stateful_hf.kernels`.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# Source directory -> dotted package it installs as.
+PACKAGE_DIRS = {"stateful_hf": "stateful_hf", "cache": "stateful_hf.cache", "kernels": "stateful_hf.kernels"}
+# Also held to the private-member rule: the code beside the package that uses it.
+CLIENT_DIRS = ("demo", "benchmarks", "examples")
+ARCHITECTURE_DOC = ROOT / "docs" / "architecture.md"
+
+
+@dataclass(frozen=True, slots=True)
+class Module:
+    name: str  # dotted, e.g. "stateful_hf.cache.kv_store"; a package's __init__ is the package's name
+    path: Path
+    is_package: bool
+
+    @property
+    def rel(self) -> str:
+        return self.path.relative_to(ROOT).as_posix()
+
+
+@cache
+def package_modules() -> dict[str, Module]:
+    """Every module of the installed package by dotted name."""
+    modules: dict[str, Module] = {}
+    for src, dotted in PACKAGE_DIRS.items():
+        base = ROOT / src
+        for path in sorted(base.rglob("*.py")):
+            parts = list(path.relative_to(base).with_suffix("").parts)
+            # stateful_hf/ holds only its own subpackages; cache/ and kernels/ are mapped, not nested.
+            is_package = parts[-1] == "__init__"
+            if is_package:
+                parts = parts[:-1]
+            name = ".".join([dotted, *parts])
+            modules[name] = Module(name, path, is_package)
+    return modules
+
+
+@cache
+def parse(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(), filename=str(path))
+
+
+def _resolve_relative(module: Module, level: int, target: str | None) -> str:
+    package = module.name if module.is_package else module.name.rpartition(".")[0]
+    for _ in range(level - 1):
+        package = package.rpartition(".")[0]
+    return f"{package}.{target}" if target else package
+
+
+@dataclass(frozen=True, slots=True)
+class Import:
+    target: str  # the dotted module imported
+    line: int
+
+
+def imports_of(module: Module) -> list[Import]:
+    """Every import statement anywhere in the module (top level, functions, `if TYPE_CHECKING:`),
+    resolved to dotted module names. `from pkg import name` is an import of `pkg.name` when that is a
+    module, else of `pkg`."""
+    known = package_modules()
+    found: list[Import] = []
+    for node in ast.walk(parse(module.path)):
+        if isinstance(node, ast.Import):
+            found.extend(Import(alias.name, node.lineno) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = _resolve_relative(module, node.level, node.module) if node.level else node.module
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                found.append(Import(sub if sub in known else base, node.lineno))
+    return found
+
+
+def import_graph() -> dict[str, dict[str, int]]:
+    """module -> {imported package module: line of the first such import}."""
+    known = package_modules()
+    graph: dict[str, dict[str, int]] = {}
+    for name, module in known.items():
+        edges: dict[str, int] = {}
+        for imp in imports_of(module):
+            target = imp.target
+            # `import stateful_hf.cache.kv_store.X` style names: the longest known prefix.
+            while target and target not in known:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                edges.setdefault(target, imp.line)
+        graph[name] = edges
+    return graph
+
+
+def strongly_connected(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """Tarjan's components with more than one module (a module importing itself is skipped above)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return components
+
+
+def shortest_cycle(graph: dict[str, dict[str, int]], component: list[str]) -> list[str]:
+    """A shortest cycle through the component's first module (breadth-first inside the component)."""
+    members = set(component)
+    start = component[0]
+    parent: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w in sorted(graph[v]):
+                if w not in members:
+                    continue
+                if w == start:
+                    path = [v]
+                    while path[-1] != start:
+                        path.append(parent[path[-1]])
+                    return [start, *reversed(path[:-1]), start]
+                if w not in parent:
+                    parent[w] = v
+                    nxt.append(w)
+        frontier = nxt
+    raise AssertionError(f"no cycle in component {component}")
+
+
+def describe_cycle(graph: dict[str, dict[str, int]], cycle: list[str]) -> str:
+    modules = package_modules()
+    hops = [f"{modules[a].rel}:{graph[a][b]} imports {b}" for a, b in zip(cycle, cycle[1:])]
+    return " -> ".join(cycle) + "\n      " + "\n      ".join(hops)
+
+
+def test_no_import_cycles():
+    graph = import_graph()
+    components = strongly_connected(graph)
+    modules = package_modules()
+    report = [
+        f"{len(c)} modules {c}\n    one cycle: {describe_cycle(graph, shortest_cycle(graph, c))}"
+        + "\n    every import inside: "
+        + ", ".join(f"{modules[a].rel}:{graph[a][b]} -> {b}" for a in c for b in sorted(graph[a]) if b in c)
+        for c in components
+    ]
+    assert not components, "import cycles (TYPE_CHECKING and function-local imports count):\n  " + "\n  ".join(report)
+
+
+# Layers, lowest first: a module may import its own layer and those below, never one above.
+LAYERS = (
+    ("kernels", ("stateful_hf.kernels",)),
+    ("cache", ("stateful_hf.cache",)),
+    ("seam", ()),  # the other modules of stateful_hf/: adapter, integration, session_store, ...
+    ("engine", ("stateful_hf.engine",)),
+    ("serve", ("stateful_hf.serve",)),
+    ("facade", ()),  # stateful_hf/__init__.py re-exports from every layer
+)
+
+
+def layer_of(name: str) -> int:
+    if name == "stateful_hf":
+        return len(LAYERS) - 1
+    for i, (_, prefixes) in enumerate(LAYERS):
+        if any(name == p or name.startswith(p + ".") for p in prefixes):
+            return i
+    return 2
+
+
+def test_imports_go_one_way():
+    """kernels <- cache <- the transformers seam <- engine <- serve (<- the package's __init__)."""
+    modules, graph = package_modules(), import_graph()
+    upward = [
+        f"{modules[a].rel}:{line} ({LAYERS[layer_of(a)][0]}) imports {b} ({LAYERS[layer_of(b)][0]})"
+        for a, edges in sorted(graph.items())
+        for b, line in sorted(edges.items())
+        if layer_of(b) > layer_of(a)
+    ]
+    assert not upward, "imports against the layering:\n  " + "\n  ".join(upward)
+
+
+def test_layers_are_ordered():
+    names = ["stateful_hf.kernels.plan", "stateful_hf.cache", "stateful_hf.integration", "stateful_hf.engine.engine",
+             "stateful_hf.serve.app", "stateful_hf"]
+    assert [layer_of(n) for n in names] == list(range(len(LAYERS)))
+
+
+def test_cycle_finder_finds_a_cycle():
+    graph = {"a": {"b": 1}, "b": {"c": 2}, "c": {"a": 3, "d": 4}, "d": {}}
+    assert strongly_connected(graph) == [["a", "b", "c"]]
+    assert shortest_cycle(graph, ["a", "b", "c"]) == ["a", "b", "c", "a"]
+
+
+def test_unique_module_basenames():
+    by_base: dict[str, list[str]] = {}
+    for module in package_modules().values():
+        if module.path.stem not in ("__init__", "__main__"):
+            by_base.setdefault(module.path.stem, []).append(module.rel)
+    repeated = {base: paths for base, paths in by_base.items() if len(paths) > 1}
+    assert not repeated, f"module basenames used more than once: {repeated}"
+
+
+def test_unique_class_names():
+    by_name: dict[str, list[str]] = {}
+    for module in package_modules().values():
+        for node in ast.walk(parse(module.path)):
+            if isinstance(node, ast.ClassDef):
+                by_name.setdefault(node.name, []).append(f"{module.rel}:{node.lineno}")
+    repeated = {name: where for name, where in by_name.items() if len(where) > 1}
+    assert not repeated, f"class names defined more than once: {repeated}"
+
+
+def test_every_module_says_what_it_holds():
+    """A module docstring on every module of the package (`__main__` aside): the first thing a reader sees."""
+    modules = [m for m in package_modules().values() if m.path.stem != "__main__"]
+    bare = [m.rel for m in modules if not ast.get_docstring(parse(m.path))]
+    assert not bare, f"modules without a docstring: {bare}"
+
+
+def test_cache_and_kernels_never_import_transformers():
+    offenders = [
+        f"{module.rel}:{imp.line} imports {imp.target}"
+        for module in package_modules().values()
+        if module.name.startswith(("stateful_hf.cache", "stateful_hf.kernels"))
+        for imp in imports_of(module)
+        if imp.target == "transformers" or imp.target.startswith("transformers.")
+    ]
+    assert not offenders, "cache/ and kernels/ must not import transformers:\n  " + "\n  ".join(offenders)
+
+
+# ---- private members ----------------------------------------------------------------------------------------
+
+# Underscore names that are public API of the library that defines them.
+PUBLIC_UNDERSCORE_API = {
+    "_replace": "namedtuple public API",
+    "_asdict": "namedtuple public API",
+    "_fields": "namedtuple public API",
+    "_make": "namedtuple public API",
+}
+
+# Private members of third-party libraries used on purpose: (file, attribute) -> why there is no public way.
+THIRD_PARTY_PRIVATE: dict[tuple[str, str], str] = {
+    ("stateful_hf/integration.py", "_prepare_generation_config"): (
+        "transformers has no public way to get the GenerationConfig that generate(**kwargs) will use (the merge "
+        "of model defaults, the given generation_config and kwargs); the pad-token check needs exactly that one, "
+        "and the code falls back to a public merge when the method is missing"
+    ),
+}
+
+
+def _is_private(name: str) -> bool:
+    """`_x` and `__x`; not dunders (`__x__`) nor enum's sunders (`_value_`, `_missing_`: its public API)."""
+    return name.startswith("_") and not name.endswith("_")
+
+
+def _is_self(node: ast.AST) -> bool:
+    return isinstance(node, ast.Name) and node.id in ("self", "cls")
+
+
+def _is_call_to(node: ast.AST, *names: str) -> bool:
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in names
+
+
+def _defined_private_names(tree: ast.Module) -> set[str]:
+    """Underscore names this module defines: module-level names, functions, classes, class attributes and
+    fields, `__slots__` entries, methods, and attributes assigned on `self`/`cls`."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and _is_self(node.value):
+            names.add(node.attr)
+        elif isinstance(node, ast.alias):
+            names.add((node.asname or node.name).split(".")[0])
+        elif _is_call_to(node, "setattr") and len(node.args) >= 2 and _is_self(node.args[0]):
+            if isinstance(node.args[1], ast.Constant):
+                names.add(str(node.args[1].value))
+        elif isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__slots__" for t in node.targets):
+            names.update(str(e.value) for e in getattr(node.value, "elts", ()) if isinstance(e, ast.Constant))
+    return names
+
+
+# A static type as far as this check needs one: a class name, or a container of such (its values).
+_CONTAINERS = {"dict", "Dict", "list", "List", "deque", "Deque", "set", "Set", "Mapping", "Sequence", "OrderedDict",
+               "defaultdict", "Iterable", "Iterator", "tuple"}
+
+
+@dataclass(frozen=True, slots=True)
+class _Type:
+    name: str
+    of: _Type | None = None  # the element (value) type of a container
+
+
+class _PrivateUseFinder(ast.NodeVisitor):
+    """Finds `x._name` where `_name` is another module's: either this module does not define `_name`, or
+    `x`'s static type is known (a parameter or attribute annotation, a constructor call) to be a class this
+    module imports rather than defines. `self._name`/`cls._name` count too when the class is this
+    package's own (no base classes, or only bases of this package) and this module does not define
+    `_name`: a mixin reaching into its host, or a class into its in-package base. `super()._name` and
+    `self._name` in a class deriving from a third-party class are not checked."""
+
+    def __init__(self, tree: ast.Module, rel: str):
+        self.rel = rel
+        self.own = _defined_private_names(tree)
+        self.local_classes = {n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
+        self.imported = {
+            (a.asname or a.name).split(".")[0]
+            for n in ast.walk(tree)
+            if isinstance(n, (ast.Import, ast.ImportFrom))
+            for a in n.names
+        }
+        self.in_package = self.local_classes | {  # names bound by imports from this package
+            a.asname or a.name
+            for n in ast.walk(tree)
+            if isinstance(n, ast.ImportFrom) and (n.level or (n.module or "").split(".")[0] == "stateful_hf")
+            for a in n.names
+        }
+        self.own_self: list[bool] = [False]  # per enclosing class: are `self._x` uses checked
+        self.found: list[tuple[int, str]] = []
+        self.scopes: list[dict[str, _Type]] = [{}]  # names -> types, innermost last
+        self.attrs: list[dict[str, _Type]] = [{}]  # `self.<attr>` -> type, per enclosing class
+
+    # -- types
+    def ann(self, node: ast.AST | None) -> _Type | None:
+        if node is None:
+            return None
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            try:
+                return self.ann(ast.parse(node.value, mode="eval").body)
+            except SyntaxError:
+                return None
+        if isinstance(node, ast.Name):
+            return _Type(node.id)
+        if isinstance(node, ast.Attribute):
+            return _Type(node.attr)
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
+            for side in (node.left, node.right):
+                if not (isinstance(side, ast.Constant) and side.value is None):
+                    return self.ann(side)
+        if isinstance(node, ast.Subscript):
+            outer = self.ann(node.value)
+            args = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+            if outer is not None and outer.name == "Optional":
+                return self.ann(args[0])
+            if outer is not None and outer.name in _CONTAINERS:
+                return _Type(outer.name, self.ann(args[-1]))
+        return None
+
+    def type_of(self, node: ast.AST) -> _Type | None:
+        if isinstance(node, ast.Name):
+            for scope in reversed(self.scopes):
+                if node.id in scope:
+                    return scope[node.id]
+            return None
+        if isinstance(node, ast.Attribute) and _is_self(node.value):
+            return self.attrs[-1].get(node.attr)
+        if isinstance(node, ast.Subscript):
+            outer = self.type_of(node.value)
+            return outer.of if outer is not None else None
+        if isinstance(node, ast.Call):
+            f = node.func
+            if isinstance(f, ast.Name) and f.id[:1].isupper():
+                return _Type(f.id)
+            if isinstance(f, ast.Attribute) and f.attr in ("get", "pop", "popleft", "setdefault"):
+                outer = self.type_of(f.value)
+                return outer.of if outer is not None else None
+        return None
+
+    def foreign_class(self, t: _Type | None) -> bool:
+        return t is not None and t.of is None and t.name in self.imported and t.name not in self.local_classes
+
+    def foreign_name(self, name: str) -> bool:
+        return name not in PUBLIC_UNDERSCORE_API and (self.rel, name) not in THIRD_PARTY_PRIVATE
+
+    # -- scopes
+    def visit_ClassDef(self, node: ast.ClassDef) -> None:
+        attrs: dict[str, _Type] = {}
+        for stmt in node.body:  # dataclass fields / class-level annotations
+            t = self.ann(stmt.annotation) if isinstance(stmt, ast.AnnAssign) else None
+            if t is not None and isinstance(stmt.target, ast.Name):
+                attrs[stmt.target.id] = t
+        for fn in node.body:  # `self.x: T = ...`, `self.x = T(...)`, `self.x = typed_param`
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            params = {a.arg: t for a in self._args(fn) if (t := self.ann(a.annotation)) is not None}
+            for stmt in ast.walk(fn):
+                if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Attribute):
+                    if _is_self(stmt.target.value) and (t := self.ann(stmt.annotation)) is not None:
+                        attrs[stmt.target.attr] = t
+                    continue
+                if isinstance(stmt, ast.Assign):
+                    for target, value in self._pairs(stmt):
+                        if isinstance(target, ast.Attribute) and _is_self(target.value):
+                            t = params.get(value.id) if isinstance(value, ast.Name) else None
+                            t = t or (self.type_of(value) if isinstance(value, ast.Call) else None)
+                            if t is not None:
+                                attrs.setdefault(target.attr, t)
+        self.attrs.append(attrs)
+        self.own_self.append(all(isinstance(b, ast.Name) and b.id in self.in_package for b in node.bases))
+        self.generic_visit(node)
+        self.own_self.pop()
+        self.attrs.pop()
+
+    def visit_FunctionDef(self, node: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
+        scope = {a.arg: t for a in self._args(node) if (t := self.ann(a.annotation)) is not None}
+        self.scopes.append(scope)
+        for stmt in ast.walk(node):
+            t = self.ann(stmt.annotation) if isinstance(stmt, ast.AnnAssign) else None
+            if t is not None and isinstance(stmt.target, ast.Name):
+                scope[stmt.target.id] = t
+        for stmt in node.body:
+            self.visit(stmt)
+        self.scopes.pop()
+
+    visit_AsyncFunctionDef = visit_FunctionDef
+
+    def visit_Assign(self, node: ast.Assign) -> None:
+        for target, value in self._pairs(node):
+            if isinstance(target, ast.Name) and (t := self.type_of(value)) is not None:
+                self.scopes[-1][target.id] = t
+        self.generic_visit(node)
+
+    @staticmethod
+    def _args(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> list[ast.arg]:
+        return [*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs]
+
+    @staticmethod
+    def _pairs(node: ast.Assign) -> list[tuple[ast.AST, ast.AST]]:
+        pairs = []
+        for target in node.targets:
+            if isinstance(target, ast.Tuple) and isinstance(node.value, ast.Tuple):
+                pairs.extend(zip(target.elts, node.value.elts))
+            else:
+                pairs.append((target, node.value))
+        return pairs
+
+    # -- uses
+    def check(self, node: ast.AST, base: ast.AST, name: str) -> None:
+        """Record `node` if it reaches `base.<name>` and that is another module's private member."""
+        if not _is_private(name) or not self.foreign_name(name) or _is_call_to(base, "super"):
+            return
+        if _is_self(base):
+            if self.own_self[-1] and name not in self.own:
+                self.found.append((node.lineno, ast.unparse(node)))
+            return
+        if name not in self.own or self.foreign_class(self.type_of(base)):
+            self.found.append((node.lineno, ast.unparse(node)))
+
+    def visit_Attribute(self, node: ast.Attribute) -> None:
+        self.check(node, node.value, node.attr)
+        self.generic_visit(node)
+
+    def visit_Call(self, node: ast.Call) -> None:
+        if _is_call_to(node, "getattr", "hasattr") and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant):
+            self.check(node, node.args[0], str(node.args[1].value))
+        self.generic_visit(node)
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        for alias in node.names:
+            if _is_private(alias.name):
+                self.found.append((node.lineno, f"from {'.' * node.level}{node.module or ''} import {alias.name}"))
+
+
+def private_uses(path: Path) -> list[str]:
+    """`file:line expression` for each use in `path` of another module's private members (see
+    `_PrivateUseFinder`). A name this module also defines, used on an object of unknown type, is taken as
+    this module's own: the check knows names and annotations, not runtime types."""
+    rel = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.name
+    finder = _PrivateUseFinder(parse(path), rel)
+    finder.visit(parse(path))
+    return [f"{rel}:{line} {text}" for line, text in sorted(set(finder.found))]
+
+
+def _checked_files() -> list[Path]:
+    files = [m.path for m in package_modules().values()]
+    for d in CLIENT_DIRS:
+        files.extend(sorted((ROOT / d).rglob("*.py")))
+    return files
+
+
+def test_no_private_member_use_across_modules():
+    found = [use for path in _checked_files() for use in private_uses(path)]
+    assert not found, f"{len(found)} uses of another module's private members:\n  " + "\n  ".join(found)
+
+
+def test_third_party_exceptions_are_still_used():
+    for (rel, name), why in THIRD_PARTY_PRIVATE.items():
+        assert why and name in (ROOT / rel).read_text(), f"stale exception {rel}: {name}"
+
+
+def test_private_use_heuristic(tmp_path):
+    src = tmp_path / "handle.py"
+    src.write_text(
+        "from stateful_hf.cache.kv_store import _helper\n"
+        "from stateful_hf.engine.engine import Engine\n"
+        "class Handle:\n"
+        "    _ready: bool = False\n"
+        "    def __init__(self, engine: 'Engine', peer: 'Handle | None'):\n"
+        "        self._engine = engine\n"
+        "        self._peers: dict[int, Handle] = {}\n"
+        "        self.__mangled = 1\n"
+        "    def wait(self, other: 'Handle', config):\n"
+        "        self._engine._wait_until(1)\n"  # not defined here
+        "        self._engine._ready\n"  # defined here, but self._engine is an Engine (imported)
+        "        other._engine.__len__()\n"  # Handle is this module's; dunders are public
+        "        self._peers[1]._ready, self._peers.get(2)._ready\n"  # a dict of this module's Handles
+        "        config._name_or_path = ''\n"  # a write to a foreign object
+        "        return getattr(self._engine, '_cv'), super()._x, self.__mangled, p._replace(a=1)\n"
+        "class ChatMixin:\n"
+        "    def chat(self):\n"
+        "        return self._cv, self._engine\n"  # _cv: the host's (another module's); _engine is defined here
+        "from transformers import Cache\n"
+        "class Sub(Cache):\n"
+        "    def f(self):\n"
+        "        return self._inherited\n"  # a third-party base: not checked
+    )
+    uses = [u.split(" ", 1)[1] for u in private_uses(src)]
+    assert uses == [
+        "from stateful_hf.cache.kv_store import _helper",
+        "self._engine._wait_until",
+        "self._engine._ready",
+        "config._name_or_path",
+        "getattr(self._engine, '_cv')",
+        "self._cv",
+    ], uses
+
+
+# ---- the architecture page ----------------------------------------------------------------------------------
+
+_PATH = re.compile(r"(?<![\w./-])((?:stateful_hf|cache|kernels|demo|benchmarks|examples|tests)/[\w/]*\w\.py)\b")
+
+
+def test_architecture_doc_names_every_module_and_only_real_ones():
+    text = ARCHITECTURE_DOC.read_text()
+    named = set(_PATH.findall(text))
+    missing = sorted(named_path for named_path in named if not (ROOT / named_path).is_file())
+    modules = sorted(m.rel for m in package_modules().values())
+    unnamed = [rel for rel in modules if rel not in named]
+    assert not missing, f"docs/architecture.md names paths that do not exist: {missing}"
+    assert not unnamed, f"docs/architecture.md does not name these modules: {unnamed}"
+
+
+# A Python file name as prose names it: `kv_store.py`, `cache/kv_store.py`, `stateful_hf/engine/engine.py`.
+_FILE_NAME = re.compile(r"(?<![\w./<>-])((?:[a-z_]+/)*[a-z][a-z0-9_]*\.py)\b")
+# Files of other projects that comments may name.
+EXTERNAL_FILES: set[str] = set()
+
+
+def test_file_names_in_docstrings_comments_and_docs_exist():
+    """A module renamed or removed leaves no stale name behind: every `*.py` the package's source, the
+    client code, docs/ or README.md names is a file of the repository (a bare name: some file of that
+    name; a path: a file whose path ends with it)."""
+    repo = [p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*.py") if not set(p.parts) & {".venv", ".git"}]
+    basenames = {path.rpartition("/")[2] for path in repo}
+    texts = [*_checked_files(), *sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"]
+    stale = []
+    for path in texts:
+        for lineno, line in enumerate(path.read_text().splitlines(), 1):
+            for name in _FILE_NAME.findall(line):
+                known = any(r == name or r.endswith("/" + name) for r in repo) if "/" in name else name in basenames
+                if not known and name not in EXTERNAL_FILES:
+                    stale.append(f"{path.relative_to(ROOT).as_posix()}:{lineno} {name}")
+    assert not stale, "names of files that do not exist:\n  " + "\n  ".join(stale)
+
