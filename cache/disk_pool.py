@@ -45,7 +45,7 @@ class Quarantined:
     def check(self, owned: set[int]) -> None:
         waiting = set(self.limbo)
         assert len(waiting) == len(self.limbo), "a disk slot is in limbo twice"
-        assert not waiting & set(self._free), "a disk slot is both free and in limbo"
+        assert not waiting & set(self.free_ids()), "a disk slot is both free and in limbo"
         assert not waiting & owned, f"disk slots both owned and in limbo: {sorted(waiting & owned)[:8]}"
         assert set(self.checksums) == owned, (
             f"disk slots owned without a checksum {sorted(owned - set(self.checksums))[:8]} or checksums of "

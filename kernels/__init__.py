@@ -2,7 +2,7 @@
 
 from .batch import Overlay, PagedBatch
 from .dispatch import BACKENDS, paged_attention
-from .plan import KernelState, StepPlan, available_backends, plan, resolve_backend
+from .kernel_plan import KernelPlan, KernelState, available_backends, plan, resolve_backend
 
-__all__ = ["BACKENDS", "KernelState", "Overlay", "PagedBatch", "StepPlan", "available_backends", "paged_attention",
+__all__ = ["BACKENDS", "KernelState", "Overlay", "PagedBatch", "KernelPlan", "available_backends", "paged_attention",
            "plan", "resolve_backend"]

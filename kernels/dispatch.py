@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from .batch import Overlay, PagedBatch
-from .plan import BACKENDS, KernelState, StepPlan, plan_for, resolve_backend
+from .kernel_plan import BACKENDS, KernelPlan, KernelState, plan_for, resolve_backend
 
 __all__ = ["BACKENDS", "paged_attention"]
 
@@ -43,7 +43,7 @@ def paged_attention(
     backend: str = "auto",
     window: int | None = None,
     validate: bool = True,
-    plan: StepPlan | None = None,
+    plan: KernelPlan | None = None,
     overlay: Overlay | None = None,
     softcap: float | None = None,
     state: KernelState | None = None,

@@ -76,7 +76,7 @@ class KernelState:
         return self._flashinfer
 
 
-class StepPlan:
+class KernelPlan:
     """A backend's per-step state for one PagedBatch. `run` has the signature of every backend."""
 
     def __init__(self, batch: PagedBatch, block_size: int, backend: str = "auto",
@@ -106,17 +106,17 @@ class StepPlan:
 
 
 def plan(batch: PagedBatch, block_size: int, backend: str = "auto", dtype: torch.dtype | None = None,
-         workspace: torch.Tensor | None = None, state: KernelState | None = None) -> StepPlan:
+         workspace: torch.Tensor | None = None, state: KernelState | None = None) -> KernelPlan:
     """Plan one step: call once after building the batch, pass the result to every layer."""
-    return StepPlan(batch, block_size, backend, dtype, workspace, state)
+    return KernelPlan(batch, block_size, backend, dtype, workspace, state)
 
 
 def plan_for(batch: PagedBatch, block_size: int, backend: str = "auto", dtype: torch.dtype | None = None,
-             state: KernelState | None = None) -> StepPlan:
+             state: KernelState | None = None) -> KernelPlan:
     """The plan cached on `batch` for (block_size, backend, dtype), made on first use: lets callers that
     pass no plan still do the per-batch work once per step rather than once per layer. `state`: the
     caller's long-lived KernelState (without one, a FlashInfer plan makes its own workspace)."""
     key = (block_size, backend, dtype)
     if key not in batch.plans:
-        batch.plans[key] = StepPlan(batch, block_size, backend, dtype, state=state)
+        batch.plans[key] = KernelPlan(batch, block_size, backend, dtype, state=state)
     return batch.plans[key]
