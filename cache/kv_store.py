@@ -8,6 +8,7 @@ HOST/HIDDEN chunk, or split by residue among LAYERED chunks).
 
 The parts (docs/store.md), each built here with its collaborators, in this order:
     SessionTable   sessions by id, the lock, leases               session_table.py
+    PrefixSharing  shared full chunks of identical prefixes        prefix_sharing.py
     HiddenTier     hidden pools and capture (HCache)               hidden_tier.py
     DiskState      the disk index: stale?, proofs, sync            disk_state.py
     TierPools      pool per chunk state, below(), release()        tier_pools.py
