@@ -198,3 +198,18 @@ def test_system_prompt_opens_every_conversation():
     text = tuple(range(100, 130))
     assert with_system_prompt(wl, 50, VOCAB_SIZE, text=text).conversations[0].turns[0].user_ids[:50] == \
         text + text[:20]
+
+
+def test_cli_system_prompt_compares_sharing(tmp_path):
+    """--system-prompt: one user runs the conversations one after another, so with sharing every
+    conversation after the first reuses the prompt; without it each computes the prompt again."""
+    from benchmarks.multiturn.__main__ import main
+
+    out = main(["--quick", "--layers", "1", "--conversations", "3", "--scale", "0.05", "--max-output", "4",
+                "--max-turns", "2", "--system-prompt", "96", "--users", "1", "--rates", "", "--policy-budget", "0",
+                "--systems", "hf_stateless,stateful_hf,stateful_hf_unshared", "--no-progress"])
+    s = out["systems"]
+    assert out["system_prompt_tokens"] == 96 and all(v == 1.0 for v in out["same_tokens_as_stateless"].values())
+    shared, unshared = s["stateful_hf"], s["stateful_hf_unshared"]
+    assert shared["reused_tokens"] - unshared["reused_tokens"] >= 2 * 96 - 32     # the prompt's full chunks
+    assert shared["prefill_computed_tokens"] < unshared["prefill_computed_tokens"]
