@@ -41,7 +41,8 @@ Items = list[tuple[Session, int]]
 
 
 class PrefixSharing:
-    """`enabled` False: every method is a no-op (no chunk is ever shared); `index` is still made."""
+    """`enabled` False (`prefix_sharing=False`, or a layout that cannot share): nothing is adopted or
+    indexed, so no chunk is ever shared and the other methods find no entries to act on."""
 
     def __init__(self, block_size: int, session: Callable[[str], Session | None], enabled: bool = True):
         self.index = PrefixIndex(block_size)
