@@ -30,6 +30,7 @@ from .scheduler import Scheduler, SchedulerConfig
 from .slo import SloPolicy, check_slo
 from .stats import EngineStats, StepTotals
 from .text import OutputText
+from .thread_sizing import ThreadSizer
 
 
 class Engine:
@@ -47,9 +48,11 @@ class Engine:
     requests' layers are pushed down to the host when free blocks run short. min_kept_layers: x_min
     (0..layers), or None to derive it from T_offload(L - x) <= T_prefill with profiled costs.
     release_openmp_pool: `start()` frees the calling thread's idle OpenMP workers, so the loop thread's
-    pool spins between parallel regions like the main thread's does (`openmp.py`): faster steps on
-    cores the engine has to itself, slower ones next to other CPU-bound processes (there pass False,
-    or set OMP_WAIT_POLICY=PASSIVE).
+    pool spins between parallel regions like the main thread's does (`openmp.py`).
+    step_threads: the loop thread's OpenMP team: "auto" (default) the cores other processes leave
+    free, re-measured every 0.25 s (`thread_sizing.py`: a full team beside busy processes waits at
+    every parallel region's barrier); an int, that many; None, torch's setting. Only the loop thread's
+    team is sized; steps run inline in a waiting thread keep that thread's setting.
     generation_config: where a request's unset sampling fields come from (`sampling_params`):
     "auto" (default) the model's generation config, then SamplingParams' defaults, as vLLM's
     `--generation-config auto`; "library" SamplingParams' defaults only. Greedy either way unless the
@@ -62,7 +65,7 @@ class Engine:
                  keep_step_records: int = 4096, ttft_slo: float | None = None, tpot_slo: float | None = None,
                  layerwise_kv: bool = False, host_capacity: int | str | None = None,
                  min_kept_layers: int | None = None, release_openmp_pool: bool = True,
-                 generation_config: str = "auto"):
+                 step_threads: int | str | None = "auto", generation_config: str = "auto"):
         if on_busy not in ("wait", "refuse"):
             raise ValueError(f"on_busy must be 'wait' or 'refuse', got {on_busy!r}")
         if generation_config not in ("auto", "library"):
@@ -93,8 +96,10 @@ class Engine:
                                    self.adapter.max_positions, self.slo, self.layerwise)
         self.runner = ModelRunner(model, self.store)
         self.steps: deque[StepRecord] = deque(maxlen=keep_step_records)
+        self.thread_sizer = ThreadSizer.for_option(step_threads)
         self.loop = StepLoop(self.step, self.has_work, self._fail_in_flight,
-                             release_thread_pool if release_openmp_pool else None)
+                             release_thread_pool if release_openmp_pool else None,
+                             self.thread_sizer.apply if self.thread_sizer is not None else None)
         self.requests = RequestRegistry(self.loop)
         self._step_lock = threading.Lock()         # one stepping thread at a time
         self._totals = StepTotals()
