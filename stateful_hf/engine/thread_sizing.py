@@ -22,27 +22,51 @@ import math
 import os
 import time
 from collections import Counter
+from collections.abc import Callable
 
 import torch
 
 from .openmp import set_thread_team
 
 
+def cpu_usage(cpus: list[int]) -> tuple[float, float, float] | None:
+    """(monotonic s, busy CPU s of `cpus` since boot, this process's CPU s), or None without /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    wanted = {f"cpu{c}" for c in cpus}
+    busy = 0
+    for line in lines:
+        fields = line.split()
+        if fields and fields[0] in wanted:
+            values = list(map(int, fields[1:9]))      # user nice system idle iowait irq softirq steal
+            busy += sum(values) - values[3] - values[4]
+    return time.monotonic(), busy / os.sysconf("SC_CLK_TCK"), time.process_time()
+
+
 class ThreadSizer:
-    """Owns the loop thread's team size. `apply()` is called on the loop thread before each step."""
+    """Owns the loop thread's team size. `apply()` is called on the loop thread before each step.
+    `usage` (default: `cpu_usage` of the CPUs this process may run on) returns (monotonic s, busy
+    CPU s of those CPUs, this process's CPU s), or None when unknown; `cpus` is how many there are."""
 
     def __init__(self, max_threads: int, interval: float = 0.25, grow_margin: float = 0.2,
-                 shrink_margin: float = 0.4, start: int = 1):
+                 shrink_margin: float = 0.4, start: int = 1,
+                 usage: Callable[[], tuple[float, float, float] | None] | None = None, cpus: int | None = None):
         if max_threads < 1:
             raise ValueError(f"max_threads must be >= 1, got {max_threads}")
         self.max_threads, self.interval = max_threads, interval
         self.grow_margin, self.shrink_margin = grow_margin, shrink_margin
-        self.cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        if usage is None:
+            mine = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+            usage, cpus = (lambda: cpu_usage(mine)), len(mine)
+        self._usage, self.cpus = usage, cpus or 1
         self.current = max(1, min(start, max_threads))
         self.steps_by_threads: Counter[int] = Counter()     # steps run with each team size
         self.others = 0.0                                    # cores other processes used, last window
         self._applied: int | None = None
-        self._last = self._sample()
+        self._last = self._usage()
 
     @classmethod
     def for_option(cls, step_threads: int | str | None) -> ThreadSizer | None:
@@ -56,33 +80,16 @@ class ThreadSizer:
             raise ValueError(f"step_threads must be 'auto', an int >= 1 or None, got {step_threads!r}")
         return cls(step_threads, interval=math.inf, start=step_threads)
 
-    def _sample(self) -> tuple[float, float, float] | None:
-        """(monotonic s, busy CPU s of our CPUs, this process's CPU s), or None without /proc/stat."""
-        try:
-            with open("/proc/stat") as f:
-                lines = f.read().splitlines()
-        except OSError:
-            return None
-        wanted = {f"cpu{c}" for c in self.cpus}
-        busy = 0
-        for line in lines:
-            fields = line.split()
-            if fields and fields[0] in wanted:
-                values = list(map(int, fields[1:9]))      # user nice system idle iowait irq softirq steal
-                busy += sum(values) - values[3] - values[4]
-        return time.monotonic(), busy / os.sysconf("SC_CLK_TCK"), time.process_time()
-
     def threads(self) -> int:
         """The team size for the next step (re-decided at most every `interval` seconds)."""
         if self._last is None:
             return self.current
-        now = time.monotonic()
-        if now - self._last[0] >= self.interval:
-            sample = self._sample()
+        if time.monotonic() - self._last[0] >= self.interval:
+            sample = self._usage()
             wall, busy, own = (b - a for a, b in zip(self._last, sample, strict=True))
             self._last = sample
-            self.others = max(0.0, (busy - own) / wall)
-            free = len(self.cpus) - self.others
+            self.others = max(0.0, (busy - own) / wall) if wall > 0 else self.others
+            free = self.cpus - self.others
             grow, shrink = math.floor(free + self.grow_margin), math.floor(free + self.shrink_margin)
             n = grow if grow > self.current else (shrink if shrink < self.current else self.current)
             self.current = max(1, min(self.max_threads, n))
