@@ -45,7 +45,8 @@ def run_passive(args) -> float:
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         cmd = [sys.executable, "-m", "benchmarks.bench_threads", "--designs", "spin", "--repeats", "1",
                "--neighbour", "quiet", "--sessions", str(args.sessions), "--turns", str(args.turns),
-               "--first", str(args.first), "--new", str(args.new), "--layers", str(args.layers), "--json", f.name]
+               "--first", str(args.first), "--user", str(args.user), "--new", str(args.new),
+               "--layers", str(args.layers), "--json", f.name]
         subprocess.run(cmd, check=True, env=dict(os.environ, OMP_WAIT_POLICY="PASSIVE"), stdout=subprocess.DEVNULL)
         with open(f.name) as g:
             return json.load(g)["conditions"]["quiet"]["spin"][0]
@@ -56,6 +57,7 @@ def main() -> None:
     ap.add_argument("--sessions", type=int, default=12)
     ap.add_argument("--turns", type=int, default=2)
     ap.add_argument("--first", type=int, default=48)
+    ap.add_argument("--user", type=int, default=16)
     ap.add_argument("--new", type=int, default=16)
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--designs", default="auto,spin,keep,one,passive")
@@ -70,7 +72,7 @@ def main() -> None:
     conditions = [c for c in args.neighbour.split(",") if c]
     for c in conditions:
         parse(c)
-    wl = Workload(args.sessions, args.turns, args.first, 16, args.new, vocab=16000)
+    wl = Workload(args.sessions, args.turns, args.first, args.user, args.new, vocab=16000)
     model = build_model(args.layers)
     with torch.inference_mode():
         model.generate(torch.tensor([wl.user_tokens(0, 0)]), max_new_tokens=2, do_sample=False, pad_token_id=0)

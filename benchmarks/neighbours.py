@@ -15,16 +15,17 @@ import subprocess
 import sys
 import time
 
-_BUSY = "while True: pass"
+# Each neighbour exits once its parent is gone (a killed benchmark leaves no busy process behind).
+_BUSY = "import os\nwhile os.getppid() == {parent}: pass"
 
 # The second server: 2 OpenMP threads (as a torch process on this 2-core host has by default), bursts
 # of [16, 768] x [768, 2048] matmuls (a decode batch through a 768-wide model's MLP), then sleep.
 _BURSTY = """
-import random, time, torch
+import os, random, time, torch
 torch.set_num_threads(2)
 rng = random.Random({seed})
 x, w = torch.randn(16, 768), torch.randn(2048, 768)
-while True:
+while os.getppid() == {parent}:
     end = time.perf_counter() + rng.uniform(0.02, 0.12)
     while time.perf_counter() < end:
         for _ in range(8):
@@ -57,7 +58,7 @@ class Neighbours:
         env = dict(os.environ, OMP_NUM_THREADS="2")
         for kind, n in self.kinds:
             for i in range(n):
-                code = _BUSY if kind == "busy" else _BURSTY.format(seed=len(self.procs) + i)
+                code = (_BUSY if kind == "busy" else _BURSTY).format(seed=len(self.procs) + i, parent=os.getpid())
                 self.procs.append(subprocess.Popen([sys.executable, "-c", code], env=env,
                                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         if any(kind == "bursty" for kind, _ in self.kinds):
