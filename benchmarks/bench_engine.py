@@ -240,8 +240,8 @@ def run_engine(model, wl: Workload, max_batch_tokens: int, layout: str = "paged"
 
 
 def engine_threads(value: str) -> int | str | None:
-    """--engine-threads: "auto", "none" or an int."""
-    return None if value == "none" else (value if value == "auto" else int(value))
+    """--engine-threads: "auto", "shrink", "none" or an int."""
+    return None if value == "none" else (value if value in ("auto", "shrink") else int(value))
 
 
 def main() -> None:

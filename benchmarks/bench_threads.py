@@ -4,7 +4,8 @@
     python -m benchmarks.bench_threads --neighbour quiet,busy:1,busy:2,bursty --repeats 3
 
 Designs (stateful_hf/engine/openmp.py, thread_sizing.py):
-  auto     release the caller's OpenMP pool at start(); the loop's team sized to the free cores (default)
+  auto     release the caller's OpenMP pool at start(); full team, waits throttled while others are busy (default)
+  shrink   release the caller's pool; the loop's team sized to the free cores
   spin     release the caller's pool; the loop's team = torch's thread count (the previous default)
   keep     the caller's pool kept (the loop's workers run throttled: they sleep between regions)
   one      release; a team of one thread
@@ -29,7 +30,8 @@ from .bench_engine import Workload, build_model, run_engine
 from .neighbours import Neighbours, parse
 from .threads import hold_main_pool
 
-DESIGNS = {"auto": (True, "auto"), "spin": (True, None), "keep": (False, None), "one": (True, 1)}
+DESIGNS = {"auto": (True, "auto"), "shrink": (True, "shrink"), "spin": (True, None), "keep": (False, None),
+           "one": (True, 1)}
 
 
 def run_design(model, wl: Workload, design: str) -> float:
@@ -60,7 +62,7 @@ def main() -> None:
     ap.add_argument("--user", type=int, default=16)
     ap.add_argument("--new", type=int, default=16)
     ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--designs", default="auto,spin,keep,one,passive")
+    ap.add_argument("--designs", default="auto,shrink,spin,keep,one,passive")
     ap.add_argument("--neighbour", default="quiet,busy:1", help="comma-separated conditions (benchmarks/neighbours.py)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--json", help="write the per-run walls to this file")

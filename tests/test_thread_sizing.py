@@ -33,6 +33,7 @@ def test_fixed_and_invalid_options():
     assert ThreadSizer.for_option(None) is None
     fixed = ThreadSizer.for_option(3)
     assert fixed.current == 3 and fixed.threads() == 3 and fixed.max_threads == 3
+    assert ThreadSizer.for_option("auto").switch is not None and ThreadSizer.for_option("shrink").switch is None
     for bad in (0, -1, True, "two", 1.5):
         with pytest.raises(ValueError, match="step_threads"):
             ThreadSizer.for_option(bad)
@@ -61,10 +62,37 @@ def test_engine_with_a_sized_loop_stays_exact():
     ids = [5, 9, 13, 7, 22, 31, 4]
     with torch.inference_mode():
         ref = model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)[0, len(ids):].tolist()
-    for threads in ("auto", 1, None):
+    for threads in ("auto", "shrink", 1, None):
         with Engine(model, device_capacity=256, chunk_size=16, step_threads=threads) as engine:
             out = engine.submit("s", ids, SamplingParams(max_new_tokens=6, ignore_eos=True)).result()
         assert list(out.token_ids) == ref
         engine.store.check_integrity()
         if threads is not None:
             assert sum(engine.thread_sizer.steps_by_threads.values()) == engine.stats().steps
+
+
+@pytest.mark.skipif(not openmp.can_release() or torch.get_num_threads() < 2, reason="needs libgomp and >= 2 threads")
+def test_spin_switch_holds_and_frees_a_ballast_pool():
+    import os
+    import time
+
+    def threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    switch = openmp.SpinSwitch()
+    switch.set(True)
+    deadline = time.monotonic() + 10
+    while not switch.throttled and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert switch.throttled
+    held = threads()                              # the switch's thread and its pool's worker
+    switch.set(False)
+    deadline = time.monotonic() + 10
+    while switch.throttled and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not switch.throttled and threads() == held - 1
+    switch.close()
+    deadline = time.monotonic() + 10
+    while threads() != held - 2 and time.monotonic() < deadline:     # the OS thread exits just after join
+        time.sleep(0.01)
+    assert threads() == held - 2

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import threading
 
 import torch
 from threadpoolctl import ThreadpoolController
@@ -76,3 +77,54 @@ def set_thread_team(n: int) -> bool:
     for lib in libs:
         lib.set_num_threads(n)
     return True
+
+
+class SpinSwitch:
+    """Switches how the OpenMP workers of this process wait at a barrier, at run time: spinning
+    (~300k iterations before sleeping: fastest on cores the process has to itself) or throttled
+    (100 iterations, then a futex sleep: a waiting worker gives its core back at once, and the OS
+    wakes it promptly as a thread that slept). libgomp throttles every waiter while the process holds
+    more OpenMP threads than CPUs; this switch holds or frees an idle pool (a "ballast") on a parked
+    thread of its own to cross that line. Owns that thread; `close()` ends it."""
+
+    def __init__(self):
+        self._cv = threading.Condition()
+        self._want: bool | None = None          # True: throttled (ballast held); None: nothing asked
+        self._closing = False
+        self.throttled = False
+        self._thread: threading.Thread | None = None
+
+    def set(self, throttled: bool) -> None:
+        """Ask for throttled (True) or spinning (False) waits; applied on the switch's thread soon."""
+        if throttled == self.throttled and self._want is None:
+            return
+        with self._cv:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="stateful-hf-omp-ballast", daemon=True)
+                self._thread.start()
+            self._want = throttled
+            self._cv.notify_all()
+
+    def close(self) -> None:
+        """Free the ballast (spinning waits again) and end the switch's thread."""
+        with self._cv:
+            self._closing, self._want = True, False
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(5)
+            self._thread = None
+
+    def _run(self) -> None:
+        ballast = torch.ones(512, 512)
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._want is not None)
+                want, self._want = self._want, None
+                closing = self._closing
+            if want and not self.throttled:
+                ballast @ ballast                 # a parallel region: this thread now holds a pool
+                self.throttled = True
+            elif not want and self.throttled:
+                self.throttled = not release_thread_pool()
+            if closing:
+                return

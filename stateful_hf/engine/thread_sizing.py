@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 
-from .openmp import set_thread_team
+from .openmp import SpinSwitch, set_thread_team
 
 
 def cpu_usage(cpus: list[int]) -> tuple[float, float, float] | None:
@@ -53,7 +53,8 @@ class ThreadSizer:
 
     def __init__(self, max_threads: int, interval: float = 0.25, grow_margin: float = 0.2,
                  shrink_margin: float = 0.4, start: int = 1,
-                 usage: Callable[[], tuple[float, float, float] | None] | None = None, cpus: int | None = None):
+                 usage: Callable[[], tuple[float, float, float] | None] | None = None, cpus: int | None = None,
+                 switch: SpinSwitch | None = None):
         if max_threads < 1:
             raise ValueError(f"max_threads must be >= 1, got {max_threads}")
         self.max_threads, self.interval = max_threads, interval
@@ -63,21 +64,25 @@ class ThreadSizer:
             usage, cpus = (lambda: cpu_usage(mine)), len(mine)
         self._usage, self.cpus = usage, cpus or 1
         self.current = max(1, min(start, max_threads))
-        self.steps_by_threads: Counter[int] = Counter()     # steps run with each team size
+        self.switch = switch          # "throttle" policy: a busy host throttles the full team's waits instead
+        self.steps_by_threads: Counter[str] = Counter()     # steps run per team ("2", "2 throttled", "1")
         self.others = 0.0                                    # cores other processes used, last window
         self._applied: int | None = None
         self._last = self._usage()
 
     @classmethod
     def for_option(cls, step_threads: int | str | None) -> ThreadSizer | None:
-        """The sizer of `Engine(step_threads=...)`: "auto" (free cores, up to torch's thread count),
-        an int (a fixed team), None (no sizing)."""
+        """The sizer of `Engine(step_threads=...)`: "auto" (torch's thread count, waits throttled while
+        other processes leave fewer cores free), "shrink" (the team sized to the free cores), an int (a
+        fixed team), None (no sizing)."""
         if step_threads is None:
             return None
         if step_threads == "auto":
+            return cls(torch.get_num_threads(), switch=SpinSwitch())
+        if step_threads == "shrink":
             return cls(torch.get_num_threads())
         if isinstance(step_threads, bool) or not isinstance(step_threads, int) or step_threads < 1:
-            raise ValueError(f"step_threads must be 'auto', an int >= 1 or None, got {step_threads!r}")
+            raise ValueError(f"step_threads must be 'auto', 'shrink', an int >= 1 or None, got {step_threads!r}")
         return cls(step_threads, interval=math.inf, start=step_threads)
 
     def threads(self) -> int:
@@ -96,10 +101,20 @@ class ThreadSizer:
         return self.current
 
     def apply(self) -> int:
-        """Size the calling thread's team for its next step; returns the size."""
+        """Size the calling thread's team for its next step (with a switch: throttle its waits while the
+        host is busy, keeping the full team); returns the team size."""
         n = self.threads()
+        throttled = False
+        if self.switch is not None:
+            throttled, n = n < self.max_threads, self.max_threads
+            self.switch.set(throttled)
         if n != self._applied:
             set_thread_team(n)
             self._applied = n
-        self.steps_by_threads[n] += 1
+        self.steps_by_threads[f"{n} throttled" if throttled else str(n)] += 1
         return n
+
+    def close(self) -> None:
+        """Undo the throttling (the engine stopped)."""
+        if self.switch is not None:
+            self.switch.close()
