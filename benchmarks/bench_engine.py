@@ -301,8 +301,8 @@ def main() -> None:
         print(f"\n== neighbours: {condition}", flush=True)
         with Neighbours(condition):
             report[condition] = run_condition(args, models, systems, skip, wl)
-    if args.json:
-        _save(args, described, n_params, wl, report)
+        if args.json:                              # after every condition: a cut-short run keeps what it measured
+            _save(args, described, n_params, wl, report)
     if args.dtype == "float32":
         bad = {(cond, name): n for cond, r in report.items() for name, n in r["identical"].items() if n != r["answers"]}
         if bad:

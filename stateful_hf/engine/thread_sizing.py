@@ -1,19 +1,20 @@
-"""`ThreadSizer`: the OpenMP team the engine's loop thread steps with, sized to the cores other
-processes leave free.
+"""`ThreadSizer`: how the engine's loop thread steps beside other processes.
 
 Why: a step is ~1000 parallel regions (every linear, norm and activation), each ending at a barrier
-that waits for the team's slowest thread. With as many threads as cores and another process busy,
-one team thread is always waiting for a core, so every region waits for the OS to reschedule it
-(a timeslice, milliseconds) and the step collapses; a team of one never waits at a barrier. On this
-2-core host (docs/engine.md) a 12-layer linear stack on 40 rows took 0.19 s with 2 threads and 0.14 s
-with 1 beside the other helpers' load, 2.3 s / 0.33 s beside one busy-looping process.
+that waits for the team's slowest thread. With as many threads as cores and other processes busy, a
+team thread is often waiting for a core; if the waiting threads spin (libgomp's default once the
+caller's pool is released, `openmp.py`) they burn the CPU the late thread needs, and every region
+waits for the OS to reschedule it: the step collapses (docs/engine.md, "Threads on a shared host").
 
 How: every `interval` seconds the busy time of the CPUs this process may run on (/proc/stat) less
-this process's own CPU time gives the cores others used; the team is the free cores, rounded with
-hysteresis (grow when at least `n + 1 - grow_margin` cores are free, shrink below `n - shrink_margin`),
-between 1 and `max_threads`. It starts from `start` threads (1 for "auto": a first step with a full
-team beside busy processes can take seconds, one with a team of one at most a window's worth of
-speed on an idle host). Without /proc/stat (not Linux) it keeps `start`.
+this process's own CPU time gives the cores others used, and the free cores decide, with hysteresis
+(n grows when at least `n + 1 - grow_margin` cores are free, shrinks below `n - shrink_margin`):
+- with a `SpinSwitch` ("auto", the engine's default): the team stays full, and while fewer cores than
+  the team are free its waits are throttled (a waiting worker sleeps after a short spin, giving its core
+  back; the OS wakes it promptly as a thread that slept), spinning again once the cores are free;
+- without ("shrink"): the team is sized to the free cores, between 1 and `max_threads`.
+It starts from `start` (1: "busy", so a first step beside busy processes does not spin). Without
+/proc/stat (not Linux) it keeps `start`.
 """
 
 from __future__ import annotations
