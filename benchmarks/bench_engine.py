@@ -23,6 +23,12 @@ op, as a user's main thread has after loading and warming up a model, so each ru
 Throughput = generated tokens / wall time. TTFT = arrival of a turn -> its first generated token
 (queueing included). `--repeats N` runs (b) and (c) N times in alternating order and prints every
 round's ratio: on a shared machine one pair of runs can swing by 30%. Not run by CI.
+
+`--neighbour quiet,busy:2,bursty` runs the whole comparison once per condition, every system beside
+the same neighbour processes (benchmarks/neighbours.py: busy loops, a bursty second torch server),
+started in fresh interpreters before the condition's first run and stopped after its last.
+`--dtype bfloat16` runs every system in bf16 and reports how many answers agree with (a) instead of
+requiring them to be identical (exactness is promised in float32, where a mismatch fails the run).
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from transformers.generation.streamers import BaseStreamer
 from stateful_hf import Engine, SamplingParams, SessionStore
 from stateful_hf.engine.openmp import release_thread_pool
 
+from .neighbours import Neighbours, parse
 from .threads import hold_main_pool
 
 
@@ -80,31 +87,36 @@ class Result:
     name: str
     wall: float
     generated: int
-    ttft: tuple[float, ...]
+    ttft: dict             # (session, turn) -> seconds from the turn's arrival to its first token
     outputs: dict          # (session, turn) -> generated ids
 
     @property
     def throughput(self) -> float:
         return self.generated / self.wall
 
-    def ttft_p(self, q: float) -> float:
-        return statistics.quantiles(self.ttft, n=100, method="inclusive")[int(q) - 1]
+    def ttft_p(self, q: float, returning: bool = False) -> float:
+        """The q-th percentile TTFT, of every turn or (`returning`) of the turns after the first."""
+        values = [v for (_, t), v in self.ttft.items() if t > 0 or not returning]
+        return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
+
+    def returning_ttft_p90(self) -> float:
+        return self.ttft_p(90, returning=True)
 
 
-def build_model(layers: int, seed: int = 0) -> transformers.LlamaForCausalLM:
+def build_model(layers: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> transformers.LlamaForCausalLM:
     torch.manual_seed(seed)
     cfg = transformers.LlamaConfig(vocab_size=16384, hidden_size=768, intermediate_size=2048, num_hidden_layers=layers,
                                    num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=4096,
                                    tie_word_embeddings=False, eos_token_id=2, bos_token_id=1, pad_token_id=0)
-    model = transformers.LlamaForCausalLM(cfg).eval()
+    model = transformers.LlamaForCausalLM(cfg).eval().to(dtype)
     model.generation_config.eos_token_id = None     # every answer is exactly `new` tokens
     return model
 
 
-def load_named(name: str):
-    """(model, tokenizer) of a named model or path (stateful_hf.models), float32."""
+def load_named(name: str, dtype: torch.dtype = torch.float32):
+    """(model, tokenizer) of a named model or path (stateful_hf.models)."""
     from stateful_hf.models import load
-    model, tokenizer = load(name, dtype=torch.float32)
+    model, tokenizer = load(name, dtype=dtype)
     model.generation_config.eos_token_id = None     # every answer is exactly `new` tokens
     return model, tokenizer
 
@@ -128,7 +140,7 @@ def run_stateless(model, wl: Workload) -> Result:
     conv = {s: [] for s in range(wl.sessions)}
     start = time.perf_counter()
     queue = deque((start, s, 0) for s in range(wl.sessions))
-    ttft, outputs = [], {}
+    ttft, outputs = {}, {}
     with torch.inference_mode():
         while queue:
             arrival, s, t = queue.popleft()
@@ -138,13 +150,13 @@ def run_stateless(model, wl: Workload) -> Result:
             out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=wl.new, min_new_tokens=wl.new,
                                  do_sample=False, pad_token_id=0, streamer=streamer)
             gen = out[0, len(ids):].tolist()
-            ttft.append(streamer.first - arrival)
+            ttft[(s, t)] = streamer.first - arrival
             outputs[(s, t)] = gen
             conv[s] = ids + gen
             if t + 1 < wl.turns:
                 queue.append((time.perf_counter(), s, t + 1))
     wall = time.perf_counter() - start
-    return Result("(a) stateless generate", wall, sum(map(len, outputs.values())), tuple(ttft), outputs)
+    return Result("(a) stateless generate", wall, sum(map(len, outputs.values())), ttft, outputs)
 
 
 def run_transformers_cb(model, wl: Workload, max_batch_tokens: int, page_size: int = 32,
@@ -158,7 +170,7 @@ def run_transformers_cb(model, wl: Workload, max_batch_tokens: int, page_size: i
         raise RuntimeError("no libgomp pool to release: (b+) would be (b)")
     manager.start()
     conv = {s: [] for s in range(wl.sessions)}
-    arrival, first, ttft, outputs = {}, {}, [], {}
+    arrival, first, ttft, outputs = {}, {}, {}, {}
 
     def submit(s: int, t: int) -> None:
         ids = conv[s] + wl.user_tokens(s, t)
@@ -178,7 +190,7 @@ def run_transformers_cb(model, wl: Workload, max_batch_tokens: int, page_size: i
                 raise RuntimeError(f"transformers continuous batching failed: {r.error}")
             if r.request_id not in first and r.generated_tokens:
                 first[r.request_id] = time.perf_counter()
-                ttft.append(first[r.request_id] - arrival[r.request_id])
+                ttft[tuple(map(int, r.request_id.split("-")))] = first[r.request_id] - arrival[r.request_id]
             if r.is_finished():
                 s, t = map(int, r.request_id.split("-"))
                 outputs[(s, t)] = list(r.generated_tokens)
@@ -189,17 +201,17 @@ def run_transformers_cb(model, wl: Workload, max_batch_tokens: int, page_size: i
     finally:
         manager.stop(block=True, timeout=30)
     name = "(b+) CB, pool released" if release_pool else "(b) transformers CB"
-    return Result(name, wall, sum(map(len, outputs.values())), tuple(ttft), outputs)
+    return Result(name, wall, sum(map(len, outputs.values())), ttft, outputs)
 
 
 def run_engine(model, wl: Workload, max_batch_tokens: int, layout: str = "paged",
-               release_openmp_pool: bool = True) -> tuple[Result, Engine]:
+               release_openmp_pool: bool = True, step_threads: int | str | None = "auto") -> tuple[Result, Engine]:
     capacity = wl.sessions * (-(-(wl.max_context + 64) // 32) * 32)   # whole 32-token blocks (and slots)
     store = SessionStore(model, capacity, layout=layout, max_context=wl.max_context + 64)
     engine = Engine(model, store=store, max_batch_tokens=max_batch_tokens, max_num_seqs=wl.sessions,
-                    release_openmp_pool=release_openmp_pool)
+                    release_openmp_pool=release_openmp_pool, step_threads=step_threads)
     params = SamplingParams(max_new_tokens=wl.new, ignore_eos=True)
-    ttft, outputs, errors = [], {}, []
+    ttft, outputs, errors = {}, {}, []
 
     def user(s: int) -> None:
         conv = []
@@ -207,7 +219,7 @@ def run_engine(model, wl: Workload, max_batch_tokens: int, layout: str = "paged"
             for t in range(wl.turns):
                 ids = conv + wl.user_tokens(s, t)
                 out = engine.submit(f"s{s}", ids, params).result()
-                ttft.append(out.metrics.ttft)
+                ttft[(s, t)] = out.metrics.ttft
                 outputs[(s, t)] = list(out.token_ids)
                 conv = ids + outputs[(s, t)]
         except BaseException as e:
@@ -224,7 +236,12 @@ def run_engine(model, wl: Workload, max_batch_tokens: int, layout: str = "paged"
     if errors:
         raise errors[0]
     engine.store.check_integrity()
-    return Result("(c) stateful_hf.Engine", wall, sum(map(len, outputs.values())), tuple(ttft), outputs), engine
+    return Result("(c) stateful_hf.Engine", wall, sum(map(len, outputs.values())), ttft, outputs), engine
+
+
+def engine_threads(value: str) -> int | str | None:
+    """--engine-threads: "auto", "shrink", "none" or an int."""
+    return None if value == "none" else (value if value in ("auto", "shrink") else int(value))
 
 
 def main() -> None:
@@ -237,23 +254,33 @@ def main() -> None:
     ap.add_argument("--model", help="a named model (smollm2-135m-instruct: fetched once; prompts are real text) or a "
                     "path; default: a random-weight Llama of --layers layers")
     ap.add_argument("--layers", type=int, default=12, help="12 layers of hidden 768 = ~100M parameters (no --model)")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--max-batch-tokens", type=int, default=256)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    ap.add_argument("--engine-threads", type=engine_threads, default="auto",
+                    help="Engine(step_threads=...): auto (free cores), an int, or none (torch's setting)")
     ap.add_argument("--skip", default="", help="comma-separated systems to skip: a,b,b+,c")
     ap.add_argument("--layout", choices=("paged", "virtual"), default="paged",
                     help="the engine's device layout: paged blocks, or vAttention's contiguous slots")
+    ap.add_argument("--neighbour", default="quiet",
+                    help="comma-separated conditions, each run in full: quiet, busy:N, bursty[:N], joined by '+' "
+                         "(benchmarks/neighbours.py)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="rounds of (b), (b+) and (c), in rotating order; each system's median-throughput run is "
                          "reported, with the per-round throughput ratios of (c) and their medians")
     ap.add_argument("--json", help="write every figure, the per-round runs and the environment to this file")
     args = ap.parse_args()
+    conditions = [c.strip() for c in args.neighbour.split(",") if c.strip()]
+    for c in conditions:
+        parse(c)                                   # an unknown neighbour fails before any model loads
     if args.threads:
         torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
     skip = set(filter(None, args.skip.split(",")))
     systems = [x for x in ("b", "b+", "c") if x not in skip]
     if args.model:
         from .multiturn.workload import text_ids
-        loaded = {x: load_named(args.model) for x in ["a", *systems]}  # identical weights, one per system
+        loaded = {x: load_named(args.model, dtype) for x in ["a", *systems]}  # identical weights, one per system
         models, tokenizer = {x: m for x, (m, _) in loaded.items()}, loaded["a"][1]
         wl = Workload(args.sessions, args.turns, args.first, args.user, args.new, vocab=tokenizer.vocab_size,
                       text=text_ids(tokenizer))
@@ -261,15 +288,31 @@ def main() -> None:
         described = f"{args.model}, {c.num_hidden_layers} layers, hidden {c.hidden_size}"
     else:
         wl = Workload(args.sessions, args.turns, args.first, args.user, args.new, vocab=16000)
-        models = {x: build_model(args.layers) for x in ["a", *systems]}     # identical weights, one per system
+        models = {x: build_model(args.layers, dtype=dtype) for x in ["a", *systems]}   # identical weights
         described = f"Llama {args.layers} layers, hidden 768, random weights"
     n_params = sum(p.numel() for p in models["a"].parameters())
-    print(f"model: {described}, {n_params / 1e6:.1f}M parameters, float32, {torch.get_num_threads()} torch threads")
+    print(f"model: {described}, {n_params / 1e6:.1f}M parameters, {args.dtype}, {torch.get_num_threads()} torch "
+          f"threads; engine step_threads={args.engine_threads}")
     print(f"workload: {wl}; {wl.sessions * wl.turns} turns, {wl.sessions * wl.turns * wl.new} generated tokens")
-    load_start = os.getloadavg()
-    print("load average at start (1/5/15 min): {:.1f} {:.1f} {:.1f}".format(*load_start))
     with torch.inference_mode():                                  # warm up torch's kernels once
         models["a"].generate(torch.tensor([wl.user_tokens(0, 0)]), max_new_tokens=2, do_sample=False, pad_token_id=0)
+    report = {}
+    for condition in conditions:
+        print(f"\n== neighbours: {condition}", flush=True)
+        with Neighbours(condition):
+            report[condition] = run_condition(args, models, systems, skip, wl)
+        if args.json:                              # after every condition: a cut-short run keeps what it measured
+            _save(args, described, n_params, wl, report)
+    if args.dtype == "float32":
+        bad = {(cond, name): n for cond, r in report.items() for name, n in r["identical"].items() if n != r["answers"]}
+        if bad:
+            raise SystemExit(f"answers differ between systems in float32: {bad}")
+
+
+def run_condition(args, models, systems, skip, wl) -> dict:
+    """Every system under the current neighbours; prints the table, returns the figures."""
+    load_start = os.getloadavg()
+    print("load average at start (1/5/15 min): {:.1f} {:.1f} {:.1f}".format(*load_start))
     results = []
     if "a" not in skip:
         results.append(run_stateless(models["a"], wl))
@@ -280,7 +323,8 @@ def main() -> None:
         for system in systems[r % len(systems):] + systems[:r % len(systems)]:   # rotate: load drift hits all
             hold_main_pool()
             if system == "c":
-                res, engine = run_engine(models[system], wl, args.max_batch_tokens, args.layout)
+                res, engine = run_engine(models[system], wl, args.max_batch_tokens, args.layout,
+                                         step_threads=args.engine_threads)
             else:
                 res = run_transformers_cb(models[system], wl, args.max_batch_tokens, release_pool=system == "b+")
             runs[system].append(res)
@@ -288,50 +332,60 @@ def main() -> None:
     for system in systems:
         ordered = sorted(runs[system], key=lambda x: x.throughput)
         results.append(ordered[len(ordered) // 2])
+    ratios = {}
     for base in ("b", "b+"):
         if args.repeats > 1 and base in runs and "c" in runs:
-            ratios = [c.throughput / b.throughput for b, c in zip(runs[base], runs["c"])]
-            print(f"per-round engine/({base}) throughput: " + ", ".join(f"x{x:.2f}" for x in ratios)
-                  + f"; median x{statistics.median(ratios):.2f}")
+            ratios[base] = [c.throughput / b.throughput for b, c in zip(runs[base], runs["c"], strict=True)]
+            print(f"per-round engine/({base}) throughput: " + ", ".join(f"x{x:.2f}" for x in ratios[base])
+                  + f"; median x{statistics.median(ratios[base]):.2f}")
     # Systems run one after another: on a shared machine, other processes change the CPU they get.
     load_end = os.getloadavg()
     print("load average at end (1/5/15 min): {:.1f} {:.1f} {:.1f}".format(*load_end))
-    print(f"\n{'system':<28}{'wall s':>8}{'tok/s':>8}{'TTFT p50':>10}{'TTFT p90':>10}")
+    print(f"\n{'system':<28}{'wall s':>8}{'tok/s':>8}{'TTFT p50':>10}{'TTFT p90':>10}{'ret. p90':>10}")
     for r in results:
-        print(f"{r.name:<28}{r.wall:8.1f}{r.throughput:8.2f}{r.ttft_p(50):10.2f}{r.ttft_p(90):10.2f}")
+        print(f"{r.name:<28}{r.wall:8.1f}{r.throughput:8.2f}{r.ttft_p(50):10.2f}{r.ttft_p(90):10.2f}"
+              f"{r.returning_ttft_p90():10.2f}")
+    reference = results[0]                  # (a) if it ran: the oracle; else the first system
+    identical = {r.name: sum(r.outputs[k] == reference.outputs[k] for k in reference.outputs) for r in results[1:]}
+    for r in results[1:]:
+        print(f"answers of {r.name} identical to {reference.name}'s: {identical[r.name]}/{len(reference.outputs)}")
     if engine is not None:
         c = results[-1]
         for r in results[:-1]:
-            same = sum(r.outputs[k] == c.outputs[k] for k in c.outputs)
             print(f"engine vs {r.name}: throughput x{c.throughput / r.throughput:.2f}, "
-                  f"TTFT p50 x{r.ttft_p(50) / c.ttft_p(50):.2f} lower, p90 x{r.ttft_p(90) / c.ttft_p(90):.2f} lower; "
-                  f"identical answers {same}/{len(c.outputs)}")
+                  f"TTFT p50 x{r.ttft_p(50) / c.ttft_p(50):.2f} lower, p90 x{r.ttft_p(90) / c.ttft_p(90):.2f} lower, "
+                  f"returning turns' p90 x{r.returning_ttft_p90() / c.returning_ttft_p90():.2f}"
+                  " lower")
         st = engine.stats()
+        sizer = engine.thread_sizer
         print(f"engine: {st.steps} steps, mean {st.mean_batch_tokens:.1f} rows/step, prompt rows {st.prompt_tokens}, "
-              f"recomputed {st.recomputed_tokens}, occupancy {st.mean_occupancy:.0%}")
-    if args.json:
-        _save(args, described, n_params, wl, results, runs, load_start, load_end)
+              f"recomputed {st.recomputed_tokens}, occupancy {st.mean_occupancy:.0%}"
+              + (f", steps by team size {dict(sorted(sizer.steps_by_threads.items()))}" if sizer else ""))
+    return {"load_start": load_start, "load_end": load_end, "median_runs": [_figures(r, wl) for r in results],
+            "rounds": {x: [_figures(r, wl) for r in rs] for x, rs in runs.items()},
+            "engine_over": {b: {"per_round": v, "median": statistics.median(v)} for b, v in ratios.items()},
+            "identical": identical, "reference": reference.name, "answers": len(reference.outputs),
+            "engine_steps_by_threads": dict(engine.thread_sizer.steps_by_threads)
+            if engine is not None and engine.thread_sizer else None}
 
 
-def _figures(r: Result) -> dict:
+def _figures(r: Result, wl: Workload) -> dict:
     return {"name": r.name, "wall_s": r.wall, "generated": r.generated, "tok_per_s": r.throughput,
-            "ttft_p50_s": r.ttft_p(50), "ttft_p90_s": r.ttft_p(90)}
+            "ttft_p50_s": r.ttft_p(50), "ttft_p90_s": r.ttft_p(90),
+            "returning_ttft_p90_s": r.returning_ttft_p90()}
 
 
-def _save(args, described, n_params, wl, results, runs, load_start, load_end) -> None:
+def _save(args, described, n_params, wl, report) -> None:
     import json
     import platform
     import sys
-    final = results[-1]
     out = {"command": "python -m benchmarks.bench_engine " + " ".join(sys.argv[1:]),
-           "model": described, "parameters": n_params, "torch": torch.__version__,
-           "threads": torch.get_num_threads(), "processor": platform.processor() or platform.machine(),
-           "cpus": os.cpu_count(), "load_start": load_start, "load_end": load_end,
+           "model": described, "parameters": n_params, "dtype": args.dtype, "torch": torch.__version__,
+           "transformers": transformers.__version__, "threads": torch.get_num_threads(),
+           "engine_threads": args.engine_threads, "processor": platform.processor() or platform.machine(),
+           "cpus": os.cpu_count(),
            "workload": {k: getattr(wl, k) for k in ("sessions", "turns", "first", "user", "new")},
-           "median_runs": [_figures(r) for r in results],
-           "rounds": {x: [_figures(r) for r in rs] for x, rs in runs.items()},
-           "identical_answers": {r.name: sum(r.outputs[k] == final.outputs[k] for k in final.outputs)
-                                 for r in results[:-1]}, "answers": len(final.outputs)}
+           "conditions": report}
     with open(args.json, "w") as f:
         json.dump(out, f, indent=1)
 

@@ -147,7 +147,7 @@ def test_failed_turn_is_rolled_back_and_later_sends_work(demo_url):
     greedy = SamplingParams(max_new_tokens=MAX_NEW)
     engine.chat_submit("x", first, greedy).result()
     assert msgs[3] == ("assistant", engine.chat_submit("x", second, greedy).result().text)
-    assert msgs[1] == ("assistant", engine._chats["x"][1]["content"])
+    assert msgs[1] == ("assistant", engine.conversation("x")[1]["content"])
     engine.stop()
     # Retry has its own temperature: at 0 it repeats the greedy reply; above 0 it samples another one
     again, *_ = client.predict(MAX_NEW, 0.0, api_name="/retry")

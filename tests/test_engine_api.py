@@ -87,7 +87,7 @@ def test_chat_keeps_the_conversation_and_reuses_it(make_engine):
         ids = list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"])
         reply = "".join(engine.chat("c", msg, params))
         assert reply == tok.decode(expected(oracle, ids, 8), skip_special_tokens=True)
-        last = engine._last_chat["c"].result()
+        last = engine.chats.last("c").result()
         if i:
             assert last.metrics.reused_tokens > 0
     conv = engine.conversation("c")

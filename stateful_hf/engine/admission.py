@@ -56,3 +56,27 @@ def refusal(store, layerwise: LayerwisePolicy | None, r: Request) -> CapacityErr
         f"{what}, {new} of them new, even with layer-wise KV: keeping {kept} of {layerwise.num_layers} layers on "
         f"the device (x_min = {x_min}) takes {on_device} of the {device} device blocks, and the rest needs host "
         f"slots ({host} in the host pool). Raise device_capacity or host_capacity")
+
+
+# ---- failures while scheduling (the pools are taken by others and nothing more can be freed) ----
+
+def no_device_room(r: Request, need: int, avail: int, block_size: int, layerwise: bool, more: bool) -> CapacityError:
+    """`r` needs `need` (`more`: further) device blocks and only `avail` can be made available."""
+    hint = "" if layerwise else (
+        ", or serve it with layerwise_kv=True (layers that do not fit on the device live on the host tier)")
+    return CapacityError(f"request {r.request_id} (session {r.session_id!r}) needs {need} {'more ' if more else ''}"
+                         f"device blocks of {block_size} tokens and only {avail} can be made available; raise "
+                         "device_capacity" + hint)
+
+
+def no_host_slots(r: Request) -> CapacityError:
+    return CapacityError(
+        f"request {r.request_id} (session {r.session_id!r}) needs host slots for its layer-wise KV and the "
+        "host tier has none left for it (the other running requests hold them); raise host_capacity")
+
+
+def no_layered_fit(r: Request, host_avail: int) -> CapacityError:
+    return CapacityError(
+        f"request {r.request_id} (session {r.session_id!r}) does not fit even with layer-wise KV allocation: its "
+        f"prompt needs more host slots ({host_avail} available) or more device blocks for its x_min kept layers "
+        "than can be made available; raise host_capacity or device_capacity")

@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import TYPE_CHECKING
 
+from .loop import StepLoop
 from .request import RequestOutput
-
-if TYPE_CHECKING:
-    from .engine import Engine
 
 
 class RequestFailed(RuntimeError):
@@ -24,14 +21,15 @@ class RequestHandle:
     """Published to by the engine's stepping thread; read from any thread.
 
     If the engine has no background loop running, waiting on a handle drives the engine's steps
-    in the calling thread (so `submit(...).result()` works without `start()`).
+    in the calling thread (so `submit(...).result()` works without `start()`). Collaborators: the
+    engine's `loop` (its condition guards this handle's published state) and `cancel(request_id)`.
     """
 
-    def __init__(self, engine: Engine, request_id: int, session_id: str):
-        self._engine = engine
+    def __init__(self, request_id: int, session_id: str, loop: StepLoop, cancel: Callable[[int], None]):
         self.request_id = request_id
         self.session_id = session_id
-        self._cv = engine._cv                 # the engine's condition: notified after every step
+        self._loop, self._cancel = loop, cancel
+        self._cv = loop.cv                    # the engine's condition: notified after every step
         self._tokens: list[int] = []
         self._text = ""
         self._stable = 0                      # chars of _text that may be streamed
@@ -43,7 +41,9 @@ class RequestHandle:
 
     # ---- engine side ----------------------------------------------------------------------------
 
-    def _publish(self, tokens: list[int], text: str, stable: int, output: RequestOutput | None = None) -> None:
+    def publish(self, tokens: list[int], text: str, stable: int, output: RequestOutput | None = None) -> None:
+        """The engine's stepping thread: the tokens and text so far (`stable` chars may be streamed);
+        `output` once the request has ended. The only writer of this handle's state."""
         with self._cv:
             self._tokens, self._text, self._stable = list(tokens), text, stable
             if output is not None:
@@ -56,12 +56,21 @@ class RequestHandle:
     def done(self) -> bool:
         return self._output is not None
 
+    def snapshot(self) -> tuple[list[int], str, RequestOutput | None]:
+        """(tokens so far, the stable text so far, the final output or None), read consistently."""
+        with self._cv:
+            return list(self._tokens), self._text[:self._stable], self._output
+
     def cancel(self) -> None:
         """Ask the engine to stop this request after the current step (no-op if already done)."""
-        self._engine._cancel(self.request_id)
+        self._cancel(self.request_id)
 
-    def _wait(self, pred: Callable[[], bool], timeout: float | None = None) -> None:
-        self._engine._wait_until(pred, timeout)
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the request ends (never raises for its failure). Returns whether it has ended."""
+        return self._wait(lambda: self._output is not None, timeout)
+
+    def _wait(self, pred: Callable[[], bool], timeout: float | None = None) -> bool:
+        return self._loop.wait_until(pred, timeout)
 
     def result(self, timeout: float | None = None) -> RequestOutput:
         """Block until the request ends. Raises RequestFailed if it failed; a cancelled request returns
@@ -112,11 +121,11 @@ class RequestHandle:
     # ---- asyncio --------------------------------------------------------------------------------
 
     async def aresult(self) -> RequestOutput:
-        self._engine.start()
+        self._loop.start()
         return await asyncio.to_thread(self.result)
 
     async def __aiter__(self) -> AsyncIterator[int]:
-        self._engine.start()
+        self._loop.start()
         seen = 0
         while True:
             new, done = await asyncio.to_thread(self._next, "tokens", seen)
@@ -127,7 +136,7 @@ class RequestHandle:
                 return
 
     async def atext_deltas(self) -> AsyncIterator[str]:
-        self._engine.start()
+        self._loop.start()
         seen = 0
         while True:
             new, done = await asyncio.to_thread(self._next, "text", seen)

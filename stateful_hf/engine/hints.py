@@ -161,23 +161,3 @@ class Prefetcher:
                 return "unknown session"
             h.moved_chunks += 1
             h.moved_tokens += s.chunk_len(k, bs)
-
-
-class HintMixin:
-    """`Engine.hint`: needs `store` and `scheduler`."""
-
-    @property
-    def hints(self) -> Prefetcher:
-        p = self.__dict__.get("_prefetcher")
-        if p is None:
-            p = self.__dict__.setdefault("_prefetcher", Prefetcher(self))
-        return p
-
-    def hint(self, session_id: str, expected_arrival: float | None = None, priority: int | None = None) -> Hint:
-        """Tell the engine that `session_id` will send a turn soon (e.g. its user started typing;
-        `expected_arrival` in seconds if known; higher `priority` is served first). Its host and disk
-        chunks start moving up to the device in the background (hidden-state chunks are rebuilt there).
-        Returns at once with a `Hint` you may `cancel()` or `wait()` for. Harmless if no request
-        follows: prefetched chunks stay evictable, and only free device blocks above the admission
-        reserve are used."""
-        return self.hints.hint(session_id, expected_arrival, priority)

@@ -21,14 +21,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from ..cache import ChunkState, CostProfile, StoreError
 from ..cache.residue_blocks import blocks_at_most
 from .request import Request, RequestStatus
-
-if TYPE_CHECKING:
-    from .scheduler import WorkItem
+from .work_item import WorkItem, next_item, whole_item
 
 
 def check_min_kept_layers(value, num_layers: int) -> int | None:
@@ -90,6 +87,18 @@ class LayerwisePolicy:
         return None
 
 
+def measured_policy(model, store, min_kept_layers: int | None) -> LayerwisePolicy:
+    """LayerKV's policy with this machine's costs: the device -> host bandwidth of one layer's blocks
+    and the prefill time model Σ Cost(context) of the store's cost profile (measured if it has none)."""
+    from ..profile import measure_cost_profile, measure_offload_bandwidth
+
+    spec = store.spec
+    profile = getattr(store.policy, "profile", None) or measure_cost_profile(model, spec)
+    layer_bytes = spec.bytes_per_token // spec.num_layers        # K + V of one layer, one token
+    return LayerwisePolicy(spec.num_layers, layer_bytes, measure_offload_bandwidth(store.device_pool), profile,
+                           spec.block_size, min_kept_layers)
+
+
 def held_blocks(store, session_id: str) -> float:
     """Device blocks a session holds: whole blocks of DEVICE chunks, 1/f of a block per residue block."""
     s = store.session(session_id)
@@ -100,19 +109,38 @@ def held_blocks(store, session_id: str) -> float:
 
 residue_blocks = blocks_at_most      # the store's bound (cache/residue_blocks.py)
 
-
 class LayerwiseScheduling:
-    """The scheduler's layer-wise methods (a mixin of Scheduler; `self.layerwise` is the policy)."""
-    # provided by Scheduler: store, config, running, slo, layerwise, _needs, _length
+    """The scheduler's layer-wise decisions, a part the Scheduler composes. Collaborators: the store
+    (chunks are moved to the host and kept layers offloaded through it), the policy (`layerwise`;
+    its counters are written here), the scheduler's config and SLO policy, its `running` list (read
+    only), and `chunks_to_place(r, item, length=None) -> ChunkNeeds(fills, copies, in_place)`, the
+    store's answer (`KVStore.chunk_needs`) for the chunks an item places. Mutates requests' keep
+    `factor` only (in `push_down`)."""
 
-    def _layer_factor(self, r: Request, keep: int, held: int, room: int, host_avail: int) -> int | None:
+    def __init__(self, store, layerwise: LayerwisePolicy, config, slo, running: list[Request],
+                 chunks_to_place: Callable):
+        self.store, self.layerwise, self.config, self.slo = store, layerwise, config, slo
+        self.running, self._chunks_to_place = running, chunks_to_place
+
+    def _length(self, r: Request) -> int:
+        return self.store.session(r.session_id).num_tokens
+
+    def host_needed(self, r: Request, item: WorkItem) -> int:
+        """Host slots a layer-wise item's fills take (0 for an item keeping all layers)."""
+        return 0 if item.factor == 1 else len(self._chunks_to_place(r, item)[0])
+
+    def host_left(self, taken: int) -> int:
+        """Host slots a step could still fill: the store's available ones less `taken` by this pass."""
+        return self.store.available_host_blocks() - taken
+
+    def layer_factor(self, r: Request, keep: int, held: int, room: int, host_avail: int) -> int | None:
         """Keep factor for admitting `r` (its whole remaining prompt + one block of decode growth
         weighed against `room` blocks): 1 if all layers fit, else the most layers that fit with
         x >= x_min and host room for the rest, else None."""
         bs, lw = self.store.block_size, self.layerwise
         rows = len(r.pending) + len(r.missing)
-        whole = self._whole_item(r, keep)
-        fills, swaps, in_place = self._needs(r, whole, keep)
+        whole = whole_item(r, keep)
+        fills, swaps, in_place = self._chunks_to_place(r, whole, keep)
         growth = 1 if (keep + len(r.pending)) % bs == 0 else 0     # the first decode token opens a chunk
         if len(fills) + growth + len(swaps) + len(in_place) + held <= room:
             return 1
@@ -133,17 +161,17 @@ class LayerwiseScheduling:
                                 "host")
             except StoreError:     # no host room after all (or the session just turned busy): wait
                 return None
-            return self._layer_factor(r, keep, 0, room, host_avail - held)
+            return self.layer_factor(r, keep, 0, room, host_avail - held)
         if factor is not None:
             lw.layered_admissions += 1
         return factor
 
-    def _future_blocks(self, r: Request, item: WorkItem) -> int:
+    def future_blocks(self, r: Request, item: WorkItem) -> int:
         """Device blocks r's prefill will still take after `item` (at its keep factor)."""
         rest = len(r.pending) + len(r.missing) - item.num_tokens
         return residue_blocks(r.factor, -(-max(rest, 0) // self.store.block_size))
 
-    def _committed(self, items: list[WorkItem]) -> int:
+    def committed(self, items: list[WorkItem]) -> int:
         """Blocks the running prefills will take after this step's items: not free for admissions."""
         mine = {it.request.request_id: it for it in items}
         total = 0
@@ -154,11 +182,7 @@ class LayerwiseScheduling:
                 total += residue_blocks(q.factor, -(-rest // self.store.block_size))
         return total
 
-    def _host_left(self, taken: int) -> int:
-        """Host slots a step could still fill: the store's available ones less `taken` by this pass."""
-        return self.store.available_host_blocks() - taken
-
-    def _future_host(self, r: Request, item: WorkItem) -> int:
+    def future_host(self, r: Request, item: WorkItem) -> int:
         """Host slots r's layer-wise turn will still fill after `item`: its remaining prompt chunks and
         the chunk its first decode token may open (0 for a request keeping all layers)."""
         if r.factor == 1:
@@ -166,7 +190,7 @@ class LayerwiseScheduling:
         rest = len(r.pending) + len(r.missing) - item.num_tokens
         return -(-max(rest, 0) // self.store.block_size) + 1
 
-    def _host_committed(self, items: list[WorkItem]) -> int:
+    def host_committed(self, items: list[WorkItem]) -> int:
         """Host slots the running layer-wise requests will still fill after this step's items: not
         free for admissions (as `_committed` is for device blocks)."""
         mine = {it.request.request_id: it for it in items}
@@ -179,7 +203,7 @@ class LayerwiseScheduling:
             total += -(-max(rest, 0) // self.store.block_size) + 1
         return total
 
-    def _trim_to_host(self, r: Request, item: WorkItem, slots: int) -> WorkItem | None:
+    def trim_to_host(self, r: Request, item: WorkItem, slots: int) -> WorkItem | None:
         """`item` cut to the rows whose new chunks fit in `slots` host slots (None if no row does):
         rows up to the next chunk boundary need none, each further chunk one."""
         if item.recompute or slots < 0:
@@ -188,12 +212,12 @@ class LayerwiseScheduling:
         rows = (-item.start) % bs + slots * bs
         if rows <= 0:
             return None
-        cut = self._item(r, min(rows, len(item.new_ids)), item.start)
-        if cut is None or self._host_needed(r, replace(cut, factor=item.factor)) > slots:
+        cut = next_item(r, min(rows, len(item.new_ids)), item.start, self.store)
+        if cut is None or self.host_needed(r, replace(cut, factor=item.factor)) > slots:
             return None
         return replace(cut, factor=item.factor)
 
-    def _push_down(self, q: Request, full: bool) -> int:
+    def push_down(self, q: Request, full: bool) -> int:
         """Push a running request's kept layers (and with `full` its device chunks) to the host; its
         later chunks keep no layer on the device. Returns blocks freed."""
         freed = self.store.offload_layers(q.session_id, full=full)
@@ -202,7 +226,7 @@ class LayerwiseScheduling:
         self.layerwise.pushed_blocks += freed
         return freed
 
-    def _project(self, avail: int, reserve: int) -> None:
+    def project(self, avail: int, reserve: int) -> None:
         """Eq. 5 over `horizon` steps: F = avail + R (blocks of requests predicted to finish) − A
         (blocks the running requests will take). While F < reserve, push down the kept layers of
         the most recently admitted layer-wise requests."""
@@ -224,4 +248,4 @@ class LayerwiseScheduling:
             if projected >= reserve:
                 break
             if any(c.residue_block is not None for c in self.store.session(q.session_id).chunks):
-                projected += self._push_down(q, full=False)
+                projected += self.push_down(q, full=False)

@@ -1,50 +1,64 @@
-"""Torch's OpenMP worker pools when steps run on a background thread.
+"""Torch's OpenMP worker pools when steps run on a background thread, through threadpoolctl.
 
 libgomp (torch's OpenMP runtime on Linux) gives each thread that starts a parallel region its own
 pool of workers and keeps it until that thread exits. While the process holds more OpenMP threads
 than it has CPUs, libgomp cuts the spin before a waiting worker sleeps from ~300k iterations to
 100 ("throttled"), so every one of the hundreds of parallel regions in a step pays a futex wake-up.
 The engine's loop is exactly such a second pool: the thread that built and warmed up the model
-(usually the main one) still holds its idle workers. On 2 cores a [21, 768] x [768, 2048] linear
-took ~620 us on a background thread against ~410 us on the main thread, and ~400 us on the
-background thread once the main thread's pool was released (benchmarks/bench_engine.py reports
-the effect on whole steps).
+(usually the main one) still holds its idle workers.
 
 `release_thread_pool()` frees the calling thread's idle workers through OpenMP 5.0's
 `omp_pause_resource_all(omp_pause_soft)`; libgomp pauses only the caller's pool and refuses inside a
 parallel region. The thread gets a new pool the next time it runs a parallel region. Other OpenMP
 runtimes (Intel's, LLVM's) pause every thread of the process and are left alone.
+
+`set_thread_team(n)` sets the OpenMP team size of the calling thread only (`omp_set_num_threads`
+is a per-thread setting in libgomp; torch's parallel ops and its GEMMs size their teams from it):
+the engine's loop sizes its own team to the free cores (`thread_sizing.py`) without touching the
+threads of the process that called it.
+
+threadpoolctl finds the OpenMP library torch loaded and sets team sizes; the pause, which it does not
+offer, is called on the library handle it found.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import os
+import threading
 
 import torch
+from threadpoolctl import ThreadpoolController
 
 OMP_PAUSE_SOFT = 1
 
 
 @functools.cache
-def _libgomp() -> ctypes.CDLL | None:
-    """The libgomp torch loaded (found in this process's mappings), or None."""
+def _openmp():
+    """threadpoolctl's controllers of the OpenMP libraries in this process (libgomp first), or None
+    when torch's parallel backend is not OpenMP."""
     if "ATen parallel backend: OpenMP" not in torch.__config__.parallel_info():
         return None
-    try:
-        with open("/proc/self/maps") as f:
-            paths = {line.split()[-1] for line in f if "/libgomp" in line}
-    except OSError:                  # not Linux
+    controllers = ThreadpoolController().select(user_api="openmp").lib_controllers
+    return sorted(controllers, key=lambda c: "libgomp" not in c.filepath) or None
+
+
+@functools.cache
+def _libgomp() -> ctypes.CDLL | None:
+    """The libgomp torch loaded, with `omp_pause_resource_all`, as a ctypes library; or None."""
+    libs = _openmp()
+    if not libs or "libgomp" not in libs[0].filepath:
         return None
-    for path in sorted(paths):
-        if os.path.basename(path).startswith("libgomp"):
-            lib = ctypes.CDLL(path)
-            if hasattr(lib, "omp_pause_resource_all"):
-                lib.omp_pause_resource_all.argtypes = [ctypes.c_int]
-                lib.omp_pause_resource_all.restype = ctypes.c_int
-                return lib
-    return None
+    fn = getattr(libs[0].dynlib, "omp_pause_resource_all", None)
+    if fn is None:
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+    return libs[0].dynlib
+
+
+def can_release() -> bool:
+    """Whether `release_thread_pool` can work here (torch runs on a libgomp with the OpenMP 5.0 pause)."""
+    return _libgomp() is not None
 
 
 def release_thread_pool() -> bool:
@@ -52,3 +66,65 @@ def release_thread_pool() -> bool:
     torch does not run on libgomp, or the caller is inside a parallel region)."""
     lib = _libgomp()
     return lib is not None and lib.omp_pause_resource_all(OMP_PAUSE_SOFT) == 0
+
+
+def set_thread_team(n: int) -> bool:
+    """Parallel regions the calling thread starts from now on use `n` threads (itself included).
+    Other threads keep their own setting. Returns False when torch does not run on OpenMP."""
+    libs = _openmp()
+    if not libs:
+        return False
+    for lib in libs:
+        lib.set_num_threads(n)
+    return True
+
+
+class SpinSwitch:
+    """Switches how the OpenMP workers of this process wait at a barrier, at run time: spinning
+    (~300k iterations before sleeping: fastest on cores the process has to itself) or throttled
+    (100 iterations, then a futex sleep: a waiting worker gives its core back at once, and the OS
+    wakes it promptly as a thread that slept). libgomp throttles every waiter while the process holds
+    more OpenMP threads than CPUs; this switch holds or frees an idle pool (a "ballast") on a parked
+    thread of its own to cross that line. Owns that thread; `close()` ends it."""
+
+    def __init__(self):
+        self._cv = threading.Condition()
+        self._want: bool | None = None          # True: throttled (ballast held); None: nothing asked
+        self._closing = False
+        self.throttled = False
+        self._thread: threading.Thread | None = None
+
+    def set(self, throttled: bool) -> None:
+        """Ask for throttled (True) or spinning (False) waits; applied on the switch's thread soon."""
+        if throttled == self.throttled and self._want is None:
+            return
+        with self._cv:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="stateful-hf-omp-ballast", daemon=True)
+                self._thread.start()
+            self._want = throttled
+            self._cv.notify_all()
+
+    def close(self) -> None:
+        """Free the ballast (spinning waits again) and end the switch's thread."""
+        with self._cv:
+            self._closing, self._want = True, False
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(5)
+            self._thread = None
+
+    def _run(self) -> None:
+        ballast = torch.ones(512, 512)
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._want is not None)
+                want, self._want = self._want, None
+                closing = self._closing
+            if want and not self.throttled:
+                ballast @ ballast                 # a parallel region: this thread now holds a pool
+                self.throttled = True
+            elif not want and self.throttled:
+                self.throttled = not release_thread_pool()
+            if closing:
+                return

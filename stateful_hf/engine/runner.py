@@ -16,7 +16,7 @@ import torch
 from ..cache import StepBatch
 from ..integration import run_step
 from .sampling import sample, token_logprobs
-from .scheduler import WorkItem
+from .work_item import WorkItem
 
 
 @dataclass(frozen=True, slots=True)

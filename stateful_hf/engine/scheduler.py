@@ -19,9 +19,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from ..cache import CapacityError, ChunkState, KVStore, SessionBusyError
+from .admission import no_device_room, no_host_slots, no_layered_fit
 from .layer_offload import LayerwisePolicy, LayerwiseScheduling
 from .request import Request, RequestStatus
 from .slo import SloPolicy, prefill_rows
+from .work_item import WorkItem, next_item, whole_item
 
 _RESIDENT = (ChunkState.DEVICE, ChunkState.LAYERED)     # chunks a step reads in place
 
@@ -39,29 +41,7 @@ class SchedulerConfig:
             raise ValueError(f"reserve_fraction must be in [0, 1), got {self.reserve_fraction}")
 
 
-@dataclass(frozen=True, slots=True)
-class WorkItem:
-    """One request's rows in a step: recomputed history positions (whole chunks, ascending), then new
-    ids appended at positions start .. start + len(new_ids) - 1. One store entry."""
-
-    request: Request
-    recompute: tuple[int, ...]
-    recompute_ids: tuple[int, ...]
-    new_ids: tuple[int, ...]
-    start: int                         # session length before the step
-    needs_logits: bool                 # the last row is the last pending token: sample after it
-    factor: int = 1                    # keep factor of the chunks it fills (layerwise_kv; 1: all layers)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.recompute) + len(self.new_ids)
-
-    def entry(self) -> tuple[str, list[int], list[int]]:
-        pos = list(self.recompute) + list(range(self.start, self.start + len(self.new_ids)))
-        return self.request.session_id, list(self.recompute_ids) + list(self.new_ids), pos
-
-
-class Scheduler(LayerwiseScheduling):
+class Scheduler:
     def __init__(self, store: KVStore, config: SchedulerConfig, max_positions: int,
                  slo: SloPolicy | None = None, layerwise: LayerwisePolicy | None = None):
         if config.max_batch_tokens < store.block_size:
@@ -72,6 +52,9 @@ class Scheduler(LayerwiseScheduling):
         self.waiting: list[Request] = []    # WAITING and SUSPENDED, by arrival
         self.running: list[Request] = []    # RUNNING, by arrival
         self.finished: list[Request] = []   # ended since the engine last drained them
+        # the layer-wise part (layer_offload.py); it reads `running`, which is never rebound
+        self.layered = LayerwiseScheduling(store, layerwise, config, slo, self.running, self._needs) \
+            if layerwise is not None else None
         self._released = 0                  # device blocks the last _admit's failure made available
 
     # ---- queue ----------------------------------------------------------------------------------
@@ -107,10 +90,6 @@ class Scheduler(LayerwiseScheduling):
         self.finish(r, RequestStatus.FAILED, "error", error)
         return max(self.store.available_blocks() - before, 0)
 
-    def _layerwise_hint(self) -> str:
-        return "" if self.layerwise is not None else (
-            ", or serve it with layerwise_kv=True (layers that do not fit on the device live on the host tier)")
-
     def reap_cancelled(self) -> None:
         for r in [r for r in self.running + self.waiting if r.cancel_requested]:
             self.finish(r, RequestStatus.CANCELLED, "cancelled")
@@ -122,7 +101,7 @@ class Scheduler(LayerwiseScheduling):
         budget = self.config.max_batch_tokens
         reserve = math.ceil(self.config.reserve_fraction * self.store.device_pool.num_blocks)
         if self.layerwise is not None:
-            self._project(self.store.available_blocks(), reserve)
+            self.layered.project(self.store.available_blocks(), reserve)
         avail = self.store.available_blocks()
         host_taken = 0                 # host slots this pass's items fill (push-downs take theirs at once)
         items: list[WorkItem] = []
@@ -142,24 +121,22 @@ class Scheduler(LayerwiseScheduling):
                 for q in reversed(self.running[i + 1:]):
                     if need <= avail:
                         break
-                    avail += self._push_down(q, full=True)
+                    avail += self.layered.push_down(q, full=True)
                 if need > avail and r.factor != 0:
-                    avail += self._push_down(r, full=True)
+                    avail += self.layered.push_down(r, full=True)
                     item = replace(item, factor=0)
                     need = self._blocks_needed(r, item)
             while need > avail and self.running[-1] is not r:
                 avail += self._suspend(self.running[-1])
             if need > avail:
                 if i == 0:             # what it held counts for the requests after it in this pass
-                    avail += self._fail(r, CapacityError(
-                        f"request {r.request_id} (session {r.session_id!r}) needs {need} more device blocks of "
-                        f"{self.store.block_size} tokens and only {avail} can be made available; raise "
-                        "device_capacity" + self._layerwise_hint()))
+                    avail += self._fail(r, no_device_room(r, need, avail, self.store.block_size,
+                                                          self.layerwise is not None, more=True))
                 else:
                     avail += self._suspend(r)
                 continue
             if item.factor != 1 and self._host_needed(r, item) > self._host_left(host_taken):
-                item = self._trim_to_host(r, item, self._host_left(host_taken))
+                item = self.layered.trim_to_host(r, item, self._host_left(host_taken))
                 if item is None:       # waits for host slots; its device blocks stay unspent
                     starved.append(r)
                     i += 1
@@ -174,13 +151,11 @@ class Scheduler(LayerwiseScheduling):
             i += 1
         if starved and not items:      # no one can move: the oldest starved request fails alone
             r = starved[0]
-            avail += self._fail(r, CapacityError(
-                f"request {r.request_id} (session {r.session_id!r}) needs host slots for its layer-wise KV and the "
-                "host tier has none left for it (the other running requests hold them); raise host_capacity"))
+            avail += self._fail(r, no_host_slots(r))
         # (2) admission, FCFS, while more than the reserve stays available and (SLO policy) the
         # admitted prefills' predicted seconds fit in min_i slack_i of the running decodes.
-        committed = self._committed(items) if self.layerwise is not None else 0
-        host_committed = self._host_committed(items) if self.layerwise is not None else 0
+        committed = self.layered.committed(items) if self.layerwise is not None else 0
+        host_committed = self.layered.host_committed(items) if self.layerwise is not None else 0
         allowance = self.slo.allowance(self.running) if self.slo is not None else math.inf
         for r in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
@@ -201,8 +176,8 @@ class Scheduler(LayerwiseScheduling):
             avail -= blocks
             host_taken += self._host_needed(r, item)
             if self.layerwise is not None:
-                committed += self._future_blocks(r, item)
-                host_committed += self._future_host(r, item)
+                committed += self.layered.future_blocks(r, item)
+                host_committed += self.layered.future_host(r, item)
             allowance -= cost
             budget -= item.num_tokens
             items.append(item)
@@ -235,15 +210,11 @@ class Scheduler(LayerwiseScheduling):
         if item is None:
             return None
         if self.layerwise is not None:
-            factor = self._layer_factor(r, keep, held, avail - committed - (0 if first and not self.running
+            factor = self.layered.layer_factor(r, keep, held, avail - committed - (0 if first and not self.running
                                                                             else reserve), host_avail)
             if factor is None:
                 if first and not self.running:
-                    self._released += self._fail(r, CapacityError(
-                        f"request {r.request_id} (session {r.session_id!r}) does not fit even with layer-wise KV "
-                        f"allocation: its prompt needs more host slots ({host_avail} available) or more device "
-                        "blocks for its x_min kept layers than can be made available; raise host_capacity or "
-                        "device_capacity"))
+                    self._released += self._fail(r, no_layered_fit(r, host_avail))
                     return False
                 return None
             r.factor = factor
@@ -259,10 +230,8 @@ class Scheduler(LayerwiseScheduling):
                 return None
         if need + held > avail or (need + held > avail - reserve and not (first and not self.running)):
             if first and not self.running and need + held > avail:
-                self._released += self._fail(r, CapacityError(
-                    f"request {r.request_id} (session {r.session_id!r}) needs {need + held} device blocks of "
-                    f"{store.block_size} tokens; only {avail} can be made available: raise device_capacity"
-                    + self._layerwise_hint()))
+                self._released += self._fail(r, no_device_room(r, need + held, avail, store.block_size,
+                                                               self.layerwise is not None, more=False))
                 return False
             return None
         if r.status is RequestStatus.WAITING:
@@ -291,39 +260,24 @@ class Scheduler(LayerwiseScheduling):
         return freed
 
     def _item(self, r: Request, budget: int, length: int) -> WorkItem | None:
-        """The next rows of `r` within `budget` tokens: whole missing chunks first; new ids only once
-        nothing before them is missing. None if nothing fits."""
-        bs = self.store.block_size
-        recompute: list[int] = []
-        for k in sorted({p // bs for p in r.missing}):
-            chunk = [p for p in r.missing if p // bs == k]
-            if len(recompute) + len(chunk) > budget:
-                break
-            recompute += chunk
-        new: list[int] = []
-        if len(recompute) == len(r.missing):
-            new = r.pending[: budget - len(recompute)]
-        if not recompute and not new:
-            return None
-        history = self.store.session(r.session_id).token_ids
-        return WorkItem(r, tuple(recompute), tuple(history[p] for p in recompute), tuple(new), length,
-                        needs_logits=bool(new) and len(new) == len(r.pending), factor=r.factor)
+        return next_item(r, budget, length, self.store)
 
     def _blocks_needed(self, r: Request, item: WorkItem, length: int | None = None) -> int:
         """Device blocks the store must give this item: chunks up to its last row that are not on the
         device (chunks past the history `length` are new or will be cut, so they count). A layer-wise
-        item (factor != 1) fills its chunks with residue blocks, ceil(n / f) blocks at most, and reads host
-        chunks in place."""
+        item (factor != 1) fills its chunks with residue blocks, ceil(n / f) blocks at most, and reads
+        host chunks in place."""
         return self.store.blocks_needed(r.session_id, self._end(item), length=self._length(r) if length is None
                                         else length, factor=item.factor)
 
     def _whole_item(self, r: Request, keep: int) -> WorkItem:
-        """All of r's remaining rows as one item at keep factor 0 (so host chunks count as in place)."""
-        return WorkItem(r, tuple(r.missing), (), tuple(r.pending), keep, False, factor=0)
+        return whole_item(r, keep)
+
+    def _host_left(self, taken: int) -> int:
+        return self.layered.host_left(taken) if self.layered is not None else 0
 
     def _host_needed(self, r: Request, item: WorkItem) -> int:
-        """Host slots a layer-wise item's fills take (0 for an item keeping all layers)."""
-        return 0 if item.factor == 1 else len(self._needs(r, item).fills)
+        return self.layered.host_needed(r, item) if self.layered is not None else 0
 
     def _needs(self, r: Request, item: WorkItem, length: int | None = None):
         """The store's ChunkNeeds of the item: (chunks it fills, copies up, reads in place)."""

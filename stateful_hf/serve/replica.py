@@ -75,7 +75,7 @@ class StreamHub:
         self._thread.join(timeout=5)
 
     def _run(self) -> None:
-        cv = self.engine._cv
+        cv = self.engine.condition
         while not self._closed:
             with self._lock:
                 streams = list(self._streams)
@@ -94,12 +94,12 @@ class StreamHub:
     @staticmethod
     def _collect(streams):
         out = []
-        for st in streams:      # the handle's published state (RequestHandle._publish), read under engine._cv
-            h = st.handle
-            key = (len(h._tokens), h._stable, h._output is not None)
+        for st in streams:      # the handle's published state (RequestHandle.publish), read under engine.condition
+            tokens, text, output = st.handle.snapshot()
+            key = (len(tokens), len(text), output is not None)
             if key != st.seen:
                 st.seen = key
-                out.append((st, (list(h._tokens), h._text[:h._stable], h._output)))
+                out.append((st, (tokens, text, output)))
         return out
 
     @staticmethod
@@ -238,11 +238,7 @@ class Replica:
 
     def _when_done(self, handle, fn) -> None:
         """Call fn(output) when the request has ended (now, if it has)."""
-        with self.engine._cv:
-            if not handle.done:
-                self.engine._on_finish[handle.request_id] = fn
-                return
-        fn(handle.output())
+        self.engine.requests.when_finished(handle, fn)
 
     # ---- hints and migration --------------------------------------------------------------------
 

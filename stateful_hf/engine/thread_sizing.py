@@ -1,0 +1,121 @@
+"""`ThreadSizer`: how the engine's loop thread steps beside other processes.
+
+Why: a step is ~1000 parallel regions (every linear, norm and activation), each ending at a barrier
+that waits for the team's slowest thread. With as many threads as cores and other processes busy, a
+team thread is often waiting for a core; if the waiting threads spin (libgomp's default once the
+caller's pool is released, `openmp.py`) they burn the CPU the late thread needs, and every region
+waits for the OS to reschedule it: the step collapses (docs/engine.md, "Threads on a shared host").
+
+How: every `interval` seconds the busy time of the CPUs this process may run on (/proc/stat) less
+this process's own CPU time gives the cores others used, and the free cores decide, with hysteresis
+(n grows when at least `n + 1 - grow_margin` cores are free, shrinks below `n - shrink_margin`):
+- with a `SpinSwitch` ("auto", the engine's default): the team stays full, and while fewer cores than
+  the team are free its waits are throttled (a waiting worker sleeps after a short spin, giving its core
+  back; the OS wakes it promptly as a thread that slept), spinning again once the cores are free;
+- without ("shrink"): the team is sized to the free cores, between 1 and `max_threads`.
+It starts from `start` (1: "busy", so a first step beside busy processes does not spin). Without
+/proc/stat (not Linux) it keeps `start`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+
+from .openmp import SpinSwitch, set_thread_team
+
+
+def cpu_usage(cpus: list[int]) -> tuple[float, float, float] | None:
+    """(monotonic s, busy CPU s of `cpus` since boot, this process's CPU s), or None without /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    wanted = {f"cpu{c}" for c in cpus}
+    busy = 0
+    for line in lines:
+        fields = line.split()
+        if fields and fields[0] in wanted:
+            values = list(map(int, fields[1:9]))      # user nice system idle iowait irq softirq steal
+            busy += sum(values) - values[3] - values[4]
+    return time.monotonic(), busy / os.sysconf("SC_CLK_TCK"), time.process_time()
+
+
+class ThreadSizer:
+    """Owns the loop thread's team size. `apply()` is called on the loop thread before each step.
+    `usage` (default: `cpu_usage` of the CPUs this process may run on) returns (monotonic s, busy
+    CPU s of those CPUs, this process's CPU s), or None when unknown; `cpus` is how many there are."""
+
+    def __init__(self, max_threads: int, interval: float = 0.25, grow_margin: float = 0.2,
+                 shrink_margin: float = 0.4, start: int = 1,
+                 usage: Callable[[], tuple[float, float, float] | None] | None = None, cpus: int | None = None,
+                 switch: SpinSwitch | None = None):
+        if max_threads < 1:
+            raise ValueError(f"max_threads must be >= 1, got {max_threads}")
+        self.max_threads, self.interval = max_threads, interval
+        self.grow_margin, self.shrink_margin = grow_margin, shrink_margin
+        if usage is None:
+            mine = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+            usage, cpus = (lambda: cpu_usage(mine)), len(mine)
+        self._usage, self.cpus = usage, cpus or 1
+        self.current = max(1, min(start, max_threads))
+        self.switch = switch          # "throttle" policy: a busy host throttles the full team's waits instead
+        self.steps_by_threads: Counter[str] = Counter()     # steps run per team ("2", "2 throttled", "1")
+        self.others = 0.0                                    # cores other processes used, last window
+        self._applied: int | None = None
+        self._last = self._usage()
+
+    @classmethod
+    def for_option(cls, step_threads: int | str | None) -> ThreadSizer | None:
+        """The sizer of `Engine(step_threads=...)`: "auto" (torch's thread count, waits throttled while
+        other processes leave fewer cores free), "shrink" (the team sized to the free cores), an int (a
+        fixed team), None (no sizing)."""
+        if step_threads is None:
+            return None
+        if step_threads == "auto":
+            return cls(torch.get_num_threads(), switch=SpinSwitch())
+        if step_threads == "shrink":
+            return cls(torch.get_num_threads())
+        if isinstance(step_threads, bool) or not isinstance(step_threads, int) or step_threads < 1:
+            raise ValueError(f"step_threads must be 'auto', 'shrink', an int >= 1 or None, got {step_threads!r}")
+        return cls(step_threads, interval=math.inf, start=step_threads)
+
+    def threads(self) -> int:
+        """The team size for the next step (re-decided at most every `interval` seconds)."""
+        if self._last is None:
+            return self.current
+        if time.monotonic() - self._last[0] >= self.interval:
+            sample = self._usage()
+            wall, busy, own = (b - a for a, b in zip(self._last, sample, strict=True))
+            self._last = sample
+            self.others = max(0.0, (busy - own) / wall) if wall > 0 else self.others
+            free = self.cpus - self.others
+            grow, shrink = math.floor(free + self.grow_margin), math.floor(free + self.shrink_margin)
+            n = grow if grow > self.current else (shrink if shrink < self.current else self.current)
+            self.current = max(1, min(self.max_threads, n))
+        return self.current
+
+    def apply(self) -> int:
+        """Size the calling thread's team for its next step (with a switch: throttle its waits while the
+        host is busy, keeping the full team); returns the team size."""
+        n = self.threads()
+        throttled = False
+        if self.switch is not None:
+            throttled, n = n < self.max_threads, self.max_threads
+            self.switch.set(throttled)
+        if n != self._applied:
+            set_thread_team(n)
+            self._applied = n
+        self.steps_by_threads[f"{n} throttled" if throttled else str(n)] += 1
+        return n
+
+    def close(self) -> None:
+        """Undo the throttling (the engine stopped)."""
+        if self.switch is not None:
+            self.switch.close()

@@ -1,0 +1,98 @@
+"""The engine's loop sizes its OpenMP team to the cores other processes leave free (thread_sizing.py)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from conftest import FAMILIES
+
+from stateful_hf import Engine, SamplingParams
+from stateful_hf.engine import openmp
+from stateful_hf.engine.thread_sizing import ThreadSizer
+
+
+def scripted(others: list[float], cpus: int = 2) -> list[int]:
+    """Team sizes a sizer picks when other processes use `others[i]` cores in window i of one second
+    (this process uses 0.7 cores throughout, which must not count)."""
+    samples = [(float(i), sum(others[:i]) + 0.7 * i, 0.7 * i) for i in range(len(others) + 1)]
+    feed = iter(samples)
+    sizer = ThreadSizer(max_threads=2, interval=0.0, usage=lambda: next(feed), cpus=cpus)
+    assert sizer.current == 1                       # starts small: a full team beside busy work can take seconds
+    return [sizer.threads() for _ in others]
+
+
+def test_team_follows_free_cores_with_hysteresis():
+    # idle host -> 2; a busy neighbour (1 core) -> 1; 0.3 core of noise does not grow it back (< 2 - 0.2 free);
+    # once others use < 0.2 cores it grows again; 0.5 cores shrink it (free 1.5 < 2 - 0.4).
+    assert scripted([0.0, 1.0, 0.3, 0.1, 0.5, 1.9, 0.0]) == [2, 1, 1, 2, 1, 1, 2]
+
+
+def test_fixed_and_invalid_options():
+    assert ThreadSizer.for_option(None) is None
+    fixed = ThreadSizer.for_option(3)
+    assert fixed.current == 3 and fixed.threads() == 3 and fixed.max_threads == 3
+    assert ThreadSizer.for_option("auto").switch is not None and ThreadSizer.for_option("shrink").switch is None
+    for bad in (0, -1, True, "two", 1.5):
+        with pytest.raises(ValueError, match="step_threads"):
+            ThreadSizer.for_option(bad)
+    with pytest.raises(ValueError, match="step_threads"):
+        Engine(FAMILIES["llama"](), device_capacity=256, chunk_size=16, step_threads="many")
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2 or not openmp.set_thread_team(torch.get_num_threads()),
+                    reason="needs torch on OpenMP with >= 2 threads")
+def test_apply_sizes_only_the_calling_threads_team():
+    main = torch.get_num_threads()
+    seen = {}
+
+    def loop():
+        ThreadSizer(main, start=1).apply()
+        seen["loop"] = torch.get_num_threads()
+
+    th = threading.Thread(target=loop)
+    th.start()
+    th.join()
+    assert seen["loop"] == 1 and torch.get_num_threads() == main
+
+
+def test_engine_with_a_sized_loop_stays_exact():
+    model = FAMILIES["llama"]()
+    ids = [5, 9, 13, 7, 22, 31, 4]
+    with torch.inference_mode():
+        ref = model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)[0, len(ids):].tolist()
+    for threads in ("auto", "shrink", 1, None):
+        with Engine(model, device_capacity=256, chunk_size=16, step_threads=threads) as engine:
+            out = engine.submit("s", ids, SamplingParams(max_new_tokens=6, ignore_eos=True)).result()
+        assert list(out.token_ids) == ref
+        engine.store.check_integrity()
+        if threads is not None:
+            assert sum(engine.thread_sizer.steps_by_threads.values()) == engine.stats().steps
+
+
+@pytest.mark.skipif(not openmp.can_release() or torch.get_num_threads() < 2, reason="needs libgomp and >= 2 threads")
+def test_spin_switch_holds_and_frees_a_ballast_pool():
+    import os
+    import time
+
+    def threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    switch = openmp.SpinSwitch()
+    switch.set(True)
+    deadline = time.monotonic() + 10
+    while not switch.throttled and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert switch.throttled
+    held = threads()                              # the switch's thread and its pool's worker
+    switch.set(False)
+    deadline = time.monotonic() + 10
+    while switch.throttled and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not switch.throttled and threads() == held - 1
+    switch.close()
+    deadline = time.monotonic() + 10
+    while threads() != held - 2 and time.monotonic() < deadline:     # the OS thread exits just after join
+        time.sleep(0.01)
+    assert threads() == held - 2
