@@ -18,6 +18,7 @@ from ..integration import check_input_ids
 from ..session_store import SessionStore
 from . import frontends
 from .admission import refusal
+from .engine_stats import EngineStats, StepTotals
 from .frontends import Conversations
 from .handle import RequestHandle
 from .hints import Hint, Prefetcher
@@ -30,7 +31,6 @@ from .runner import ModelRunner, StepRecord
 from .sampling import SamplingParams, eos_ids, make_generator
 from .scheduler import Scheduler, SchedulerConfig
 from .slo import SloPolicy, check_slo
-from .stats import EngineStats, StepTotals
 from .text import OutputText
 from .thread_sizing import ThreadSizer
 
@@ -44,7 +44,7 @@ class Engine:
     ttft_slo / tpot_slo: seconds, or None (the default: admission as without them). Per-request
     metrics and `stats()` report violations; with `tpot_slo`, queued prefills are admitted only while
     their predicted prefill time fits in the running decodes' smallest slack (LayerKV, `slo.py`).
-    layerwise_kv: LayerKV's layer-wise KV allocation (`layerwise.py`): a prefill that does not fit
+    layerwise_kv: LayerKV's layer-wise KV allocation (`cache/layered_chunks.py`): a prefill that does not fit
     with all layers on the device is admitted keeping x >= x_min evenly spaced layers there and the
     rest on the host tier (`host_capacity`, required when the engine makes its store); running
     requests' layers are pushed down to the host when free blocks run short. min_kept_layers: x_min
