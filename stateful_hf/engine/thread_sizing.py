@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -68,7 +69,7 @@ class ThreadSizer:
         self.switch = switch          # "throttle" policy: a busy host throttles the full team's waits instead
         self.steps_by_threads: Counter[str] = Counter()     # steps run per team ("2", "2 throttled", "1")
         self.others = 0.0                                    # cores other processes used, last window
-        self._applied: int | None = None
+        self._applied = threading.local()     # .n: the team size set on that thread (a per-thread ICV)
         self._last = self._usage()
 
     @classmethod
@@ -109,9 +110,12 @@ class ThreadSizer:
         if self.switch is not None:
             throttled, n = n < self.max_threads, self.max_threads
             self.switch.set(throttled)
-        if n != self._applied:
+        if getattr(self._applied, "n", None) != n:
+            # torch initialises a thread's team lazily, on its first call there, to torch.set_num_threads'
+            # value (ParallelOpenMP.cpp): run that first, or it would undo this setting later
+            torch.get_num_threads()
             set_thread_team(n)
-            self._applied = n
+            self._applied.n = n
         self.steps_by_threads[f"{n} throttled" if throttled else str(n)] += 1
         return n
 
