@@ -48,8 +48,10 @@ def checkout(rev: str) -> tuple[str, Path]:
 
 def figures(bench: str, out: dict) -> dict[str, float]:
     """The comparable numbers of one run's JSON: name -> value."""
-    if bench == "bench_engine":
-        return {f"{r['name']} {k}": r[k] for r in out["median_runs"] for k in ("tok_per_s", "ttft_p50_s", "ttft_p90_s")}
+    if bench == "bench_engine":     # one condition (older JSON: top level; newer: "conditions" by neighbour)
+        cond = out if "median_runs" in out else next(iter(out["conditions"].values()))
+        keys = ("tok_per_s", "ttft_p50_s", "ttft_p90_s")
+        return {f"{r['name']} {k}": r[k] for r in cond["median_runs"] for k in keys}
     if bench == "bench_tiers":
         return {f"N={row['tokens']} {k} s": v for row in out["rows"] for k, v in row.items() if k != "tokens"}
     raise SystemExit(f"no figure extraction for {bench}: add it to benchmarks/ab.py")
