@@ -181,10 +181,6 @@ class KVStore:
         return self.hidden.spec
 
     @property
-    def hidden_mode(self) -> str:
-        return self.hidden.mode
-
-    @property
     def project(self) -> Projector | None:
         return self.hidden.project
 

@@ -52,8 +52,7 @@ class RequestRegistry:
         """End a request that was never queued, with `error` on its handle."""
         r.status, r.finish_reason, r.error, r.finished_at = RequestStatus.FAILED, "error", error, time.monotonic()
         with self.cv:
-            if not self._active[r.session_id]:
-                del self._active[r.session_id]
+            if not self._active[r.session_id]:      # a Counter read inserts nothing
                 self._idle(r.session_id)
         handle.publish([], "", 0, output(r))
         return handle
