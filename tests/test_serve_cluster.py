@@ -251,3 +251,52 @@ def test_export_hidden_state_chunks_is_exact():
     ids = _ids(tok, msgs)
     nxt = b.submit("h", ids, SamplingParams(max_new_tokens=N)).result()
     assert list(nxt.token_ids) == _stateless(model, ids, N) and nxt.metrics.recomputed_tokens == 0
+
+
+def test_prefix_affinity_routes_shared_prompts_to_their_replica():
+    """Requests whose KV is nowhere (no session id, or a new session) go to the replica that served
+    the longest prefix of their prompt in their scope, which reuses the shared chunks; exact. Another
+    cache_salt does not match; an overloaded holder of the prefix is passed over."""
+    router, model = _cluster(), tiny_llama()
+    system = [(7 * i) % 90 + 3 for i in range(80)]           # 2 full 32-token blocks and a bit
+
+    async def main():
+        first = await _turn(router, None, system + [11, 12, 13])
+        at = router.names.index(first["replica"])
+        router.assigned[at] += 5                              # without affinity the other replica is next
+        for sid, tail in [(None, [14, 15]), ("carol", [16, 17, 18])]:
+            ids = system + tail
+            out = await _turn(router, sid, ids)
+            assert out["replica"] == first["replica"] and out["reused_tokens"] >= 64
+            assert out["token_ids"] == _stateless(model, ids, N)
+        assert router.stats["prefix_routed"] == 2
+        salted = []
+        async for ev in router.stream(None, system + [19], SamplingParams(max_new_tokens=N), cache_salt="s"):
+            salted.append(ev)
+        assert salted[-1]["replica"] != first["replica"] and salted[-1]["reused_tokens"] == 0
+        router.load[at] += router.overload_slack + 1          # the prefix's replica is busy
+        ids = system + [20, 21]
+        out = await _turn(router, None, ids)
+        router.load[at] -= router.overload_slack + 1
+        assert out["replica"] != first["replica"] and out["token_ids"] == _stateless(model, ids, N)
+        assert router.stats["prefix_affinity_overridden"] == 1
+        for i in range(2):
+            _store(router, i).check_integrity()
+        await router.shutdown()
+
+    asyncio.run(main())
+
+
+def test_prefix_affinity_keys_and_capacity():
+    from stateful_hf.serve.prefix_affinity import PrefixAffinity
+    a = PrefixAffinity(block_tokens=4, max_blocks=3, capacity=4)
+    k = a.keys(list(range(14)), "t", None)
+    assert len(k) == 3 and a.keys(list(range(14)), "u", None)[0] != k[0]
+    assert a.keys(list(range(12)) + [99], "t", None) == k                 # only full blocks count
+    assert a.lookup(k) == (None, 0)
+    a.record(k[:2], 1)
+    assert a.lookup(k) == (1, 2) and a.lookup(a.keys([0, 1, 2, 9, 4], "t", None)) == (None, 0)
+    a.record(a.keys(list(range(100, 112)), "t", None), 0)                # 3 more keys: the oldest leaves
+    assert len(a) == 4 and a.lookup(k) == (1, 2)                          # looked up last: kept
+    with pytest.raises(ValueError):
+        PrefixAffinity(block_tokens=0)

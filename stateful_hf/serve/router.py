@@ -8,6 +8,10 @@
   moving the session's KV there off the critical path: the holder exports it (history + stored
   chunks of every tier), the target imports it onto its device, the holder forgets it. The hinted
   request then goes to the target; if it arrives mid-migration it waits for the migration.
+- A request with no KV of its own anywhere (no session id, or a session's first turn) goes to the
+  replica that last served the longest prefix of its prompt in its scope (`prefix_affinity.py`), where
+  the replica's prefix sharing reuses it, under the same soft rule (`overload_slack`); else to the
+  least-loaded replica.
 - Turns of one session never run on two replicas at once: while one is in flight the next goes to
   the same replica (where the engine's busy rule applies), and a migration waits for it to end.
 
@@ -24,7 +28,9 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator
 
+from ..cache.tenant import DEFAULT_TENANT, split_key
 from .exposition import merge, render
+from .prefix_affinity import PrefixAffinity
 from .protocol import APIError
 from .replica import Replica
 from .router_metrics import RouterMetrics
@@ -76,12 +82,14 @@ class LocalClient:
 
 
 class Router:
-    def __init__(self, clients: list, overload_slack: int = 2, hint_ttl: float = 60.0):
+    def __init__(self, clients: list, overload_slack: int = 2, hint_ttl: float = 60.0,
+                 affinity: PrefixAffinity | None = None):
         if not clients:
             raise ValueError("a router needs at least one replica")
         self.clients, self.overload_slack, self.hint_ttl = list(clients), overload_slack, hint_ttl
         n = len(self.clients)
         self.location: dict[str, int] = {}        # session -> replica holding its KV
+        self.affinity = affinity or PrefixAffinity()   # prompt prefix -> replica that served it
         self.planned: dict[str, int] = {}         # hinted session -> replica its next request goes to
         self._plan_expiry: dict[str, float] = {}  # ... until then (a hint whose request never came)
         self.migrations: dict[str, asyncio.Task] = {}
@@ -111,24 +119,36 @@ class Router:
         key = lambda i: (self.load[i] + self.expected[i], self.assigned[i], i != prefer, i)
         return min(range(len(self.clients)), key=key)
 
-    def _route(self, sid: str | None) -> tuple[int, bool]:
-        """(replica, whether the session's KV must be pulled there first)."""
+    def _route(self, sid: str | None, keys: list[int]) -> tuple[int, bool]:
+        """(replica, whether the session's KV must be pulled there first). `keys`: the prompt's
+        prefix keys (`PrefixAffinity.keys`), used when the session's KV is nowhere."""
         self._expire_plans()
-        if sid is None:
-            return self._least_loaded(), False
+        if sid is None or (sid not in self._running and sid not in self.planned and sid not in self.location):
+            return self._by_prefix(keys), False
         if sid in self._running:                  # a turn of it is in flight: same replica
             return self._running[sid][0], False
         if sid in self.planned:
             i = self._unplan(sid)
             return i, self.location.get(sid, i) != i
-        holder = self.location.get(sid)
+        holder = self.location[sid]
         least = self._least_loaded(prefer=holder)
-        if holder is None:
-            return least, False
         if self.load[holder] - self.load[least] > self.overload_slack:
             self.stats["affinity_overridden"] += 1
             return least, True
         return holder, False
+
+    def _by_prefix(self, keys: list[int]) -> int:
+        """The replica holding the longest prefix of the prompt, unless it has more than
+        `overload_slack` more requests in flight than the least-loaded one; else the least-loaded."""
+        at, _ = self.affinity.lookup(keys)
+        least = self._least_loaded(prefer=at)
+        if at is None or at == least:
+            return least
+        if self.load[at] - self.load[least] > self.overload_slack:
+            self.stats["prefix_affinity_overridden"] += 1
+            return least
+        self.stats["prefix_routed"] += 1
+        return at
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -151,7 +171,9 @@ class Router:
         if sid is not None and sid in self.migrations:
             await asyncio.shield(self.migrations[sid])             # mid-migration: wait, don't recompute
         self.metrics.arrived(sid)
-        i, pull = self._route(sid)
+        keys = self.affinity.keys(prompt, (tenant or DEFAULT_TENANT) if sid is None else split_key(sid)[0], cache_salt)
+        i, pull = self._route(sid, keys)
+        self.affinity.record(keys, i)
         if pull:
             await asyncio.shield(self._start_migration(sid, i))    # no hint came: pull at arrival
         self.load[i] += 1
