@@ -28,6 +28,7 @@ from .errors import CapacityError
 from .hidden_states import StepHidden
 from .hidden_tier import HiddenTier
 from .layered_chunks import LayeredChunks
+from .page_mapper import PageMapper
 from .placement import Placement
 from .residue_blocks import check_factor
 from .session import HIDDEN_FORMS, Chunk, ChunkState, Session, TurnStats
@@ -37,7 +38,6 @@ from .step import StepBatch, StepEntry
 from .swap_in import SwapIn
 from .tier_pools import TierPools
 from .transfer import Transfer
-from .virtual import PageMapper
 
 DEVICE, DROPPED, HOST, LAYERED = ChunkState.DEVICE, ChunkState.DROPPED, ChunkState.HOST, ChunkState.LAYERED
 DISK = ChunkState.DISK

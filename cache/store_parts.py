@@ -22,6 +22,7 @@ from .hidden_tier import HiddenTier
 from .history import History
 from .layered_chunks import LayeredChunks
 from .moves import MoveLedger
+from .page_mapper import PageMapper
 from .placement import Placement
 from .policy import DEFAULT_POLICY, EvictionPolicy, make_policy
 from .prefix_sharing import PrefixSharing
@@ -33,7 +34,6 @@ from .step_planner import StepPlanner
 from .swap_in import SwapIn
 from .tier_pools import TierPools, open_pools
 from .transfer import Transfer, emulate_from_env
-from .virtual import PageMapper
 
 
 @dataclass(frozen=True, slots=True)
