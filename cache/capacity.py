@@ -57,7 +57,8 @@ class Capacity:
     def device_slots(self) -> int | None:
         """Virtual layout: device slots that busy sessions could still get, the free ones plus those
         held by idle sessions (which a step takes by moving them down). None for the paged layout,
-        where only blocks count."""
+        where only blocks count. Admitting a turn costs one: its session either claims a slot or
+        keeps the one it holds out of reach."""
         if self.layout != "virtual":
             return None
         pool = self.tiers.device

@@ -117,14 +117,12 @@ class KVStore:
             return [s.session_id for s in self.sessions if not s.retained]
 
     def tenant_usage(self) -> dict[str, TenantUsage]:
-        """Per tenant (`tenant.py`: the tenant is part of the session key): sessions, history tokens,
-        and tokens whose KV is stored in some tier."""
+        """Per tenant (`tenant.py`): sessions, history tokens, tokens stored in some tier."""
         with self.lock:
             return self.history.tenant_usage()
 
     def delete(self, session_id: str, keep_shared: bool = False) -> None:
-        """Forget the session and free what only it holds; `keep_shared` (the engine's throwaway
-        sessions) keeps a shared prefix it alone holds, as a retained session (`History.delete`)."""
+        """Forget the session and free what only it holds (`keep_shared`: see `History.delete`)."""
         with self.lock:
             self.history.delete(self.sessions.get(session_id), keep_shared)
             self.disk_state.sync()
@@ -146,9 +144,7 @@ class KVStore:
                 self.maintain()
 
     def begin_turn(self, session_id: str, prompt: Sequence[int], cache_salt: str | None = None) -> TurnStats:
-        """A turn of the leased session starts with `prompt` (the whole conversation's ids): adopt the
-        shared prefix, cut the history to the common prefix (at least one token short), prove disk
-        chunks, restart `last_turn` (`History.begin_turn`; the store is the one writer of last_turn)."""
+        """A turn of the leased session starts with `prompt`, the whole conversation (`History.begin_turn`)."""
         with self.lock:
             turn = self.history.begin_turn(self.sessions.get(session_id), prompt, cache_salt)
             self.disk_state.sync()
@@ -160,9 +156,7 @@ class KVStore:
             self.planner.add_generated(self.sessions.get(session_id), n)
 
     def adopt_prefix(self, session_id: str, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
-        """The idle session takes the indexed chunks of the longest shared prefix of the prompt
-        `token_ids` (before a turn: the engine's scheduler sizes it so); returns the tokens gained
-        (`History.adopt`). ValueError: a `cache_salt` other than the session's."""
+        """The idle session takes the shared prefix of the prompt `token_ids`; the tokens gained (`History.adopt`)."""
         with self.lock:
             return self.history.adopt(self.sessions.get(session_id), token_ids, cache_salt)
 
@@ -179,8 +173,7 @@ class KVStore:
             return cut
 
     def missing_positions(self, session_id: str, cut: int | None = None) -> list[int]:
-        """History positions whose KV is stored nowhere (DROPPED): a step must recompute them;
-        with `cut`, as they will be after `truncate(session_id, cut)` (`History.missing_positions`)."""
+        """History positions a step must recompute, as after a cut to `cut` (`History.missing_positions`)."""
         with self.lock:
             return self.history.missing_positions(self.sessions.get(session_id), cut)
 
@@ -193,8 +186,8 @@ class KVStore:
 
     def plan_step(self, requests: Sequence[tuple[str, Sequence[int], Sequence[int]]],
                   factors: Sequence[int] | None = None) -> StepBatch:
-        """Reserve device blocks for one forward step and describe it: `requests` are (session_id,
-        token_ids, positions), at most one per session; the contract is `StepPlanner.plan`'s."""
+        """Reserve device blocks for one forward step of (session_id, token_ids, positions) requests
+        and describe it; the contract is `StepPlanner.plan`'s."""
         with self.lock:
             step = self.planner.plan(requests, factors)
             self.disk_state.sync()
@@ -211,8 +204,7 @@ class KVStore:
             self.planner.abort(step)
 
     def chunk_needs(self, session_id: str, end: int, *, length: int | None = None, factor: int = 1) -> ChunkNeeds:
-        """What a step of the session whose rows reach position `end` - 1 must do with each chunk below
-        it, the history cut to `length` tokens (default: as it is): `ChunkNeeds` (`chunk_needs.needs`)."""
+        """What a step of the session up to row `end` - 1 does with each chunk (`chunk_needs.needs`)."""
         with self.lock:
             return self.capacity.chunk_needs(self.sessions.get(session_id), end, length, factor)
 
@@ -227,28 +219,22 @@ class KVStore:
             return self.capacity.residue_blocks_needed(factor, n_chunks)
 
     def offload_layers(self, session_id: str, full: bool = False) -> int:
-        """LayerKV's push-down for a running request when projected free device blocks run short: its
-        LAYERED chunks' kept layers go to their host slots (residues given back); with `full`, its
-        DEVICE chunks too (their KV moves to host slots and later steps read it in place). Returns
-        device blocks freed. A no-op on a store without layerwise_kv."""
+        """LayerKV's push-down for a running request; device blocks freed (`LayeredChunks.offload`)."""
         with self.lock:
             return self.layered.offload(self.sessions.get(session_id), full)
 
     # ---- movement (relocation.py, placement.py) and capacity (capacity.py) -------------------------
 
     def move(self, session_id: str, chunks: Iterable[int], tier: str, reason: str = "explicit") -> None:
-        """Move chosen chunks of an idle session to `tier` ("device", "host", "hidden", "disk",
-        "dropped"): an operator and test hook (the rules: `Relocation.move`). `reason` labels the
-        moves in `self.moves` (moves.REASONS)."""
+        """Move chosen chunks of an idle session to `tier` ("device", "host", "hidden", "disk", "dropped"),
+        labelled `reason` in `self.moves` (moves.REASONS); the rules: `Relocation.move`."""
         target, chunks = target_state(tier), chunk_indices(chunks)
         with self.lock, self.placement.moving(reason):
             self.relocation.move(self.sessions.get(session_id), chunks, target)
             self.disk_state.sync()
 
     def evict(self, session_id: str) -> int:
-        """Move the session's device chunks one tier down (host if present, else dropped); returns
-        the device blocks freed. Allowed on a busy session: the engine suspends a running request
-        this way when decoding runs out of blocks, keeping the session's lease."""
+        """The session's device chunks one tier down, also when busy; device blocks freed (`Relocation.evict`)."""
         with self.lock, self.placement.moving("evict"):
             freed = self.relocation.evict(self.sessions.get(session_id))
             self.disk_state.sync()
@@ -265,8 +251,7 @@ class KVStore:
             return self.capacity.host_blocks()
 
     def available_slots(self) -> int | None:
-        """Virtual layout: device slots busy sessions could still get (`Capacity.device_slots`); None
-        for the paged layout. Admitting a turn costs one: its session claims a slot or keeps its own."""
+        """Virtual layout: device slots busy sessions could still get; None if paged (`Capacity.device_slots`)."""
         with self.lock:
             return self.capacity.device_slots()
 

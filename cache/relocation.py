@@ -100,8 +100,10 @@ class Relocation:
             self.transfer.synchronize()
 
     def evict(self, s: Session) -> int:
-        """`KVStore.evict`: the device chunks of `s` (not those a busy co-holder runs on) one tier down,
-        its layered chunks settled to the host, its cached shadows freed. Returns device blocks freed."""
+        """`KVStore.evict`: the device chunks of `s` (not those a busy co-holder runs on) one tier down
+        (host if present, else dropped), its layered chunks settled to the host, its cached shadows
+        freed. Returns device blocks freed. Allowed on a busy session: the engine suspends a running
+        request this way when decoding runs out of blocks, keeping the session's lease."""
         freed = self.layered.settle(s)
         items = [(s, k) for k, c in enumerate(s.chunks) if c.state is DEVICE
                  and all(h is s or not h.busy for h in self.tiers.sharing.holders(s, k))]
