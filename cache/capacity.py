@@ -8,14 +8,40 @@ chunks. Mutates nothing. Every method runs with the store lock held.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from .chunk_needs import ChunkNeeds, needs
 from .layered_chunks import LayeredChunks
+from .prefix_sharing import PrefixSharing
 from .residue_blocks import blocks_at_most
 from .session import ChunkState, Session
 from .session_table import SessionTable
 from .tier_pools import TierPools
 
 DEVICE, HOST = ChunkState.DEVICE, ChunkState.HOST
+NO_EXCLUDE: frozenset[str] = frozenset()
+
+
+def count_chunks(sessions: Iterable[Session], state: ChunkState, sharing: PrefixSharing, *, shadows: bool,
+                 idle_only: bool) -> int:
+    """Chunk objects of `sessions` in `state` (with `shadows`, also HOST/HIDDEN chunks cached on the
+    device), a shared chunk once; with `idle_only`, only those no busy session holds. One pass, a set
+    only for chunks with several holders: this runs every step (`StepPlanner.plan`, and the engine
+    scheduler's `available_blocks`)."""
+    n, seen = 0, set()
+    for s in sessions:
+        if idle_only and s.busy:      # its private chunks are busy, its shared ones have a busy holder
+            continue
+        for c in s.chunks:
+            if c.state is not state and (not shadows or c.shadow is None):
+                continue
+            e = c.entry
+            if e is None or len(e.holders) == 1:        # held by `s` alone
+                n += 1
+            elif id(c) not in seen:
+                seen.add(id(c))
+                n += not idle_only or sharing.free_to_move(c, NO_EXCLUDE)
+    return n
 
 
 class Capacity:
@@ -41,18 +67,15 @@ class Capacity:
     def device_blocks(self) -> int:
         """Free device blocks, plus idle sessions' cached shadows and DEVICE chunks (which `plan_step`
         moves down). Busy sessions' blocks do not count."""
-        idle = sum(1 for s, _, c in self.sharing.physical(self.sessions)
-                   if (c.state is DEVICE or c.shadow is not None) and not s.busy
-                   and self.sharing.free_to_move(c, set()))
-        return self.tiers.device.num_free + idle
+        return self.tiers.device.num_free + count_chunks(self.sessions, DEVICE, self.sharing, shadows=True,
+                                                         idle_only=True)
 
     def host_blocks(self) -> int:
         """Free host slots plus idle sessions' HOST chunks (which move down to make room); 0 without a host tier."""
         if self.tiers.host is None:
             return 0
-        idle = sum(1 for s, _, c in self.sharing.physical(self.sessions)
-                   if c.state is HOST and not s.busy and self.sharing.free_to_move(c, set()))
-        return self.tiers.host.num_free + idle
+        return self.tiers.host.num_free + count_chunks(self.sessions, HOST, self.sharing, shadows=False,
+                                                       idle_only=True)
 
     def device_slots(self) -> int | None:
         """Virtual layout: device slots that busy sessions could still get, the free ones plus those

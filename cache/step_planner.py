@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from ..kernels import KernelState, PagedBatch
+from .capacity import count_chunks
 from .chunk_needs import entry_needs
 from .errors import CapacityError
 from .hidden_states import StepHidden
@@ -125,7 +126,7 @@ class StepPlanner:
         swaps = sharing.unique((s, k) for s, (_, sw) in zip(sessions, plans) for k in sw)
         fresh = sum(len(f) if fac == 1 else self.layered.blocks_needed(fac, len(f))
                     for fac, (f, _) in zip(factors, plans)) + sum(1 for s, k in swaps if s.chunks[k].shadow is None)
-        held = sum(1 for _, _, c in sharing.physical(sessions) if c.state is DEVICE or c.shadow is not None)
+        held = count_chunks(sessions, DEVICE, sharing, shadows=True, idle_only=False)
         if fresh + held > device.num_blocks:
             raise CapacityError(
                 f"request needs {fresh + held} device blocks of {bs} tokens but the pool has "
