@@ -8,7 +8,8 @@ HOST/HIDDEN chunk, or split by residue among LAYERED chunks). After each method 
 what is on disk, the facade syncs the disk index (`DiskState.sync`, which never raises).
 
 The parts are built by `store_parts.assemble`, each with its collaborators; docs/store.md says
-what each owns and mutates. Each public method below names the part whose method holds its contract.
+what each owns and mutates. A method whose contract is longer than its docstring names the part's
+method that holds it.
 """
 
 from __future__ import annotations
