@@ -1,5 +1,6 @@
 """The tiered session KV store. Knows tensors, not transformers."""
 
+from .chunk_needs import ChunkNeeds
 from .errors import CapacityError, SessionBusyError, StoreError, UnknownSessionError
 from .kv_store import KVStore
 from .policy import (
@@ -20,7 +21,6 @@ from .session import Chunk, ChunkState, Session, TurnStats
 from .spec import KVSpec, capacity_in_blocks, parse_capacity
 from .stats import SessionStats, StoreStats
 from .step import StepBatch, StepEntry
-from .step_planner import ChunkNeeds
 from .tenant import DEFAULT_TENANT, TenantUsage, session_key, split_key, tenant_of
 
 __all__ = [

@@ -4,20 +4,12 @@ Contract: every public method takes the store lock; chunk states, slot ownership
 change only inside it, through the parts. A method that raises leaves every session's token ids as
 they were and the invariants of `check_integrity()` intact: every slot of every tier is free or
 owned by exactly one chunk (device blocks: by a DEVICE chunk, as the cached `shadow` of one
-HOST/HIDDEN chunk, or split by residue among LAYERED chunks).
+HOST/HIDDEN chunk, or split by residue among LAYERED chunks). After each method that may change
+what is on disk, the facade syncs the disk index (`DiskState.sync`, which never raises).
 
-The parts (docs/store.md), each built here with its collaborators, in this order:
-    SessionTable   sessions by id, the lock, leases               session_table.py
-    PrefixSharing  shared full chunks of identical prefixes        prefix_sharing.py
-    HiddenTier     hidden pools and capture (HCache)               hidden_tier.py
-    DiskState      the disk index: stale?, proofs, sync            disk_state.py
-    TierPools      pool per chunk state, below(), release()        tier_pools.py
-    Placement      moving down, making room, the policy            placement.py
-    SwapIn         moving up, settling hidden rebuilds             swap_in.py
-    LayeredChunks  LayerKV's LAYERED chunks and residue blocks     layered_chunks.py
-    Relocation     `move`: chosen chunks to a named tier           relocation.py
-    StepPlanner    plan/commit/abort, needs, last_turn             step_planner.py
-plus the transfer engine (transfer.py), integrity.py and store_stats.py (read-only).
+The parts are built by `store_parts.assemble`, each with its collaborators; docs/store.md says
+what each owns and mutates. A method whose contract is longer than its docstring names the part's
+method that holds it.
 """
 
 from __future__ import annotations
@@ -27,64 +19,24 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
-from ..kernels import KernelState
-from .disk import DiskTier
-from .disk_file import identity_tags
-from .disk_state import DiskState
-from .errors import SessionBusyError, StoreError
+from .chunk_needs import ChunkNeeds
 from .hidden_states import HiddenSpec, Projector
-from .hidden_tier import HiddenTier
+from .history import common_prefix
 from .integrity import check_integrity
-from .layered_chunks import LayeredChunks
-from .moves import MoveLedger
-from .placement import Placement
-from .policy import DEFAULT_POLICY, EvictionPolicy, make_policy
-from .pool import BlockPool
-from .prefix_sharing import PrefixSharing
-from .relocation import Relocation, chunk_indices, target_state
-from .residue_blocks import ResidueTable, blocks_at_most
-from .session import ON_DISK, ChunkState, Session, TurnStats
-from .session_table import SessionTable
+from .policy import EvictionPolicy
+from .relocation import chunk_indices, target_state
+from .session import Session, TurnStats
 from .spec import KVSpec
-from .stats import Counters, SessionStats, StoreStats, summary
+from .stats import SessionStats, StoreStats, summary
 from .step import StepBatch
-from .step_planner import ChunkNeeds, StepPlanner
+from .store_parts import StoreConfig, assemble
 from .store_stats import session_stats, store_stats
-from .swap_in import SwapIn
-from .tenant import TenantUsage, tenant_of
-from .tier_pools import TierPools, open_pools
-from .transfer import Transfer, emulate_from_env
-from .virtual import PageMapper
-
-DEVICE, HOST, HIDDEN, DISK = ChunkState.DEVICE, ChunkState.HOST, ChunkState.HIDDEN, ChunkState.DISK
-DISK_HIDDEN, DROPPED = ChunkState.DISK_HIDDEN, ChunkState.DROPPED
+from .tenant import TenantUsage
 
 
 class KVStore:
-    """device_capacity / host_capacity / disk_capacity: tokens (int) or sizes ("2GiB"); a host or
-    disk tier exists only when given (the disk tier also needs `disk_dir`). `swap_out_threshold`:
-    share of device blocks kept free or reclaimable by ahead-of-time swap-out after each turn.
-    hidden_states ("auto" | "always" | "never"), hidden_spec, hidden_capacity (default: host_capacity),
-    hidden_disk_capacity (the disk tier's hidden file; default: disk_capacity) and project (hidden ->
-    K/V per layer): HCache's hidden-state tier, see `hidden_tier.py`.
-    Virtual layout only: `keep_freed` (tokens or a size) of freed device pages stay committed for
-    reuse (vAttention's deferred reclamation; `reclaim()` gives them back), and with `map_ahead` a
-    background thread maps the block each stepping session grows into next.
-    `clock`: seconds for sessions' last activity, which the policy's idle time T is measured with
-    (default time.monotonic; a virtual clock makes eviction order reproducible in replays).
-    `policy`: default `DEFAULT_POLICY` (policy.py) over a default Cost profile. It is told each
-    returning session's idle gap when a lease starts, and sees all sessions before each ranking
-    (`observe_return`, `prepare`).
-    layerwise_kv: LayerKV's layer-wise allocation (`layered_chunks.py`): steps may fill chunks keeping only
-    some layers on the device (residue blocks) and the rest on the host; needs a host tier, the paged
-    layout and the torch backend.
-    disk_fingerprint: identifies the model whose KV the disk tier holds (its config and weights); a
-    disk_dir made with another is refused. The disk tier serves a chunk only if it proves it is the
-    chunk it names, else recomputes it (`disk.py`).
-    emulate_async: run copies under the CPU async emulator (`transfer.py`); default: the environment
-    variable STATEFUL_HF_EMULATE_ASYNC=1.
-    prefix_sharing: full chunks of identical prefixes held once (`prefix_sharing.py`); None: on where
-    it can be (paged layout, no layerwise_kv)."""
+    """The model-free session store. The options are `StoreConfig`'s (`store_parts.py` documents
+    each); the parts are attributes named as in `StoreParts` (`store.sessions`, `store.planner`, ...)."""
 
     def __init__(self, spec: KVSpec, device_capacity: int | str = 4096, *, host_capacity: int | str | None = None,
                  disk_dir: str | os.PathLike | None = None, disk_capacity: int | str | None = None,
@@ -96,106 +48,38 @@ class KVStore:
                  map_ahead: bool = True, hidden_disk_capacity: int | str | None = None,
                  layerwise_kv: bool = False, disk_fingerprint: str = "", emulate_async: bool | None = None,
                  prefix_sharing: bool | None = None):
-        if not 0 <= swap_out_threshold < 1:
-            raise ValueError(f"swap_out_threshold must be in [0, 1), got {swap_out_threshold}")
-        if disk_capacity is not None and disk_dir is None:
-            raise ValueError("disk_capacity needs a disk_dir")
-        if layout not in ("paged", "virtual"):
-            raise ValueError(f"unknown layout {layout!r}; choose 'paged' or 'virtual'")
-        if layout == "virtual" and max_context is None:
-            raise ValueError("layout='virtual' needs max_context (tokens per session slot)")
-        if prefix_sharing and (layout != "paged" or layerwise_kv):
-            raise ValueError("prefix_sharing needs layout='paged' and no layerwise_kv (a virtual layout keeps each "
-                             "session's KV in its own slot; layer-wise KV splits blocks among sessions)")
+        self.config = StoreConfig(
+            device_capacity=device_capacity, host_capacity=host_capacity, disk_dir=disk_dir,
+            disk_capacity=disk_capacity, policy=policy, attn_backend=attn_backend,
+            swap_out_threshold=swap_out_threshold, hidden_states=hidden_states, hidden_spec=hidden_spec,
+            hidden_capacity=hidden_capacity, project=project, layout=layout, max_context=max_context, clock=clock,
+            keep_freed=keep_freed, map_ahead=map_ahead, hidden_disk_capacity=hidden_disk_capacity,
+            layerwise_kv=layerwise_kv, disk_fingerprint=disk_fingerprint, emulate_async=emulate_async,
+            prefix_sharing=prefix_sharing)
         self.spec, self.block_size, self.layout, self.attn_backend = spec, spec.block_size, layout, attn_backend
-        device_pool, host_pool, disk = open_pools(spec, device_capacity, host_capacity, disk_dir, disk_capacity,
-                                                  layout, max_context, keep_freed, disk_fingerprint)
-        self.kernels = KernelState()        # one FlashInfer workspace + wrapper per store, planned per step
-        self.transfer = Transfer(device_pool, emulate_from_env() if emulate_async is None else emulate_async)
-        self.counters = Counters()          # written by placement, swap-in, the planner and hidden restores
-        self.moves = MoveLedger()           # chunk moves between tiers (moves.py)
-        self.sessions = SessionTable(clock)
-        self._lock = self.lock = self.sessions.lock
-        self.sharing = PrefixSharing(spec.block_size, self.sessions.find,
-                                     prefix_sharing is not False and layout == "paged" and not layerwise_kv)
-        try:
-            self.hidden = HiddenTier(hidden_states, hidden_spec, project, spec, device_pool.num_blocks,
-                                     hidden_capacity, host_capacity, disk,
-                                     hidden_disk_capacity if hidden_disk_capacity is not None else disk_capacity)
-            self.disk_state = DiskState(self.sessions, disk, self.transfer, spec.block_size)
-            self.tiers = TierPools(device_pool, host_pool, disk, self.hidden.pool, self.hidden.disk_pool,
-                                   self.disk_state, self.sharing)
-            for pool in (device_pool, host_pool, disk.pool if disk is not None else None):
-                if pool is not None:
-                    pool.transfer = self.transfer
-            self.placement = Placement(self.sessions, self.tiers, self.transfer, self.disk_state, self.hidden,
-                                       policy or make_policy(DEFAULT_POLICY), self.moves, self.counters,
-                                       swap_out_threshold)
-            self.swap_in = SwapIn(self.sessions, self.tiers, self.placement, self.transfer, self.hidden,
-                                  self.disk_state, self.counters)
-            self.layered = LayeredChunks(layerwise_kv, self.tiers, self.placement, self.transfer, self.counters,
-                                         layout=layout, attn_backend=attn_backend,
-                                         capturing=self.hidden.capture is not None)
-            self.relocation = Relocation(self.tiers, self.placement, self.swap_in, self.hidden, self.layered,
-                                         self.transfer)
-            self.planner = StepPlanner(self.sessions, self.tiers, self.placement, self.swap_in, self.hidden,
-                                       self.layered, self.transfer, self.counters, self.kernels, layout=layout,
-                                       attn_backend=attn_backend,
-                                       page_mapper=PageMapper(device_pool) if layout == "virtual" and map_ahead
-                                       else None)
-        except BaseException:
-            if disk is not None:
-                disk.close()
-            raise
-        if disk is not None:
-            self.disk_state.load()
+        p = self.parts = assemble(spec, self.config)
+        self.kernels, self.transfer, self.counters, self.moves = p.kernels, p.transfer, p.counters, p.moves
+        self.sessions, self.sharing, self.hidden, self.disk_state = p.sessions, p.sharing, p.hidden, p.disk_state
+        self.tiers, self.placement, self.swap_in, self.layered = p.tiers, p.placement, p.swap_in, p.layered
+        self.relocation, self.planner, self.history, self.capacity = p.relocation, p.planner, p.history, p.capacity
+        self.lock = self.sessions.lock
 
-    # ---- the parts' objects, for callers that read them ------------------------------------------
+    # ---- the parts' objects, for callers that read them (one line each) ---------------------------
 
-    @property
-    def device_pool(self):
-        return self.tiers.device
-
-    @property
-    def host_pool(self) -> BlockPool | None:
-        return self.tiers.host
-
-    @property
-    def disk(self) -> DiskTier | None:
-        return self.tiers.disk
-
-    @property
-    def hidden_pool(self):
-        return self.tiers.hidden
-
-    @property
-    def disk_hidden_pool(self):
-        return self.tiers.disk_hidden
-
-    @property
-    def capture(self):
-        return self.hidden.capture
-
-    @property
-    def hidden_spec(self) -> HiddenSpec | None:
-        return self.hidden.spec
-
-    @property
-    def project(self) -> Projector | None:
-        return self.hidden.project
-
-    @property
-    def residues(self) -> ResidueTable:
-        """LayerKV's residue blocks (read-only here; the pools own the table)."""
-        return self.tiers.residues
-
-    @property
-    def page_mapper(self) -> PageMapper | None:
-        return self.planner.page_mapper
-
-    @property
-    def layerwise(self) -> bool:
-        return self.layered.enabled
+    device_pool = property(lambda self: self.tiers.device)
+    host_pool = property(lambda self: self.tiers.host)
+    disk = property(lambda self: self.tiers.disk)
+    hidden_pool = property(lambda self: self.tiers.hidden)
+    disk_hidden_pool = property(lambda self: self.tiers.disk_hidden)
+    capture = property(lambda self: self.hidden.capture)
+    hidden_spec = property(lambda self: self.hidden.spec)
+    project = property(lambda self: self.hidden.project)
+    residues = property(lambda self: self.tiers.residues, doc="LayerKV's residue blocks (the pools own the table)")
+    page_mapper = property(lambda self: self.planner.page_mapper)
+    layerwise = property(lambda self: self.layered.enabled)
+    swap_out_threshold = property(lambda self: self.placement.swap_out_threshold)
+    clock = property(lambda self: self.sessions.clock)
+    emulate_async = property(lambda self: self.transfer.emulate, doc="copies run under the CPU async emulator")
 
     @property
     def layerwise_stage(self) -> bool | None:
@@ -214,20 +98,7 @@ class KVStore:
         with self.lock:
             self.placement.policy = policy
 
-    @property
-    def swap_out_threshold(self) -> float:
-        return self.placement.swap_out_threshold
-
-    @property
-    def clock(self) -> Callable[[], float]:
-        return self.sessions.clock
-
-    @property
-    def emulate_async(self) -> bool:
-        """True when copies run under the CPU async emulator (transfer.py; STATEFUL_HF_EMULATE_ASYNC=1)."""
-        return self.transfer.emulate
-
-    # ---- sessions -------------------------------------------------------------------------------
+    # ---- sessions and their history (history.py) -------------------------------------------------
 
     def session(self, session_id: str) -> Session:
         with self.lock:
@@ -247,42 +118,15 @@ class KVStore:
             return [s.session_id for s in self.sessions if not s.retained]
 
     def tenant_usage(self) -> dict[str, TenantUsage]:
-        """Per tenant (`tenant.py`: the tenant is part of the session key): sessions, history tokens,
-        and tokens whose KV is stored in some tier."""
+        """Per tenant (`tenant.py`): sessions, history tokens, tokens stored in some tier."""
         with self.lock:
-            acc: dict[str, list[int]] = {}
-            for s in self.sessions:
-                if s.retained:                   # a retained prefix is a cache, not a session
-                    continue
-                a = acc.setdefault(tenant_of(s.session_id), [0, 0, 0])
-                a[0] += 1
-                a[1] += s.num_tokens
-                a[2] += s.num_tokens - s.tokens_in(DROPPED, self.block_size)
-            return {t: TenantUsage(*a) for t, a in acc.items()}
+            return self.history.tenant_usage()
 
     def delete(self, session_id: str, keep_shared: bool = False) -> None:
-        """Forget the session and free what only it holds. `keep_shared` (the engine's throwaway
-        sessions): if it alone holds indexed chunks of a shared prefix, they stay in the store, held
-        by the session, now `retained` (its id is no longer listed; it takes no turns), until the
-        policy drops them, so that the next turn with that prefix reuses them (prefix_sharing.py)."""
+        """Forget the session and free what only it holds (`keep_shared`: see `History.delete`)."""
         with self.lock:
-            s = self.sessions.get(session_id)
-            if s.busy:
-                raise SessionBusyError(session_id)
-            keep = self.sharing.retainable(s) if keep_shared else 0
-            if keep:
-                self.truncate(session_id, keep * self.block_size)
-                s.retained = True
-                return
-            for k in range(len(s.chunks)):
-                self.tiers.release(s, k)
-            self.sessions.remove(session_id)
+            self.history.delete(self.sessions.get(session_id), keep_shared)
             self.disk_state.sync()
-
-    def _collect_retained(self) -> None:
-        """Retained sessions none of whose chunks can be found any more are deleted."""
-        for s in [s for s in self.sessions if s.retained and not s.busy and not self.sharing.findable(s)]:
-            self.delete(s.session_id)
 
     @contextmanager
     def lease(self, session_id: str) -> Iterator[Session]:
@@ -295,33 +139,15 @@ class KVStore:
         try:
             yield s
         finally:
-            with self.lock:
+            with self.lock:          # lease end: layered chunks settle, swap-out ahead, then the index
                 self.sessions.release(s)
                 self.layered.settle(s)
-                self.placement.swap_out_ahead()
-                self._collect_retained()
-                self.disk_state.sync()
-
-    # ---- turns ----------------------------------------------------------------------------------
+                self.maintain()
 
     def begin_turn(self, session_id: str, prompt: Sequence[int], cache_salt: str | None = None) -> TurnStats:
-        """A turn of the leased session starts with `prompt` (the whole conversation's ids): it
-        adopts the shared chunks of the prompt's prefix (`adopt_prefix`, scoped by its tenant and
-        `cache_salt`), its history is cut to the longest common prefix (at least one token short of
-        the prompt, so the turn computes logits), its disk chunks are proven, and its `last_turn`
-        restarts with what each tier holds for it (reused_device / swapped_in_host / swapped_in_disk /
-        restored_hidden).
-        Every step committed during the lease adds its rows (computed_tokens, recomputed_tokens);
-        `add_generated` sets generated_tokens. The store is the one writer of last_turn."""
+        """A turn of the leased session starts with `prompt`, the whole conversation (`History.begin_turn`)."""
         with self.lock:
-            if not self.sessions.get(session_id).busy:
-                raise StoreError(f"begin_turn: session {session_id!r} is not leased (use store.lease first)")
-            self.sharing.adopt(self.sessions.get(session_id), prompt, cache_salt, self.tiers.release)
-            keep = min(self.match_prefix(session_id, prompt), len(prompt) - 1)
-            truncated = self.truncate(session_id, max(keep, 0))
-            s = self.sessions.get(session_id)
-            self.placement.prove(s)         # disk chunks that fail count as dropped: recomputed
-            turn = self.planner.begin_turn(s, truncated)
+            turn = self.history.begin_turn(self.sessions.get(session_id), prompt, cache_salt)
             self.disk_state.sync()
             return turn
 
@@ -330,70 +156,27 @@ class KVStore:
         with self.lock:
             self.planner.add_generated(self.sessions.get(session_id), n)
 
-    # ---- history --------------------------------------------------------------------------------
-
     def adopt_prefix(self, session_id: str, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
-        """Before a turn whose prompt is `token_ids` (the engine's scheduler, to size the turn before
-        its lease; `begin_turn` does it too): the idle session takes the indexed chunks of the longest
-        shared prefix of the prompt (its tenant's and `cache_salt`'s, verified id by id, at least one
-        token short of the prompt) in place of its dropped chunks and past its history, if its history
-        is a prefix of the prompt. Returns the tokens it gained (`prefix_sharing.py`). ValueError: a
-        `cache_salt` other than the one the session was opened with."""
+        """The idle session takes the shared prefix of the prompt `token_ids`; the tokens gained (`History.adopt`)."""
         with self.lock:
-            s = self.sessions.get(session_id)
-            if s.busy:
-                raise SessionBusyError(session_id)
-            return self.sharing.adopt(s, token_ids, cache_salt, self.tiers.release)
+            return self.history.adopt(self.sessions.get(session_id), token_ids, cache_salt)
 
     def match_prefix(self, session_id: str, token_ids: Sequence[int]) -> int:
         """Length of the longest common prefix of the session's history and `token_ids`."""
-        s = self.session(session_id)
-        n = 0
-        for a, b in zip(s.token_ids, token_ids):
-            if a != b:
-                break
-            n += 1
-        return n
+        with self.lock:
+            return common_prefix(self.sessions.get(session_id).token_ids, token_ids)
 
     def truncate(self, session_id: str, length: int) -> int:
         """Cut the session's history to its first `length` tokens; returns how many were cut."""
-        if length < 0:
-            raise ValueError(f"cannot truncate to {length} tokens")
         with self.lock:
-            s, bs = self.sessions.get(session_id), self.block_size
-            cut = max(len(s.token_ids) - length, 0)
-            if cut:
-                keep = -(-length // bs)
-                for k in range(keep, len(s.chunks)):
-                    self.tiers.release(s, k)
-                del s.chunks[keep:]
-                if length % bs and not self.sharing.privatize(s, keep - 1):
-                    self.tiers.release(s, keep - 1)   # a shared chunk is immutable: its kept tokens are recomputed
-                cut_inside = bool(s.chunks) and s.chunks[-1].state in ON_DISK and length % bs
-                old_tag = identity_tags(s.token_ids[: keep * bs], bs)[-1] if cut_inside else None
-                del s.token_ids[length:]
-                # its checksum named the longer prefix: retag it, or drop it if it does not hold what it should
-                if cut_inside and not self.disk_state.cut(s, keep - 1, old_tag):
-                    self.placement.drop(s, keep - 1)
-                self.disk_state.sync()
+            cut = self.history.truncate(self.sessions.get(session_id), length)
+            self.disk_state.sync()
             return cut
 
     def missing_positions(self, session_id: str, cut: int | None = None) -> list[int]:
-        """History positions whose KV is stored nowhere (DROPPED): a step must recompute them.
-        Host and disk chunks are not missing: `plan_step` copies them up. `cut`: as they will be
-        after `truncate(session_id, cut)` (positions < cut only): a cut inside a chunk other sessions
-        share drops the session's copy of it (shared chunks are immutable), its kept positions too."""
+        """History positions a step must recompute, as after a cut to `cut` (`History.missing_positions`)."""
         with self.lock:
-            s, bs = self.sessions.get(session_id), self.block_size
-            self.placement.prove(s)        # disk chunks that are not what they name are missing too
-            out = [p for k, c in enumerate(s.chunks) if c.state is DROPPED for p in s.chunk_range(k, bs)]
-            if cut is None:
-                return out
-            k = cut // bs
-            if cut < s.num_tokens and cut % bs and s.chunks[k].state is not DROPPED \
-                    and s.chunks[k].entry is not None and s.chunks[k].entry.holders != {session_id}:
-                out = sorted(set(out) | set(range(k * bs, cut)))
-            return [p for p in out if p < cut]
+            return self.history.missing_positions(self.sessions.get(session_id), cut)
 
     def residency(self, session_id: str) -> dict[str, int]:
         """Tokens of the session per tier."""
@@ -404,19 +187,8 @@ class KVStore:
 
     def plan_step(self, requests: Sequence[tuple[str, Sequence[int], Sequence[int]]],
                   factors: Sequence[int] | None = None) -> StepBatch:
-        """Reserve device blocks for one forward step and describe it.
-
-        `requests`: (session_id, token_ids, positions) per session, at most one per session. A
-        position < the session's length recomputes that history token (its id must match); positions
-        >= length append new tokens and must continue the history without gaps. Host and disk chunks
-        of the context are copied up (layer by layer; on CUDA the step carries per-layer events);
-        dropped chunks of the context must be among the rows. The new tokens join the session's
-        history now; `commit` makes them permanent, `abort` takes them back.
-
-        `factors` (layerwise_kv stores only; default 1 each): per entry, the keep factor of the chunks
-        it fills: 1 all layers on the device, 0 none (host only), f >= 2 layers l % f == r in a
-        residue block (`layered_chunks.py`). An entry with factor != 1 also reads its HOST context in place.
-        """
+        """Reserve device blocks for one forward step of (session_id, token_ids, positions) requests
+        and describe it; the contract is `StepPlanner.plan`'s."""
         with self.lock:
             step = self.planner.plan(requests, factors)
             self.disk_state.sync()
@@ -428,100 +200,61 @@ class KVStore:
             self.planner.commit(step)
 
     def abort(self, step: StepBatch) -> None:
-        """Undo `plan_step`: new tokens leave the history, chunks filled in the step are dropped again
-        (chunks it copied up stay on the device: their KV is valid; chunks whose K/V was being
-        rebuilt from hidden states stay on the device only if every layer was rebuilt)."""
+        """Undo `plan_step` (`StepPlanner.abort`): history and blocks as before the step."""
         with self.lock:
             self.planner.abort(step)
 
     def chunk_needs(self, session_id: str, end: int, *, length: int | None = None, factor: int = 1) -> ChunkNeeds:
-        """What a step of the session whose rows reach position `end` - 1 must do with each chunk
-        below it, for the history cut to `length` tokens (default: as it is), its dropped chunks
-        recomputed whole: `ChunkNeeds(fills, copies, in_place)` (chunk indices, `step_planner.py`)."""
+        """What a step of the session up to row `end` - 1 does with each chunk (`chunk_needs.needs`)."""
         with self.lock:
-            s = self.sessions.get(session_id)
-            return self.planner.needs(s, end, s.num_tokens if length is None else length, factor)
+            return self.capacity.chunk_needs(self.sessions.get(session_id), end, length, factor)
 
     def blocks_needed(self, session_id: str, end: int, *, length: int | None = None, factor: int = 1) -> int:
-        """Device blocks such a step takes at most (the engine scheduler's question): a block per
-        chunk it fills or copies up at factor 1; at keep factor f != 1, ceil(fills / f) residue
-        blocks (none at 0) plus the copies (HOST chunks are read in place)."""
-        fills, copies, _ = self.chunk_needs(session_id, end, length=length, factor=factor)
-        return blocks_at_most(factor, len(fills)) + len(copies)
+        """Device blocks such a step takes at most (the engine scheduler's question; `capacity.py`)."""
+        with self.lock:
+            return self.capacity.blocks_needed(self.sessions.get(session_id), end, length, factor)
 
     def residue_blocks_needed(self, factor: int, n_chunks: int) -> int:
         """Device blocks n_chunks new chunks of keep factor `factor` take now: n for 1, 0 for 0, about n / f else."""
         with self.lock:
-            return self.layered.blocks_needed(factor, n_chunks)
+            return self.capacity.residue_blocks_needed(factor, n_chunks)
 
     def offload_layers(self, session_id: str, full: bool = False) -> int:
-        """LayerKV's push-down for a running request when projected free device blocks run short: its
-        LAYERED chunks' kept layers go to their host slots (residues given back); with `full`, its
-        DEVICE chunks too (their KV moves to host slots and later steps read it in place). Returns
-        device blocks freed. A no-op on a store without layerwise_kv."""
+        """LayerKV's push-down for a running request; device blocks freed (`LayeredChunks.offload`)."""
         with self.lock:
             return self.layered.offload(self.sessions.get(session_id), full)
 
-    # ---- movement -------------------------------------------------------------------------------
+    # ---- movement (relocation.py, placement.py) and capacity (capacity.py) -------------------------
 
     def move(self, session_id: str, chunks: Iterable[int], tier: str, reason: str = "explicit") -> None:
-        """Move chosen chunks of an idle session to `tier` ("device", "host", "hidden", "disk",
-        "dropped"). An operator and test hook; making room moves other idle sessions' chunks down by
-        the policy. Dropped chunks cannot move up (only their ids remain: the next turn recomputes
-        them). Only device chunks whose hidden states were captured become "hidden"; hidden chunks
-        move to the device (K/V rebuilt by projection), to "disk" (where they stay hidden states,
-        DISK_HIDDEN, and come back with "hidden" or "device") or are dropped. `reason` labels the
-        moves in `self.moves` (moves.REASONS)."""
-        target = target_state(tier)
-        chunks = chunk_indices(chunks)
+        """Move chosen chunks of an idle session to `tier` ("device", "host", "hidden", "disk", "dropped"),
+        labelled `reason` in `self.moves` (moves.REASONS); the rules: `Relocation.move`."""
+        target, chunks = target_state(tier), chunk_indices(chunks)
         with self.lock, self.placement.moving(reason):
             self.relocation.move(self.sessions.get(session_id), chunks, target)
             self.disk_state.sync()
 
     def evict(self, session_id: str) -> int:
-        """Move the session's device chunks one tier down (host if present, else dropped); returns
-        the device blocks freed. Allowed on a busy session: the engine suspends a running request
-        this way when decoding runs out of blocks, keeping the session's lease."""
+        """The session's device chunks one tier down, also when busy; device blocks freed (`Relocation.evict`)."""
         with self.lock, self.placement.moving("evict"):
-            s = self.sessions.get(session_id)
-            freed = self.layered.settle(s)           # layer-wise chunks: kept layers to the host
-            items = [(s, k) for k, c in enumerate(s.chunks) if c.state is DEVICE     # not what others run on
-                     and all(h is s or not h.busy for h in self.sharing.holders(s, k))]
-            self.placement.move_down(items, DEVICE, {session_id})
-            freed += self.placement.drop_shadows(s)  # cached shadows of host chunks go too
+            freed = self.relocation.evict(self.sessions.get(session_id))
             self.disk_state.sync()
-            return len(items) + freed
+            return freed
 
     def available_blocks(self) -> int:
-        """Device blocks a step could get now: free, cached shadows of idle sessions, and device
-        chunks of idle sessions (which `plan_step` moves down). Busy sessions' blocks do not count."""
-        with self.lock:           # a shared chunk once, and only if none of its holders is busy
-            idle = sum(1 for s, _, c in self.sharing.physical(self.sessions)
-                       if (c.state is DEVICE or c.shadow is not None) and not s.busy
-                       and self.sharing.free_to_move(c, set()))
-            return self.tiers.device.num_free + idle
+        """Device blocks a step could get now: free, or idle sessions' (`Capacity.device_blocks`)."""
+        with self.lock:
+            return self.capacity.device_blocks()
 
     def available_host_blocks(self) -> int:
-        """Host slots a step could get now: free, plus idle sessions' host chunks (which move down to
-        disk or are dropped to make room). 0 without a host tier."""
-        if self.tiers.host is None:
-            return 0
+        """Host slots a step could get now: free, or idle sessions' (`Capacity.host_blocks`)."""
         with self.lock:
-            idle = sum(1 for s, _, c in self.sharing.physical(self.sessions)
-                       if c.state is HOST and not s.busy and self.sharing.free_to_move(c, set()))
-            return self.tiers.host.num_free + idle
+            return self.capacity.host_blocks()
 
     def available_slots(self) -> int | None:
-        """Virtual layout: device slots that busy sessions could still get, the free ones plus those
-        held by idle sessions (which a step takes by moving them down). None for the paged layout,
-        where only blocks count. Admitting a turn costs one: its session either claims a slot or
-        keeps the one it holds out of reach."""
-        if self.layout != "virtual":
-            return None
+        """Virtual layout: device slots busy sessions could still get; None if paged (`Capacity.device_slots`)."""
         with self.lock:
-            pool = self.tiers.device
-            idle = sum(1 for s in self.sessions if not s.busy and pool.slot_of(s.session_id) is not None)
-            return pool.free_slots + idle
+            return self.capacity.device_slots()
 
     def reclaim(self) -> int:
         """Virtual layout: give back the committed pages of free device blocks now (they are kept for
@@ -533,7 +266,7 @@ class KVStore:
         """Run ahead-of-time swap-out now (it also runs whenever a lease ends)."""
         with self.lock:
             self.placement.swap_out_ahead()
-            self._collect_retained()
+            self.history.collect_retained()
             self.disk_state.sync()
 
     # ---- integrity and statistics ---------------------------------------------------------------

@@ -1,9 +1,10 @@
-"""Relocation: chosen chunks of an idle session moved to a named tier (`store.move`: operators,
-tests, hints, migration), made of placement's moves down and swap-in's moves up.
+"""Relocation: a session's chunks moved on request — chosen chunks of an idle session to a named tier
+(`store.move`: operators, tests, hints, migration), made of placement's moves down and swap-in's moves
+up, and a (possibly busy) session's device chunks one tier down (`store.evict`).
 
 Collaborators: the pools, placement, swap-in, the hidden tier, the layered chunks, the transfer
 engine. Mutates: the chosen chunks (and, to make room, other idle sessions' chunks by the policy).
-Nothing moves when a check fails. Runs with the store lock held.
+Nothing moves when a check fails. Runs with the store lock held, under `placement.moving(reason)`.
 """
 
 from __future__ import annotations
@@ -53,7 +54,13 @@ class Relocation:
         self.hidden, self.layered, self.transfer = hidden, layered, transfer
 
     def move(self, s: Session, chunks: list[int], target: ChunkState) -> None:
-        """`KVStore.move` (its docstring has the rules) on session `s`, under `placement.moving(reason)`."""
+        """`KVStore.move` on `s`: move chosen chunks of an idle session to `tier` ("device", "host", "hidden", "disk",
+        "dropped"). An operator and test hook; making room moves other idle sessions' chunks down by
+        the policy. Dropped chunks cannot move up (only their ids remain: the next turn recomputes
+        them). Only device chunks whose hidden states were captured become "hidden"; hidden chunks
+        move to the device (K/V rebuilt by projection), to "disk" (where they stay hidden states,
+        DISK_HIDDEN, and come back with "hidden" or "device") or are dropped. `reason` labels the
+        moves in `self.moves` (moves.REASONS)."""
         if s.busy:
             raise SessionBusyError(s.session_id)
         self.layered.settle(s)
@@ -91,3 +98,14 @@ class Relocation:
                 restore.finish(self.tiers.device)
                 self.swap_in.settle(restore, ok=True)
             self.transfer.synchronize()
+
+    def evict(self, s: Session) -> int:
+        """`KVStore.evict`: the device chunks of `s` (not those a busy co-holder runs on) one tier down
+        (host if present, else dropped), its layered chunks settled to the host, its cached shadows
+        freed. Returns device blocks freed. Allowed on a busy session: the engine suspends a running
+        request this way when decoding runs out of blocks, keeping the session's lease."""
+        freed = self.layered.settle(s)
+        items = [(s, k) for k, c in enumerate(s.chunks) if c.state is DEVICE
+                 and all(h is s or not h.busy for h in self.tiers.sharing.holders(s, k))]
+        self.placement.move_down(items, DEVICE, {s.session_id})
+        return len(items) + freed + self.placement.drop_shadows(s)

@@ -1,5 +1,5 @@
-"""The step planner: one forward step over the store (plan, commit, abort), what a step would need
-(`needs`, for the engine's scheduler), and the one writer of a session's `last_turn`.
+"""The step planner: one forward step over the store (plan, commit, abort) and the one writer of a
+session's `last_turn`. What a step does with each chunk is `chunk_needs.py`'s classification.
 
 `plan` reserves device blocks (placement moves other sessions' chunks down by the policy), copies
 host/disk chunks of the context up (swap-in), queues hidden chunks for a layer-wise rebuild, appends
@@ -19,15 +19,17 @@ Every method runs with the store lock held.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import torch
 
 from ..kernels import KernelState, PagedBatch
+from .capacity import count_chunks
+from .chunk_needs import entry_needs
 from .errors import CapacityError
 from .hidden_states import StepHidden
 from .hidden_tier import HiddenTier
 from .layered_chunks import LayeredChunks
+from .page_mapper import PageMapper
 from .placement import Placement
 from .residue_blocks import check_factor
 from .session import HIDDEN_FORMS, Chunk, ChunkState, Session, TurnStats
@@ -37,18 +39,9 @@ from .step import StepBatch, StepEntry
 from .swap_in import SwapIn
 from .tier_pools import TierPools
 from .transfer import Transfer
-from .virtual import PageMapper
 
 DEVICE, DROPPED, HOST, LAYERED = ChunkState.DEVICE, ChunkState.DROPPED, ChunkState.HOST, ChunkState.LAYERED
 DISK = ChunkState.DISK
-
-
-class ChunkNeeds(NamedTuple):
-    """Chunks below a step's last row, by what the step must do with them (chunk indices)."""
-
-    fills: list[int]        # stored nowhere (dropped, or past the kept history): a fresh block each
-    copies: list[int]       # in a lower tier (or only cached on the device): copied or rebuilt up
-    in_place: list[int]     # HOST chunks a layer-wise entry (factor != 1) reads in place
 
 
 class StepPlanner:
@@ -95,32 +88,23 @@ class StepPlanner:
         if s.in_turn:
             s.last_turn.generated_tokens = n
 
-    # ---- what a step needs --------------------------------------------------------------------------
-
-    def needs(self, s: Session, end: int, length: int, factor: int) -> ChunkNeeds:
-        """What a step whose rows reach position `end` - 1 must do with each chunk below it, for a
-        history cut to `length` tokens (chunks past it count as fills) whose dropped chunks are
-        recomputed whole. The classification `plan` applies (`_plan_entry`), answered ahead of it."""
-        bs, chunks = self.block_size, s.chunks
-        have = -(-length // bs)
-        fills, copies, in_place = [], [], []
-        for k in range(-(-end // bs)):
-            c = chunks[k] if k < have else None
-            if c is None or c.state is DROPPED:
-                fills.append(k)
-            elif c.state is DEVICE or c.state is LAYERED:       # readable in place
-                continue
-            elif factor != 1 and c.state is HOST and c.shadow is None:
-                in_place.append(k)
-            else:
-                copies.append(k)
-        return ChunkNeeds(fills, copies, in_place)
-
     # ---- one step --------------------------------------------------------------------------------
 
     def plan(self, requests: Sequence[tuple[str, Sequence[int], Sequence[int]]],
              factors: Sequence[int] | None) -> StepBatch:
-        """`KVStore.plan_step` (its docstring has the contract)."""
+        """`KVStore.plan_step`: reserve device blocks for one forward step and describe it.
+
+        `requests`: (session_id, token_ids, positions) per session, at most one per session. A
+        position < the session's length recomputes that history token (its id must match); positions
+        >= length append new tokens and must continue the history without gaps. Host and disk chunks
+        of the context are copied up (layer by layer; on CUDA the step carries per-layer events);
+        dropped chunks of the context must be among the rows. The new tokens join the session's
+        history now; `commit` makes them permanent, `abort` takes them back.
+
+        `factors` (layerwise_kv stores only; default 1 each): per entry, the keep factor of the chunks
+        it fills: 1 all layers on the device, 0 none (host only), f >= 2 layers l % f == r in a
+        residue block (`layered_chunks.py`). An entry with factor != 1 also reads its HOST context in place.
+        """
         sessions = [self.sessions.get(sid) for sid, _, _ in requests]
         if len({s.session_id for s in sessions}) != len(sessions):
             raise ValueError("plan_step: at most one entry per session in a step")
@@ -133,7 +117,7 @@ class StepPlanner:
         if self.tiers.disk is not None:
             for s, (_, _, pos) in zip(sessions, requests):     # disk chunks are proven before they are read
                 self.placement.prove(s, range(min(len(s.chunks), -(-(max(pos, default=-1) + 1) // bs))))
-        plans = [self._plan_entry(s, list(ids), list(pos)) for s, (_, ids, pos) in zip(sessions, requests)]
+        plans = [entry_needs(s, list(ids), list(pos), bs) for s, (_, ids, pos) in zip(sessions, requests)]
         for s, f, (_, swap) in zip(sessions, factors, plans):
             if f != 1:     # layer-wise entry: its host chunks are read in place, not copied up
                 swap[:] = [k for k in swap if s.chunks[k].state is not HOST or s.chunks[k].shadow is not None]
@@ -142,7 +126,7 @@ class StepPlanner:
         swaps = sharing.unique((s, k) for s, (_, sw) in zip(sessions, plans) for k in sw)
         fresh = sum(len(f) if fac == 1 else self.layered.blocks_needed(fac, len(f))
                     for fac, (f, _) in zip(factors, plans)) + sum(1 for s, k in swaps if s.chunks[k].shadow is None)
-        held = sum(1 for _, _, c in sharing.physical(sessions) if c.state is DEVICE or c.shadow is not None)
+        held = count_chunks(sessions, DEVICE, sharing, shadows=True, idle_only=False)
         if fresh + held > device.num_blocks:
             raise CapacityError(
                 f"request needs {fresh + held} device blocks of {bs} tokens but the pool has "
@@ -230,7 +214,9 @@ class StepPlanner:
         return out
 
     def abort(self, step: StepBatch) -> None:
-        """`KVStore.abort` (its docstring has the contract)."""
+        """`KVStore.abort`: undo `plan`: new tokens leave the history, chunks filled in the step are
+        dropped again (chunks it copied up stay on the device: their KV is valid; chunks whose K/V was
+        being rebuilt from hidden states stay on the device only if every layer was rebuilt)."""
         self.transfer.end_step()
         if step.hidden is not None:
             step.hidden.flush()
@@ -250,35 +236,6 @@ class StepPlanner:
             del s.chunks[-(-e.old_len // self.block_size):]
             if not s.busy:
                 self.layered.settle(s)
-
-    def _plan_entry(self, s: Session, ids: list[int], pos: list[int]) -> tuple[list[int], list[int]]:
-        """Validate one entry; return (chunks the rows fill: need a fresh block, chunks to copy up).
-        The classification of `needs`, except that a stored chunk whose every token is among the
-        rows is filled afresh too, and a dropped one that is not is an error."""
-        n, bs = len(s.token_ids), self.block_size
-        if len(ids) != len(pos) or not ids:
-            raise ValueError(f"session {s.session_id!r}: step needs >= 1 token and one position per token")
-        new = [p for p in pos if p >= n]
-        if new != list(range(n, n + len(new))) or min(pos) < 0 or len(set(pos)) != len(pos):
-            raise ValueError(f"session {s.session_id!r}: new positions must continue the history at {n} without gaps")
-        for p, t in zip(pos, ids):
-            if p < n and s.token_ids[p] != t:
-                raise ValueError(f"session {s.session_id!r}: recomputed token at {p} is {t}, "
-                                 f"history has {s.token_ids[p]}")
-        rows, end = set(pos), max(pos) + 1
-        fill, swap = [], []
-        for k in range(-(-end // bs)):
-            state = s.chunks[k].state if k < len(s.chunks) else DROPPED
-            if state is DEVICE or state is LAYERED:     # readable in place (LAYERED: layer by layer)
-                continue
-            if all(p in rows for p in range(k * bs, min((k + 1) * bs, n, end))):
-                fill.append(k)                 # every stored token of it is recomputed: fresh block
-            elif state is DROPPED:
-                raise ValueError(f"session {s.session_id!r}: chunk {k} is dropped; its positions must be "
-                                 "recomputed in the step (missing_positions)")
-            else:
-                swap.append(k)
-        return fill, swap
 
     def _build(self, sessions: list[Session], entries: list[StepEntry], events: list, restore=None) -> StepBatch:
         bs, device = self.block_size, self.tiers.device

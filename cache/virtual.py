@@ -17,7 +17,7 @@ vAttention's two latency hiders:
     finds no physical memory reclaims first). A cached block holds stale KV, so it is zeroed when it
     is handed out again: no session ever reads another's data.
   - pages mapped ahead: `prefetch(owners)` commits the pages of blocks a session will grow into
-    (the next decode step's block) while they are still free, from `PageMapper`'s background thread,
+    (the next decode step's block) while they are still free, from `PageMapper`'s background thread (`page_mapper.py`),
     so the step that allocates them maps nothing. A prefetched block is cached and clean (zeros).
 Pool state is guarded by its own lock: the store calls allocate/free under the store lock, the
 mapper thread calls prefetch.
@@ -26,7 +26,6 @@ mapper thread calls prefetch.
 from __future__ import annotations
 
 import mmap
-import queue
 import threading
 
 import torch
@@ -290,37 +289,3 @@ def _resident_pages(addr: int, length: int) -> int:
     if libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(length), vec) != 0:
         raise OSError(ctypes.get_errno(), "mincore failed")
     return sum(b & 1 for b in bytes(vec))
-
-
-class PageMapper:
-    """vAttention's background mapper: a daemon thread that runs `pool.prefetch` for the blocks the
-    next step will write, so the step's allocation finds them mapped. `submit` never blocks."""
-
-    def __init__(self, pool: VirtualPool):
-        self.pool = pool
-        self._queue: queue.Queue[list[tuple[str, int]] | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="stateful-hf-page-mapper", daemon=True)
-        self._thread.start()
-        self.error: BaseException | None = None
-
-    def submit(self, owners: list[tuple[str, int]]) -> None:
-        if owners:
-            self._queue.put(list(owners))
-
-    def drain(self) -> None:
-        """Wait until everything submitted so far is mapped (tests, shutdown)."""
-        self._queue.join()
-
-    def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join()
-
-    def _run(self) -> None:
-        while (owners := self._queue.get()) is not None:
-            try:
-                self.pool.prefetch(owners)
-            except BaseException as e:     # a failed prefetch costs only the latency it was to hide
-                self.error = e
-            finally:
-                self._queue.task_done()
-        self._queue.task_done()

@@ -1,0 +1,144 @@
+"""History: sessions' token ids as callers edit them — a turn's start (adopt a shared prefix, cut a
+divergent tail, prove disk chunks, count), truncation, deletion — and which positions are missing.
+
+Collaborators: the session table, the pools (`release`), prefix sharing (through the pools:
+`adopt`, `privatize`, `retainable`, `findable`, holders), the disk state (`cut`), placement (`prove`,
+`drop`), the step planner (`begin_turn`, the one writer of `last_turn`).
+Mutates: sessions' token ids and chunk tables (a cut releases the chunks past it; slots go back only
+through `TierPools.release`), `Session.retained`, the table's map (`delete`). Never syncs the disk
+index: the facade does after each call. Every method runs with the store lock held.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .disk_file import identity_tags
+from .disk_state import DiskState
+from .errors import SessionBusyError, StoreError
+from .placement import Placement
+from .session import ON_DISK, ChunkState, Session, TurnStats
+from .session_table import SessionTable
+from .step_planner import StepPlanner
+from .tenant import TenantUsage, tenant_of
+from .tier_pools import TierPools
+
+DROPPED = ChunkState.DROPPED
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of `a` and `b`."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class History:
+    def __init__(self, sessions: SessionTable, tiers: TierPools, placement: Placement, disk_state: DiskState,
+                 planner: StepPlanner):
+        self.sessions, self.tiers, self.placement, self.disk_state = sessions, tiers, placement, disk_state
+        self.sharing, self.planner, self.block_size = tiers.sharing, planner, tiers.device.spec.block_size
+
+    def tenant_usage(self) -> dict[str, TenantUsage]:
+        """Per tenant: sessions, history tokens, tokens stored in some tier (retained prefixes are not sessions)."""
+        acc: dict[str, list[int]] = {}
+        for s in self.sessions:
+            if s.retained:
+                continue
+            a = acc.setdefault(tenant_of(s.session_id), [0, 0, 0])
+            a[0] += 1
+            a[1] += s.num_tokens
+            a[2] += s.num_tokens - s.tokens_in(DROPPED, self.block_size)
+        return {t: TenantUsage(*a) for t, a in acc.items()}
+
+    def delete(self, s: Session, keep_shared: bool) -> None:
+        """`KVStore.delete`: forget the session and free what only it holds. `keep_shared` (the engine's throwaway
+        sessions): if it alone holds indexed chunks of a shared prefix, they stay in the store, held
+        by the session, now `retained` (its id is no longer listed; it takes no turns), until the
+        policy drops them, so that the next turn with that prefix reuses them (prefix_sharing.py)."""
+        if s.busy:
+            raise SessionBusyError(s.session_id)
+        keep = self.sharing.retainable(s) if keep_shared else 0
+        if keep:
+            self.truncate(s, keep * self.block_size)
+            s.retained = True
+            return
+        for k in range(len(s.chunks)):
+            self.tiers.release(s, k)
+        self.sessions.remove(s.session_id)
+
+    def collect_retained(self) -> None:
+        """Retained sessions none of whose chunks can be found any more are deleted."""
+        for s in [s for s in self.sessions if s.retained and not s.busy and not self.sharing.findable(s)]:
+            self.delete(s, keep_shared=False)
+
+    def adopt(self, s: Session, token_ids: Sequence[int], cache_salt: str | None) -> int:
+        """`KVStore.adopt_prefix`: before a turn whose prompt is `token_ids` (the engine's scheduler,
+        to size the turn before its lease; `begin_turn` does it too): idle `s` takes the indexed chunks
+        of the longest shared prefix of the prompt (its tenant's and `cache_salt`'s, verified id by id,
+        at least one token short of the prompt) in place of its dropped chunks and past its history, if
+        its history is a prefix of the prompt. Returns the tokens it gained (`prefix_sharing.py`).
+        ValueError: a `cache_salt` other than the one the session was opened with."""
+        if s.busy:
+            raise SessionBusyError(s.session_id)
+        return self.sharing.adopt(s, token_ids, cache_salt, self.tiers.release)
+
+    def begin_turn(self, s: Session, prompt: Sequence[int], cache_salt: str | None) -> TurnStats:
+        """`KVStore.begin_turn`: a turn of the leased session starts with `prompt` (the whole conversation's ids): it
+        adopts the shared chunks of the prompt's prefix (`adopt_prefix`, scoped by its tenant and
+        `cache_salt`), its history is cut to the longest common prefix (at least one token short of
+        the prompt, so the turn computes logits), its disk chunks are proven, and its `last_turn`
+        restarts with what each tier holds for it (reused_device / swapped_in_host / swapped_in_disk /
+        restored_hidden). Every step committed during the lease adds its rows (computed_tokens,
+        recomputed_tokens); `add_generated` sets generated_tokens. The store is the one writer of last_turn."""
+        if not s.busy:
+            raise StoreError(f"begin_turn: session {s.session_id!r} is not leased (use store.lease first)")
+        self.sharing.adopt(s, prompt, cache_salt, self.tiers.release)
+        keep = min(common_prefix(s.token_ids, prompt), len(prompt) - 1)
+        truncated = self.truncate(s, max(keep, 0))
+        self.placement.prove(s)
+        return self.planner.begin_turn(s, truncated)
+
+    def truncate(self, s: Session, length: int) -> int:
+        """Cut the history of `s` to its first `length` tokens; returns how many were cut. A cut inside
+        a chunk others share releases the session's copy (a shared chunk is immutable: its kept tokens
+        are recomputed); a cut inside a disk chunk retags it, or drops it if it fails its checksum."""
+        if length < 0:
+            raise ValueError(f"cannot truncate to {length} tokens")
+        bs = self.block_size
+        cut = max(len(s.token_ids) - length, 0)
+        if not cut:
+            return 0
+        keep = -(-length // bs)
+        for k in range(keep, len(s.chunks)):
+            self.tiers.release(s, k)
+        del s.chunks[keep:]
+        if length % bs and not self.sharing.privatize(s, keep - 1):
+            self.tiers.release(s, keep - 1)
+        cut_inside = bool(s.chunks) and s.chunks[-1].state in ON_DISK and length % bs
+        old_tag = identity_tags(s.token_ids[: keep * bs], bs)[-1] if cut_inside else None
+        del s.token_ids[length:]
+        # its checksum named the longer prefix: retag it, or drop it if it does not hold what it should
+        if cut_inside and not self.disk_state.cut(s, keep - 1, old_tag):
+            self.placement.drop(s, keep - 1)
+        return cut
+
+    def missing_positions(self, s: Session, cut: int | None) -> list[int]:
+        """`KVStore.missing_positions`: history positions whose KV is stored nowhere (DROPPED): a
+        step must recompute them. Host and disk chunks are not missing: `plan_step` copies them up
+        (disk chunks are proven first: those that fail are missing). `cut`: as they will be after
+        `truncate(session_id, cut)` (positions < cut only): a cut inside a chunk other sessions share
+        drops the session's copy of it (shared chunks are immutable), its kept positions too."""
+        bs = self.block_size
+        self.placement.prove(s)        # disk chunks that are not what they name are missing too
+        out = [p for k, c in enumerate(s.chunks) if c.state is DROPPED for p in s.chunk_range(k, bs)]
+        if cut is None:
+            return out
+        k = cut // bs
+        if cut < s.num_tokens and cut % bs and s.chunks[k].state is not DROPPED \
+                and s.chunks[k].entry is not None and s.chunks[k].entry.holders != {s.session_id}:
+            out = sorted(set(out) | set(range(k * bs, cut)))
+        return [p for p in out if p < cut]
