@@ -15,7 +15,8 @@ def check_integrity(sessions: SessionTable, tiers: TierPools, block_size: int) -
     """Raise AssertionError unless every slot of every tier is free or owned by exactly one chunk,
     chunk tables match token counts, and only HOST/HIDDEN chunks have shadows. A residue block
     (layerwise_kv) is owned per residue by distinct LAYERED chunks, each naming the block's factor,
-    and by nothing else."""
+    and by nothing else. A disk slot is owned by one chunk object; the disk index's rows naming it
+    (one per holder of a shared chunk) all name that object, at one chunk index, with one checksum."""
     owners: dict[ChunkState, dict[int, tuple[str, int]]] = {DEVICE: {}, HOST: {}, HIDDEN: {}, DISK: {}, DISK_HIDDEN: {}}
 
     def own(tier, slot, who):
@@ -65,6 +66,8 @@ def check_integrity(sessions: SessionTable, tiers: TierPools, block_size: int) -
                 listed.add((block, r))
         own(DEVICE, block, ("residue block", block))
     assert listed == set(held), f"residues not in the table: {sorted(set(held) - listed)[:4]}"
+    if tiers.disk is not None:
+        _check_disk_rows(sessions, tiers)
     for tier, owned in owners.items():
         pool = tiers.pool(tier)
         if pool is not None:
@@ -72,3 +75,15 @@ def check_integrity(sessions: SessionTable, tiers: TierPools, block_size: int) -
                 pool.check(set(owned))
             except AssertionError as e:
                 raise AssertionError(f"{tier.value} tier: {e}") from None
+
+
+def _check_disk_rows(sessions: SessionTable, tiers: TierPools) -> None:
+    """The rows the disk index would commit now: those naming one (form, slot) name one chunk object
+    (each row's session holds it at that k) with the slot's checksum."""
+    _, rows = tiers.disk_state.rows()
+    named: dict[tuple[str, int], tuple[int, int, int]] = {}       # (form, slot) -> (id(chunk), k, checksum)
+    for (sid, k), (form, slot, checksum) in rows.items():
+        c = sessions.get(sid).chunks[k]
+        first = named.setdefault((form, slot), (id(c), k, checksum))
+        assert first == (id(c), k, checksum), (
+            f"{form} disk slot {slot} named by ({sid!r}, {k}) and by another chunk, index or checksum")

@@ -148,7 +148,7 @@ class KVStore:
                 disk.close()
             raise
         if disk is not None:
-            self.disk_state.load()
+            self.disk_state.load(self.sharing)
 
     # ---- the parts' objects, for callers that read them ------------------------------------------
 

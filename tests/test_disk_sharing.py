@@ -1,0 +1,185 @@
+"""Prefix sharing on the disk tier (issue 23): a chunk shared by sessions moves to disk once, stays
+shared there (one slot, a row of each holder in the disk index), comes up once for all, and a
+restart rebuilds the sharing and the prefix index, so a new session adopts a saved prefix from disk.
+Every turn is checked against stateless greedy generate on the whole conversation, and the store's
+integrity (slots, holders, the disk index's rows) after every step."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import pytest
+import torch
+from conftest import FAMILIES, greedy
+
+import stateful_hf
+from stateful_hf import Engine, SamplingParams
+from stateful_hf.cache import CostProfile
+from stateful_hf.engine.handle import RequestFailed
+
+BS = 8
+SYSTEM = torch.randint(3, 300, (1, 43), generator=torch.Generator().manual_seed(7))   # 5 full chunks + 3
+SHARED = 5 * BS
+
+
+def user(seed: int, n: int = 9) -> torch.Tensor:
+    return torch.randint(3, 300, (1, n), generator=torch.Generator().manual_seed(1000 + seed))
+
+
+def turn(model, oracle, store, sid: str, ids: torch.Tensor, n: int = 6) -> torch.Tensor:
+    """One exact turn of `sid`; returns the conversation with the reply."""
+    out = greedy(model, ids, n=n, cache=store.cache(sid))
+    assert torch.equal(out, greedy(oracle, ids, n=n)), sid
+    store.check_integrity()
+    return out
+
+
+def open_store(model, d, **kw):
+    opts = dict(device_capacity=1024, chunk_size=BS, disk_dir=d, disk_capacity=1024, cost_profile=CostProfile())
+    return stateful_hf.SessionStore(model, **{**opts, **kw})
+
+
+def all_chunks(store, sid):
+    return range(len(store.session(sid).chunks))
+
+
+def shared_objects(store, a, b, n=5):
+    """Whether chunks 0..n-1 of sessions a and b are one object each."""
+    return all(store.session(a).chunks[k] is store.session(b).chunks[k] for k in range(n))
+
+
+def disk_rows(d):
+    with sqlite3.connect(d / "index.sqlite") as db:
+        return db.execute("SELECT session, k, form, slot, checksum FROM chunks ORDER BY slot, session").fetchall()
+
+
+@pytest.fixture
+def models():
+    return FAMILIES["llama"](), FAMILIES["llama"]()
+
+
+def test_a_shared_prompt_moves_to_disk_once_and_comes_back_once(models, tmp_path):
+    model, oracle = models
+    store = open_store(model, tmp_path / "d")
+    a = turn(model, oracle, store, "a", torch.cat([SYSTEM, user(1)], 1))
+    b = turn(model, oracle, store, "b", torch.cat([SYSTEM, user(2)], 1))
+    store.move("a", all_chunks(store, "a"), "disk")      # the shared chunks go for b too: one copy
+    store.check_integrity()
+    assert store.residency("b")["disk"] == SHARED and store.residency("b")["dropped"] == 0
+    st = store.stats()
+    assert st.disk_tokens == store.session("a").num_tokens            # the shared chunks once
+    assert store.disk.pool.num_blocks - store.disk.pool.num_free == len(store.session("a").chunks)
+    assert shared_objects(store, "a", "b") and st.shared_tokens == SHARED and st.prefix_index_chunks >= 5
+    rows = disk_rows(tmp_path / "d")                      # committed: a row of each holder, one slot
+    shared = [r for r in rows if r[1] < 5]
+    assert len(shared) == 10 and len({(r[3], r[1], r[4]) for r in shared}) == 5
+    b = turn(model, oracle, store, "b", torch.cat([b, user(3)], 1))
+    last = store.stats("b").last_turn
+    assert last.swapped_in_disk == SHARED and last.recomputed_tokens == 0    # up once, in place for a too
+    assert store.residency("a")["device"] == SHARED
+    private = store.residency("a")["disk"]
+    assert private == store.session("a").num_tokens - SHARED
+    a = turn(model, oracle, store, "a", torch.cat([a, user(4)], 1))
+    last = store.stats("a").last_turn
+    assert (last.reused_device, last.swapped_in_disk, last.recomputed_tokens) == (SHARED, private, 0)
+    turn(model, oracle, store, "c", torch.cat([SYSTEM, user(5)], 1))
+    assert store.stats("c").last_turn.reused_tokens == SHARED
+    assert store.stats().disk_checksum_failures == 0
+    store.close()
+
+
+@pytest.mark.parametrize("capacity", [1024, 8 * BS])
+def test_restart_rebuilds_sharing_and_a_new_session_adopts_from_disk(models, tmp_path, capacity):
+    """Sessions sharing a prompt, all on disk, store closed; a new store on the directory holds the
+    shared chunks once again, indexed: a new session takes them from disk, the old ones continue.
+    With a smaller disk (8 slots for 11: relocation copies each shared slot once, the lowest chunks
+    go) chunks 3-4 stay shared but unfindable (their parents are gone) and 0-2 are recomputed."""
+    model, oracle = models
+    d = tmp_path / "d"
+    store = open_store(model, d)
+    convs = {sid: turn(model, oracle, store, sid, torch.cat([SYSTEM, user(i)], 1)) for i, sid in enumerate("ab")}
+    for sid in convs:
+        store.move(sid, all_chunks(store, sid), "disk")
+    on_disk = store.stats().disk_tokens
+    assert on_disk == 2 * store.session("a").num_tokens - SHARED
+    store.close()
+
+    store = open_store(model, d, disk_capacity=capacity)
+    store.check_integrity()
+    st = store.stats()
+    full = capacity == 1024
+    assert all(store.session("a").chunks[k] is store.session("b").chunks[k] for k in range(0 if full else 3, 5))
+    assert st.shared_tokens == (SHARED if full else 2 * BS) and st.prefix_index_chunks == (9 if full else 0)
+    assert st.disk_tokens == (on_disk if full else on_disk - 3 * BS)
+    assert store.disk.pool.num_blocks - store.disk.pool.num_free == (11 if full else 8)
+    c = turn(model, oracle, store, "c", torch.cat([SYSTEM, user(5)], 1))
+    last = store.stats("c").last_turn
+    assert last.reused_tokens == last.swapped_in_disk == (SHARED if full else 0) and last.recomputed_tokens == 0
+    for sid in convs:                # shrunk: their dropped chunks 0-2 come back from c, which computed them
+        assert store.residency(sid)["dropped"] == (0 if full else 3 * BS)
+        convs[sid] = turn(model, oracle, store, sid, torch.cat([convs[sid], user(6)], 1))
+        last = store.stats(sid).last_turn
+        assert last.recomputed_tokens == 0 and last.reused_tokens == store.session(sid).num_tokens - 15
+    turn(model, oracle, store, "c", torch.cat([c, user(7)], 1))
+    assert store.stats().disk_checksum_failures == 0
+    store.close()
+
+
+def test_restart_keeps_the_scope_of_what_it_shares(models, tmp_path):
+    """A prefix saved under a cache_salt is adopted after a restart by a new session with that salt
+    only; a saved session continues under its salt, and another salt is refused for it."""
+    model, oracle = models
+    d = tmp_path / "d"
+    ids = torch.cat([SYSTEM, user(1)], 1)[0].tolist()
+    want = greedy(oracle, torch.tensor([ids]), n=6)[0, len(ids):].tolist()
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+
+    def reused(engine, sid, salt=None):
+        out = engine.submit(sid, ids, params, cache_salt=salt).result()
+        assert list(out.token_ids) == want
+        engine.store.check_integrity()
+        return out.metrics.reused_tokens
+
+    store = open_store(model, d)
+    engine = Engine(model, store=store)
+    assert reused(engine, "x", "s") == 0
+    assert reused(engine, "y", "s") == 48             # all 6 full chunks of x's prompt
+    for sid in ("x", "y"):
+        store.move(sid, all_chunks(store, sid), "disk")
+    store.close()
+
+    store = open_store(model, d)
+    store.check_integrity()
+    engine = Engine(model, store=store)
+    assert shared_objects(store, "x", "y", 6)
+    assert reused(engine, "p") == 0                    # no salt: another scope
+    assert reused(engine, "q", "t") == 0               # another salt
+    assert reused(engine, "r", "s") == 48              # the saved prefix, from disk
+    more = ids + want + user(8)[0].tolist()
+    with pytest.raises(RequestFailed, match="opened with cache_salt 's'"):
+        engine.submit("x", more, params).result()
+    out = engine.submit("x", more, params, cache_salt="s").result()       # its own salt: it continues
+    assert list(out.token_ids) == greedy(oracle, torch.tensor([more]), n=6)[0, len(more):].tolist()
+    assert out.metrics.reused_tokens == len(ids) + len(want) - 1
+    store.check_integrity()
+    store.close()
+
+
+def test_retained_prefix_survives_a_restart(models, tmp_path):
+    """A throwaway request's prompt kept as a retained prefix (delete with keep_shared), moved to
+    disk: after a restart it is still a retained prefix (not a listed session) that a new session
+    adopts."""
+    model, oracle = models
+    d = tmp_path / "d"
+    store = open_store(model, d)
+    turn(model, oracle, store, "t", torch.cat([SYSTEM, user(1)], 1))
+    store.delete("t", keep_shared=True)
+    assert "t" not in store.session_ids()
+    store.move("t", all_chunks(store, "t"), "disk")
+    store.close()
+    store = open_store(model, d)
+    store.check_integrity()
+    assert "t" not in store.session_ids() and store.stats().prefix_index_chunks == 7   # its full chunks
+    turn(model, oracle, store, "u", torch.cat([SYSTEM, user(2)], 1))
+    assert store.stats("u").last_turn.swapped_in_disk == SHARED
+    store.close()
