@@ -6,6 +6,7 @@ integrity (slots, holders, the disk index's rows) after every step."""
 
 from __future__ import annotations
 
+import os
 import sqlite3
 
 import pytest
@@ -182,4 +183,94 @@ def test_retained_prefix_survives_a_restart(models, tmp_path):
     assert "t" not in store.session_ids() and store.stats().prefix_index_chunks == 7   # its full chunks
     turn(model, oracle, store, "u", torch.cat([SYSTEM, user(2)], 1))
     assert store.stats("u").last_turn.swapped_in_disk == SHARED
+    store.close()
+
+
+def kv_file(d):
+    (path,) = d.glob("kv.*.bin")
+    return path
+
+
+def test_a_damaged_shared_slot_is_recomputed_by_every_holder(models, tmp_path):
+    """Bytes of a shared chunk's slot flipped between runs: the new session that adopts it, and each
+    old holder, finds it bad when it reads it and recomputes it; none is served it."""
+    model, oracle = models
+    d = tmp_path / "d"
+    store = open_store(model, d)
+    convs = {sid: turn(model, oracle, store, sid, torch.cat([SYSTEM, user(i)], 1)) for i, sid in enumerate("ab")}
+    for sid in convs:
+        store.move(sid, all_chunks(store, sid), "disk")
+    spec = store.spec
+    store.close()
+    (slot,) = {r[3] for r in disk_rows(d) if r[1] == 2}          # chunk 2: one slot, two rows
+    path = kv_file(d)
+    per_layer = path.stat().st_size // spec.num_layers
+    with open(path, "r+b") as f:                                # its K in layer 0
+        f.seek(slot * spec.bytes_per_block // spec.num_layers + 40)
+        data = f.read(16)
+        f.seek(-16, os.SEEK_CUR)
+        f.write(bytes(x ^ 0x5A for x in data))
+    assert per_layer > 0
+    store = open_store(model, d)
+    store.check_integrity()
+    turn(model, oracle, store, "c", torch.cat([SYSTEM, user(5)], 1))
+    last = store.stats("c").last_turn
+    assert (last.recomputed_tokens, last.swapped_in_disk) == (BS, SHARED - BS)
+    assert store.stats().disk_checksum_failures == 1
+    for n, sid in enumerate(convs, start=2):
+        convs[sid] = turn(model, oracle, store, sid, torch.cat([convs[sid], user(6)], 1))
+        assert store.stats(sid).last_turn.recomputed_tokens == BS
+        assert store.stats().disk_checksum_failures == n
+    store.close()
+
+
+def test_the_policy_moves_shared_chunks_to_disk_under_pressure(models, tmp_path):
+    """A small device and host: other sessions' long turns push the idle sharers' chunks down to the
+    host, then to the disk, the shared ones once; they come back exactly."""
+    model, oracle = models
+    store = open_store(model, tmp_path / "d", device_capacity=12 * BS, host_capacity=10 * BS, policy="lru")
+    convs = {sid: turn(model, oracle, store, sid, torch.cat([SYSTEM, user(i)], 1)) for i, sid in enumerate("ab")}
+    for i, sid in enumerate("xy"):
+        turn(model, oracle, store, sid, user(50 + i, 70))
+    a, b = store.session("a"), store.session("b")
+    assert all(a.chunks[k] is b.chunks[k] and a.chunks[k].state.value == "disk" for k in range(5))
+    assert store.moves.snapshot()[("host", "disk", "pressure")].chunks > 0
+    physical = {id(c): s.chunk_len(k, BS) for s in (a, b, store.session("x"), store.session("y"))
+                for k, c in enumerate(s.chunks) if c.state.value == "disk"}
+    assert store.stats().disk_tokens == sum(physical.values()) == sum(
+        store.residency(sid)["disk"] for sid in "abxy") - SHARED
+    for i, sid in enumerate(convs):
+        convs[sid] = turn(model, oracle, store, sid, torch.cat([convs[sid], user(10 + i)], 1))
+        last = store.stats(sid).last_turn
+        assert last.recomputed_tokens == 0 and last.swapped_in_disk == (57 if sid == "a" else 57 - SHARED)
+    store.close()
+
+
+def test_engine_with_a_disk_under_pressure_and_a_shared_prompt(models, tmp_path):
+    """Sessions sharing a system prompt and others with long unrelated prompts take turns in groups
+    through the engine, on a device and host that hold few of them, a disk behind: the policy moves
+    the shared chunks (idle between their group's turns) to disk, once, and back; every answer
+    stays exact."""
+    model, oracle = models
+    store = open_store(model, tmp_path / "d", device_capacity=24 * BS, host_capacity=8 * BS)
+    engine = Engine(model, store=store, max_batch_tokens=64)
+    convs = {f"s{i}": torch.cat([SYSTEM, user(i)], 1) for i in range(4)}
+    convs.update({f"x{i}": user(20 + i, 60) for i in range(3)})
+    seen = set()         # shared chunks seen on disk (at any move: earlier batches have landed)
+
+    def look(batch):
+        seen.update(id(c) for s in store.sessions for c in s.chunks
+                    if c.entry is not None and len(c.entry.holders) > 1 and c.state.value == "disk")
+
+    store.moves.subscribe(look)
+    for rnd, group in enumerate("sxsxs"):
+        sids = [sid for sid in convs if sid[0] == group]
+        outs = engine.generate(sids, [convs[s][0].tolist() for s in sids], SamplingParams(max_new_tokens=4))
+        for sid, out in zip(sids, outs):
+            assert out.error is None, out.error
+            want = greedy(oracle, convs[sid], n=4)
+            assert list(out.token_ids) == want[0, convs[sid].shape[1]:].tolist(), (rnd, sid)
+            convs[sid] = torch.cat([want, user(10 * rnd + int(sid[1:]))], 1)
+        store.check_integrity()
+    assert store.stats().counters.swapped_out_disk > 0 and store.stats().counters.swapped_in_disk > 0 and seen
     store.close()
