@@ -274,3 +274,75 @@ def test_engine_with_a_disk_under_pressure_and_a_shared_prompt(models, tmp_path)
         store.check_integrity()
     assert store.stats().counters.swapped_out_disk > 0 and store.stats().counters.swapped_in_disk > 0 and seen
     store.close()
+
+
+def test_shared_hidden_states_on_disk_survive_a_restart(tmp_path):
+    """A shared chunk kept as hidden states goes to the disk's hidden file once (DISK_HIDDEN); after
+    a restart it is one chunk again, and a new session rebuilds it from there, exactly."""
+    model, oracle = FAMILIES["opt"](), FAMILIES["opt"]()
+    d = tmp_path / "d"
+    kw = dict(host_capacity=1024, hidden_states="always", hidden_layers=1)
+    store = open_store(model, d, **kw)
+    convs = {sid: turn(model, oracle, store, sid, torch.cat([SYSTEM, user(i)], 1)) for i, sid in enumerate("ab")}
+    store.move("a", range(5), "hidden")
+    store.move("a", range(5), "disk")
+    assert store.residency("b")["disk_hidden"] == SHARED and store.stats().disk_hidden_tokens == SHARED
+    store.close()
+    store = open_store(model, d, **kw)
+    store.check_integrity()
+    assert shared_objects(store, "a", "b") and store.session("a").chunks[0].state.value == "disk_hidden"
+    turn(model, oracle, store, "c", torch.cat([SYSTEM, user(5)], 1))
+    last = store.stats("c").last_turn
+    assert last.restored_hidden == SHARED and last.recomputed_tokens == 0
+    for i, sid in enumerate(convs):
+        turn(model, oracle, store, sid, torch.cat([convs[sid], user(6 + i)], 1))
+        assert store.stats(sid).last_turn.recomputed_tokens == 0
+    store.close()
+
+
+def test_a_format_2_directory_is_upgraded_in_place(models, tmp_path):
+    """A tier written before the sessions' scope was recorded (format 2): it opens, upgraded in one
+    transaction; its sessions continue exactly; their chunks are not indexed until a turn registers
+    them (their scope was not recorded)."""
+    model, oracle = models
+    d = tmp_path / "d"
+    store = open_store(model, d)
+    a = turn(model, oracle, store, "a", torch.cat([SYSTEM, user(1)], 1))
+    store.move("a", all_chunks(store, "a"), "disk")
+    store.close()
+    with sqlite3.connect(d / "index.sqlite") as db:            # as format 2 wrote it
+        for column in ("tenant", "cache_salt", "retained"):
+            db.execute(f"ALTER TABLE sessions DROP COLUMN {column}")
+        db.execute("UPDATE meta SET value = 'stateful-hf disk tier 2' WHERE key = 'format'")
+    store = open_store(model, d)
+    store.check_integrity()
+    assert store.stats().prefix_index_chunks == 0 and store.residency("a")["disk"] == store.session("a").num_tokens
+    with sqlite3.connect(d / "index.sqlite") as db:
+        assert db.execute("SELECT value FROM meta WHERE key = 'format'").fetchone() == ("stateful-hf disk tier 3",)
+    turn(model, oracle, store, "a", torch.cat([a, user(2)], 1))
+    assert store.stats("a").last_turn.recomputed_tokens == 0
+    turn(model, oracle, store, "c", torch.cat([SYSTEM, user(3)], 1))
+    assert store.stats("c").last_turn.reused_tokens == SHARED        # registered again by a's turn
+    store.close()
+
+
+def test_crash_at_the_durability_points_with_shared_chunks(tmp_path):
+    """The shared scripted worker (benchmarks/disk_faults.py `scripted_shared`, fresh interpreters)
+    killed at durability points around shared chunks: s1 to disk reusing s0's freed slot (9-11),
+    s2 (adopted from disk) to disk (14-15), the commit after s0 let go of the shared slots (16),
+    the relocation copying each shared slot once (18, 20). `python -m benchmarks.disk_faults points
+    --script shared` kills it at every one. Each reopened directory serves every saved session,
+    and a new session opening with the shared prompt, exactly (check_dir, integrity included)."""
+    from benchmarks.disk_faults import crash_sweep, run_worker
+    from stateful_hf.testing import tiny_llama
+
+    code, lines = run_worker(tmp_path / "whole", script="shared")
+    assert code == 0 and lines[-1] == "done" and not any("WRONG" in line for line in lines)
+    assert max(int(line.split()[-1]) for line in lines if line.startswith("shared on disk")) == 3
+    names = [line.split()[2] for line in lines if line.startswith("point")]
+    assert len(names) == 26, names          # the points named in the docstring
+    points = (9, 10, 11, 14, 15, 16, 18, 20)
+    results = crash_sweep(tiny_llama(seed=0), points, tmp_path, script="shared")
+    assert {name for _, name, _, _ in results} == {names[n - 1] for n in points} == {
+        "data-flush", "index-commit", "relocate-copied", "relocate-committed"}, results
+    assert all(turns > 1 for _, _, turns, _ in results) and all(wrong == 0 for *_, wrong in results), results
