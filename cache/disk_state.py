@@ -114,33 +114,29 @@ class DiskState:
     def load(self, sharing: PrefixSharing) -> None:
         """Sessions of the last committed index into the table: chunks named there are DISK /
         DISK_HIDDEN (unproven until read). Rows of sessions naming one slot become ONE chunk held by
-        each when they can be one shared chunk: same chunk index, same checksum, same scope, the
-        same token ids up to the chunk's end, a full chunk (`sharing.restore` then gives it an entry
-        and indexes what it can). Rows that cannot be right are left out (recomputed): a chunk out
-        of range, or a slot named again otherwise (the first claimant's row decides). Mutates: the
-        table, the disk pools' taken slots and checksums, the prefix index (through `sharing`)."""
+        each when they can be one shared chunk (`_one_chunk`); `sharing.restore` then gives it an
+        entry and indexes what it can. Rows that cannot be right are left out (recomputed): a chunk
+        out of range, or a slot named again otherwise (the first claimant's row decides). Mutates:
+        the table, the disk pools' taken slots and checksums, the prefix index (through `sharing`)."""
         bs = self.block_size
         taken: dict[str, dict[int, int]] = {"kv": {}, "hidden": {}}      # form -> {slot: checksum}
-        claimant: dict[tuple[str, int], tuple[Session, int, PrefixScope | None, Chunk]] = {}
+        claimant: dict[tuple[str, int], tuple[Session, int, PrefixScope | None]] = {}   # its first row's
         loaded: list[tuple[Session, PrefixScope | None]] = []
         for sid, saved in self.disk.saved_sessions().items():
-            ids = saved.token_ids
-            s = Session(sid, ids, last_active=self.sessions.clock(), retained=saved.retained)
+            s = Session(sid, saved.token_ids, last_active=self.sessions.clock(), retained=saved.retained)
             scope = _scope(sid, saved.tenant, saved.cache_salt)
-            s.chunks = [Chunk() for _ in range(-(-len(ids) // bs))]
+            s.chunks = [Chunk() for _ in range(-(-len(s.token_ids) // bs))]
             for k, (form, slot, checksum) in sorted(saved.chunks.items()):
                 if not 0 <= k < len(s.chunks):
                     continue
                 if slot not in taken[form]:
                     s.chunks[k] = Chunk(DISK if form == "kv" else DISK_HIDDEN, slot)
                     taken[form][slot] = checksum
-                    claimant[form, slot] = (s, k, scope, s.chunks[k])
-                    continue
-                first, fk, fscope, c = claimant[form, slot]
-                end = (k + 1) * bs
-                if (fk == k and taken[form][slot] == checksum and scope is not None and fscope == scope
-                        and len(ids) >= end and len(first.token_ids) >= end and first.token_ids[:end] == ids[:end]):
-                    s.chunks[k] = c                      # the same chunk: shared again
+                    claimant[form, slot] = (s, k, scope)
+                elif sharing.enabled and checksum == taken[form][slot] and \
+                        self._one_chunk(claimant[form, slot], (s, k, scope)):
+                    first, fk, _ = claimant[form, slot]
+                    s.chunks[k] = first.chunks[fk]          # the same chunk: shared again
             self.sessions.add(s)
             loaded.append((s, scope))
         for form, slots in taken.items():
@@ -150,6 +146,16 @@ class DiskState:
                 pool.checksums = dict(slots)
         sharing.restore(loaded)
         self._changed = True
+
+    def _one_chunk(self, a: tuple[Session, int, PrefixScope | None], b: tuple[Session, int, PrefixScope | None]
+                   ) -> bool:
+        """Whether rows (session, k, scope) naming one slot with one checksum can be one shared chunk:
+        the same k, the same scope (recorded), a full chunk in both, the same ids up to its end (the
+        slot is proven once for all holders: their identity tags must be equal)."""
+        (sa, ka, scope_a), (sb, kb, scope_b) = a, b
+        end = (ka + 1) * self.block_size
+        return (ka == kb and scope_a is not None and scope_a == scope_b and len(sa.token_ids) >= end
+                and len(sb.token_ids) >= end and sa.token_ids[:end] == sb.token_ids[:end])
 
 
 def _scope(sid: str, tenant: str | None, cache_salt: str | None) -> PrefixScope | None:

@@ -346,3 +346,41 @@ def test_crash_at_the_durability_points_with_shared_chunks(tmp_path):
     assert {name for _, name, _, _ in results} == {names[n - 1] for n in points} == {
         "data-flush", "index-commit", "relocate-copied", "relocate-committed"}, results
     assert all(turns > 1 for _, _, turns, _ in results) and all(wrong == 0 for *_, wrong in results), results
+
+
+@pytest.mark.parametrize("kind", ["checksum", "scope", "virtual"])
+def test_rows_that_cannot_be_one_chunk_keep_the_first_claimant(models, tmp_path, kind):
+    """Rows of two sessions naming one slot become one chunk only when they can be one: with another
+    checksum (chunk 2 of b), no recorded scope (b's), or a store that cannot share (a
+    virtual layout), the first claimant keeps the slot and the other session's row is left out: it
+    recomputes the chunk, or, sharing in the claimant's scope, adopts the claimant's indexed chunk."""
+    model, oracle = models
+    d = tmp_path / "d"
+    store = open_store(model, d)
+    convs = {sid: turn(model, oracle, store, sid, torch.cat([SYSTEM, user(i)], 1)) for i, sid in enumerate("ab")}
+    for sid in convs:
+        store.move(sid, all_chunks(store, sid), "disk")
+    store.close()
+    with sqlite3.connect(d / "index.sqlite") as db:
+        if kind == "checksum":
+            db.execute("UPDATE chunks SET checksum = checksum + 1 WHERE session = 'b' AND k = 2")
+        elif kind == "scope":
+            db.execute("UPDATE sessions SET tenant = NULL WHERE id = 'b'")
+    kw = {"layout": "virtual", "max_context": 256} if kind == "virtual" else {}
+    store = open_store(model, d, **kw)
+    store.check_integrity()
+    a, b = store.session("a"), store.session("b")
+    apart = [2] if kind == "checksum" else range(5)
+    assert all(a.chunks[k] is not b.chunks[k] for k in apart)
+    assert all(a.chunks[k] is b.chunks[k] for k in range(5) if k not in apart)
+    dropped = {sid: store.residency(sid)["dropped"] for sid in convs}
+    assert sorted(dropped.values()) == [0, len(apart) * BS]
+    for i, sid in enumerate(sorted(convs, key=lambda sid: -dropped[sid])):    # the one that lost them first
+        turn(model, oracle, store, sid, torch.cat([convs[sid], user(6 + i)], 1))
+        last = store.stats(sid).last_turn
+        if kind != "virtual":        # the same scope at its turn: its dropped chunks come back from the claimant's
+            assert last.recomputed_tokens == 0 and last.reused_tokens == 57
+        else:
+            assert last.recomputed_tokens == dropped[sid]
+    assert store.stats().disk_checksum_failures == 0
+    store.close()
