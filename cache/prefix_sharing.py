@@ -6,7 +6,7 @@ list of every holder (`entry.holders`); the store's parts change a chunk's state
 (`Chunk.assign`), so a move of a shared chunk is a move for every holder. Collaborators: the
 session table (holders by id), and the caller's `free` (gives a chunk's slots back to its pools).
 
-What may happen to a shared chunk (the rules; `check` asserts the structural ones):
+What may happen to a shared chunk (the rules; `integrity.check_sharing` asserts the structural ones):
 - It is full and immutable: no step writes into it. A session whose history is cut inside it
   (`truncate`) lets go of it (`detach`) and recomputes the tokens it keeps, < one chunk.
 - It enters a session by `adopt` (a turn's prompt starts with indexed chunks, verified id by id) and
@@ -305,39 +305,6 @@ class PrefixSharing:
                 if id(c) not in seen:
                     seen.add(id(c))
                     yield s, k, c
-
-    def check(self, sessions: Sequence[Session]) -> None:
-        """Raise AssertionError unless holders and chunks agree: a chunk with an entry is that entry's
-        payload, at the entry's depth in exactly its holders, full, never DROPPED (it may be on
-        disk), and its holders' ids agree up to its end (its KV, and a disk slot's checksum, depend
-        on them); an indexed entry's payload names it; the index's own rules hold."""
-        self.index.check()
-        seen: dict[int, set[str]] = {}
-        prefix: dict[int, list[int]] = {}
-        bs = self.block_size
-        for s in sessions:
-            for k, c in enumerate(s.chunks):
-                if c.entry is None:
-                    continue
-                e = c.entry
-                who = (s.session_id, k)
-                assert e.payload is c and e.depth == k, f"{who}: chunk and entry disagree"
-                assert s.session_id in e.holders, f"{who}: holds a shared chunk it is not a holder of"
-                assert len(s.token_ids) >= (k + 1) * bs, f"{who}: a shared chunk must be full"
-                assert tuple(s.token_ids[k * bs:(k + 1) * bs]) == e.ids, f"{who}: ids differ from its entry's"
-                assert c.state is not DROPPED, f"{who}: shared chunk is {c.state.value}"
-                first = prefix.setdefault(id(e), s.token_ids[: (k + 1) * bs])
-                assert first == s.token_ids[: (k + 1) * bs], f"{who}: holders of one chunk with other prefixes"
-                seen.setdefault(id(e), set()).add(s.session_id)
-        for s in sessions:
-            for c in s.chunks:
-                if c.entry is not None:
-                    held = sorted(seen[id(c.entry)])
-                    assert set(held) == c.entry.holders, (
-                        f"chunk {c.entry.depth}: holders {sorted(c.entry.holders)} but held by {held}")
-        for e in self.index.entries():
-            assert e.payload.entry is e, f"indexed chunk {e.depth} does not name its entry"
-            assert e.holders, f"indexed chunk {e.depth} has no holder"
 
     def stats(self, sessions: Iterable[Session]) -> tuple[int, int]:
         """(logical tokens: every session's stored tokens, a shared chunk once per holder; shared
