@@ -113,6 +113,9 @@ def test_restart_rebuilds_sharing_and_a_new_session_adopts_from_disk(models, tmp
     assert st.shared_tokens == (SHARED if full else 2 * BS) and st.prefix_index_chunks == (9 if full else 0)
     assert st.disk_tokens == (on_disk if full else on_disk - 3 * BS)
     assert store.disk.pool.num_blocks - store.disk.pool.num_free == (11 if full else 8)
+    kv_file, proofs = store.disk.files["kv"], []
+    checksum = kv_file.checksum
+    kv_file.checksum = lambda tag, slot: proofs.append(slot) or checksum(tag, slot)     # count the proofs
     c = turn(model, oracle, store, "c", torch.cat([SYSTEM, user(5)], 1))
     last = store.stats("c").last_turn
     assert last.reused_tokens == last.swapped_in_disk == (SHARED if full else 0) and last.recomputed_tokens == 0
@@ -123,6 +126,7 @@ def test_restart_rebuilds_sharing_and_a_new_session_adopts_from_disk(models, tmp
         assert last.recomputed_tokens == 0 and last.reused_tokens == store.session(sid).num_tokens - 15
     turn(model, oracle, store, "c", torch.cat([c, user(7)], 1))
     assert store.stats().disk_checksum_failures == 0
+    assert sorted(proofs) == sorted(set(proofs)) and len(proofs) == (11 if full else 8)   # each slot proven once
     store.close()
 
 
