@@ -119,6 +119,7 @@ def test_restart_rebuilds_sharing_and_a_new_session_adopts_from_disk(models, tmp
     c = turn(model, oracle, store, "c", torch.cat([SYSTEM, user(5)], 1))
     last = store.stats("c").last_turn
     assert last.reused_tokens == last.swapped_in_disk == (SHARED if full else 0) and last.recomputed_tokens == 0
+    assert last.computed_tokens == SYSTEM.shape[1] + 9 - last.reused_tokens + 5   # prompt rows, 5 decode rows
     for sid in convs:                # shrunk: their dropped chunks 0-2 come back from c, which computed them
         assert store.residency(sid)["dropped"] == (0 if full else 3 * BS)
         convs[sid] = turn(model, oracle, store, sid, torch.cat([convs[sid], user(6)], 1))
