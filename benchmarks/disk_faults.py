@@ -1,18 +1,20 @@
 """Crash the disk tier and count wrong turns: there must be none.
 
     python -m benchmarks.disk_faults loop [--seconds 300] [--dir D] [--seed 0]
-    python -m benchmarks.disk_faults points
+    python -m benchmarks.disk_faults points [--script shared]
     python -m benchmarks.disk_faults worker --dir D --seed S [--crash-at N] [--turns T] [--capacities 96 160]
 
 `worker` (always a fresh interpreter: a process that has run torch is never forked) plays
-conversations on four sessions of a tiny model through `model.generate` with a disk tier, with
+conversations on four sessions of a tiny model through `model.generate` with a disk tier (each
+opening with one system prompt, so they share its full chunks: prefix sharing, on disk too), with
 random moves between tiers after each turn (filling the disk, so freed slots are reused within one
 call), closing and reopening the store with the next `--capacities` every `--turns` turns
 (relocation), for `--phases` store lifetimes.
 Every turn is compared with stateless `generate`; it prints `turn ok` / `turn WRONG`, and `point N
 NAME` at each durability point (`disk_index.durability_point`); with `--crash-at N` it SIGKILLs
-itself at the N-th one. With `--script` it plays a fixed scenario instead (`scripted`); `points`
-kills it at every one of its durability points in turn and checks each reopened directory.
+itself at the N-th one. With `--script plain` / `--script shared` it plays a fixed scenario instead
+(`scripted`, `scripted_shared`: sessions sharing a prompt on disk); `points` kills it at every one
+of its durability points in turn and checks each reopened directory.
 
 `loop` starts workers and SIGKILLs each at a random time (during opening, turns and moves; half of
 them instead die at a random durability point, where the windows that matter are), then
@@ -39,6 +41,7 @@ import torch
 CHUNK = 16
 STORE = {"device_capacity": 256, "host_capacity": 64, "chunk_size": CHUNK, "policy": "lru"}
 SESSIONS = ("s0", "s1", "s2", "s3")
+SYSTEM_IDS = random.Random(5).choices(range(3, 300), k=64)     # a system prompt sessions open with
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -104,7 +107,7 @@ def worker(directory: str, seed: int, crash_at: int | None, turns: int, capaciti
             if len(convs[sid]) > 120:                     # keep histories short: start over
                 store.delete(sid)
                 convs[sid] = []
-            ids = convs[sid] + [rng.randrange(3, 300) for _ in range(rng.randint(3, 12))]
+            ids = (convs[sid] or SYSTEM_IDS[:40]) + [rng.randrange(3, 300) for _ in range(rng.randint(3, 12))]
             ok, convs[sid] = exact_turn(model, store, sid, ids)
             print("turn ok" if ok else f"turn WRONG {sid}", flush=True)
             if rng.random() < 0.6:                        # idle now: to disk (pushing others out, reusing slots)
@@ -152,11 +155,62 @@ def scripted(directory: str) -> None:
     print("done", flush=True)
 
 
+def scripted_shared(directory: str) -> None:
+    """The crash test's scenario with prefix sharing (6 slots, then 4): s0 and s1 open with one
+    system prompt (3 shared chunks); s0 to disk (the shared chunks go once, for both); s1 continues
+    (they come up in place) and goes to disk, pushing s0's own chunk out and reusing its slot; s2
+    adopts the prefix from disk; s0 is deleted (the shared slots stay: others hold them); close;
+    reopen smaller (relocation copies each shared slot once); turns of s1, s2 and a new s3 that
+    adopts the prefix; s3 to disk; close."""
+    from stateful_hf.cache import StoreError
+
+    model, rng = _model(), random.Random(11)
+    system = SYSTEM_IDS[:48]
+    convs: dict[str, list[int]] = {}
+
+    def turn(store, sid, n):
+        ids = convs.get(sid, system) + [rng.randrange(3, 300) for _ in range(n)]
+        ok, convs[sid] = exact_turn(model, store, sid, ids)
+        print("turn ok" if ok else f"turn WRONG {sid}", flush=True)
+        store.check_integrity()
+
+    def to_disk(store, sid):
+        with contextlib.suppress(StoreError):
+            store.move(sid, [k for k, c in enumerate(store.session(sid).chunks) if c.state.value != "dropped"], "disk")
+        store.check_integrity()
+        shared = {id(c) for s in store.sessions for c in s.chunks
+                  if c.entry is not None and len(c.entry.holders) > 1 and c.state.value == "disk"}
+        print(f"shared on disk {len(shared)}", flush=True)
+
+    store = _store(model, directory, 96)
+    print("ready", flush=True)
+    turn(store, "s0", 5)
+    turn(store, "s1", 7)
+    to_disk(store, "s0")
+    turn(store, "s1", 5)
+    to_disk(store, "s1")
+    turn(store, "s2", 4)
+    to_disk(store, "s2")
+    store.delete("s0")
+    store.check_integrity()
+    store.close()
+    store = _store(model, directory, 64)
+    print("ready", flush=True)
+    to_disk(store, "s1")
+    turn(store, "s1", 3)
+    turn(store, "s2", 3)
+    turn(store, "s3", 6)
+    to_disk(store, "s3")
+    store.close()
+    print("done", flush=True)
+
+
 def start_worker(directory, seed: int = 0, crash_at: int | None = None, turns: int = 10_000,
-                 capacities: tuple[int, ...] = (96, 160, 64), script: bool = False,
+                 capacities: tuple[int, ...] = (96, 160, 64), script: bool | str = False,
                  phases: int | None = None, crash_kind: str | None = None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "benchmarks.disk_faults", "worker", "--dir", str(directory), "--seed", str(seed),
-           "--turns", str(turns), "--capacities", *map(str, capacities), *(["--script"] if script else []),
+           "--turns", str(turns), "--capacities", *map(str, capacities),
+           *(["--script", "plain" if script is True else script] if script else []),
            "--phases", str(phases or len(capacities))]
     if crash_at is not None:
         cmd += ["--crash-at", str(crash_at)] + (["--crash-kind", crash_kind] if crash_kind else [])
@@ -165,7 +219,7 @@ def start_worker(directory, seed: int = 0, crash_at: int | None = None, turns: i
 
 
 def run_worker(directory, seed: int = 0, crash_at: int | None = None, turns: int = 6,
-               capacities: tuple[int, ...] = (96, 48), script: bool = False) -> tuple[int, list[str]]:
+               capacities: tuple[int, ...] = (96, 48), script: bool | str = False) -> tuple[int, list[str]]:
     """Run a worker to its end (or its crash): (return code, its output lines)."""
     p = start_worker(directory, seed, crash_at, turns, capacities, script)
     out, _ = p.communicate(timeout=300)
@@ -174,9 +228,10 @@ def run_worker(directory, seed: int = 0, crash_at: int | None = None, turns: int
 
 # ---- after a crash: reopen and check, in this process -------------------------------------------------
 
-def check_dir(model, directory, capacity: int, seed: int = 0) -> tuple[int, int]:
+def check_dir(model, directory, capacity: int, seed: int = 0, prefix: list[int] | None = None) -> tuple[int, int]:
     """Reopen the tier, check integrity, and play one turn per saved session against stateless
-    generate (then move it back to disk). Returns (turns, wrong turns)."""
+    generate (then move it back to disk), then (with `prefix`) one of a new session opening with
+    it (it adopts what the reopened index holds of it). Returns (turns, wrong turns)."""
     from stateful_hf.cache import StoreError
 
     rng = random.Random(seed)
@@ -193,26 +248,34 @@ def check_dir(model, directory, capacity: int, seed: int = 0) -> tuple[int, int]
                 store.move(sid, [k for k, c in enumerate(store.session(sid).chunks) if c.state.value != "dropped"],
                            "disk")
         store.check_integrity()
+        if prefix is not None:
+            ok, _ = exact_turn(model, store, "check-new", prefix + [rng.randrange(3, 300) for _ in range(5)], n=4)
+            wrong += not ok
+            sids = [*sids, "check-new"]
+            store.check_integrity()
         return len(sids), wrong
     finally:
         store.close()
 
 
-def crash_sweep(model, points, directory, concurrency: int = 4) -> list[tuple[int, str, int, int]]:
-    """Run the scripted worker once per point in `points`, SIGKILLed there (up to `concurrency` at
-    a time), then reopen and check each directory. Returns (point, its name, turns checked, wrong
-    turns, counting the worker's own) per point."""
+def crash_sweep(model, points, directory, concurrency: int = 4, script: str = "plain"
+                ) -> list[tuple[int, str, int, int]]:
+    """Run the scripted worker (`script`: "plain" or "shared") once per point in `points`, SIGKILLed
+    there (up to `concurrency` at a time), then reopen and check each directory (for "shared", a new
+    session with the shared prompt too). Returns (point, its name, turns checked, wrong turns,
+    counting the worker's own) per point."""
     out, todo, running = [], list(points), {}
     while todo or running:
         while todo and len(running) < concurrency:
             n = todo.pop(0)
-            running[n] = start_worker(Path(directory) / f"crash{n}", crash_at=n, script=True)
+            running[n] = start_worker(Path(directory) / f"crash{n}", crash_at=n, script=script)
         n = next(iter(running))
         p = running.pop(n)
         lines = p.communicate(timeout=600)[0].splitlines()
         if p.returncode != -signal.SIGKILL:
             raise RuntimeError(f"the worker did not die at point {n}: exit {p.returncode}, {lines[-3:]}")
-        turns, wrong = check_dir(model, Path(directory) / f"crash{n}", 64, seed=n)
+        turns, wrong = check_dir(model, Path(directory) / f"crash{n}", 64, seed=n,
+                                 prefix=SYSTEM_IDS[:48] if script == "shared" else None)
         out.append((n, lines[-1].split()[2], turns, wrong + sum("WRONG" in line for line in lines)))
     return out
 
@@ -270,8 +333,10 @@ def main() -> None:
     w.add_argument("--turns", type=int, default=10_000)
     w.add_argument("--capacities", type=int, nargs="+", default=[96, 160, 64])
     w.add_argument("--phases", type=int, help="store lifetimes, cycling through the capacities (default: one each)")
-    w.add_argument("--script", action="store_true", help="the crash test's fixed scenario (`scripted`)")
-    sub.add_parser("points", help="crash the scripted worker at every one of its durability points")
+    w.add_argument("--script", choices=["plain", "shared"], help="a crash test's fixed scenario (`scripted`, "
+                   "`scripted_shared`)")
+    pts = sub.add_parser("points", help="crash the scripted worker at every one of its durability points")
+    pts.add_argument("--script", choices=["plain", "shared"], default="plain")
     loop = sub.add_parser("loop")
     loop.add_argument("--seconds", type=float, default=300)
     loop.add_argument("--dir")
@@ -280,7 +345,7 @@ def main() -> None:
     if args.cmd == "worker":
         if args.script:
             _crash_hook(args.crash_at)
-            scripted(args.dir)
+            (scripted_shared if args.script == "shared" else scripted)(args.dir)
         else:
             worker(args.dir, args.seed, args.crash_at, args.turns, args.capacities, args.phases or len(args.capacities),
                    args.crash_kind)
@@ -288,9 +353,9 @@ def main() -> None:
     t0 = time.monotonic()
     if args.cmd == "points":
         with tempfile.TemporaryDirectory() as tmp:
-            code, lines = run_worker(Path(tmp) / "count", script=True)
+            code, lines = run_worker(Path(tmp) / "count", script=args.script)
             n = sum(line.startswith("point") for line in lines)
-            results = crash_sweep(_model(), range(1, n + 1), tmp)
+            results = crash_sweep(_model(), range(1, n + 1), tmp, script=args.script)
         for point, name, turns, wrong in results:
             print(f"crash at point {point:3d} {name:20s}: {turns} sessions reopened, {wrong} wrong")
         print(f"{time.monotonic() - t0:.0f} s, load average {os.getloadavg()[0]:.2f}")

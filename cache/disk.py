@@ -24,6 +24,10 @@ Crash ordering (every step below is durable before the next starts):
   2. the index transaction naming it commits after that (`commit`);
   3. a slot freed from disk waits in `limbo` until an index that no longer names it has committed;
      only then does it rejoin the free list and can be written again.
+A chunk shared by several sessions (prefix sharing) is one slot named by a row of each holder (same
+chunk index, same checksum: the identity tag chains the prefix's ids, equal for all holders). The
+store frees the slot only when its last holder lets go, so it enters limbo only once no row of the
+current state names it, and leaves limbo only once the committed index names it no more (rule 3).
 So at any crash the durable index names only slots holding exactly the data it names.
 Relocation (a different `disk_capacity` at open): the chunks are copied into a new file of the new
 size, which is flushed, then one index transaction switches to it, then the old file is deleted
@@ -44,17 +48,31 @@ import json
 import os
 import re
 import sqlite3
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import disk_index
 from .disk_file import DiskFile
-from .disk_index import FORMAT, DiskIndex, read_meta, unpack_ids
+from .disk_index import FORMAT, DiskIndex, SessionRow, read_meta, unpack_ids
 from .disk_pool import DiskHiddenPool, DiskPool, Quarantined
 from .errors import StoreError
 from .hidden_states import HiddenSpec
 from .spec import KVSpec
 
 _DATA_FILE = re.compile(r"(kv|hidden)\.\d+\.bin")
+
+
+@dataclass(frozen=True, slots=True)
+class SavedSession:
+    """One session of the committed index: its token ids (up to its last disk chunk), its sharing
+    scope (tenant None: none recorded), whether it was a retained prefix holder, and
+    {chunk k: (form, slot, checksum)} of its chunks on disk."""
+
+    token_ids: list[int]
+    tenant: str | None
+    cache_salt: str | None
+    retained: bool
+    chunks: dict[int, tuple[str, int, int]]
 
 
 def _geometry(spec: KVSpec) -> dict:
@@ -200,20 +218,25 @@ class DiskTier:
             old.unlink(missing_ok=True)
 
     def _relocate(self, form: str, old: DiskFile, shapes_of, slots: int, extra: dict[str, str]) -> DiskFile:
-        """Copy the chunks of `form` into a new file of `slots` slots. When they do not all fit, the
-        ones of lowest value go: the lowest chunk indices (Cost(l) of recomputing grows with the
+        """Copy the chunks of `form` into a new file of `slots` slots, each old slot once (rows of
+        sessions sharing a chunk name one slot: they name one new slot). When they do not all fit,
+        the ones of lowest value go: the lowest chunk indices (Cost(l) of recomputing grows with the
         position; the index keeps no idle times)."""
-        mine = [(key, r) for key, r in self.index.rows.items() if r[0] == form and 0 <= r[1] < old.slots]
-        mine.sort(key=lambda kr: -kr[0][1])
-        keep = mine[:slots]
+        named: dict[int, int] = {}                 # old slot -> its highest chunk index
+        for (_, k), r in self.index.rows.items():
+            if r[0] == form and 0 <= r[1] < old.slots:
+                named[r[1]] = max(named.get(r[1], k), k)
+        keep = sorted(named, key=lambda slot: (-named[slot], slot))[:slots]
+        new_slot = {slot: i for i, slot in enumerate(keep)}
         try:
             new = self._new_file(form, shapes_of(slots))
         except StoreError:
             old.close()
             raise
-        new.copy_from(old, [r[1] for _, r in keep], list(range(len(keep))))
+        new.copy_from(old, keep, list(range(len(keep))))
         rows = {key: r for key, r in self.index.rows.items() if r[0] != form}
-        rows.update({key: (form, i, r[2]) for i, (key, r) in enumerate(keep)})
+        rows.update({key: (form, new_slot[r[1]], r[2]) for key, r in self.index.rows.items()
+                     if r[0] == form and r[1] in new_slot})
         old.close()
         self._switch(form, new, extra, rows, old=old.path)
         return new
@@ -241,14 +264,15 @@ class DiskTier:
         self._remove_leftovers()
         return same
 
-    def saved_sessions(self) -> dict[str, tuple[list[int], dict[int, tuple[str, int, int]]]]:
-        """{session: (token ids, {chunk: (form, slot, checksum)})} of the last committed index. Rows
-        of a form whose file is not open, or naming a slot out of range, are left out."""
-        out = {sid: (unpack_ids(blob), {}) for sid, blob in self.index.sessions.items()}
+    def saved_sessions(self) -> dict[str, SavedSession]:
+        """The sessions of the last committed index. Rows of a form whose file is not open, or naming
+        a slot out of range, are left out."""
+        out = {sid: SavedSession(unpack_ids(blob), tenant, salt, retained, {})
+               for sid, (blob, tenant, salt, retained) in self.index.sessions.items()}
         for (sid, k), (form, slot, checksum) in self.index.rows.items():
             pool = self.pool_of(form)
             if sid in out and pool is not None and 0 <= slot < pool.num_blocks:
-                out[sid][1][k] = (form, slot, checksum)
+                out[sid].chunks[k] = (form, slot, checksum)
         return out
 
     def pool_of(self, form: str) -> Quarantined | None:
@@ -291,7 +315,7 @@ class DiskTier:
         self.pool_of(form).checksums[slot] = self.files[form].checksum(new, slot)
         return True
 
-    def commit(self, sessions: dict[str, bytes], rows: dict[tuple[str, int], tuple[str, int, int]]) -> bool:
+    def commit(self, sessions: dict[str, SessionRow], rows: dict[tuple[str, int], tuple[str, int, int]]) -> bool:
         """Make this the durable index; then slots in limbo are free. False (degraded) if it fails."""
         try:
             self.index.commit({}, sessions, rows)

@@ -3,11 +3,21 @@
 Tables:
   meta(key, value)        header: format version, KV geometry, model fingerprint, and per data file
                           ("kv", "hidden") its file name, slot count (and the hidden split)
-  sessions(id, token_ids) each session's token ids (int64 little-endian), up to the end of its last
-                          chunk on disk: what its chunks' identity tags are computed from
+  sessions(id, token_ids, tenant, cache_salt, retained)
+                          each session's token ids (int64 little-endian), up to the end of its last
+                          chunk on disk: what its chunks' identity tags are computed from; its prefix
+                          sharing scope (`PrefixScope`: tenant NULL when it has none yet); whether it
+                          is a retained prefix holder (`KVStore.delete(keep_shared=True)`)
   chunks(session, k, form, slot, checksum)
                           chunk k of the session is in `slot` of the `form` file, with the xxh3-64
-                          `checksum` of its identity tag and its bytes (`disk_file.chunk_checksum`)
+                          `checksum` of its identity tag and its bytes (`disk_file.chunk_checksum`).
+                          Several rows name one slot when sessions share the chunk (prefix sharing):
+                          same k, same checksum (the identity tag chains the prefix's ids)
+
+Format 3 added the sessions' scope and retained columns. A format-2 index (without them) is upgraded
+in place at open, in one transaction with its header (its sessions get no scope: their chunks are
+not indexed for sharing after the restart until a turn registers them again); other formats are
+refused by the tier (`disk.py`).
 
 Journal WAL, synchronous=FULL: `commit` returns once the transaction is durable, and a crash leaves
 the last committed transaction whole. Every commit is one transaction holding one whole state of
@@ -24,9 +34,11 @@ from pathlib import Path
 
 from .errors import StoreError
 
-FORMAT = "stateful-hf disk tier 2"
+FORMAT = "stateful-hf disk tier 3"
+UPGRADABLE = "stateful-hf disk tier 2"     # the same but for the sessions' scope and retained columns
 FORMS = ("kv", "hidden")
 Row = tuple[str, int, int]          # (form, slot, checksum) of one chunk
+SessionRow = tuple[bytes, str | None, str | None, bool]   # (packed token ids, tenant, cache_salt, retained)
 
 
 def durability_point(name: str) -> None:
@@ -59,12 +71,19 @@ class DiskIndex:
             self.conn.execute("PRAGMA journal_mode=WAL")
             self.conn.execute("PRAGMA synchronous=FULL")
             self.conn.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
-            self.conn.execute("CREATE TABLE IF NOT EXISTS sessions (id TEXT PRIMARY KEY, token_ids BLOB NOT NULL)")
+            self.conn.execute("CREATE TABLE IF NOT EXISTS sessions (id TEXT PRIMARY KEY, token_ids BLOB NOT NULL, "
+                              "tenant TEXT, cache_salt TEXT, retained INTEGER NOT NULL DEFAULT 0)")
             self.conn.execute("CREATE TABLE IF NOT EXISTS chunks (session TEXT NOT NULL, k INTEGER NOT NULL, "
                               "form TEXT NOT NULL, slot INTEGER NOT NULL, checksum INTEGER NOT NULL, "
                               "PRIMARY KEY (session, k))")
             self.meta = dict(self.conn.execute("SELECT key, value FROM meta"))
-            self.sessions = {sid: bytes(blob) for sid, blob in self.conn.execute("SELECT id, token_ids FROM sessions")}
+            if self.meta.get("format") == UPGRADABLE:
+                self._upgrade()
+            self.sessions: dict[str, SessionRow] = {}
+            for sid, blob, tenant, salt, retained in self.conn.execute(
+                    "SELECT id, token_ids, tenant, cache_salt, retained FROM sessions"):
+                self.sessions[sid] = (bytes(blob), tenant if isinstance(tenant, str) else None,
+                                      salt if isinstance(salt, str) else None, bool(retained))
             self.rows: dict[tuple[str, int], Row] = {}
             for sid, k, form, slot, checksum in self.conn.execute("SELECT * FROM chunks"):
                 if isinstance(k, int) and form in FORMS and isinstance(slot, int) and isinstance(checksum, int):
@@ -73,7 +92,24 @@ class DiskIndex:
             self.conn.close()
             raise StoreError(f"disk tier index {str(path)!r} is unreadable: {e}") from e
 
-    def commit(self, meta: Mapping[str, str], sessions: Mapping[str, bytes],
+    def _upgrade(self) -> None:
+        """Format 2 -> 3: the sessions' new columns and the header's format, in one transaction."""
+        c = self.conn
+        c.execute("BEGIN IMMEDIATE")
+        try:
+            have = {row[1] for row in c.execute("PRAGMA table_info(sessions)")}
+            for column in ("tenant TEXT", "cache_salt TEXT", "retained INTEGER NOT NULL DEFAULT 0"):
+                if column.split()[0] not in have:
+                    c.execute(f"ALTER TABLE sessions ADD COLUMN {column}")
+            c.execute("UPDATE meta SET value = ? WHERE key = 'format'", (FORMAT,))
+            c.execute("COMMIT")
+        except BaseException:
+            if c.in_transaction:
+                c.execute("ROLLBACK")
+            raise
+        self.meta["format"] = FORMAT
+
+    def commit(self, meta: Mapping[str, str], sessions: Mapping[str, SessionRow],
                rows: Mapping[tuple[str, int], Row]) -> None:
         """Make (meta, sessions, rows) the durable state in one transaction. Raises OSError or
         sqlite3.Error with nothing changed (on disk or in this object) when it cannot."""
@@ -84,8 +120,8 @@ class DiskIndex:
                 if self.meta.get(key) != value:
                     c.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
             c.executemany("DELETE FROM sessions WHERE id = ?", [(s,) for s in self.sessions if s not in sessions])
-            c.executemany("INSERT OR REPLACE INTO sessions VALUES (?, ?)",
-                          [(s, b) for s, b in sessions.items() if self.sessions.get(s) != b])
+            c.executemany("INSERT OR REPLACE INTO sessions VALUES (?, ?, ?, ?, ?)",
+                          [(s, *row) for s, row in sessions.items() if self.sessions.get(s) != row])
             c.executemany("DELETE FROM chunks WHERE session = ? AND k = ?",
                           [key for key in self.rows if key not in rows])
             c.executemany("INSERT OR REPLACE INTO chunks VALUES (?, ?, ?, ?, ?)",

@@ -19,10 +19,13 @@ from __future__ import annotations
 
 from .disk import DiskTier
 from .disk_file import identity_tags
-from .disk_index import pack_ids
+from .disk_index import SessionRow, pack_ids
 from .errors import StoreError
+from .prefix_index import PrefixScope
+from .prefix_sharing import PrefixSharing
 from .session import ON_DISK, Chunk, ChunkState, Session
 from .session_table import SessionTable
+from .tenant import tenant_of
 from .transfer import Transfer
 
 DISK, DISK_HIDDEN = ChunkState.DISK, ChunkState.DISK_HIDDEN
@@ -38,10 +41,11 @@ class DiskState:
         """A disk slot was filled or freed, or a session's ids up to a disk chunk changed."""
         self._changed = True
 
-    def rows(self) -> tuple[dict[str, bytes], dict[tuple[str, int], tuple[str, int, int]]]:
+    def rows(self) -> tuple[dict[str, SessionRow], dict[tuple[str, int], tuple[str, int, int]]]:
         """The index of the current state: per session with chunks on disk, its ids up to its last
-        one, and (form, slot, checksum) per such chunk (chunks rebuilding from a disk hidden slot
-        name that slot: a crash before the step commits finds them there)."""
+        one, its scope and whether it is retained, and (form, slot, checksum) per such chunk (chunks
+        rebuilding from a disk hidden slot name that slot: a crash before the step commits finds
+        them there). A chunk shared by several sessions is a row of each, naming one slot."""
         sessions, rows = {}, {}
         for s in self.sessions:
             last = -1
@@ -54,7 +58,9 @@ class DiskState:
                     rows[s.session_id, k] = (form, at[1], self.disk.pool_of(form).checksums[at[1]])
                     last = k
             if last >= 0:
-                sessions[s.session_id] = pack_ids(s.token_ids[: (last + 1) * self.block_size])
+                tenant, salt = (s.scope.tenant, s.scope.cache_salt) if s.scope is not None else (None, None)
+                sessions[s.session_id] = (pack_ids(s.token_ids[: (last + 1) * self.block_size]), tenant, salt,
+                                          s.retained)
         return sessions, rows
 
     def sync(self, force: bool = False) -> bool:
@@ -105,22 +111,58 @@ class DiskState:
         self._changed = True
         return self.disk.retag(FORM[c.state], c.loc, old_tag, identity_tags(s.token_ids, self.block_size)[k])
 
-    def load(self) -> None:
+    def load(self, sharing: PrefixSharing) -> None:
         """Sessions of the last committed index into the table: chunks named there are DISK /
-        DISK_HIDDEN (unproven until read); rows that cannot be right (chunk out of range, a slot named
-        twice) are left out. Mutates: the table, the disk pools' taken slots and checksums."""
+        DISK_HIDDEN (unproven until read). Rows of sessions naming one slot become ONE chunk held by
+        each when they can be one shared chunk (`_one_chunk`); `sharing.restore` then gives it an
+        entry and indexes what it can. Rows that cannot be right are left out (recomputed): a chunk
+        out of range, or a slot named again otherwise (the first claimant's row decides). Mutates:
+        the table, the disk pools' taken slots and checksums, the prefix index (through `sharing`)."""
+        bs = self.block_size
         taken: dict[str, dict[int, int]] = {"kv": {}, "hidden": {}}      # form -> {slot: checksum}
-        for sid, (ids, chunks) in self.disk.saved_sessions().items():
-            s = Session(sid, ids, last_active=self.sessions.clock())
-            s.chunks = [Chunk() for _ in range(-(-len(ids) // self.block_size))]
-            for k, (form, slot, checksum) in sorted(chunks.items()):
-                if 0 <= k < len(s.chunks) and slot not in taken[form]:   # a slot named twice: the first
-                    s.chunks[k] = Chunk(DISK if form == "kv" else DISK_HIDDEN, slot)  # claimant's checksum decides
+        claimant: dict[tuple[str, int], tuple[Session, int, PrefixScope | None]] = {}   # its first row's
+        loaded: list[tuple[Session, PrefixScope | None]] = []
+        for sid, saved in self.disk.saved_sessions().items():
+            s = Session(sid, saved.token_ids, last_active=self.sessions.clock(), retained=saved.retained)
+            scope = _scope(sid, saved.tenant, saved.cache_salt)
+            s.chunks = [Chunk() for _ in range(-(-len(s.token_ids) // bs))]
+            for k, (form, slot, checksum) in sorted(saved.chunks.items()):
+                if not 0 <= k < len(s.chunks):
+                    continue
+                if slot not in taken[form]:
+                    s.chunks[k] = Chunk(DISK if form == "kv" else DISK_HIDDEN, slot)
                     taken[form][slot] = checksum
+                    claimant[form, slot] = (s, k, scope)
+                elif sharing.enabled and checksum == taken[form][slot] and \
+                        self._one_chunk(claimant[form, slot], (s, k, scope)):
+                    first, fk, _ = claimant[form, slot]
+                    s.chunks[k] = first.chunks[fk]          # the same chunk: shared again
             self.sessions.add(s)
+            loaded.append((s, scope))
         for form, slots in taken.items():
             pool = self.disk.pool_of(form)
             if pool is not None:
                 pool.take(sorted(slots))
                 pool.checksums = dict(slots)
+        sharing.restore(loaded)
         self._changed = True
+
+    def _one_chunk(self, a: tuple[Session, int, PrefixScope | None], b: tuple[Session, int, PrefixScope | None]
+                   ) -> bool:
+        """Whether rows (session, k, scope) naming one slot with one checksum can be one shared chunk:
+        the same k, the same scope (recorded), a full chunk in both, the same ids up to its end (the
+        slot is proven once for all holders: their identity tags must be equal)."""
+        (sa, ka, scope_a), (sb, kb, scope_b) = a, b
+        end = (ka + 1) * self.block_size
+        return (ka == kb and scope_a is not None and scope_a == scope_b and len(sa.token_ids) >= end
+                and len(sb.token_ids) >= end and sa.token_ids[:end] == sb.token_ids[:end])
+
+
+def _scope(sid: str, tenant: str | None, cache_salt: str | None) -> PrefixScope | None:
+    """The scope a session was saved with (None: none recorded, or not a valid one for its id)."""
+    if tenant is None or tenant != tenant_of(sid):
+        return None
+    try:
+        return PrefixScope(tenant, cache_salt)
+    except (TypeError, ValueError):
+        return None

@@ -1,9 +1,13 @@
-"""The store's integrity check: every slot of every tier is free or owned by exactly one chunk.
-Read-only; the caller holds the store lock."""
+"""The store's integrity check: every slot of every tier is free or owned by exactly one chunk, and
+shared chunks agree with their holders and the prefix index. Read-only; the caller holds the store
+lock."""
 
 from __future__ import annotations
 
-from .session import SHADOWED, ChunkState
+from collections.abc import Sequence
+
+from .prefix_index import PrefixIndex
+from .session import SHADOWED, ChunkState, Session
 from .session_table import SessionTable
 from .tier_pools import TierPools
 
@@ -15,7 +19,9 @@ def check_integrity(sessions: SessionTable, tiers: TierPools, block_size: int) -
     """Raise AssertionError unless every slot of every tier is free or owned by exactly one chunk,
     chunk tables match token counts, and only HOST/HIDDEN chunks have shadows. A residue block
     (layerwise_kv) is owned per residue by distinct LAYERED chunks, each naming the block's factor,
-    and by nothing else."""
+    and by nothing else. A disk slot is owned by one chunk object; the disk index's rows naming it
+    (one per holder of a shared chunk) all name that object, at one chunk index, with one checksum.
+    Shared chunks agree with their holders and the prefix index (`check_sharing`)."""
     owners: dict[ChunkState, dict[int, tuple[str, int]]] = {DEVICE: {}, HOST: {}, HIDDEN: {}, DISK: {}, DISK_HIDDEN: {}}
 
     def own(tier, slot, who):
@@ -32,7 +38,7 @@ def check_integrity(sessions: SessionTable, tiers: TierPools, block_size: int) -
         assert len(s.chunks) == n_chunks, f"{s.session_id}: {len(s.chunks)} chunks for {len(s.token_ids)} tokens"
         for k, c in enumerate(s.chunks):
             who = (s.session_id, k)
-            if id(c) in seen:       # its holders against the index: PrefixSharing.check
+            if id(c) in seen:       # its holders against the index: check_sharing
                 assert c.entry is not None, f"{who}: one chunk object in two places, not a shared one"
                 continue
             seen.add(id(c))
@@ -65,6 +71,9 @@ def check_integrity(sessions: SessionTable, tiers: TierPools, block_size: int) -
                 listed.add((block, r))
         own(DEVICE, block, ("residue block", block))
     assert listed == set(held), f"residues not in the table: {sorted(set(held) - listed)[:4]}"
+    if tiers.disk is not None:
+        _check_disk_rows(sessions, tiers)
+    check_sharing(list(sessions), tiers.sharing.index, block_size)
     for tier, owned in owners.items():
         pool = tiers.pool(tier)
         if pool is not None:
@@ -72,3 +81,49 @@ def check_integrity(sessions: SessionTable, tiers: TierPools, block_size: int) -
                 pool.check(set(owned))
             except AssertionError as e:
                 raise AssertionError(f"{tier.value} tier: {e}") from None
+
+
+def _check_disk_rows(sessions: SessionTable, tiers: TierPools) -> None:
+    """The rows the disk index would commit now: those naming one (form, slot) name one chunk object
+    (each row's session holds it at that k) with the slot's checksum."""
+    _, rows = tiers.disk_state.rows()
+    named: dict[tuple[str, int], tuple[int, int, int]] = {}       # (form, slot) -> (id(chunk), k, checksum)
+    for (sid, k), (form, slot, checksum) in rows.items():
+        c = sessions.get(sid).chunks[k]
+        first = named.setdefault((form, slot), (id(c), k, checksum))
+        assert first == (id(c), k, checksum), (
+            f"{form} disk slot {slot} named by ({sid!r}, {k}) and by another chunk, index or checksum")
+
+
+def check_sharing(sessions: Sequence[Session], index: PrefixIndex, block_size: int) -> None:
+    """Raise AssertionError unless holders and chunks agree (`prefix_sharing.py`'s rules): a chunk with
+    an entry is that entry's payload, at the entry's depth in exactly its holders, full, never
+    DROPPED (it may be on disk), and its holders' ids agree up to its end (its KV, and a disk slot's
+    checksum, depend on them); an indexed entry's payload names it; the index's own rules hold."""
+    index.check()
+    seen: dict[int, set[str]] = {}
+    prefix: dict[int, list[int]] = {}
+    bs = block_size
+    for s in sessions:
+        for k, c in enumerate(s.chunks):
+            if c.entry is None:
+                continue
+            e = c.entry
+            who = (s.session_id, k)
+            assert e.payload is c and e.depth == k, f"{who}: chunk and entry disagree"
+            assert s.session_id in e.holders, f"{who}: holds a shared chunk it is not a holder of"
+            assert len(s.token_ids) >= (k + 1) * bs, f"{who}: a shared chunk must be full"
+            assert tuple(s.token_ids[k * bs:(k + 1) * bs]) == e.ids, f"{who}: ids differ from its entry's"
+            assert c.state is not DROPPED, f"{who}: shared chunk is {c.state.value}"
+            first = prefix.setdefault(id(e), s.token_ids[: (k + 1) * bs])
+            assert first == s.token_ids[: (k + 1) * bs], f"{who}: holders of one chunk with other prefixes"
+            seen.setdefault(id(e), set()).add(s.session_id)
+    for s in sessions:
+        for c in s.chunks:
+            if c.entry is not None:
+                held = sorted(seen[id(c.entry)])
+                assert set(held) == c.entry.holders, (
+                    f"chunk {c.entry.depth}: holders {sorted(c.entry.holders)} but held by {held}")
+    for e in index.entries():
+        assert e.payload.entry is e, f"indexed chunk {e.depth} does not name its entry"
+        assert e.holders, f"indexed chunk {e.depth} has no holder"

@@ -83,10 +83,12 @@ class Placement:
 
     def prove(self, s: Session, ks=None) -> int:
         """Prove the session's disk chunks (of `ks`, default all) before they are read; drop those
-        that fail (their token ids stay: recomputed). Returns the tokens dropped."""
+        that fail (their token ids stay: recomputed; a shared one leaves the prefix index and `s`
+        lets go of it, its other holders fail it in turn). Returns the tokens dropped."""
         lost = 0
         for k in self.disk_state.failed(s, ks):
             lost += s.chunk_len(k, self.block_size)
+            self.tiers.sharing.withdraw(s, k)     # no session adopts it; other holders prove it themselves
             self.drop(s, k)
         return lost
 
@@ -179,8 +181,9 @@ class Placement:
                   strict: bool = False) -> None:
         """Move chunks in `state` down to `target` (default: the next present tier). When the target
         has no room they are dropped instead, or, if `strict`, CapacityError is raised unchanged.
-        A shared chunk moves once, for every holder; to disk or dropped it is first made private to
-        the session in `items` (`PrefixSharing.unshare`)."""
+        A shared chunk moves once, in place, for every holder (to disk too: one slot, a row of each
+        holder in the disk index); dropped, it is first made private to the session in `items`
+        (`PrefixSharing.unshare`): every holder recomputes it."""
         items = self.tiers.sharing.unique(items)
         if not items:
             return
@@ -192,8 +195,6 @@ class Placement:
             if not items:
                 return
         target = target or self.tiers.below(state)
-        if target in ON_DISK or target is DROPPED:    # a shared chunk never goes to disk shared
-            items = self.tiers.sharing.unshare(items)
         exclude = exclude | {s.session_id for s, _ in items}
         if target in ON_DISK and not self.disk_state.usable(strict):
             target = DROPPED
@@ -205,7 +206,8 @@ class Placement:
                     raise
                 target, slots = DROPPED, []
         t0 = time.perf_counter()
-        if target is DROPPED:
+        if target is DROPPED:                  # a shared chunk is never dropped shared: one holder drops it
+            items = self.tiers.sharing.unshare(items)
             for s, k in items:
                 self.drop(s, k)
             self.record(state, DROPPED, items, t0)

@@ -6,7 +6,7 @@ list of every holder (`entry.holders`); the store's parts change a chunk's state
 (`Chunk.assign`), so a move of a shared chunk is a move for every holder. Collaborators: the
 session table (holders by id), and the caller's `free` (gives a chunk's slots back to its pools).
 
-What may happen to a shared chunk (the rules; `check` asserts the structural ones):
+What may happen to a shared chunk (the rules; `integrity.check_sharing` asserts the structural ones):
 - It is full and immutable: no step writes into it. A session whose history is cut inside it
   (`truncate`) lets go of it (`detach`) and recomputes the tokens it keeps, < one chunk.
 - It enters a session by `adopt` (a turn's prompt starts with indexed chunks, verified id by id) and
@@ -14,10 +14,18 @@ What may happen to a shared chunk (the rules; `check` asserts the structural one
 - It moves between device, host and hidden states in place, once for all holders; it moves only
   when no holder is busy (a running request reads it) and none is excluded, and the policy ranks it
   by its most valuable holder (`candidates`: the key is the max over holders).
-- It never goes to disk shared: before a disk move or a drop, `unshare` leaves it to one holder
-  (the session the move names, or the one the policy picked it through) and takes it out of the
-  index; the other holders get a DROPPED chunk and recompute it, or adopt it again once it is indexed
-  anew. The disk index thus stays per session as it was.
+- It goes to disk (DISK, DISK_HIDDEN) once for all holders and stays shared and indexed there: one
+  disk slot, named by a row of each holder in the disk index (same k, same checksum: the identity
+  tag chains the prefix's ids, the same for every holder). It comes up in place, proven once (the
+  proof is per slot). A disk chunk that fails its proof leaves the index (`withdraw`) and is
+  dropped by each holder as it reads it: every holder recomputes it, none is served it.
+- It is never DROPPED shared: before a drop (the policy ranked it lowest over all its holders, or a
+  move names "dropped"), `unshare` leaves it to one holder (the session the move names, or the one
+  the policy picked it through), which drops it; it leaves the index, and the other holders get a
+  DROPPED chunk: all recompute it, or adopt it again once it is indexed anew.
+- After a restart, `restore` rebuilds what the disk index kept: sessions' scopes, one chunk (with an
+  entry naming its holders) per slot that several sessions' rows name, and the index of each
+  session's leading full disk chunks, so a new session adopts a saved prefix from disk.
 - A session that lets go (`detach`: delete, truncate, a refill) leaves it to the others; the last
   holder frees it (and it leaves the index with every entry below it, `PrefixIndex.remove`).
 
@@ -31,11 +39,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 
 from .prefix_index import PrefixEntry, PrefixIndex, PrefixScope
-from .session import Chunk, ChunkState, Session
+from .session import ON_DISK, Chunk, ChunkState, Session
 from .tenant import tenant_of
 
 DEVICE, DROPPED = ChunkState.DEVICE, ChunkState.DROPPED
-ON_DISK = (ChunkState.DISK, ChunkState.DISK_HIDDEN)
 
 Items = list[tuple[Session, int]]
 
@@ -176,10 +183,10 @@ class PrefixSharing:
         return True
 
     def unshare(self, items: Items) -> Items:
-        """Before a disk move or a drop of these chunks: each shared one becomes private to the session
-        named in `items` (it leaves the index, and so does every entry below it; its other holders get
-        fresh DROPPED chunks: they recompute it, or adopt it again once it is indexed anew). Returns
-        `items` with one (session, k) per physical chunk."""
+        """Before a drop of these chunks: each shared one becomes private to the session named in
+        `items` (it leaves the index, and so does every entry below it; its other holders get fresh
+        DROPPED chunks: they recompute it, or adopt it again once it is indexed anew). Returns `items`
+        with one (session, k) per physical chunk."""
         items = self.unique(items)
         for s, k in items:
             c = s.chunks[k]
@@ -194,6 +201,48 @@ class PrefixSharing:
             self.index.release(e, s.session_id)
             c.entry = None
         return items
+
+    def withdraw(self, s: Session, k: int) -> None:
+        """Chunk k of `s` cannot be served (its disk slot failed its proof): it leaves the index, with
+        every entry below it, so no session adopts it; its holders keep it (each finds it bad as it
+        reads it, and drops it)."""
+        e = s.chunks[k].entry
+        if e is not None and e in self.index:
+            self._forget(self.index.remove(e))
+
+    def restore(self, loaded: Sequence[tuple[Session, PrefixScope | None]]) -> None:
+        """After a restart (`DiskState.load`, which made one chunk object of each slot that several
+        sessions' rows name): sets each session's scope; gives each chunk held by several sessions
+        an entry naming them all; then indexes each session's leading full disk chunks in its scope
+        (a chunk whose content another one already indexes ends that session's chain: it stays as
+        it is). Sessions without a scope are not indexed."""
+        bs, held = self.block_size, {}
+        for s, scope in loaded:
+            s.scope = scope
+            for k, c in enumerate(s.chunks):
+                if c.state is not DROPPED:
+                    held.setdefault(id(c), []).append((s, k))
+        for group in held.values():
+            if len(group) > 1:
+                s, k = group[0]
+                *_, key = self.index.keys(s.scope, s.token_ids[: (k + 1) * bs])
+                s.chunks[k].entry = PrefixEntry(key, s.scope, k, tuple(s.token_ids[k * bs:(k + 1) * bs]), None,
+                                                s.chunks[k], {h.session_id for h, _ in group})
+        for s, scope in loaded if self.enabled else ():
+            parent = None
+            for k in range(len(s.token_ids) // bs if scope is not None else 0):
+                c = s.chunks[k]
+                if c.state not in ON_DISK:
+                    break
+                if c.entry is None or c.entry not in self.index:
+                    e = self.index.insert(scope, s.token_ids, k, parent, c)
+                    if e is None or e.payload is not c:
+                        break
+                    if c.entry is not None:
+                        e.holders = c.entry.holders          # shared: its holders carry over
+                    c.entry = e
+                    self.index.acquire(e, s.session_id)
+                parent = c.entry
 
     def _forget(self, removed: list[PrefixEntry]) -> None:
         """Entries that left the index: those whose chunk no session holds any more cannot exist (the
@@ -256,35 +305,6 @@ class PrefixSharing:
                 if id(c) not in seen:
                     seen.add(id(c))
                     yield s, k, c
-
-    def check(self, sessions: Sequence[Session]) -> None:
-        """Raise AssertionError unless holders and chunks agree: a chunk with an entry is that entry's
-        payload, at the entry's depth in exactly its holders, full, never DROPPED or on disk; an
-        indexed entry's payload names it; the index's own rules hold."""
-        self.index.check()
-        seen: dict[int, set[str]] = {}
-        bs = self.block_size
-        for s in sessions:
-            for k, c in enumerate(s.chunks):
-                if c.entry is None:
-                    continue
-                e = c.entry
-                who = (s.session_id, k)
-                assert e.payload is c and e.depth == k, f"{who}: chunk and entry disagree"
-                assert s.session_id in e.holders, f"{who}: holds a shared chunk it is not a holder of"
-                assert len(s.token_ids) >= (k + 1) * bs, f"{who}: a shared chunk must be full"
-                assert tuple(s.token_ids[k * bs:(k + 1) * bs]) == e.ids, f"{who}: ids differ from its entry's"
-                assert c.state is not DROPPED and c.state not in ON_DISK, f"{who}: shared chunk is {c.state.value}"
-                seen.setdefault(id(e), set()).add(s.session_id)
-        for s in sessions:
-            for c in s.chunks:
-                if c.entry is not None:
-                    held = sorted(seen[id(c.entry)])
-                    assert set(held) == c.entry.holders, (
-                        f"chunk {c.entry.depth}: holders {sorted(c.entry.holders)} but held by {held}")
-        for e in self.index.entries():
-            assert e.payload.entry is e, f"indexed chunk {e.depth} does not name its entry"
-            assert e.holders, f"indexed chunk {e.depth} has no holder"
 
     def stats(self, sessions: Iterable[Session]) -> tuple[int, int]:
         """(logical tokens: every session's stored tokens, a shared chunk once per holder; shared

@@ -157,6 +157,6 @@ def assemble(spec: KVSpec, c: StoreConfig) -> StoreParts:
             disk.close()
         raise
     if disk is not None:
-        disk_state.load()
+        disk_state.load(sharing)
     return StoreParts(kernels, transfer, counters, moves, sessions, sharing, hidden, disk_state, tiers, placement,
                       swap_in, layered, relocation, planner, history, capacity)
