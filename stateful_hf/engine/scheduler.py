@@ -115,12 +115,13 @@ class Scheduler:
         return self.config.short_rows > 0 and prefill_rows(self.store, r) <= self.config.short_rows
 
     def _set_aside(self, room: int) -> int:
-        """Rows kept from running prefills for the queued short turns that could start this step
-        (their sessions not busy here), leaving those prefills at least one chunk of `room`."""
-        if not any(not r.decoding for r in self.running):
+        """Rows of `room` kept from running long prefills for short turns: the rest of running ones'
+        and all of queued ones whose sessions are not busy here, leaving the long ones at least one chunk."""
+        if not any(not r.decoding and not r.short for r in self.running):
             return 0
         busy = {q.session_id for q in self.running}
-        rows = sum(prefill_rows(self.store, r) for r in self.waiting if r.short and r.session_id not in busy)
+        rows = sum(len(r.pending) + len(r.missing) for r in self.running if r.short and not r.decoding)
+        rows += sum(prefill_rows(self.store, r) for r in self.waiting if r.short and r.session_id not in busy)
         return max(min(rows, room - self.store.block_size), 0)
 
     # ---- one step -------------------------------------------------------------------------------
@@ -135,14 +136,14 @@ class Scheduler:
         host_taken = 0                 # host slots this pass's items fill (push-downs take theirs at once)
         items: list[WorkItem] = []
         starved: list[Request] = []    # running layer-wise requests the host tier had no slot for
-        # (1) running requests, oldest first; decode tokens and queued short turns' rows are counted
-        # out of the budget first.
+        # (1) running requests, oldest first; decode tokens and short turns' rows are counted out of
+        # the budget before long prefills take theirs.
         prefill_budget = budget - sum(r.decoding for r in self.running)
         prefill_budget -= self._set_aside(prefill_budget)
         i = 0
         while i < len(self.running) and budget > 0:
             r = self.running[i]
-            tokens = 1 if r.decoding else min(prefill_budget, budget)
+            tokens = 1 if r.decoding else budget if r.short else min(prefill_budget, budget)
             item = next_item(r, tokens, self._length(r), self.store) if tokens > 0 else None
             if item is None:
                 i += 1
@@ -176,7 +177,7 @@ class Scheduler:
             avail -= need
             host_taken += self._host_needed(r, item)
             budget -= item.num_tokens
-            if not r.decoding:
+            if not r.decoding and not r.short:
                 prefill_budget -= item.num_tokens
             items.append(item)
             i += 1
