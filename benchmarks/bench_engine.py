@@ -89,6 +89,7 @@ class Result:
     generated: int
     ttft: dict             # (session, turn) -> seconds from the turn's arrival to its first token
     outputs: dict          # (session, turn) -> generated ids
+    queue: dict | None = None   # (session, turn) -> seconds from arrival to its first step (the engine only)
 
     @property
     def throughput(self) -> float:
@@ -101,6 +102,18 @@ class Result:
 
     def returning_ttft_p90(self) -> float:
         return self.ttft_p(90, returning=True)
+
+    def returning_timeline(self) -> dict | None:
+        """Returning turns' TTFT split (the engine only): arrival -> first scheduled in a step (queue:
+        the step in flight, or a missed one) and first scheduled -> first token (its own steps), p50 / p90."""
+        keys = [k for k in self.ttft if k[1] > 0]
+        if not self.queue or len(keys) < 2:
+            return None
+        q = [self.queue[k] for k in keys]
+        own = [self.ttft[k] - self.queue[k] for k in keys]
+        p = lambda v, n: statistics.quantiles(v, n=100, method="inclusive")[n - 1]   # noqa: E731
+        return {"queue_p50_s": p(q, 50), "queue_p90_s": p(q, 90), "own_steps_p50_s": p(own, 50),
+                "own_steps_p90_s": p(own, 90)}
 
 
 def build_model(layers: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> transformers.LlamaForCausalLM:
@@ -205,13 +218,14 @@ def run_transformers_cb(model, wl: Workload, max_batch_tokens: int, page_size: i
 
 
 def run_engine(model, wl: Workload, max_batch_tokens: int, layout: str = "paged",
-               release_openmp_pool: bool = True, step_threads: int | str | None = "auto") -> tuple[Result, Engine]:
+               release_openmp_pool: bool = True, step_threads: int | str | None = "auto",
+               **engine_options) -> tuple[Result, Engine]:
     capacity = wl.sessions * (-(-(wl.max_context + 64) // 32) * 32)   # whole 32-token blocks (and slots)
     store = SessionStore(model, capacity, layout=layout, max_context=wl.max_context + 64)
     engine = Engine(model, store=store, max_batch_tokens=max_batch_tokens, max_num_seqs=wl.sessions,
-                    release_openmp_pool=release_openmp_pool, step_threads=step_threads)
+                    release_openmp_pool=release_openmp_pool, step_threads=step_threads, **engine_options)
     params = SamplingParams(max_new_tokens=wl.new, ignore_eos=True)
-    ttft, outputs, errors = {}, {}, []
+    ttft, outputs, queue, errors = {}, {}, {}, []
 
     def user(s: int) -> None:
         conv = []
@@ -220,6 +234,7 @@ def run_engine(model, wl: Workload, max_batch_tokens: int, layout: str = "paged"
                 ids = conv + wl.user_tokens(s, t)
                 out = engine.submit(f"s{s}", ids, params).result()
                 ttft[(s, t)] = out.metrics.ttft
+                queue[(s, t)] = out.metrics.queue_time
                 outputs[(s, t)] = list(out.token_ids)
                 conv = ids + outputs[(s, t)]
         except BaseException as e:
@@ -236,7 +251,7 @@ def run_engine(model, wl: Workload, max_batch_tokens: int, layout: str = "paged"
     if errors:
         raise errors[0]
     engine.store.check_integrity()
-    return Result("(c) stateful_hf.Engine", wall, sum(map(len, outputs.values())), ttft, outputs), engine
+    return Result("(c) stateful_hf.Engine", wall, sum(map(len, outputs.values())), ttft, outputs, queue), engine
 
 
 def engine_threads(value: str) -> int | str | None:
@@ -259,6 +274,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     ap.add_argument("--engine-threads", type=engine_threads, default="auto",
                     help="Engine(step_threads=...): auto (free cores), an int, or none (torch's setting)")
+    ap.add_argument("--arrival-window", type=float, default=0.005,
+                    help="Engine(arrival_window=...): seconds the loop waits for next turns after a step that ended "
+                         "requests (0: never)")
+    ap.add_argument("--short-prefill", type=int, default=-1,
+                    help="Engine(short_prefill_tokens=...): turns this short are served first; -1: the engine's "
+                         "default, 0: plain arrival order")
     ap.add_argument("--skip", default="", help="comma-separated systems to skip: a,b,b+,c")
     ap.add_argument("--layout", choices=("paged", "virtual"), default="paged",
                     help="the engine's device layout: paged blocks, or vAttention's contiguous slots")
@@ -324,7 +345,8 @@ def run_condition(args, models, systems, skip, wl) -> dict:
             hold_main_pool()
             if system == "c":
                 res, engine = run_engine(models[system], wl, args.max_batch_tokens, args.layout,
-                                         step_threads=args.engine_threads)
+                                         step_threads=args.engine_threads, arrival_window=args.arrival_window,
+                                         short_prefill_tokens=None if args.short_prefill < 0 else args.short_prefill)
             else:
                 res = run_transformers_cb(models[system], wl, args.max_batch_tokens, release_pool=system == "b+")
             runs[system].append(res)
@@ -356,6 +378,11 @@ def run_condition(args, models, systems, skip, wl) -> dict:
                   f"TTFT p50 x{r.ttft_p(50) / c.ttft_p(50):.2f} lower, p90 x{r.ttft_p(90) / c.ttft_p(90):.2f} lower, "
                   f"returning turns' p90 x{r.returning_ttft_p90() / c.returning_ttft_p90():.2f}"
                   " lower")
+        tl = c.returning_timeline()
+        if tl is not None:
+            print("engine's returning turns: arrival -> first step (queue) p50 {queue_p50_s:.3f} / p90 "
+                  "{queue_p90_s:.3f} s, first step -> first token p50 {own_steps_p50_s:.3f} / p90 "
+                  "{own_steps_p90_s:.3f} s".format(**tl))
         st = engine.stats()
         sizer = engine.thread_sizer
         print(f"engine: {st.steps} steps, mean {st.mean_batch_tokens:.1f} rows/step, prompt rows {st.prompt_tokens}, "
@@ -372,7 +399,7 @@ def run_condition(args, models, systems, skip, wl) -> dict:
 def _figures(r: Result, wl: Workload) -> dict:
     return {"name": r.name, "wall_s": r.wall, "generated": r.generated, "tok_per_s": r.throughput,
             "ttft_p50_s": r.ttft_p(50), "ttft_p90_s": r.ttft_p(90),
-            "returning_ttft_p90_s": r.returning_ttft_p90()}
+            "returning_ttft_p90_s": r.returning_ttft_p90(), "returning_timeline": r.returning_timeline()}
 
 
 def _save(args, described, n_params, wl, report) -> None:
@@ -382,7 +409,8 @@ def _save(args, described, n_params, wl, report) -> None:
     out = {"command": "python -m benchmarks.bench_engine " + " ".join(sys.argv[1:]),
            "model": described, "parameters": n_params, "dtype": args.dtype, "torch": torch.__version__,
            "transformers": transformers.__version__, "threads": torch.get_num_threads(),
-           "engine_threads": args.engine_threads, "processor": platform.processor() or platform.machine(),
+           "engine_threads": args.engine_threads, "arrival_window": args.arrival_window,
+           "short_prefill": args.short_prefill, "processor": platform.processor() or platform.machine(),
            "cpus": os.cpu_count(),
            "workload": {k: getattr(wl, k) for k in ("sessions", "turns", "first", "user", "new")},
            "conditions": report}

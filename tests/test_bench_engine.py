@@ -27,6 +27,10 @@ def test_every_system_generates_the_same_tokens():
         assert sorted(r.ttft) == sorted(r.outputs) and min(r.ttft.values()) > 0
         assert r.returning_ttft_p90() > 0
     assert engine.stats().finished_requests == 6
+    tl = engine_result.returning_timeline()      # queue + own steps = TTFT, per returning turn
+    assert 0 <= tl["queue_p50_s"] <= tl["queue_p90_s"] and 0 < tl["own_steps_p50_s"] <= tl["own_steps_p90_s"]
+    assert all(0 <= engine_result.queue[k] < engine_result.ttft[k] for k in engine_result.ttft)
+    assert results[0].returning_timeline() is None      # only the engine reports when a turn was first scheduled
 
 
 def test_neighbour_specs_parse_and_bad_ones_fail():

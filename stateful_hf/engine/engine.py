@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 import uuid
-from collections import deque
 from collections.abc import AsyncIterator, Iterator, Sequence
 
 import torch
@@ -17,20 +15,21 @@ from ..cache import DEFAULT_TENANT, SessionBusyError, UnknownSessionError, sessi
 from ..integration import check_input_ids
 from ..session_store import SessionStore
 from . import frontends
-from .admission import refusal
-from .engine_stats import EngineStats, StepTotals
+from .engine_stats import EngineStats
 from .frontends import Conversations
 from .handle import RequestHandle
 from .hints import Hint, Prefetcher
 from .layer_offload import measured_policy
 from .loop import StepLoop
 from .openmp import release_thread_pool
+from .refusal import refusal
 from .registry import RequestRegistry
 from .request import Request, RequestOutput
 from .runner import ModelRunner, StepRecord
 from .sampling import SamplingParams, eos_ids, make_generator
 from .scheduler import Scheduler, SchedulerConfig
 from .slo import SloPolicy, check_slo
+from .stepper import Stepper
 from .text import OutputText
 from .thread_sizing import ThreadSizer
 
@@ -39,6 +38,12 @@ class Engine:
     """Serve many sessions of one model. Args:
     store: a SessionStore of this model (made with `device_capacity`/`chunk_size` if None).
     max_batch_tokens: rows per forward; prefills are chunked to fit. max_num_seqs: running requests.
+    short_prefill_tokens: a turn with at most this many rows before its first token (a returning
+    session's new message) is served before long prefills (`scheduler.py`); None: max_batch_tokens // 4,
+    0: plain arrival order.
+    arrival_window: seconds the background loop waits after a step that ended requests for their
+    callers' next turns (at most a tenth of that step; ends when as many have arrived), so a returning
+    turn joins the next step instead of the one after; 0: never wait.
     reserve_fraction: admit new work only while more than this share of device blocks is available.
     on_busy: a submit for a session that has a turn in flight "wait"s for it or is "refuse"d.
     ttft_slo / tpot_slo: seconds, or None (the default: admission as without them). Per-request
@@ -68,9 +73,13 @@ class Engine:
                  keep_step_records: int = 4096, ttft_slo: float | None = None, tpot_slo: float | None = None,
                  layerwise_kv: bool = False, host_capacity: int | str | None = None,
                  min_kept_layers: int | None = None, release_openmp_pool: bool = True,
-                 step_threads: int | str | None = "auto", generation_config: str = "auto"):
+                 step_threads: int | str | None = "auto", generation_config: str = "auto",
+                 short_prefill_tokens: int | None = None, arrival_window: float = 0.005):
         if on_busy not in ("wait", "refuse"):
             raise ValueError(f"on_busy must be 'wait' or 'refuse', got {on_busy!r}")
+        if not 0 <= arrival_window < 1:
+            raise ValueError(f"arrival_window must be in [0, 1) seconds, got {arrival_window!r}")
+        self.arrival_window = arrival_window
         if generation_config not in ("auto", "library"):
             raise ValueError(f"generation_config must be 'auto' or 'library', got {generation_config!r}")
         self.generation_config = getattr(model, "generation_config", None) if generation_config == "auto" else None
@@ -95,18 +104,20 @@ class Engine:
         self.release_openmp_pool = release_openmp_pool
         self.adapter = self.store.adapter
         self.eos = eos_ids(model)
-        self.scheduler = Scheduler(self.store, SchedulerConfig(max_batch_tokens, max_num_seqs, reserve_fraction),
+        self.scheduler = Scheduler(self.store, SchedulerConfig(max_batch_tokens, max_num_seqs, reserve_fraction,
+                                                               short_prefill_tokens),
                                    self.adapter.max_positions, self.slo, self.layerwise)
         self.runner = ModelRunner(model, self.store)
-        self.steps: deque[StepRecord] = deque(maxlen=keep_step_records)
         self.thread_sizer = ThreadSizer.for_option(step_threads)
         self.loop = StepLoop(self.step, self.has_work, self._fail_in_flight,
                              release_thread_pool if release_openmp_pool else None,
-                             self.thread_sizer.apply if self.thread_sizer is not None else None)
+                             self.thread_sizer.apply if self.thread_sizer is not None else None,
+                             self._await_next_turns if arrival_window > 0 else None)
         self.requests = RequestRegistry(self.loop, self._forget_throwaway)
+        self.stepper = Stepper(self.scheduler, self.runner, self.requests, self.eos, self.slo, self.ttft_slo,
+                               self.tpot_slo, keep_step_records)
+        self.steps = self.stepper.records          # the last `keep_step_records` StepRecords
         self._throwaway: set[str] = set()          # session keys deleted when their last turn ends (under condition)
-        self._step_lock = threading.Lock()         # one stepping thread at a time
-        self._totals = StepTotals()
         self.chats = Conversations(self.submit, self.requests.when_finished, tokenizer)
         self.hints = Prefetcher(self)
 
@@ -162,17 +173,17 @@ class Engine:
             r.text = OutputText(self.tokenizer, sampling.stop, sampling.skip_special_tokens) \
                 if self.tokenizer is not None or sampling.stop else None
         except (ValueError, TypeError) as e:
-            return self.requests.reject(handle, r, e, self._output)
+            return self.requests.reject(handle, r, e, self.stepper.output)
         never = refusal(self.store, self.layerwise, r)      # before it takes anything (admission.py)
         if never is not None:
-            return self.requests.reject(handle, r, never, self._output)
+            return self.requests.reject(handle, r, never, self.stepper.output)
 
         def refuse(active_here: bool) -> bool:
             busy = session_id in self.store and self.store.session(session_id).busy
             return self.on_busy == "refuse" and (active_here or busy)
 
         if not self.requests.add(r, handle, refuse):
-            return self.requests.reject(handle, r, SessionBusyError(session_id), self._output)
+            return self.requests.reject(handle, r, SessionBusyError(session_id), self.stepper.output)
         return handle
 
     def throwaway_session(self, tenant: str | None = None) -> str:
@@ -200,64 +211,8 @@ class Engine:
         return self.requests.has_inbox() or self.scheduler.has_work()
 
     def step(self) -> StepRecord | None:
-        """Run one engine iteration (admit, schedule, forward, sample, publish). Returns what ran."""
-        with self._step_lock:
-            for r in self.requests.take_inbox():
-                self.scheduler.add(r)
-            t0 = time.monotonic()
-            items = self.scheduler.schedule()
-            record = None
-            if items:
-                for it in items:
-                    it.request.scheduled_at = it.request.scheduled_at or t0
-                try:
-                    _, tokens = self.runner.execute(items)
-                except Exception as e:      # the step was aborted: the store is as before
-                    items, tokens = self._isolate(items, e)
-                # rows feeding a sampled token (decode) vs prompt rows, told apart before `complete`
-                decode_rows = sum(1 for it in items if it.request.output_ids and it.new_ids)
-                if items:
-                    self.scheduler.complete(items, tokens, self.eos)
-                    record = self.runner.record(self._totals.steps, items, time.monotonic() - t0)
-                    self.steps.append(record)
-                    self._totals.add_step(items, record, decode_rows)
-                    if self.slo is not None:    # prefill rows = every row but the decode ones
-                        self.slo.observe_step(record.num_tokens - decode_rows, decode_rows, record.seconds)
-            self._publish(items)
-            return record
-
-    def _isolate(self, items, error: Exception) -> tuple[list, list[int]]:
-        """A step that raised is rerun one request at a time (each plan is aborted on failure, so the
-        store is as before every try): only the requests whose own step raises fail, with their own
-        error. Returns the items that ran and their sampled tokens, in order."""
-        if len(items) == 1:
-            self.scheduler.fail([items[0].request], error)
-            return [], []
-        ran, tokens = [], []
-        for it in items:
-            try:
-                _, sampled = self.runner.execute([it])
-            except Exception as e:
-                self.scheduler.fail([it.request], e)
-            else:
-                ran.append(it)
-                tokens += sampled
-        return ran, tokens
-
-    def _publish(self, items) -> None:
-        self.requests.publish(items, self.scheduler.drain_finished(), self._finished_output)
-
-    def _finished_output(self, r: Request) -> RequestOutput:
-        out = self._output(r)
-        if self.slo is not None:
-            self.slo.observe_finished(r)
-        self._totals.add_finished(out)
-        return out
-
-    def _output(self, r: Request) -> RequestOutput:
-        return RequestOutput(r.request_id, r.session_id, tuple(r.output_ids), r.text.text if r.text else None,
-                             r.finish_reason, r.metrics(self.ttft_slo, self.tpot_slo), r.error,
-                             tuple(r.logprobs) if r.sampling.logprobs is not None else None)
+        """Run one engine iteration (admit, schedule, forward, sample, publish; `stepper.py`). Returns what ran."""
+        return self.stepper.step()
 
     # ---- background loop (loop.py) -------------------------------------------------------------
 
@@ -280,10 +235,15 @@ class Engine:
             self.thread_sizer.close()
 
     def _fail_in_flight(self, error: Exception) -> None:
-        """A step raised outside any request's fault (a bug): fail what is in flight, go on."""
-        with self._step_lock:
-            self.scheduler.fail(self.scheduler.running + self.scheduler.waiting, error)
-            self._publish(())
+        self.stepper.fail_in_flight(error)
+
+    def _await_next_turns(self) -> None:
+        """The loop thread, after a step: if it ended requests, their callers' next turns usually follow
+        at once (a chat client submits the next message when the answer is complete). Wait up to
+        `arrival_window` (at most a tenth of the step just run) for as many submissions, so they join
+        the next step instead of waiting out a whole one; the wait ends as soon as they are in."""
+        if self.stepper.ended and self.stepper.last_seconds > 0:
+            self.requests.await_arrivals(self.stepper.ended, min(self.arrival_window, 0.1 * self.stepper.last_seconds))
 
     def __enter__(self) -> Engine:
         return self.start()
@@ -295,7 +255,7 @@ class Engine:
 
     def stats(self) -> EngineStats:
         lw = self.layerwise
-        return self._totals.stats(len(self.scheduler.running), len(self.scheduler.waiting),
+        return self.stepper.totals.stats(len(self.scheduler.running), len(self.scheduler.waiting),
                                   self.slo.deferred if self.slo is not None else 0,
                                   lw.layered_admissions if lw else 0, lw.pushed_blocks if lw else 0)
 
@@ -338,22 +298,4 @@ class Engine:
                  Sequence[SamplingParams] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
         """Submit one turn per (session, prompt) and wait for all. Failed requests are returned with
         finish_reason "error" and `.error` set (they do not raise here)."""
-        if len(session_ids) != len(prompts):
-            raise ValueError(f"{len(session_ids)} session ids for {len(prompts)} prompts")
-        params = sampling if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
-        handles = [self.submit(s, p, sp) for s, p, sp in zip(session_ids, prompts, params, strict=True)]
-        bar = None
-        if use_tqdm:
-            from tqdm.auto import tqdm
-            bar = tqdm(total=len(handles), desc="generate", unit="req")
-        done = 0
-        while done < len(handles):
-            self.loop.wait_until(lambda seen=done: sum(h.done for h in handles) > seen)
-            now = sum(h.done for h in handles)
-            if bar is not None:
-                bar.update(now - done)
-            done = now
-        if bar is not None:
-            bar.close()
-        return [h.output() for h in handles]
-
+        return frontends.generate(self, session_ids, prompts, sampling, use_tqdm)

@@ -1,4 +1,4 @@
-"""Front-ends over `Engine.submit`: multi-turn chat that keeps the conversation, and asyncio."""
+"""Front-ends over `Engine.submit`: multi-turn chat that keeps the conversation, batch `generate`, asyncio."""
 
 from __future__ import annotations
 
@@ -53,6 +53,31 @@ class Conversations:
         self._when_finished(handle, on_finish)
         self._last[session_id] = handle
         return handle
+
+
+def generate(engine, session_ids: Sequence[str], prompts: Sequence,
+             sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+    """`engine.generate`: submit one turn per (session, prompt), wait for all (driving the steps in
+    this thread when no background loop runs)."""
+    if len(session_ids) != len(prompts):
+        raise ValueError(f"{len(session_ids)} session ids for {len(prompts)} prompts")
+    params = sampling if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
+    handles = [engine.submit(s, p, sp) for s, p, sp in zip(session_ids, prompts, params, strict=True)]
+    bar = None
+    if use_tqdm:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=len(handles), desc="generate", unit="req")
+    done = 0
+    while done < len(handles):
+        engine.loop.wait_until(lambda seen=done: sum(h.done for h in handles) > seen)
+        now = sum(h.done for h in handles)
+        if bar is not None:
+            bar.update(now - done)
+        done = now
+    if bar is not None:
+        bar.close()
+    return [h.output() for h in handles]
 
 
 async def agenerate(engine, session_ids: Sequence[str], prompts: Sequence,

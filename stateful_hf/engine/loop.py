@@ -6,7 +6,9 @@ after every step) and the loop thread. Collaborators, passed in: `step()` runs o
 (and takes the engine's step lock itself), `has_work()` says whether a step would do anything,
 `on_error(e)` is called (with the step lock free) when a background step raised,
 `before_start()` runs in the thread that calls `start()` before the loop thread exists, and
-`before_step()` runs on the loop thread before each of its steps (the thread sizing, `thread_sizing.py`).
+`before_step()` runs on the loop thread before each of its steps (the thread sizing, `thread_sizing.py`),
+and `after_step()` after each (the engine's arrival window: it may wait on `cv` for submissions).
+Steps driven inline by a waiting thread run neither hook.
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ from collections.abc import Callable
 class StepLoop:
     def __init__(self, step: Callable[[], object], has_work: Callable[[], bool],
                  on_error: Callable[[Exception], None], before_start: Callable[[], object] | None = None,
-                 before_step: Callable[[], object] | None = None, name: str = "stateful-hf-engine"):
+                 before_step: Callable[[], object] | None = None, after_step: Callable[[], object] | None = None,
+                 name: str = "stateful-hf-engine"):
         self.cv = threading.Condition()
         self._step, self._has_work, self._on_error, self._before_start = step, has_work, on_error, before_start
-        self._before_step = before_step
+        self._before_step, self._after_step = before_step, after_step
         self._name = name
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -81,5 +84,7 @@ class StepLoop:
                 if self._before_step is not None:
                     self._before_step()
                 self._step()
+                if self._after_step is not None:
+                    self._after_step()
             except Exception as e:          # a bug, not a request's fault: the engine fails what is in flight
                 self._on_error(e)

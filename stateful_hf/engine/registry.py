@@ -30,6 +30,8 @@ class RequestRegistry:
         self._active = Counter()                   # session id -> unfinished requests
         self._on_finish: dict[int, Callable[[RequestOutput], None]] = {}
         self._ids = itertools.count()
+        self._queued = 0                           # requests ever queued (add)
+        self._queued_at_publish = 0                # ... when the last publish ended
 
     def new_handle(self, session_id: str) -> RequestHandle:
         """A handle with a fresh request id (nothing registered yet)."""
@@ -44,6 +46,7 @@ class RequestRegistry:
             self._handles[r.request_id], self._requests[r.request_id] = handle, r
             self._active[r.session_id] += 1
             self._inbox.append(r)
+            self._queued += 1
             self.cv.notify_all()
         return True
 
@@ -114,4 +117,11 @@ class RequestRegistry:
                     del self._active[r.session_id]
                     self._idle(r.session_id)    # before the handle reads as done
                 self._handles.pop(r.request_id).publish(r.output_ids, out.text or "", len(out.text or ""), out)
+            self._queued_at_publish = self._queued
             self.cv.notify_all()
+
+    def await_arrivals(self, n: int, timeout: float) -> bool:
+        """Wait (releasing `cv`) until `n` requests were queued since the last publish, or `timeout`
+        seconds. Returns whether they were."""
+        with self.cv:
+            return self.cv.wait_for(lambda: self._queued - self._queued_at_publish >= n, timeout)

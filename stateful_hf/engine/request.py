@@ -95,6 +95,9 @@ class Request:
     # Layer-wise allocation (layerwise_kv): keep factor of the chunks this turn fills (1: all layers on
     # the device, 0: none, f >= 2: l % f == r), chosen at admission, lowered when its layers are pushed down.
     factor: int = 1
+    # Set by the scheduler when it queues the request: at most `short_prefill_tokens` rows before its first
+    # token (an estimate, for the order of service only: short turns are served before long prefills).
+    short: bool = False
 
     @property
     def decoding(self) -> bool:

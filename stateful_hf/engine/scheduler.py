@@ -1,31 +1,38 @@
-"""The scheduler: the one owner of request state. Iteration-level, FCFS, a per-step token budget.
+"""The scheduler: the one owner of request state. Iteration-level, a per-step token budget, short turns first.
 
 Every step it (1) continues running requests oldest first (a decode token each, then chunks of
 their prefills and recomputations), suspending the latest-arrived ones when their session blocks
-do not fit; (2) admits queued requests in arrival order while more than a reserve of device blocks
-stays available and, with an SLO policy, while the queued prefills' predicted time fits in the
-running decodes' smallest TPOT slack (`slo.py`). With layer-wise allocation (`layered_chunks.py`) a
-prefill that does not fit with all layers is admitted keeping fewer layers on the device, and a
-running request short of blocks has its layers pushed down to the host before anyone is suspended.
+do not fit; (2) admits queued requests while more than a reserve of device blocks stays available
+and, with an SLO policy, while the queued prefills' predicted time fits in the running decodes'
+smallest TPOT slack (`slo.py`). With layer-wise allocation (`layered_chunks.py`) a prefill that does
+not fit with all layers is admitted keeping fewer layers on the device, and a running request short
+of blocks has its layers pushed down to the host before anyone is suspended.
+
+Order within a step (what keeps a returning turn's first token from waiting behind long prompts):
+decode tokens first; then queued *short* turns (at most `short_prefill_tokens` rows before their first
+token: a returning session's new message) take budget before running long prefills continue (the
+rows they need are set aside from the running prefills' share, which keeps at least one chunk so a
+long prefill always progresses); admission goes short turns first, then the rest, each kind in
+arrival order; a head of line that does not fit in the device blocks stops admission for the step.
 The store owns KV state; the scheduler only reads it and asks for steps/evictions/push-downs.
 """
 
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
-from ..cache import CapacityError, ChunkState, KVStore, SessionBusyError
-from .admission import no_device_room, no_host_slots, no_layered_fit
+from ..cache import CapacityError, KVStore
+from .admission import Admission
 from .layer_offload import LayerwisePolicy, LayerwiseScheduling
+from .refusal import no_device_room, no_host_slots
 from .request import Request, RequestStatus
 from .slo import SloPolicy, prefill_rows
-from .work_item import WorkItem, next_item, whole_item
-
-_RESIDENT = (ChunkState.DEVICE, ChunkState.LAYERED)     # chunks a step reads in place
+from .work_item import WorkItem, blocks_needed, chunk_needs, next_item
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,12 +40,20 @@ class SchedulerConfig:
     max_batch_tokens: int = 512        # rows per forward (prompt chunks + recomputed + decode tokens)
     max_num_seqs: int = 128            # running requests at most
     reserve_fraction: float = 0.1      # admit only while more than this share of device blocks is available
+    short_prefill_tokens: int | None = None    # a turn this short is served first; None: max_batch_tokens // 4; 0: FCFS
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if not 0.0 <= self.reserve_fraction < 1.0:
             raise ValueError(f"reserve_fraction must be in [0, 1), got {self.reserve_fraction}")
+        if self.short_prefill_tokens is not None and self.short_prefill_tokens < 0:
+            raise ValueError(f"short_prefill_tokens must be >= 0 or None, got {self.short_prefill_tokens}")
+
+    @property
+    def short_rows(self) -> int:
+        """Rows before the first token at or below which a turn is short."""
+        return self.max_batch_tokens // 4 if self.short_prefill_tokens is None else self.short_prefill_tokens
 
 
 class Scheduler:
@@ -53,13 +68,14 @@ class Scheduler:
         self.running: list[Request] = []    # RUNNING, by arrival
         self.finished: list[Request] = []   # ended since the engine last drained them
         # the layer-wise part (layer_offload.py); it reads `running`, which is never rebound
-        self.layered = LayerwiseScheduling(store, layerwise, config, slo, self.running, self._needs) \
-            if layerwise is not None else None
-        self._released = 0                  # device blocks the last _admit's failure made available
+        self.layered = LayerwiseScheduling(store, layerwise, config, slo, self.running,
+                                           functools.partial(chunk_needs, store)) if layerwise is not None else None
+        self.admission = Admission(store, self.layered, self.running, self._fail)
 
     # ---- queue ----------------------------------------------------------------------------------
 
     def add(self, r: Request) -> None:
+        r.short = self._is_short(r)
         bisect.insort(self.waiting, r, key=_order)
 
     def has_work(self) -> bool:
@@ -94,6 +110,20 @@ class Scheduler:
         for r in [r for r in self.running + self.waiting if r.cancel_requested]:
             self.finish(r, RequestStatus.CANCELLED, "cancelled")
 
+    def _is_short(self, r: Request) -> bool:
+        """At most `short_rows` rows before its first token (an estimate when queued: for ordering only)."""
+        return self.config.short_rows > 0 and prefill_rows(self.store, r) <= self.config.short_rows
+
+    def _set_aside(self, room: int) -> int:
+        """Rows of `room` kept from running long prefills for short turns: the rest of running ones'
+        and all of queued ones whose sessions are not busy here, leaving the long ones at least one chunk."""
+        if not any(not r.decoding and not r.short for r in self.running):
+            return 0
+        busy = {q.session_id for q in self.running}
+        rows = sum(len(r.pending) + len(r.missing) for r in self.running if r.short and not r.decoding)
+        rows += sum(prefill_rows(self.store, r) for r in self.waiting if r.short and r.session_id not in busy)
+        return max(min(rows, room - self.store.block_size), 0)
+
     # ---- one step -------------------------------------------------------------------------------
 
     def schedule(self) -> list[WorkItem]:
@@ -106,17 +136,19 @@ class Scheduler:
         host_taken = 0                 # host slots this pass's items fill (push-downs take theirs at once)
         items: list[WorkItem] = []
         starved: list[Request] = []    # running layer-wise requests the host tier had no slot for
-        # (1) running requests, oldest first; decode tokens are counted out of the budget first.
+        # (1) running requests, oldest first; decode tokens and short turns' rows are counted out of
+        # the budget before long prefills take theirs.
         prefill_budget = budget - sum(r.decoding for r in self.running)
+        prefill_budget -= self._set_aside(prefill_budget)
         i = 0
         while i < len(self.running) and budget > 0:
             r = self.running[i]
-            tokens = 1 if r.decoding else min(prefill_budget, budget)
-            item = self._item(r, tokens, self._length(r)) if tokens > 0 else None
+            tokens = 1 if r.decoding else budget if r.short else min(prefill_budget, budget)
+            item = next_item(r, tokens, self._length(r), self.store) if tokens > 0 else None
             if item is None:
                 i += 1
                 continue
-            need = self._blocks_needed(r, item)
+            need = blocks_needed(self.store, item)
             if need > avail and self.layerwise is not None:   # push layers down before suspending anyone
                 for q in reversed(self.running[i + 1:]):
                     if need <= avail:
@@ -125,7 +157,7 @@ class Scheduler:
                 if need > avail and r.factor != 0:
                     avail += self.layered.push_down(r, full=True)
                     item = replace(item, factor=0)
-                    need = self._blocks_needed(r, item)
+                    need = blocks_needed(self.store, item)
             while need > avail and self.running[-1] is not r:
                 avail += self._suspend(self.running[-1])
             if need > avail:
@@ -141,39 +173,41 @@ class Scheduler:
                     starved.append(r)
                     i += 1
                     continue
-                need = self._blocks_needed(r, item)
+                need = blocks_needed(self.store, item)
             avail -= need
             host_taken += self._host_needed(r, item)
             budget -= item.num_tokens
-            if not r.decoding:
+            if not r.decoding and not r.short:
                 prefill_budget -= item.num_tokens
             items.append(item)
             i += 1
         if starved and not items:      # no one can move: the oldest starved request fails alone
             r = starved[0]
             avail += self._fail(r, no_host_slots(r))
-        # (2) admission, FCFS, while more than the reserve stays available and (SLO policy) the
-        # admitted prefills' predicted seconds fit in min_i slack_i of the running decodes.
+        # (2) admission, short turns first, while more than the reserve stays available and (SLO
+        # policy) the admitted prefills' predicted seconds fit in min_i slack_i of the running decodes.
         committed = self.layered.committed(items) if self.layerwise is not None else 0
         host_committed = self.layered.host_committed(items) if self.layerwise is not None else 0
         allowance = self.slo.allowance(self.running) if self.slo is not None else math.inf
-        for r in list(self.waiting):
+        for r in sorted(self.waiting, key=lambda q: (not q.short, _order(q))):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             cost = self.slo.prefill_seconds(prefill_rows(self.store, r)) if allowance < math.inf else 0.0
             if cost > allowance:       # would push a decode past its TPOT SLO: defer, FCFS
                 self.slo.deferred += 1
                 break
-            self._released = 0
-            admitted = self._admit(r, budget, avail, reserve, first=not items, committed=committed,
-                                   host_avail=self._host_left(host_taken) - host_committed)
-            avail += self._released    # blocks a request failed in _admit gave back
-            if admitted is None:       # head of line does not fit: strict FCFS, stop here
-                break
-            if admitted is False:      # its session is busy with an earlier turn: let later sessions pass
-                continue
-            item, blocks = admitted
-            avail -= blocks
+            verdict = self.admission.admit(r, budget, avail, reserve, first=not items, committed=committed,
+                                           host_avail=self._host_left(host_taken) - host_committed)
+            avail += verdict.released  # blocks a request failed in admission gave back
+            if verdict.item is None:
+                if not verdict.skip:   # head of line does not fit: strict order, stop here
+                    break
+                continue               # its session is busy with an earlier turn, or it failed: let later ones pass
+            item = verdict.item
+            self.waiting.remove(r)
+            bisect.insort(self.running, r, key=_order)
+            r.status = RequestStatus.RUNNING
+            avail -= verdict.blocks
             host_taken += self._host_needed(r, item)
             if self.layerwise is not None:
                 committed += self.layered.future_blocks(r, item)
@@ -183,72 +217,6 @@ class Scheduler:
             items.append(item)
         return items
 
-    def _admit(self, r: Request, budget: int, avail: int, reserve: int, first: bool, committed: int = 0,
-               host_avail: int = 0):
-        """Admit `r` if its first work item fits. Returns (item, blocks it takes from `avail`), None
-        if it does not fit (and must wait), or False if its session is busy. With layer-wise allocation
-        the whole prompt is weighed against the blocks not `committed` to running prefills: all layers
-        if it fits, else the most layers that fit (x >= x_min), else it waits."""
-        store = self.store
-        if r.status is RequestStatus.WAITING:
-            s = store.open(r.session_id)
-            if s.busy:
-                return False
-            try:                       # shared chunks of the prompt's prefix join the session (prefix_sharing.py)
-                store.adopt_prefix(r.session_id, r.prompt, r.cache_salt)
-            except ValueError as e:    # a cache_salt other than the session's
-                self._released += self._fail(r, e)
-                return False
-            keep = min(store.match_prefix(r.session_id, r.prompt), len(r.prompt) - 1)
-            r.pending = r.prompt[keep:]
-            r.missing = store.missing_positions(r.session_id, cut=keep)     # as after the truncation below
-            held = sum(1 for c in s.chunks[: -(-keep // store.block_size)] if c.state is ChunkState.DEVICE)
-        else:                          # SUSPENDED: lease held, KV evicted
-            keep, held = self._length(r), 0
-            r.missing = store.missing_positions(r.session_id)
-        item = self._item(r, budget, keep)
-        if item is None:
-            return None
-        if self.layerwise is not None:
-            factor = self.layered.layer_factor(r, keep, held, avail - committed - (0 if first and not self.running
-                                                                            else reserve), host_avail)
-            if factor is None:
-                if first and not self.running:
-                    self._released += self._fail(r, no_layered_fit(r, host_avail))
-                    return False
-                return None
-            r.factor = factor
-            item = replace(item, factor=factor)
-            if r.status is RequestStatus.WAITING:      # _layer_factor may have moved its device chunks down
-                s = store.session(r.session_id)
-                held = sum(1 for c in s.chunks[: -(-keep // store.block_size)] if c.state is ChunkState.DEVICE)
-        need = self._blocks_needed(r, item, keep)
-        slots = store.available_slots()                    # virtual layout: a session needs a device slot
-        if slots is not None:
-            claimed = sum(1 for q in self.running if store.device_pool.slot_of(q.session_id) is None)
-            if slots - claimed < 1:                        # running sessions not yet placed claim them first
-                return None
-        if need + held > avail or (need + held > avail - reserve and not (first and not self.running)):
-            if first and not self.running and need + held > avail:
-                self._released += self._fail(r, no_device_room(r, need + held, avail, store.block_size,
-                                                               self.layerwise is not None, more=False))
-                return False
-            return None
-        if r.status is RequestStatus.WAITING:
-            try:
-                lease = store.lease(r.session_id)
-                lease.__enter__()
-            except SessionBusyError:
-                return False
-            r.lease = lease
-            turn = store.begin_turn(r.session_id, r.prompt, r.cache_salt)      # cuts the history to `keep`
-            r.truncated, r.reused = turn.truncated_tokens, turn.reused_tokens
-        r.swapped += self._below_device(r.session_id, keep)
-        self.waiting.remove(r)
-        bisect.insort(self.running, r, key=_order)
-        r.status = RequestStatus.RUNNING
-        return item, need + held
-
     def _suspend(self, r: Request) -> int:
         """Move a running request's KV down (for now: evict it) and requeue it. Returns blocks freed."""
         freed = self.store.evict(r.session_id)
@@ -256,47 +224,15 @@ class Scheduler:
         r.status = RequestStatus.SUSPENDED
         r.suspensions += 1
         r.missing = self.store.missing_positions(r.session_id)
+        r.short = self._is_short(r)
         bisect.insort(self.waiting, r, key=_order)
         return freed
-
-    def _item(self, r: Request, budget: int, length: int) -> WorkItem | None:
-        return next_item(r, budget, length, self.store)
-
-    def _blocks_needed(self, r: Request, item: WorkItem, length: int | None = None) -> int:
-        """Device blocks the store must give this item: chunks up to its last row that are not on the
-        device (chunks past the history `length` are new or will be cut, so they count). A layer-wise
-        item (factor != 1) fills its chunks with residue blocks, ceil(n / f) blocks at most, and reads
-        host chunks in place."""
-        return self.store.blocks_needed(r.session_id, self._end(item), length=self._length(r) if length is None
-                                        else length, factor=item.factor)
-
-    def _whole_item(self, r: Request, keep: int) -> WorkItem:
-        return whole_item(r, keep)
 
     def _host_left(self, taken: int) -> int:
         return self.layered.host_left(taken) if self.layered is not None else 0
 
     def _host_needed(self, r: Request, item: WorkItem) -> int:
         return self.layered.host_needed(r, item) if self.layered is not None else 0
-
-    def _needs(self, r: Request, item: WorkItem, length: int | None = None):
-        """The store's ChunkNeeds of the item: (chunks it fills, copies up, reads in place)."""
-        return self.store.chunk_needs(r.session_id, self._end(item), length=self._length(r) if length is None
-                                      else length, factor=item.factor)
-
-    @staticmethod
-    def _end(item: WorkItem) -> int:
-        """One past the item's last row position."""
-        return max(item.start + len(item.new_ids), max(item.recompute, default=-1) + 1)
-
-    def _below_device(self, session_id: str, length: int) -> int:
-        """History tokens < length whose KV is stored in a lower tier (host, disk, hidden states) and
-        not cached on the device: `plan_step` brings them up (swap-in or rebuild), not a recompute."""
-        bs, n = self.store.block_size, 0
-        for k, c in enumerate(self.store.session(session_id).chunks[: -(-length // bs)]):
-            if c.state not in (*_RESIDENT, ChunkState.DROPPED) and getattr(c, "shadow", None) is None:
-                n += min((k + 1) * bs, length) - k * bs
-        return n
 
     def _length(self, r: Request) -> int:
         return self.store.session(r.session_id).num_tokens
@@ -333,4 +269,3 @@ class Scheduler:
 
 def _order(r: Request) -> tuple[float, int]:
     return r.arrival, r.request_id
-

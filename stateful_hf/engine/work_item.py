@@ -53,3 +53,24 @@ def next_item(r: Request, budget: int, length: int, store) -> WorkItem | None:
 def whole_item(r: Request, keep: int) -> WorkItem:
     """All of r's remaining rows as one item at keep factor 0 (so host chunks count as in place)."""
     return WorkItem(r, tuple(r.missing), (), tuple(r.pending), keep, False, factor=0)
+
+
+def item_end(item: WorkItem) -> int:
+    """One past the item's last row position."""
+    return max(item.start + len(item.new_ids), max(item.recompute, default=-1) + 1)
+
+
+def blocks_needed(store, item: WorkItem, length: int | None = None) -> int:
+    """Device blocks the store must give this item: chunks up to its last row that are not on the
+    device (chunks past the history `length` are new or will be cut, so they count; None: the session's
+    length). A layer-wise item (factor != 1) fills its chunks with residue blocks, ceil(n / f) blocks at
+    most, and reads host chunks in place. Read only."""
+    sid = item.request.session_id
+    return store.blocks_needed(sid, item_end(item), length=store.session(sid).num_tokens if length is None
+                               else length, factor=item.factor)
+
+
+def chunk_needs(store, r: Request, item: WorkItem, length: int | None = None):
+    """The store's ChunkNeeds of the item: (chunks it fills, copies up, reads in place). Read only."""
+    return store.chunk_needs(r.session_id, item_end(item), length=store.session(r.session_id).num_tokens
+                             if length is None else length, factor=item.factor)
