@@ -80,3 +80,17 @@ def engine_round(engine, convs: dict[str, Conversation], oracle, n: int) -> None
         want = greedy(oracle, convs[sid].ids, n=n)
         assert list(out.token_ids) == want[0, convs[sid].ids.shape[1]:].tolist(), sid
         convs[sid].reply(want)
+
+
+def engine_round_ids(engine, oracle, convs: dict[str, torch.Tensor], sids: list[str], n: int, next_user) -> None:
+    """`engine_round` for conversations kept as [1, T] id tensors: one turn of the sessions `sids`
+    through `engine.generate` together; each must succeed and equal stateless greedy generate on the
+    whole conversation; then the reply and `next_user(sid)` (a [1, k] tensor) join the conversation."""
+    from stateful_hf import SamplingParams
+
+    outs = engine.generate(sids, [convs[s][0].tolist() for s in sids], SamplingParams(max_new_tokens=n))
+    for sid, out in zip(sids, outs):
+        assert out.error is None, (sid, out.error)
+        want = greedy(oracle, convs[sid], n=n)
+        assert list(out.token_ids) == want[0, convs[sid].shape[1]:].tolist(), sid
+        convs[sid] = torch.cat([want, next_user(sid)], 1)

@@ -11,7 +11,7 @@ import sqlite3
 
 import pytest
 import torch
-from conftest import FAMILIES, greedy
+from conftest import FAMILIES, engine_round_ids, greedy
 
 import stateful_hf
 from stateful_hf import Engine, SamplingParams
@@ -47,6 +47,14 @@ def all_chunks(store, sid):
 def shared_objects(store, a, b, n=5):
     """Whether chunks 0..n-1 of sessions a and b are one object each."""
     return all(store.session(a).chunks[k] is store.session(b).chunks[k] for k in range(n))
+
+
+def shared_on_disk(model, oracle, store) -> dict[str, torch.Tensor]:
+    """Sessions a and b open with SYSTEM (exact turns), then move every chunk to disk; their conversations."""
+    convs = {sid: turn(model, oracle, store, sid, torch.cat([SYSTEM, user(i)], 1)) for i, sid in enumerate("ab")}
+    for sid in convs:
+        store.move(sid, all_chunks(store, sid), "disk")
+    return convs
 
 
 def disk_rows(d):
@@ -98,9 +106,7 @@ def test_restart_rebuilds_sharing_and_a_new_session_adopts_from_disk(models, tmp
     model, oracle = models
     d = tmp_path / "d"
     store = open_store(model, d)
-    convs = {sid: turn(model, oracle, store, sid, torch.cat([SYSTEM, user(i)], 1)) for i, sid in enumerate("ab")}
-    for sid in convs:
-        store.move(sid, all_chunks(store, sid), "disk")
+    convs = shared_on_disk(model, oracle, store)
     on_disk = store.stats().disk_tokens
     assert on_disk == 2 * store.session("a").num_tokens - SHARED
     store.close()
@@ -202,9 +208,7 @@ def test_a_damaged_shared_slot_is_recomputed_by_every_holder(models, tmp_path):
     model, oracle = models
     d = tmp_path / "d"
     store = open_store(model, d)
-    convs = {sid: turn(model, oracle, store, sid, torch.cat([SYSTEM, user(i)], 1)) for i, sid in enumerate("ab")}
-    for sid in convs:
-        store.move(sid, all_chunks(store, sid), "disk")
+    convs = shared_on_disk(model, oracle, store)
     spec = store.spec
     store.close()
     (slot,) = {r[3] for r in disk_rows(d) if r[1] == 2}          # chunk 2: one slot, two rows
@@ -269,13 +273,8 @@ def test_engine_with_a_disk_under_pressure_and_a_shared_prompt(models, tmp_path)
 
     store.moves.subscribe(look)
     for rnd, group in enumerate("sxsxs"):
-        sids = [sid for sid in convs if sid[0] == group]
-        outs = engine.generate(sids, [convs[s][0].tolist() for s in sids], SamplingParams(max_new_tokens=4))
-        for sid, out in zip(sids, outs):
-            assert out.error is None, out.error
-            want = greedy(oracle, convs[sid], n=4)
-            assert list(out.token_ids) == want[0, convs[sid].shape[1]:].tolist(), (rnd, sid)
-            convs[sid] = torch.cat([want, user(10 * rnd + int(sid[1:]))], 1)
+        group_sids = [sid for sid in convs if sid[0] == group]
+        engine_round_ids(engine, oracle, convs, group_sids, 4, lambda sid, rnd=rnd: user(10 * rnd + int(sid[1:])))
         store.check_integrity()
     assert store.stats().counters.swapped_out_disk > 0 and store.stats().counters.swapped_in_disk > 0 and seen
     store.close()
@@ -362,9 +361,7 @@ def test_rows_that_cannot_be_one_chunk_keep_the_first_claimant(models, tmp_path,
     model, oracle = models
     d = tmp_path / "d"
     store = open_store(model, d)
-    convs = {sid: turn(model, oracle, store, sid, torch.cat([SYSTEM, user(i)], 1)) for i, sid in enumerate("ab")}
-    for sid in convs:
-        store.move(sid, all_chunks(store, sid), "disk")
+    convs = shared_on_disk(model, oracle, store)
     store.close()
     with sqlite3.connect(d / "index.sqlite") as db:
         if kind == "checksum":

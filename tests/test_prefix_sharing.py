@@ -8,7 +8,7 @@ import contextlib
 
 import pytest
 import torch
-from conftest import FAMILIES, greedy
+from conftest import FAMILIES, engine_round_ids, greedy
 
 from stateful_hf import Engine, SamplingParams
 
@@ -144,12 +144,7 @@ def test_engine_sessions_share_and_stay_exact(models):
     engine = Engine(model, chunk_size=BS, device_capacity=96 * BS)
     convs = {f"s{i}": torch.cat([SYSTEM, user(i)], 1) for i in range(6)}
     for rnd in range(3):
-        sids = list(convs)
-        outs = engine.generate(sids, [convs[s][0].tolist() for s in sids], SamplingParams(max_new_tokens=5))
-        for sid, out in zip(sids, outs):
-            want = greedy(oracle, convs[sid], n=5)
-            assert list(out.token_ids) == want[0, convs[sid].shape[1]:].tolist(), (rnd, sid)
-            convs[sid] = torch.cat([want, user(10 * rnd + int(sid[1:]))], 1)
+        engine_round_ids(engine, oracle, convs, list(convs), 5, lambda sid, rnd=rnd: user(10 * rnd + int(sid[1:])))
         engine.store.check_integrity()
     st = engine.store.stats()
     assert st.shared_tokens == 40 and st.logical_tokens - st.device_tokens - st.host_tokens >= 5 * 40 - 40
@@ -197,13 +192,7 @@ def test_engine_under_device_pressure_with_a_shared_prompt(models):
     engine = Engine(model, chunk_size=BS, device_capacity=24 * BS, host_capacity=24 * BS, max_batch_tokens=64)
     convs = {f"s{i}": torch.cat([SYSTEM, user(i)], 1) for i in range(8)}
     for rnd in range(3):
-        sids = list(convs)
-        outs = engine.generate(sids, [convs[s][0].tolist() for s in sids], SamplingParams(max_new_tokens=4))
-        for sid, out in zip(sids, outs):
-            assert out.error is None, out.error
-            want = greedy(oracle, convs[sid], n=4)
-            assert list(out.token_ids) == want[0, convs[sid].shape[1]:].tolist(), (rnd, sid)
-            convs[sid] = torch.cat([want, user(10 * rnd + int(sid[1:]))], 1)
+        engine_round_ids(engine, oracle, convs, list(convs), 4, lambda sid, rnd=rnd: user(10 * rnd + int(sid[1:])))
         engine.store.check_integrity()
     c = engine.store.stats().counters
     assert c.swapped_out_host + c.dropped > 0                       # there was pressure
