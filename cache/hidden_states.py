@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from .kv_writer import write_kv
-from .pool import BlockPool, host_zeros, resident_bytes
+from .pool import BlockPool, block_runs, host_zeros, resident_bytes
 from .spec import KVSpec
 
 # (layer, hidden [n, D], positions [n]) -> (K, V), each [n, kv_heads, head_dim], on the hidden's device
@@ -67,6 +67,8 @@ class HiddenPool(BlockPool):
     hidden: [hidden_layers, num_blocks, block_size, hidden_size]
     kv:     [kv_layers, num_blocks, 2, block_size, kv_heads, head_dim]  (layer i is model layer L_H + i)
     """
+
+    slice_blocks = False     # a slot is hidden[:, b] and kv[:, b]: copied by copy_slots, never by the transfer
 
     def __init__(self, spec: HiddenSpec, num_blocks: int, device: torch.device | str = "cpu", *,
                  pin_memory: bool = False, data: tuple[torch.Tensor, torch.Tensor] | None = None):
@@ -114,10 +116,10 @@ class HiddenPool(BlockPool):
 
     def copy_slots(self, src_ids: list[int], dst: HiddenPool, dst_ids: list[int]) -> None:
         """dst[:, dst_ids] = self[:, src_ids] (hidden <-> hidden tiers, e.g. host and disk)."""
-        s, d = torch.tensor(src_ids, device=self.device), torch.tensor(dst_ids, device=dst.device)
+        runs = block_runs(src_ids, dst_ids)      # one slice copy per run of consecutive slots
         for a, b in ((self.hidden, dst.hidden), (self.kv, dst.kv)):
-            for layer in range(a.shape[0]):
-                b[layer].index_copy_(0, d, a[layer].index_select(0, s).to(dst.device))
+            for s, d, n in runs:
+                b[:, d:d + n].copy_(a[:, s:s + n])
 
 
 class HiddenCapture:

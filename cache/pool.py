@@ -69,6 +69,17 @@ def host_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device 
     return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory and device.type == "cpu"), None
 
 
+def block_runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, int]]:
+    """(src start, dst start, length) of the maximal runs where both id lists count up by one."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src_ids, dst_ids, strict=True):
+        if runs and s == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs
+
+
 class BlockPool:
     """`data` is [layers, num_blocks, 2, block_size, kv_heads, head_dim]; dim 2 is (K, V).
 
@@ -77,6 +88,7 @@ class BlockPool:
     """
 
     transfer = None     # set by the store: frees go through Transfer.release (transfer.py)
+    slice_blocks = True  # block b of every layer is data[:, b] (transfer.copy_now slices runs of ids)
 
     def __init__(self, spec: KVSpec, num_blocks: int, device: torch.device | str | None = None, *,
                  pin_memory: bool = False, data: torch.Tensor | None = None):
