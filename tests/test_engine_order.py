@@ -153,3 +153,55 @@ def test_scheduler_config_checks_short_prefill_tokens():
         SchedulerConfig(256, short_prefill_tokens=-1)
     with pytest.raises(ValueError, match="arrival_window"):
         Engine(FAMILIES["llama"](), device_capacity=512, arrival_window=-0.1)
+
+
+@pytest.mark.parametrize("window", [0.5, 0.0])
+def test_a_burst_on_an_idle_engine_starts_in_one_step(window):
+    """Three clients submit 40 ms apart to an idle, started engine. With an arrival window of 0.5 s
+    (a burst ends after 0.1 s without a submission) the loop, woken by the first, waits for the
+    others and the first step holds all three; without one the first step holds only the first.
+    Exact either way."""
+    model, oracle = FAMILIES["llama"](), FAMILIES["llama"]()
+    engine = Engine(model, device_capacity=2048, chunk_size=16, max_batch_tokens=128, arrival_window=window)
+    prompts = {f"c{i}": ids(10 + i, 12) for i in range(3)}
+    with engine:
+        handles = {}
+        for sid, p in prompts.items():
+            handles[sid] = engine.submit(sid, p, SamplingParams(max_new_tokens=3))
+            time.sleep(0.04)
+        outs = {sid: list(h.result(timeout=60).token_ids) for sid, h in handles.items()}
+    first = {e[0] for e in engine.steps[0].entries}
+    assert first == (set(prompts) if window > 0 else {"c0"})
+    for sid, p in prompts.items():
+        assert outs[sid] == expected(oracle, p, 3)
+    idle_and_sound(engine)
+
+
+def test_await_burst_waits_while_submissions_keep_coming():
+    """`RequestRegistry.await_burst(gap, limit)`: returns `gap` after the last submission, and by
+    `limit` while they keep coming."""
+    engine = Engine(FAMILIES["llama"](), device_capacity=512)   # never started: nothing steps
+    reg = engine.requests
+
+    def submit_every(delay: float, n: int) -> None:
+        for i in range(n):
+            time.sleep(delay)
+            engine.submit(f"b{i}", ids(i, 4), SamplingParams(max_new_tokens=1))
+
+    t0 = time.monotonic()
+    reg.await_burst(0.05, 5.0)                       # nothing comes: one gap
+    assert 0.05 <= time.monotonic() - t0 < 1.0
+    t = threading.Thread(target=submit_every, args=(0.01, 5))
+    t0 = time.monotonic()
+    t.start()
+    reg.await_burst(0.3, 5.0)                        # 5 submissions 10 ms apart, then 0.3 s quiet
+    waited = time.monotonic() - t0
+    t.join()
+    assert 0.35 <= waited < 2.0
+    t0 = time.monotonic()
+    t = threading.Thread(target=submit_every, args=(0.02, 40))
+    t.start()
+    reg.await_burst(0.3, 0.2)                        # submissions keep coming: the limit ends it
+    assert 0.2 <= time.monotonic() - t0 < 0.5
+    t.join()
+

@@ -7,8 +7,10 @@ after every step) and the loop thread. Collaborators, passed in: `step()` runs o
 `on_error(e)` is called (with the step lock free) when a background step raised,
 `before_start()` runs in the thread that calls `start()` before the loop thread exists, and
 `before_step()` runs on the loop thread before each of its steps (the thread sizing, `thread_sizing.py`),
-and `after_step()` after each (the engine's arrival window: it may wait on `cv` for submissions).
-Steps driven inline by a waiting thread run neither hook.
+and `after_step()` after each (the engine's arrival window: it may wait on `cv` for submissions);
+`on_wake()` runs on the loop thread when work came while it was idle, before that step's
+`before_step()` (the engine's burst window: it may wait on `cv` for more submissions).
+Steps driven inline by a waiting thread run none of these hooks.
 """
 
 from __future__ import annotations
@@ -22,10 +24,10 @@ class StepLoop:
     def __init__(self, step: Callable[[], object], has_work: Callable[[], bool],
                  on_error: Callable[[Exception], None], before_start: Callable[[], object] | None = None,
                  before_step: Callable[[], object] | None = None, after_step: Callable[[], object] | None = None,
-                 name: str = "stateful-hf-engine"):
+                 on_wake: Callable[[], object] | None = None, name: str = "stateful-hf-engine"):
         self.cv = threading.Condition()
         self._step, self._has_work, self._on_error, self._before_start = step, has_work, on_error, before_start
-        self._before_step, self._after_step = before_step, after_step
+        self._before_step, self._after_step, self._on_wake = before_step, after_step, on_wake
         self._name = name
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -75,12 +77,18 @@ class StepLoop:
             self._thread = None
 
     def _run(self) -> None:
+        woke = True                         # a loop that starts was idle
         while True:
             with self.cv:
-                self.cv.wait_for(lambda: self._stopping or self._has_work())
+                if not (self._stopping or self._has_work()):
+                    woke = True
+                    self.cv.wait_for(lambda: self._stopping or self._has_work())
                 if self._stopping:
                     return
             try:
+                if woke and self._on_wake is not None:
+                    self._on_wake()
+                woke = False
                 if self._before_step is not None:
                     self._before_step()
                 self._step()

@@ -120,6 +120,16 @@ class RequestRegistry:
             self._queued_at_publish = self._queued
             self.cv.notify_all()
 
+    def await_burst(self, gap: float, limit: float) -> None:
+        """Wait (releasing `cv`) while submissions keep coming: until none was queued for `gap`
+        seconds, or `limit` seconds in all."""
+        end = time.monotonic() + limit
+        with self.cv:
+            while True:
+                seen, left = self._queued, end - time.monotonic()
+                if left <= 0 or not self.cv.wait_for(lambda seen=seen: self._queued != seen, min(gap, left)):
+                    return
+
     def await_arrivals(self, n: int, timeout: float) -> bool:
         """Wait (releasing `cv`) until `n` requests were queued since the last publish, or `timeout`
         seconds. Returns whether they were."""
