@@ -21,7 +21,7 @@ from .disk import DiskTier
 from .disk_file import identity_tags
 from .disk_index import SessionRow, pack_ids
 from .errors import StoreError
-from .prefix_index import PrefixScope
+from .prefix_key import PrefixScope
 from .prefix_sharing import PrefixSharing
 from .session import ON_DISK, Chunk, ChunkState, Session
 from .session_table import SessionTable

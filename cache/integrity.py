@@ -73,7 +73,7 @@ def check_integrity(sessions: SessionTable, tiers: TierPools, block_size: int) -
     assert listed == set(held), f"residues not in the table: {sorted(set(held) - listed)[:4]}"
     if tiers.disk is not None:
         _check_disk_rows(sessions, tiers)
-    check_sharing(list(sessions), tiers.sharing.index, block_size)
+    check_sharing(list(sessions), tiers.sharing.index, block_size, tiers.sharing.epoch)
     for tier, owned in owners.items():
         pool = tiers.pool(tier)
         if pool is not None:
@@ -95,11 +95,13 @@ def _check_disk_rows(sessions: SessionTable, tiers: TierPools) -> None:
             f"{form} disk slot {slot} named by ({sid!r}, {k}) and by another chunk, index or checksum")
 
 
-def check_sharing(sessions: Sequence[Session], index: PrefixIndex, block_size: int) -> None:
+def check_sharing(sessions: Sequence[Session], index: PrefixIndex, block_size: int, epoch: int | None = None) -> None:
     """Raise AssertionError unless holders and chunks agree (`prefix_sharing.py`'s rules): a chunk with
     an entry is that entry's payload, at the entry's depth in exactly its holders, full, never
     DROPPED (it may be on disk), and its holders' ids agree up to its end (its KV, and a disk slot's
-    checksum, depend on them); an indexed entry's payload names it; the index's own rules hold."""
+    checksum, depend on them); an indexed entry's payload names it; the index's own rules hold.
+    With the sharing part's `epoch`: every `Session.index_cursor` of that epoch is true (its chunks
+    before the cursor are full and indexed: what lets `PrefixSharing.register` start there)."""
     index.check()
     seen: dict[int, set[str]] = {}
     prefix: dict[int, list[int]] = {}
@@ -127,3 +129,10 @@ def check_sharing(sessions: Sequence[Session], index: PrefixIndex, block_size: i
     for e in index.entries():
         assert e.payload.entry is e, f"indexed chunk {e.depth} does not name its entry"
         assert e.holders, f"indexed chunk {e.depth} has no holder"
+    for s in sessions if epoch is not None else ():
+        at, n = s.index_cursor
+        if at == epoch:
+            assert n <= len(s.token_ids) // bs, f"{s.session_id!r}: index cursor {n} past its full chunks"
+            for k in range(n):
+                e = s.chunks[k].entry
+                assert e is not None and e in index, f"{s.session_id!r}: chunk {k} < index cursor {n} is not indexed"

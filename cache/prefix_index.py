@@ -50,36 +50,10 @@ The index is plain data: no lock, no tensors, no policy. The store calls it unde
 
 from __future__ import annotations
 
-from array import array
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-import xxhash
-
-from .tenant import DEFAULT_TENANT, check_tenant
-
-Digest = Callable[[bytes], bytes]
-
-
-@dataclass(frozen=True, slots=True)
-class PrefixScope:
-    """Who may share: chunks of one scope are never found from another. `cache_salt` None and ""
-    are the same scope (no salt)."""
-
-    tenant: str = DEFAULT_TENANT
-    cache_salt: str | None = None
-
-    def __post_init__(self) -> None:
-        check_tenant(self.tenant)
-        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
-            raise TypeError(f"cache_salt must be a string or None, got {type(self.cache_salt).__name__}")
-        if self.cache_salt == "":
-            object.__setattr__(self, "cache_salt", None)
-
-    def encode(self) -> bytes:
-        """Unambiguous bytes of the scope (length-prefixed parts), the root of every key chain."""
-        parts = [self.tenant.encode(), b"" if self.cache_salt is None else b"s" + self.cache_salt.encode()]
-        return b"".join(len(p).to_bytes(4, "little") + p for p in parts)
+from .prefix_key import Digest, PrefixKeys, PrefixScope, xxh3_128
 
 
 @dataclass(eq=False, slots=True)
@@ -124,13 +98,9 @@ class IndexCounters:
     refused: int = 0         # inserts refused because their key belonged to other content
 
 
-def xxh3_128(data: bytes) -> bytes:
-    return xxhash.xxh3_128_digest(data)
-
-
 class PrefixIndex:
-    """Full chunks by content key. `block_size`: tokens per chunk (the store's). `digest`: the chain's
-    hash (default xxh3-128; tests pass a weak one to force collisions).
+    """Full chunks by content key (`PrefixKeys`, `prefix_key.py`). `block_size`: tokens per chunk (the
+    store's). `digest`: the chain's hash (default xxh3-128; tests pass a weak one to force collisions).
 
     Mutating methods: `insert` (adds an entry, no holder), `acquire` / `release` (a holder), `remove`
     (an entry and everything below it). `match`, `keys`, `get`, `entries`, `check` read only
@@ -140,28 +110,13 @@ class PrefixIndex:
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         self.block_size = block_size
-        self.digest = digest
+        self.keying = PrefixKeys(block_size, digest)
         self.counters = IndexCounters()
         self._entries: dict[bytes, PrefixEntry] = {}
 
-    # ---- keys -----------------------------------------------------------------------------------
-
-    def root(self, scope: PrefixScope) -> bytes:
-        """The chain's start for `scope` (not an entry's key)."""
-        return self.digest(b"stateful-hf prefix v1\0" + scope.encode())
-
-    def chunk_key(self, parent_key: bytes, chunk_ids: Sequence[int]) -> bytes:
-        """Key of a chunk given its parent's key (or the scope's root) and its own ids."""
-        if len(chunk_ids) != self.block_size:
-            raise ValueError(f"only full chunks have keys: {len(chunk_ids)} ids, block size {self.block_size}")
-        return self.digest(parent_key + array("q", chunk_ids).tobytes())
-
     def keys(self, scope: PrefixScope, ids: Sequence[int]) -> Iterator[bytes]:
-        """Keys of the full chunks of `ids`, in order (lazily: a lookup stops at its first miss)."""
-        bs, key = self.block_size, self.root(scope)
-        for k in range(len(ids) // bs):
-            key = self.chunk_key(key, ids[k * bs:(k + 1) * bs])
-            yield key
+        """Keys of the full chunks of `ids`, in order (`PrefixKeys.keys`)."""
+        return self.keying.keys(scope, ids)
 
     # ---- lookup ---------------------------------------------------------------------------------
 
@@ -209,7 +164,7 @@ class PrefixIndex:
         if parent is not None and not (self._entries.get(parent.key) is parent and self._chain_is(parent, scope, ids)):
             raise ValueError(f"parent of chunk {depth} is not the indexed entry of the same prefix")
         chunk = tuple(ids[depth * bs:(depth + 1) * bs])
-        key = self.chunk_key(self.root(scope) if parent is None else parent.key, chunk)
+        key = self.keying.chunk_key(self.keying.root(scope) if parent is None else parent.key, chunk)
         have = self._entries.get(key)
         if have is not None:
             if have.parent is parent and have.scope == scope and have.ids == chunk:
@@ -296,11 +251,11 @@ class PrefixIndex:
             assert len(e.ids) == self.block_size, f"entry of {len(e.ids)} ids (block size {self.block_size})"
             if e.parent is None:
                 assert e.depth == 0, f"entry at depth {e.depth} without a parent"
-                assert key == self.chunk_key(self.root(e.scope), e.ids), "depth-0 key is not the chain's"
+                assert key == self.keying.chunk_key(self.keying.root(e.scope), e.ids), "depth-0 key is not the chain's"
             else:
                 assert self._entries.get(e.parent.key) is e.parent, f"parent of depth {e.depth} not indexed"
                 assert e.parent.depth == e.depth - 1 and e.parent.scope == e.scope, f"bad parent at {e.depth}"
                 assert e.parent.children.get(key) is e, f"depth {e.depth} missing from its parent's children"
-                assert key == self.chunk_key(e.parent.key, e.ids), f"key of depth {e.depth} is not the chain's"
+                assert key == self.keying.chunk_key(e.parent.key, e.ids), f"key of depth {e.depth} is not the chain's"
             for ck, c in e.children.items():
                 assert self._entries.get(ck) is c and c.parent is e, f"child of depth {e.depth} not indexed"

@@ -38,7 +38,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
-from .prefix_index import PrefixEntry, PrefixIndex, PrefixScope
+from .prefix_index import PrefixEntry, PrefixIndex
+from .prefix_key import PrefixScope
 from .session import ON_DISK, Chunk, ChunkState, Session
 from .tenant import tenant_of
 
@@ -55,6 +56,10 @@ class PrefixSharing:
         self.index = PrefixIndex(block_size)
         self.block_size, self.enabled = block_size, enabled
         self._session = session      # session id -> Session (None if gone)
+        # Bumped whenever a chunk may leave a session's indexed run: an entry leaves the index
+        # (`_remove`) or a session lets go of a shared chunk (`detach`). A `Session.index_cursor` of
+        # an older epoch is void (register walks from chunk 0 again).
+        self.epoch = 0
 
     # ---- scope ----------------------------------------------------------------------------------
 
@@ -121,28 +126,42 @@ class PrefixSharing:
         """After a committed step: the session's full DEVICE chunks, from the first not yet indexed,
         join the index (each under its parent's entry). A chunk whose content another session has
         indexed already (both computed it) is replaced by that one (its block is freed by `free`)
-        when that one is on the device; otherwise the chain stops there."""
+        when that one is on the device; otherwise the chain stops there.
+
+        Incremental: the walk starts at the chunk where the last one stopped (`Session.index_cursor`)
+        unless the epoch moved since; the chunks before it are indexed then (`integrity.check_sharing`
+        asserts it), and
+        a walk over them would only pass them by (`parent = c.entry`)."""
         if not self.enabled or s.scope is None:
             return
-        bs, parent = self.block_size, None
-        for k in range(len(s.token_ids) // bs):
+        n = len(s.token_ids) // self.block_size
+        epoch, start = s.index_cursor
+        start = min(start, n) if epoch == self.epoch else 0
+        parent = s.chunks[start - 1].entry if start else None
+        s.index_cursor = (self.epoch, self._walk(s, start, n, parent, free))
+
+    def _walk(self, s: Session, start: int, n: int, parent: PrefixEntry | None, free: Callable[[Chunk], None]
+              ) -> int:
+        """`register`'s walk over chunks [start, n) of `s` under `parent`; returns where it stopped
+        (chunks before it are indexed)."""
+        for k in range(start, n):
             c = s.chunks[k]
             if c.entry is not None:
                 if c.entry not in self.index:                # shared, but left the index with a parent
                     e = self.index.insert(s.scope, s.token_ids, k, parent, c)
                     if e is None or e.payload is not c:
-                        return
+                        return k
                     e.holders, c.entry = c.entry.holders, e       # indexed again, same holders
                 parent = c.entry
                 continue
             if c.state is not DEVICE or c.source is not None:
-                return
+                return k
             e = self.index.insert(s.scope, s.token_ids, k, parent, c)
             if e is None:
-                return                                       # a collision: the chunk stays private
+                return k                                     # a collision: the chunk stays private
             if e.payload is not c:
                 if e.payload.state is not DEVICE:
-                    return
+                    return k
                 free(c)
                 c.assign(DROPPED)
                 s.chunks[k] = e.payload
@@ -150,6 +169,7 @@ class PrefixSharing:
                 c.entry = e
             self.index.acquire(e, s.session_id)
             parent = e
+        return n
 
     def detach(self, s: Session, k: int) -> bool:
         """Session `s` lets go of its chunk k (it becomes a fresh DROPPED chunk of `s`). True when other
@@ -159,12 +179,13 @@ class PrefixSharing:
         e = c.entry
         if e is None:
             return False
+        self.epoch += 1
         left = self.index.release(e, s.session_id)
         if left:
             s.chunks[k] = Chunk()
             return True
         if e in self.index:
-            self._forget(self.index.remove(e))
+            self._remove(e)
         c.entry = None
         return False
 
@@ -177,7 +198,7 @@ class PrefixSharing:
         if e.holders != {s.session_id}:
             return False
         if e in self.index:
-            self._forget(self.index.remove(e))
+            self._remove(e)
         self.index.release(e, s.session_id)
         s.chunks[k].entry = None
         return True
@@ -197,7 +218,7 @@ class PrefixSharing:
                 self.index.release(e, h)
                 self._session(h).chunks[k] = Chunk()
             if e in self.index:
-                self._forget(self.index.remove(e))
+                self._remove(e)
             self.index.release(e, s.session_id)
             c.entry = None
         return items
@@ -208,7 +229,7 @@ class PrefixSharing:
         reads it, and drops it)."""
         e = s.chunks[k].entry
         if e is not None and e in self.index:
-            self._forget(self.index.remove(e))
+            self._remove(e)
 
     def restore(self, loaded: Sequence[tuple[Session, PrefixScope | None]]) -> None:
         """After a restart (`DiskState.load`, which made one chunk object of each slot that several
@@ -217,6 +238,7 @@ class PrefixSharing:
         (a chunk whose content another one already indexes ends that session's chain: it stays as
         it is). Sessions without a scope are not indexed."""
         bs, held = self.block_size, {}
+        self.epoch += 1
         for s, scope in loaded:
             s.scope = scope
             for k, c in enumerate(s.chunks):
@@ -244,10 +266,12 @@ class PrefixSharing:
                     self.index.acquire(e, s.session_id)
                 parent = c.entry
 
-    def _forget(self, removed: list[PrefixEntry]) -> None:
-        """Entries that left the index: those whose chunk no session holds any more cannot exist (the
-        last holder frees a chunk); the others stay shared among their holders, unfindable."""
-        for e in removed:
+    def _remove(self, top: PrefixEntry) -> None:
+        """`top` and every entry below it leave the index: those whose chunk no session holds any more
+        cannot exist (the last holder frees a chunk); the others stay shared among their holders,
+        unfindable. Every session's indexed run may end earlier now: the epoch moves."""
+        self.epoch += 1
+        for e in self.index.remove(top):
             if not e.holders:
                 e.payload.entry = None
 
@@ -305,16 +329,3 @@ class PrefixSharing:
                 if id(c) not in seen:
                     seen.add(id(c))
                     yield s, k, c
-
-    def stats(self, sessions: Iterable[Session]) -> tuple[int, int]:
-        """(logical tokens: every session's stored tokens, a shared chunk once per holder; shared
-        tokens: tokens of chunks held by more than one session, each chunk once)."""
-        bs, logical, shared, seen = self.block_size, 0, 0, set()
-        for s in sessions:
-            for k, c in enumerate(s.chunks):
-                if c.state is not DROPPED:
-                    logical += s.chunk_len(k, bs)
-                if c.entry is not None and len(c.entry.holders) > 1 and id(c) not in seen:
-                    seen.add(id(c))
-                    shared += bs
-        return logical, shared

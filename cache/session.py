@@ -6,7 +6,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from .prefix_index import PrefixEntry, PrefixScope
+from .prefix_index import PrefixEntry
+from .prefix_key import PrefixScope
 
 
 class ChunkState(enum.Enum):
@@ -112,6 +113,9 @@ class Session:
     last_turn: TurnStats = field(default_factory=TurnStats)
     scope: PrefixScope | None = None    # whose prefixes it shares (prefix_sharing.py), set at its first turn
     retained: bool = False              # deleted, kept only to hold its shared prefix (KVStore.delete)
+    # (epoch, n): as of the sharing's epoch `epoch`, chunks [0, n) are indexed (entries in the index);
+    # written only by PrefixSharing (its `register` starts at chunk n while the epoch is unchanged)
+    index_cursor: tuple[int, int] = (-1, 0)
 
     @property
     def num_tokens(self) -> int:

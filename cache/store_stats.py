@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from .session import ChunkState, Session
 from .session_table import SessionTable
 from .stats import Counters, SessionStats, StoreStats
@@ -26,7 +28,7 @@ def store_stats(sessions: SessionTable, tiers: TierPools, counters: Counters) ->
     for s, k, c in tiers.sharing.physical(sessions):
         tot[c.state.value] += s.chunk_len(k, bs)
         cached += s.chunk_len(k, bs) if c.shadow is not None else 0
-    logical, shared = tiers.sharing.stats(sessions)
+    logical, shared = _sharing_tokens(sessions, bs)
     used = tiers.used_bytes
 
     def cap(pool):
@@ -60,3 +62,17 @@ def store_stats(sessions: SessionTable, tiers: TierPools, counters: Counters) ->
         device_blocks_prefetched=getattr(device, "blocks_prefetched", 0),
         logical_tokens=logical, shared_tokens=shared, prefix_index_chunks=len(tiers.sharing.index),
     )
+
+
+def _sharing_tokens(sessions: Iterable[Session], block_size: int) -> tuple[int, int]:
+    """(logical tokens: every session's stored tokens, a shared chunk once per holder; shared
+    tokens: tokens of chunks held by more than one session, each chunk once)."""
+    bs, logical, shared, seen = block_size, 0, 0, set()
+    for s in sessions:
+        for k, c in enumerate(s.chunks):
+            if c.state is not ChunkState.DROPPED:
+                logical += s.chunk_len(k, bs)
+            if c.entry is not None and len(c.entry.holders) > 1 and id(c) not in seen:
+                seen.add(id(c))
+                shared += bs
+    return logical, shared

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 
 from .cache import DEFAULT_POLICY, POLICY_NAMES, CostProfile, EvictionPolicy, KVSpec, KVStore, make_policy
-from .cache.disk import saved_hidden_layers
+from .cache.disk_directory import saved_hidden_layers
 from .cache.hidden_partition import HiddenCosts, HiddenPlan, min_hidden_layers, plan_layers
 from .cache.hidden_states import HiddenSpec
 from .cache.hidden_tier import HIDDEN_MODES

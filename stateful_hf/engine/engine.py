@@ -4,14 +4,12 @@ without one, in whichever thread waits on a handle."""
 
 from __future__ import annotations
 
-import contextlib
 import threading
-import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 
 import torch
 
-from ..cache import DEFAULT_TENANT, SessionBusyError, UnknownSessionError, session_key
+from ..cache import SessionBusyError
 from ..integration import check_input_ids
 from ..session_store import SessionStore
 from . import frontends
@@ -32,6 +30,7 @@ from .slo import SloPolicy, check_slo
 from .stepper import Stepper
 from .text import OutputText
 from .thread_sizing import ThreadSizer
+from .throwaway import ThrowawaySessions
 
 
 class Engine:
@@ -116,11 +115,11 @@ class Engine:
                              self.thread_sizer.apply if self.thread_sizer is not None else None,
                              self._await_next_turns if arrival_window > 0 else None,
                              on_wake=self._gather_burst if arrival_window > 0 else None)
-        self.requests = RequestRegistry(self.loop, self._forget_throwaway)
+        self.throwaway = ThrowawaySessions(self.store, self.loop.cv)
+        self.requests = RequestRegistry(self.loop, self.throwaway.forget)
         self.stepper = Stepper(self.scheduler, self.runner, self.requests, self.eos, self.slo, self.ttft_slo,
                                self.tpot_slo, keep_step_records)
         self.steps = self.stepper.records          # the last `keep_step_records` StepRecords
-        self._throwaway: set[str] = set()          # session keys deleted when their last turn ends (under condition)
         self.chats = Conversations(self.submit, self.requests.when_finished, tokenizer)
         self.hints = Prefetcher(self)
 
@@ -193,20 +192,7 @@ class Engine:
         """A fresh session key of `tenant` (default: the default tenant) that the engine deletes when
         the last turn submitted for it ends (or is refused). `submit(None, ...)` uses one; a caller that
         needs the key before submitting (to watch its moves) takes one here and submits with it."""
-        with self.condition:
-            while True:
-                key = session_key(tenant or DEFAULT_TENANT, f"~{uuid.uuid4().hex}")
-                if key not in self._throwaway and key not in self.store:
-                    self._throwaway.add(key)
-                    return key
-
-    def _forget_throwaway(self, session_id: str) -> None:
-        """The registry's on_idle (condition held): delete a throwaway session whose last turn has
-        ended. Steps hold the store lock only inside the step lock, so taking it here cannot deadlock."""
-        if session_id in self._throwaway:
-            self._throwaway.discard(session_id)
-            with contextlib.suppress(UnknownSessionError):      # refused before its session was opened
-                self.store.delete(session_id, keep_shared=True)    # its shared prefix stays findable
+        return self.throwaway.new(tenant)
 
     # ---- stepping -------------------------------------------------------------------------------
 

@@ -4,10 +4,11 @@ multi-replica cluster on Ray Serve with a session-aware router that migrates KV 
 Needs the `serve` extra (fastapi, uvicorn); the cluster needs the `ray` extra (ray[serve])."""
 
 from .app import ServeConfig, create_app
+from .local_client import LocalClient
 from .migrate import SessionExport, export_session, import_session
 from .protocol import APIError
 from .replica import Replica
-from .router import LocalClient, Router
+from .router import Router
 from .server import EngineOptions, ServerThread, build_local, load_model
 
 __all__ = [

@@ -4,7 +4,7 @@ Streams a turn as plain-dict events (so they cross process boundaries unchanged)
 `{"type": "delta", "text", "token_ids"}`..., then `{"type": "done", ...final...}` or
 `{"type": "error", "error": APIError.to_dict()}`. Also hints, session export/import (migration),
 load and metrics. Everything is async-friendly: no request parks a thread; one watcher thread
-wakes after each engine step and forwards progress to the waiting coroutines.
+(`stream_hub.py`) wakes after each engine step and forwards progress to the waiting coroutines.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from .metrics import ReplicaMetrics
 from .migrate import SessionExport, export_session, import_session
 from .protocol import APIError
 from .session_queue import SessionQueue
+from .stream_hub import StreamHub
 
 
 def api_error(e: BaseException) -> APIError:
@@ -35,77 +36,6 @@ def api_error(e: BaseException) -> APIError:
     if isinstance(e, (ValueError, TypeError)):
         return APIError(400, str(e), param="prompt", code="invalid_prompt")
     return APIError(500, f"{type(e).__name__}: {e}", type="server_error", code="internal_error")
-
-
-class _Stream:
-    __slots__ = ("handle", "loop", "event", "seen", "latest")
-
-    def __init__(self, handle, loop):
-        self.handle, self.loop, self.event = handle, loop, asyncio.Event()
-        self.seen, self.latest = (-1, -1, False), None
-
-
-class StreamHub:
-    """Forwards request progress from the engine's stepping thread to asyncio: one thread for all
-    streams, woken by the engine's condition (notified after every step)."""
-
-    def __init__(self, engine: Engine):
-        self.engine = engine
-        self._streams: set[_Stream] = set()
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name="stateful-hf-serve-hub", daemon=True)
-        self._thread.start()
-
-    def open(self, handle) -> _Stream:
-        st = _Stream(handle, asyncio.get_running_loop())
-        with self._lock:
-            self._streams.add(st)
-        self._wake.set()
-        return st
-
-    def close(self, st: _Stream) -> None:
-        with self._lock:
-            self._streams.discard(st)
-
-    def shutdown(self) -> None:
-        self._closed = True
-        self._wake.set()
-        self._thread.join(timeout=5)
-
-    def _run(self) -> None:
-        cv = self.engine.condition
-        while not self._closed:
-            with self._lock:
-                streams = list(self._streams)
-            if not streams:
-                self._wake.wait(0.5)
-                self._wake.clear()
-                continue
-            with cv:
-                ready = self._collect(streams)
-                if not ready:
-                    cv.wait(timeout=0.05)
-                    ready = self._collect(streams)
-            for st, snap in ready:
-                st.loop.call_soon_threadsafe(self._deliver, st, snap)
-
-    @staticmethod
-    def _collect(streams):
-        out = []
-        for st in streams:      # the handle's published state (RequestHandle.publish), read under engine.condition
-            tokens, text, output = st.handle.snapshot()
-            key = (len(tokens), len(text), output is not None)
-            if key != st.seen:
-                st.seen = key
-                out.append((st, (tokens, text, output)))
-        return out
-
-    @staticmethod
-    def _deliver(st: _Stream, snap) -> None:
-        st.latest = snap
-        st.event.set()
 
 
 class Replica:

@@ -15,8 +15,8 @@
 - Turns of one session never run on two replicas at once: while one is in flight the next goes to
   the same replica (where the engine's busy rule applies), and a migration waits for it to end.
 
-Replicas are reached through clients with one async interface (`LocalClient` in-process here;
-`cluster.RayClient` for Ray Serve handles).
+Replicas are reached through clients with one async interface (`LocalClient` in-process,
+`local_client.py`; `cluster.RayClient` for Ray Serve handles).
 """
 
 from __future__ import annotations
@@ -32,53 +32,9 @@ from ..cache.tenant import DEFAULT_TENANT, split_key
 from .exposition import merge, render
 from .prefix_affinity import PrefixAffinity
 from .protocol import APIError
-from .replica import Replica
 from .router_metrics import RouterMetrics
 
 log = logging.getLogger(__name__)
-
-
-class LocalClient:
-    """A replica in this process."""
-
-    def __init__(self, replica: Replica):
-        self.replica, self.name = replica, replica.name
-
-    def stream(self, session_id, prompt, sampling, *, cache_salt=None, tenant=None) -> AsyncIterator[dict]:
-        return self.replica.stream(session_id, prompt, sampling, cache_salt=cache_salt, tenant=tenant)
-
-    async def hint(self, session_id, expected_arrival, priority) -> dict:
-        return self.replica.hint(session_id, expected_arrival, priority)
-
-    async def session_tokens(self, session_id) -> int:
-        return self.replica.session_tokens(session_id)
-
-    async def tenant_usage(self, tenant, keys) -> dict:
-        return self.replica.tenant_usage(tenant, keys)
-
-    async def session_info(self, session_id) -> dict | None:
-        return self.replica.session_info(session_id)
-
-    async def delete_session(self, session_id) -> dict:
-        return self.replica.delete_session(session_id)      # on the loop: atomic with the turn queue
-
-    async def export(self, session_id):
-        return await asyncio.to_thread(self.replica.export_session, session_id)
-
-    async def import_(self, payload) -> dict:
-        return await asyncio.to_thread(self.replica.import_session, payload)
-
-    async def release(self, session_id) -> bool:
-        return await asyncio.to_thread(self.replica.release_session, session_id)
-
-    async def snapshot(self) -> list[dict]:
-        return self.replica.snapshot()
-
-    async def health(self) -> dict:
-        return self.replica.health()
-
-    async def shutdown(self) -> None:
-        await asyncio.to_thread(self.replica.shutdown)
 
 
 class Router:

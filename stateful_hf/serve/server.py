@@ -12,8 +12,9 @@ from ..engine import Engine
 from ..session_store import SessionStore
 from .app import ServeConfig, create_app
 from .auth import Access
+from .local_client import LocalClient
 from .replica import Replica
-from .router import LocalClient, Router
+from .router import Router
 
 log = logging.getLogger(__name__)
 TINY_NAME = "stateful-hf/tiny-llama-random"
