@@ -1,0 +1,79 @@
+"""Faults found in session 7's review of what session 6 landed (disk-tier prefix sharing, prefix
+affinity, the arrival window, sessionless requests). Each test failed before its fix; token output is
+checked against stateless greedy generate, and the store's integrity after every turn."""
+
+from __future__ import annotations
+
+import torch
+from conftest import FAMILIES, greedy
+
+import stateful_hf
+from stateful_hf import Engine, SamplingParams
+from stateful_hf.cache import CostProfile
+from stateful_hf.serve.prefix_affinity import PrefixAffinity
+
+BS = 8
+SYSTEM = torch.randint(3, 300, (1, 43), generator=torch.Generator().manual_seed(7))   # 5 full chunks + 3
+
+
+def user(seed: int, n: int = 9) -> torch.Tensor:
+    return torch.randint(3, 300, (1, n), generator=torch.Generator().manual_seed(2000 + seed))
+
+
+def exact(model, oracle, store, sid: str, ids: torch.Tensor, n: int = 5) -> torch.Tensor:
+    out = greedy(model, ids, n=n, cache=store.cache(sid))
+    assert torch.equal(out, greedy(oracle, ids, n=n)), sid
+    store.check_integrity()
+    return out
+
+
+def test_a_turn_on_a_retained_id_is_a_session_again():
+    """A session deleted with keep_shared (its prefix retained) whose id takes a turn again: before the
+    fix the turn ran in the retained session, which stayed unlisted and uncounted, and the store
+    deleted it (its history, its KV) as soon as its chunk 0 left the prefix index."""
+    model, oracle = FAMILIES["llama"](), FAMILIES["llama"]()
+    store = stateful_hf.SessionStore(model, device_capacity=1024, chunk_size=BS, cost_profile=CostProfile())
+    exact(model, oracle, store, "a", torch.cat([SYSTEM, user(1)], 1))
+    store.delete("a", keep_shared=True)
+    assert store.session_ids() == [] and store.stats().prefix_index_chunks == 7
+    conv = exact(model, oracle, store, "a", torch.cat([SYSTEM[:, :20], user(2, 14)], 1))   # a new conversation
+    assert store.session_ids() == ["a"] and store.tenant_usage()["default"].sessions == 1
+    assert store.stats("a").last_turn.reused_tokens == 20          # what matched of the retained prefix
+    store.move("a", [0], "dropped")                                  # chunk 0 leaves the index
+    store.maintain()
+    assert store.session_ids() == ["a"] and store.session("a").num_tokens == conv.shape[1] - 1
+    exact(model, oracle, store, "a", torch.cat([conv, user(3)], 1))
+    assert store.stats("a").last_turn.recomputed_tokens == BS        # only the dropped chunk
+    store.close()
+
+
+def test_a_throwaway_key_submitted_again_under_another_salt():
+    """`Engine.throwaway_session()`'s key, submitted with once (deleted when that turn ended, its prompt
+    retained), then again under another cache_salt: the second turn is a new session of that scope,
+    not a refusal ("opened with cache_salt") nor a continuation of the retained prefix's scope."""
+    model, oracle = FAMILIES["llama"](), FAMILIES["llama"]()
+    engine = Engine(model, chunk_size=BS, device_capacity=1024)
+    key = engine.throwaway_session()
+    ids = torch.cat([SYSTEM, user(4)], 1)[0].tolist()
+    params = SamplingParams(max_new_tokens=5, ignore_eos=True)
+    want = greedy(oracle, torch.tensor([ids]), n=5)[0, len(ids):].tolist()
+    assert list(engine.submit(key, ids, params).result().token_ids) == want
+    assert engine.store.session_ids() == [] and engine.store.session(key).retained
+    out = engine.submit(key, ids, params, cache_salt="s").result()
+    assert out.error is None and list(out.token_ids) == want and out.metrics.reused_tokens == 0
+    assert engine.store.session_ids() == [key]
+    engine.store.check_integrity()
+    out = engine.submit("b", ids, params, cache_salt="s").result()    # the new scope shares its prompt
+    assert list(out.token_ids) == want and out.metrics.reused_tokens == 48
+    engine.store.check_integrity()
+
+
+def test_prefix_affinity_keys_are_the_replicas_scopes():
+    """The router's prefix keys start from the scope as the replicas' prefix index encodes it: before
+    the fix the seed was f"{tenant}\\0{cache_salt}", so cache_salt None and "None" (two scopes) routed
+    by each other's prefixes, and "" and None (one scope) did not."""
+    a = PrefixAffinity(block_tokens=4)
+    p = list(range(3, 20))
+    assert a.keys(p, "t", None) != a.keys(p, "t", "None")
+    assert a.keys(p, "t", "") == a.keys(p, "t", None) != a.keys(p, "t", "x")
+    assert a.keys(p, None, None) == a.keys(p, "default", None) != a.keys(p, "t", None)
