@@ -77,3 +77,28 @@ def test_prefix_affinity_keys_are_the_replicas_scopes():
     assert a.keys(p, "t", None) != a.keys(p, "t", "None")
     assert a.keys(p, "t", "") == a.keys(p, "t", None) != a.keys(p, "t", "x")
     assert a.keys(p, None, None) == a.keys(p, "default", None) != a.keys(p, "t", None)
+
+
+def test_a_sessions_turns_run_in_submit_order_even_when_the_later_is_short():
+    """Two turns queued for one session, a long one then a short one (`on_busy="wait"`: the second
+    waits for the first). Before the fix admission took short turns first across sessions AND within
+    one: the later turn ran first, and the session kept the earlier turn's conversation, so its next
+    turn (continuing the later one) found a divergent history and recomputed it."""
+    model, oracle = FAMILIES["llama"](), FAMILIES["llama"]()
+    engine = Engine(model, chunk_size=BS, device_capacity=1024, max_batch_tokens=64)
+    long, short = list(range(3, 103)), list(range(200, 210))
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    h1, h2 = engine.submit("a", long, params), engine.submit("a", short, params)
+    while engine.has_work():
+        engine.step()
+    o1, o2 = h1.output(), h2.output()
+    for prompt, out in ((long, o1), (short, o2)):
+        assert list(out.token_ids) == greedy(oracle, torch.tensor([prompt]), n=3)[0, len(prompt):].tolist()
+    first_token = [o.metrics.arrival_time + o.metrics.ttft for o in (o1, o2)]
+    assert first_token[0] < first_token[1]
+    assert engine.store.session("a").token_ids == short + list(o2.token_ids[:-1])     # the later turn's
+    more = short + list(o2.token_ids) + [7, 8, 9]
+    out = engine.submit("a", more, params).result()
+    assert list(out.token_ids) == greedy(oracle, torch.tensor([more]), n=3)[0, len(more):].tolist()
+    assert out.metrics.recomputed_tokens == 0 and out.metrics.reused_tokens == len(more) - 4
+    engine.store.check_integrity()
