@@ -135,12 +135,16 @@ class StepPlanner:
         if fresh > device.num_free:
             self.placement.make_room(DEVICE, fresh - device.num_free, exclude)
         restore = self.hidden.new_restore(self.counters)
-        with self.placement.moving("step"):
-            events = self.swap_in.move_up([(s, k) for s, (_, sw) in zip(sessions, plans) for k in sw], DEVICE,
-                                          exclude, restore=restore)
-        fills = iter(self.placement.take(DEVICE, n_fill, exclude,
-                                         [(s.session_id, k) for s, fac, (f, _) in zip(sessions, factors, plans)
-                                          if fac == 1 for k in f]))
+        try:
+            with self.placement.moving("step"):
+                events = self.swap_in.move_up([(s, k) for s, (_, sw) in zip(sessions, plans) for k in sw], DEVICE,
+                                              exclude, restore=restore)
+            fills = iter(self.placement.take(DEVICE, n_fill, exclude,
+                                             [(s.session_id, k) for s, fac, (f, _) in zip(sessions, factors, plans)
+                                              if fac == 1 for k in f]))
+        except BaseException:
+            self._unplan_swap_in(restore)
+            raise
         layered = []      # per entry: LAYERED chunks for its fills (factor != 1)
         try:
             for s, fac, (f, _) in zip(sessions, factors, plans):
@@ -150,6 +154,7 @@ class StepPlanner:
             for made in layered:
                 for c in made:
                     self.layered.discard(c)
+            self._unplan_swap_in(restore)
             raise
         entries, capture = [], self.hidden.capture
         for s, fac, (_, ids, pos), (fill, swap), made in zip(sessions, factors, requests, plans, layered):
@@ -175,6 +180,14 @@ class StepPlanner:
                     capture.valid[s.chunks[k].loc] = True
             entries.append(StepEntry(s.session_id, tuple(ids), tuple(pos), old_len, tuple(fill)))
         return self._build(sessions, entries, events, restore)
+
+    def _unplan_swap_in(self, restore) -> None:
+        """`plan` raises after chunks came up for its step: the copies into the device land (those
+        chunks hold their KV now and stay there); the hidden-state rebuilds it queued will never run,
+        so those chunks go back to their hidden form and their blocks are freed (else they would be
+        DEVICE chunks whose blocks hold no KV of theirs)."""
+        self.transfer.settle(self.tiers.device)
+        self.swap_in.settle(restore, ok=False)
 
     def commit(self, step: StepBatch) -> None:
         """`KVStore.commit`. Also adds the step's rows to each leased session's last_turn."""

@@ -4,12 +4,13 @@ checked against stateless greedy generate, and the store's integrity after every
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import FAMILIES, greedy
 
 import stateful_hf
 from stateful_hf import Engine, SamplingParams
-from stateful_hf.cache import CostProfile
+from stateful_hf.cache import CapacityError, CostProfile
 from stateful_hf.serve.prefix_affinity import PrefixAffinity
 
 BS = 8
@@ -102,3 +103,29 @@ def test_a_sessions_turns_run_in_submit_order_even_when_the_later_is_short():
     assert list(out.token_ids) == greedy(oracle, torch.tensor([more]), n=3)[0, len(more):].tolist()
     assert out.metrics.recomputed_tokens == 0 and out.metrics.reused_tokens == len(more) - 4
     engine.store.check_integrity()
+
+
+def test_a_step_that_cannot_get_its_blocks_leaves_no_unrebuilt_chunk():
+    """A turn whose chunks are hidden states needs blocks for their rebuild and for its new tokens;
+    another session is busy (leased: its blocks cannot be taken), so the rebuild's blocks are found
+    and the new tokens' are not: plan_step raises CapacityError. Before the fix the chunks queued for
+    the rebuild stayed DEVICE (with a `source`) in blocks that never got their K/V, and the next turn
+    read those blocks as the session's KV: wrong tokens. Now they go back to their hidden form."""
+    model, oracle = FAMILIES["opt"](), FAMILIES["opt"]()
+    store = stateful_hf.SessionStore(model, device_capacity=10 * BS, host_capacity=40 * BS, chunk_size=BS,
+                                     cost_profile=CostProfile(), hidden_states="always", hidden_layers=1)
+    exact(model, oracle, store, "b", user(10, 36), n=4)
+    h = exact(model, oracle, store, "h", user(11, 20), n=4)
+    store.move("h", range(len(store.session("h").chunks)), "hidden")
+    pool = store.device_pool
+    free = torch.tensor(pool.free_ids())
+    pool.data[:, free] = torch.randn_like(pool.data[:, free])      # free blocks hold anything
+    nxt = torch.cat([h, user(12, 30)], 1)
+    with store.lease("b"):
+        with pytest.raises(CapacityError):
+            greedy(model, nxt, n=3, cache=store.cache("h"))
+        assert all(c.state.value == "hidden" and c.source is None for c in store.session("h").chunks)
+        store.check_integrity()
+    exact(model, oracle, store, "h", nxt, n=3)
+    assert store.stats("h").last_turn.restored_hidden == h.shape[1] - 1
+    store.close()
