@@ -14,6 +14,7 @@ from stateful_hf.cache import CapacityError, CostProfile
 from stateful_hf.serve.prefix_affinity import PrefixAffinity
 
 BS = 8
+SHARED = 5 * BS
 SYSTEM = torch.randint(3, 300, (1, 43), generator=torch.Generator().manual_seed(7))   # 5 full chunks + 3
 
 
@@ -128,4 +129,44 @@ def test_a_step_that_cannot_get_its_blocks_leaves_no_unrebuilt_chunk():
         store.check_integrity()
     exact(model, oracle, store, "h", nxt, n=3)
     assert store.stats("h").last_turn.restored_hidden == h.shape[1] - 1
+    store.close()
+
+
+def test_no_step_reads_a_shared_chunk_another_step_is_rebuilding():
+    """Session a's step is in flight and rebuilds chunks shared with x from hidden states (they are
+    DEVICE, their blocks filled layer by layer by a's forward); meanwhile another thread's turn of a
+    new session c adopts them. Before the fix c's step read the blocks before a's forward filled
+    them: wrong tokens. Now c's step waits for a's step to commit (the store lock released)."""
+    import threading
+
+    from stateful_hf.integration import run_step
+
+    model, oracle = FAMILIES["opt"](), FAMILIES["opt"]()
+    store = stateful_hf.SessionStore(model, device_capacity=1024, host_capacity=1024, chunk_size=BS,
+                                     cost_profile=CostProfile(), hidden_states="always", hidden_layers=1)
+    a = exact(model, oracle, store, "a", torch.cat([SYSTEM, user(1)], 1), n=4)
+    exact(model, oracle, store, "x", torch.cat([SYSTEM, user(2)], 1), n=4)
+    store.move("a", range(5), "hidden")                      # the shared chunks: for x too
+    pool = store.device_pool
+    free = torch.tensor(pool.free_ids())
+    pool.data[:, free] = torch.randn_like(pool.data[:, free])      # free blocks hold anything
+    nxt = torch.cat([a, user(3)], 1)[0].tolist()
+    ids = torch.cat([SYSTEM, user(4)], 1)
+    got = {}
+    with store.lease("a"):
+        store.begin_turn("a", nxt)
+        n = store.session("a").num_tokens
+        step = store.plan_step([("a", nxt[n:], list(range(n, len(nxt))))])      # a's step in flight
+        assert store.session("x").chunks[0].source is not None
+        c = threading.Thread(target=lambda: got.setdefault("c", greedy(model, ids, n=4, cache=store.cache("c"))))
+        c.start()
+        c.join(0.5)
+        assert c.is_alive()                                   # waiting for a's step
+        with torch.inference_mode():
+            run_step(model, step)
+        store.commit(step)
+    c.join(60)
+    assert torch.equal(got["c"], greedy(oracle, ids, n=4))
+    assert store.stats("c").last_turn.reused_tokens == SHARED
+    store.check_integrity()
     store.close()
