@@ -17,6 +17,7 @@ from .disk_file import identity_tags
 from .disk_state import DiskState
 from .errors import SessionBusyError, StoreError
 from .placement import Placement
+from .prefix_index import PrefixScope
 from .session import ON_DISK, ChunkState, Session, TurnStats
 from .session_table import SessionTable
 from .step_planner import StepPlanner
@@ -57,8 +58,9 @@ class History:
     def delete(self, s: Session, keep_shared: bool) -> None:
         """`KVStore.delete`: forget the session and free what only it holds. `keep_shared` (the engine's throwaway
         sessions): if it alone holds indexed chunks of a shared prefix, they stay in the store, held
-        by the session, now `retained` (its id is no longer listed; it takes no turns), until the
-        policy drops them, so that the next turn with that prefix reuses them (prefix_sharing.py)."""
+        by the session, now `retained` (its id is no longer listed), until the policy drops them or
+        a turn uses its id again (`_revive`), so that the next turn with that prefix reuses them
+        (prefix_sharing.py)."""
         if s.busy:
             raise SessionBusyError(s.session_id)
         keep = self.sharing.retainable(s) if keep_shared else 0
@@ -84,7 +86,20 @@ class History:
         ValueError: a `cache_salt` other than the one the session was opened with."""
         if s.busy:
             raise SessionBusyError(s.session_id)
+        self._revive(s, cache_salt)
         return self.sharing.adopt(s, token_ids, cache_salt, self.tiers.release)
+
+    def _revive(self, s: Session, cache_salt: str | None) -> None:
+        """A turn on the id of a retained session (deleted with `keep_shared`, then used again, e.g. a
+        throwaway key a caller submits with once more) starts a session: it is listed and counted
+        again and never collected. Its kept prefix is reused where the prompt matches it; under
+        another `cache_salt` it is cut to nothing first (the deleted session's scope is not this one's).
+        Mutates: `s.retained`, and the history of `s` (`truncate`) when the scope differs."""
+        if not s.retained:
+            return
+        s.retained = False
+        if s.scope is not None and s.scope != PrefixScope(tenant_of(s.session_id), cache_salt):
+            self.truncate(s, 0)
 
     def begin_turn(self, s: Session, prompt: Sequence[int], cache_salt: str | None) -> TurnStats:
         """`KVStore.begin_turn`: a turn of the leased session starts with `prompt` (the whole conversation's ids): it
@@ -96,6 +111,7 @@ class History:
         recomputed_tokens); `add_generated` sets generated_tokens. The store is the one writer of last_turn."""
         if not s.busy:
             raise StoreError(f"begin_turn: session {s.session_id!r} is not leased (use store.lease first)")
+        self._revive(s, cache_salt)
         self.sharing.adopt(s, prompt, cache_salt, self.tiers.release)
         keep = min(common_prefix(s.token_ids, prompt), len(prompt) - 1)
         truncated = self.truncate(s, max(keep, 0))

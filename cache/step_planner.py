@@ -18,6 +18,7 @@ Every method runs with the store lock held.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -25,7 +26,7 @@ import torch
 from ..kernels import KernelState, PagedBatch
 from .capacity import count_chunks
 from .chunk_needs import entry_needs
-from .errors import CapacityError
+from .errors import CapacityError, StoreError
 from .hidden_states import StepHidden
 from .hidden_tier import HiddenTier
 from .layered_chunks import LayeredChunks
@@ -53,6 +54,9 @@ class StepPlanner:
         self.kernels, self.layout, self.attn_backend, self.page_mapper = kernels, layout, attn_backend, page_mapper
         self.spec = tiers.device.spec
         self.block_size = self.spec.block_size
+        # notified when a step commits or aborts: its hidden rebuilds are settled (`_await_rebuilds`)
+        self.settled = threading.Condition(sessions.lock)
+        self.rebuild_wait = 120.0       # seconds a step waits for another step's rebuild of a shared chunk
 
     def stop_mapping(self) -> None:
         """Stop the virtual layout's background mapper (at close). Mutates: `page_mapper`."""
@@ -114,6 +118,7 @@ class StepPlanner:
         if not self.layered.enabled and any(f != 1 for f in factors):
             raise ValueError("plan_step: keep factors other than 1 need a store made with layerwise_kv=True")
         bs, device = self.block_size, self.tiers.device
+        self._await_rebuilds(sessions)
         if self.tiers.disk is not None:
             for s, (_, _, pos) in zip(sessions, requests):     # disk chunks are proven before they are read
                 self.placement.prove(s, range(min(len(s.chunks), -(-(max(pos, default=-1) + 1) // bs))))
@@ -135,12 +140,16 @@ class StepPlanner:
         if fresh > device.num_free:
             self.placement.make_room(DEVICE, fresh - device.num_free, exclude)
         restore = self.hidden.new_restore(self.counters)
-        with self.placement.moving("step"):
-            events = self.swap_in.move_up([(s, k) for s, (_, sw) in zip(sessions, plans) for k in sw], DEVICE,
-                                          exclude, restore=restore)
-        fills = iter(self.placement.take(DEVICE, n_fill, exclude,
-                                         [(s.session_id, k) for s, fac, (f, _) in zip(sessions, factors, plans)
-                                          if fac == 1 for k in f]))
+        try:
+            with self.placement.moving("step"):
+                events = self.swap_in.move_up([(s, k) for s, (_, sw) in zip(sessions, plans) for k in sw], DEVICE,
+                                              exclude, restore=restore)
+            fills = iter(self.placement.take(DEVICE, n_fill, exclude,
+                                             [(s.session_id, k) for s, fac, (f, _) in zip(sessions, factors, plans)
+                                              if fac == 1 for k in f]))
+        except BaseException:
+            self._unplan_swap_in(restore)
+            raise
         layered = []      # per entry: LAYERED chunks for its fills (factor != 1)
         try:
             for s, fac, (f, _) in zip(sessions, factors, plans):
@@ -150,6 +159,7 @@ class StepPlanner:
             for made in layered:
                 for c in made:
                     self.layered.discard(c)
+            self._unplan_swap_in(restore)
             raise
         entries, capture = [], self.hidden.capture
         for s, fac, (_, ids, pos), (fill, swap), made in zip(sessions, factors, requests, plans, layered):
@@ -176,6 +186,27 @@ class StepPlanner:
             entries.append(StepEntry(s.session_id, tuple(ids), tuple(pos), old_len, tuple(fill)))
         return self._build(sessions, entries, events, restore)
 
+    def _await_rebuilds(self, sessions: list[Session]) -> None:
+        """A chunk of these sessions still DEVICE with a `source` is shared with a session whose step is
+        in flight on another thread and rebuilds its K/V from hidden states in that forward: its block
+        holds no K/V until that step commits (or, aborted, puts it back in its hidden form). Wait for
+        that (the store lock is released meanwhile), so that no step reads it before. StoreError if
+        it does not settle within `rebuild_wait` seconds (a step planned and never committed)."""
+        def pending() -> bool:
+            return any(c.source is not None for s in sessions for c in s.chunks)
+        if pending() and not self.settled.wait_for(lambda: not pending(), self.rebuild_wait):
+            raise StoreError("a step reads a shared chunk another step is rebuilding from hidden states, and that "
+                             f"step was neither committed nor aborted within {self.rebuild_wait:g} s")
+
+    def _unplan_swap_in(self, restore) -> None:
+        """`plan` raises after chunks came up for its step: the copies into the device land (those
+        chunks hold their KV now and stay there); the hidden-state rebuilds it queued will never run,
+        so those chunks go back to their hidden form and their blocks are freed (else they would be
+        DEVICE chunks whose blocks hold no KV of theirs)."""
+        self.transfer.settle(self.tiers.device)
+        self.swap_in.settle(restore, ok=False)
+        self.settled.notify_all()
+
     def commit(self, step: StepBatch) -> None:
         """`KVStore.commit`. Also adds the step's rows to each leased session's last_turn."""
         self.transfer.end_step()                 # the forward is over (emulator: pending copies land)
@@ -200,6 +231,7 @@ class StepPlanner:
                 turn.recomputed_tokens += sum(1 for p in e.positions if p < e.old_len)
             if not s.busy:                       # LAYERED chunks live only within a turn
                 self.layered.settle(s)
+        self.settled.notify_all()
         if self.page_mapper is not None:
             self.page_mapper.submit(self._growth_blocks(step))
 
@@ -236,6 +268,7 @@ class StepPlanner:
             del s.chunks[-(-e.old_len // self.block_size):]
             if not s.busy:
                 self.layered.settle(s)
+        self.settled.notify_all()
 
     def _build(self, sessions: list[Session], entries: list[StepEntry], events: list, restore=None) -> StepBatch:
         bs, device = self.block_size, self.tiers.device

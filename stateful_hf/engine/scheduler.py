@@ -13,7 +13,8 @@ decode tokens first; then queued *short* turns (at most `short_prefill_tokens` r
 token: a returning session's new message) take budget before running long prefills continue (the
 rows they need are set aside from the running prefills' share, which keeps at least one chunk so a
 long prefill always progresses); admission goes short turns first, then the rest, each kind in
-arrival order; a head of line that does not fit in the device blocks stops admission for the step.
+arrival order, but never a session's later turn before its earlier one (they run in submit order);
+a head of line that does not fit in the device blocks stops admission for the step.
 The store owns KV state; the scheduler only reads it and asks for steps/evictions/push-downs.
 """
 
@@ -189,9 +190,14 @@ class Scheduler:
         committed = self.layered.committed(items) if self.layerwise is not None else 0
         host_committed = self.layered.host_committed(items) if self.layerwise is not None else 0
         allowance = self.slo.allowance(self.running) if self.slo is not None else math.inf
+        first = {}                     # per session, its earliest queued turn (`waiting` is in arrival order)
+        for q in self.waiting:
+            first.setdefault(q.session_id, q)
         for r in sorted(self.waiting, key=lambda q: (not q.short, _order(q))):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
+            if first[r.session_id] is not r:   # one session's turns run in submit order, short or not
+                continue
             cost = self.slo.prefill_seconds(prefill_rows(self.store, r)) if allowance < math.inf else 0.0
             if cost > allowance:       # would push a decode past its TPOT SLO: defer, FCFS
                 self.slo.deferred += 1

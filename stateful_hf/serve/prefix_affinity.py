@@ -3,9 +3,11 @@ own anywhere (a turn without a session id, or a session's first turn) goes where
 already stored and shared (SGLang's cache-aware routing, in its simple form).
 
 A prompt's key for its first j full blocks of `block_tokens` ids is a chain of xxh3-64 hashes
-(key_j = H(key_{j-1}, ids of block j)), started from the request's scope (tenant, cache_salt): two
-scopes never match, as in the replicas' prefix index (cache/prefix_index.py). The router needs no
-proof here: a wrong guess costs only a recomputation on the replica, whose own index verifies ids.
+(key_j = H(key_{j-1}, ids of block j)), started from the request's scope encoded as the replicas
+encode it (`PrefixScope(tenant, cache_salt).encode()`: length-prefixed, so salt None and "" are one
+scope and "None" another): two scopes never match, as in the replicas' prefix index
+(cache/prefix_index.py). The router needs no proof here: a wrong guess costs only a recomputation
+on the replica, whose own index verifies ids.
 
 Owns: the map key -> replica (an LRU of at most `capacity` keys). Written by `record` (after the
 router picked a replica), read by `lookup`; `forget_replica` is not needed: a stale entry routes to a
@@ -20,6 +22,9 @@ from collections.abc import Sequence
 
 import xxhash
 
+from ..cache.prefix_index import PrefixScope
+from ..cache.tenant import DEFAULT_TENANT
+
 
 class PrefixAffinity:
     def __init__(self, block_tokens: int = 32, max_blocks: int = 64, capacity: int = 100_000):
@@ -31,7 +36,7 @@ class PrefixAffinity:
     def keys(self, prompt: Sequence[int], tenant: str | None, cache_salt: str | None) -> list[int]:
         """Chained keys of the prompt's full blocks (at most `max_blocks`), shortest prefix first."""
         bt = self.block_tokens
-        h = xxhash.xxh3_64_intdigest(f"{tenant}\0{cache_salt}".encode())
+        h = xxhash.xxh3_64_intdigest(PrefixScope(tenant or DEFAULT_TENANT, cache_salt).encode())   # the replicas' scope
         out = []
         for j in range(min(len(prompt) // bt, self.max_blocks)):
             block = array("q", prompt[j * bt:(j + 1) * bt]).tobytes()
