@@ -17,7 +17,7 @@ from .disk_file import identity_tags
 from .disk_state import DiskState
 from .errors import SessionBusyError, StoreError
 from .placement import Placement
-from .prefix_index import PrefixScope
+from .prefix_key import PrefixScope
 from .session import ON_DISK, ChunkState, Session, TurnStats
 from .session_table import SessionTable
 from .step_planner import StepPlanner

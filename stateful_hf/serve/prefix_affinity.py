@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import xxhash
 
-from ..cache.prefix_index import PrefixScope
+from ..cache.prefix_key import PrefixScope
 from ..cache.tenant import DEFAULT_TENANT
 
 
