@@ -49,6 +49,15 @@ def greedy(model, ids: torch.Tensor, n: int = 10, **kwargs) -> torch.Tensor:
     return model.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=0, **kwargs)
 
 
+def store_turn(model, oracle, store, sid: str, ids: torch.Tensor, n: int = 10) -> torch.Tensor:
+    """One turn of `sid` through `store.cache(sid)`: must equal stateless greedy generate on `ids`;
+    the store's integrity holds after it. Returns the conversation with the reply."""
+    out = greedy(model, ids, n=n, cache=store.cache(sid))
+    assert torch.equal(out, greedy(oracle, ids, n=n)), sid
+    store.check_integrity()
+    return out
+
+
 def seed_of(name: str) -> int:
     """A stable seed from a name (hash() of a str changes between processes)."""
     return zlib.crc32(name.encode())

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import os
 import sqlite3
+from functools import partial
 
 import pytest
 import torch
-from conftest import FAMILIES, engine_round_ids, greedy
+from conftest import FAMILIES, engine_round_ids, greedy, store_turn
 
 import stateful_hf
 from stateful_hf import Engine, SamplingParams
@@ -27,12 +28,7 @@ def user(seed: int, n: int = 9) -> torch.Tensor:
     return torch.randint(3, 300, (1, n), generator=torch.Generator().manual_seed(1000 + seed))
 
 
-def turn(model, oracle, store, sid: str, ids: torch.Tensor, n: int = 6) -> torch.Tensor:
-    """One exact turn of `sid`; returns the conversation with the reply."""
-    out = greedy(model, ids, n=n, cache=store.cache(sid))
-    assert torch.equal(out, greedy(oracle, ids, n=n)), sid
-    store.check_integrity()
-    return out
+turn = partial(store_turn, n=6)     # one exact turn of a session, integrity checked after it
 
 
 def open_store(model, d, **kw):

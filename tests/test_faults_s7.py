@@ -4,9 +4,11 @@ checked against stateless greedy generate, and the store's integrity after every
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
-from conftest import FAMILIES, greedy
+from conftest import FAMILIES, greedy, store_turn
 
 import stateful_hf
 from stateful_hf import Engine, SamplingParams
@@ -22,11 +24,7 @@ def user(seed: int, n: int = 9) -> torch.Tensor:
     return torch.randint(3, 300, (1, n), generator=torch.Generator().manual_seed(2000 + seed))
 
 
-def exact(model, oracle, store, sid: str, ids: torch.Tensor, n: int = 5) -> torch.Tensor:
-    out = greedy(model, ids, n=n, cache=store.cache(sid))
-    assert torch.equal(out, greedy(oracle, ids, n=n)), sid
-    store.check_integrity()
-    return out
+exact = partial(store_turn, n=5)    # one exact turn of a session, integrity checked after it
 
 
 def test_a_turn_on_a_retained_id_is_a_session_again():

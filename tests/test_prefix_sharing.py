@@ -8,7 +8,7 @@ import contextlib
 
 import pytest
 import torch
-from conftest import FAMILIES, engine_round_ids, greedy
+from conftest import FAMILIES, engine_round_ids, greedy, store_turn
 
 from stateful_hf import Engine, SamplingParams
 
@@ -20,12 +20,7 @@ def user(seed: int, n: int = 9) -> torch.Tensor:
     return torch.randint(3, 300, (1, n), generator=torch.Generator().manual_seed(1000 + seed))
 
 
-def turn(model, oracle, store, sid: str, ids: torch.Tensor) -> torch.Tensor:
-    """One exact turn of `sid`; returns the conversation with the reply."""
-    out = greedy(model, ids, cache=store.cache(sid))
-    assert torch.equal(out, greedy(oracle, ids)), sid
-    store.check_integrity()
-    return out
+turn = store_turn         # one exact turn of a session, integrity checked after it
 
 
 @pytest.fixture
