@@ -94,11 +94,11 @@ def profile_engine(model, prompts, decode: int, max_batch_tokens: int, step_thre
     timing: dict = {}
 
     def drive():
+        if engine.thread_sizer is not None:
+            engine.thread_sizer.claim()         # this thread steps as the engine's loop would
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             t0 = time.perf_counter()
             while engine.has_work():
-                if engine.thread_sizer is not None:
-                    engine.thread_sizer.apply()
                 engine.step()
                 if "first_round_s" not in timing and all(h.snapshot()[0] for h in handles):
                     timing["first_round_s"] = time.perf_counter() - t0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import pytest
@@ -43,18 +44,47 @@ def test_fixed_and_invalid_options():
 
 @pytest.mark.skipif(torch.get_num_threads() < 2 or not openmp.set_thread_team(torch.get_num_threads()),
                     reason="needs torch on OpenMP with >= 2 threads")
-def test_apply_sizes_only_the_calling_threads_team():
+def test_fit_sizes_only_a_claimed_threads_team():
     main = torch.get_num_threads()
+    sizer = ThreadSizer(main, start=1)
     seen = {}
 
     def loop():
-        ThreadSizer(main, start=1).apply()
+        seen["unclaimed"] = sizer.fit(64)
+        sizer.claim()
+        seen["fit"] = sizer.fit(64)
         seen["loop"] = torch.get_num_threads()
 
     th = threading.Thread(target=loop)
     th.start()
     th.join()
-    assert seen["loop"] == 1 and torch.get_num_threads() == main
+    assert seen == {"unclaimed": None, "fit": 1, "loop": 1}
+    assert sizer.fit(64) is None and torch.get_num_threads() == main
+
+
+def test_a_busy_host_shrinks_the_team_only_for_mid_sized_steps():
+    # 2 cores, others busy on 1.5 of them: the free-core team is 1; "auto" runs steps of
+    # shrink_rows on it and every other step on the full team, throttled; a quiet host: the full team spins
+    usage = ((float(i), 1.5 * i, 0.0) for i in itertools.count())
+    sizer = ThreadSizer(2, interval=0.0, usage=lambda: next(usage), cpus=2, switch=_Switch(),
+                        shrink_rows=(16, 320))
+    sizer.claim()
+    assert [sizer.fit(r) for r in (8, 16, 319, 320)] == [2, 1, 1, 2]
+    assert sizer.switch.calls == [True] * 4
+    assert sizer.steps_by_threads == {"2 throttled": 2, "1": 2}
+    sizer.current, sizer.interval = 2, float("inf")          # the host is quiet again
+    assert sizer.fit(64) == 2 and sizer.switch.calls[-1] is False
+    shrink = ThreadSizer(2, interval=float("inf"), usage=lambda: None, cpus=2)
+    shrink.claim()
+    assert [shrink.fit(r) for r in (8, 64, 512)] == [1, 1, 1]
+
+
+class _Switch:
+    def __init__(self):
+        self.calls = []
+
+    def set(self, throttled: bool) -> None:
+        self.calls.append(throttled)
 
 
 def test_engine_with_a_sized_loop_stays_exact():

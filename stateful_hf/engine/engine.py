@@ -112,13 +112,14 @@ class Engine:
         self.thread_sizer = ThreadSizer.for_option(step_threads)
         self.loop = StepLoop(self.step, self.has_work, self._fail_in_flight,
                              release_thread_pool if release_openmp_pool else None,
-                             self.thread_sizer.apply if self.thread_sizer is not None else None,
+                             self.thread_sizer.claim if self.thread_sizer is not None else None,
                              self._await_next_turns if arrival_window > 0 else None,
                              on_wake=self._gather_burst if arrival_window > 0 else None)
         self.throwaway = ThrowawaySessions(self.store, self.loop.cv)
         self.requests = RequestRegistry(self.loop, self.throwaway.forget)
         self.stepper = Stepper(self.scheduler, self.runner, self.requests, self.eos, self.slo, self.ttft_slo,
-                               self.tpot_slo, keep_step_records)
+                               self.tpot_slo, keep_step_records,
+                               self.thread_sizer.fit if self.thread_sizer is not None else None)
         self.steps = self.stepper.records          # the last `keep_step_records` StepRecords
         self.chats = Conversations(self.submit, self.requests.when_finished, tokenizer)
         self.hints = Prefetcher(self)

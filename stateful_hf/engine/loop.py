@@ -5,11 +5,11 @@ Owns the condition `cv` (the engine's inbox and request registry are guarded by 
 after every step) and the loop thread. Collaborators, passed in: `step()` runs one engine iteration
 (and takes the engine's step lock itself), `has_work()` says whether a step would do anything,
 `on_error(e)` is called (with the step lock free) when a background step raised,
-`before_start()` runs in the thread that calls `start()` before the loop thread exists, and
-`before_step()` runs on the loop thread before each of its steps (the thread sizing, `thread_sizing.py`),
-and `after_step()` after each (the engine's arrival window: it may wait on `cv` for submissions);
-`on_wake()` runs on the loop thread when work came while it was idle, before that step's
-`before_step()` (the engine's burst window: it may wait on `cv` for more submissions).
+`before_start()` runs in the thread that calls `start()` before the loop thread exists,
+`on_thread()` runs first on the loop thread (it claims the thread's team sizing, `thread_sizing.py`),
+and `after_step()` after each step (the engine's arrival window: it may wait on `cv` for submissions);
+`on_wake()` runs on the loop thread when work came while it was idle, before that step (the
+engine's burst window: it may wait on `cv` for more submissions).
 Steps driven inline by a waiting thread run none of these hooks.
 """
 
@@ -23,11 +23,11 @@ from collections.abc import Callable
 class StepLoop:
     def __init__(self, step: Callable[[], object], has_work: Callable[[], bool],
                  on_error: Callable[[Exception], None], before_start: Callable[[], object] | None = None,
-                 before_step: Callable[[], object] | None = None, after_step: Callable[[], object] | None = None,
+                 on_thread: Callable[[], object] | None = None, after_step: Callable[[], object] | None = None,
                  on_wake: Callable[[], object] | None = None, name: str = "stateful-hf-engine"):
         self.cv = threading.Condition()
         self._step, self._has_work, self._on_error, self._before_start = step, has_work, on_error, before_start
-        self._before_step, self._after_step, self._on_wake = before_step, after_step, on_wake
+        self._on_thread, self._after_step, self._on_wake = on_thread, after_step, on_wake
         self._name = name
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -77,6 +77,8 @@ class StepLoop:
             self._thread = None
 
     def _run(self) -> None:
+        if self._on_thread is not None:
+            self._on_thread()
         woke = True                         # a loop that starts was idle
         while True:
             with self.cv:
@@ -89,8 +91,6 @@ class StepLoop:
                 if woke and self._on_wake is not None:
                     self._on_wake()
                 woke = False
-                if self._before_step is not None:
-                    self._before_step()
                 self._step()
                 if self._after_step is not None:
                     self._after_step()

@@ -1,10 +1,11 @@
 """`Stepper`: one engine iteration — take the inbox, schedule, run the forward, complete, publish.
 
-Collaborators, passed in: the scheduler (request state; every change to a request goes through it),
-the runner (plan + forward + sampling + commit), the registry (inbox in, progress and endings out),
-the SLO policy or None, and EOS ids. Owns the step lock (one stepping thread at a time), the kept
-`StepRecord`s and the running totals (`StepTotals`): it is their one writer. After each step
-`ended` says how many requests it ended and `last_seconds` how long it ran (the engine's
+Collaborators, passed in: the scheduler (request state; every change to a request goes through it), the
+runner (plan + forward + sampling + commit), the registry (inbox in, progress and endings out), the SLO
+policy or None, EOS ids, and `before_forward(rows)` or None (called with a scheduled step's row count
+before its forward: the loop thread's team sizing, `thread_sizing.py`). Owns the step lock (one stepping
+thread at a time), the kept `StepRecord`s and the running totals (`StepTotals`): it is their one writer.
+After each step `ended` says how many requests it ended and `last_seconds` how long it ran (the engine's
 arrival window reads them).
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 
 from .engine_stats import StepTotals
 from .registry import RequestRegistry
@@ -25,7 +27,8 @@ from .slo import SloPolicy
 class Stepper:
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, requests: RequestRegistry,
                  eos: frozenset[int], slo: SloPolicy | None, ttft_slo: float | None, tpot_slo: float | None,
-                 keep_records: int):
+                 keep_records: int, before_forward: Callable[[int], object] | None = None):
+        self.before_forward = before_forward
         self.scheduler, self.runner, self.requests, self.eos = scheduler, runner, requests, eos
         self.slo, self.ttft_slo, self.tpot_slo = slo, ttft_slo, tpot_slo
         self.records: deque[StepRecord] = deque(maxlen=keep_records)
@@ -45,6 +48,8 @@ class Stepper:
             if items:
                 for it in items:
                     it.request.scheduled_at = it.request.scheduled_at or t0
+                if self.before_forward is not None:
+                    self.before_forward(sum(len(it.new_ids) for it in items))
                 try:
                     _, tokens = self.runner.execute(items)
                 except Exception as e:      # the step was aborted: the store is as before
