@@ -50,8 +50,8 @@ def figures(bench: str, out: dict) -> dict[str, float]:
     """The comparable numbers of one run's JSON: name -> value."""
     if bench == "bench_engine":     # one condition (older JSON: top level; newer: "conditions" by neighbour)
         cond = out if "median_runs" in out else next(iter(out["conditions"].values()))
-        keys = ("tok_per_s", "ttft_p50_s", "ttft_p90_s")
-        return {f"{r['name']} {k}": r[k] for r in cond["median_runs"] for k in keys}
+        keys = ("tok_per_s", "ttft_p50_s", "ttft_p90_s", "returning_ttft_p90_s")
+        return {f"{r['name']} {k}": r[k] for r in cond["median_runs"] for k in keys if k in r}
     if bench == "bench_tiers":
         return {f"N={row['tokens']} {k} s": v for row in out["rows"] for k, v in row.items() if k != "tokens"}
     raise SystemExit(f"no figure extraction for {bench}: add it to benchmarks/ab.py")
