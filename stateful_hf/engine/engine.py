@@ -57,11 +57,12 @@ class Engine:
     (0..layers), or None to derive it from T_offload(L - x) <= T_prefill with profiled costs.
     release_openmp_pool: `start()` frees the calling thread's idle OpenMP workers, so the loop thread's
     pool spins between parallel regions like the main thread's does (`openmp.py`).
-    step_threads: the loop thread's OpenMP team (`thread_sizing.py`), re-decided every 0.25 s from the
-    cores other processes leave free: "auto" (default) a full team whose waits are throttled while the
-    host is busy (spinning workers beside busy processes stall every parallel region's barrier);
-    "shrink" the team sized to the free cores; an int, that many; None, torch's setting. Only the loop
-    thread's team is sized; steps run inline in a waiting thread keep that thread's setting.
+    step_threads: the loop thread's OpenMP team (`thread_sizing.py`), from the cores other processes
+    leave free (re-read every 0.25 s) and each step's rows: "auto" (default) a full spinning team on a
+    free host; while it is busy, a team sized to the free cores for steps of 16-319 rows and the full
+    team with throttled waits for the others (spinning workers beside busy processes stall every
+    parallel region's barrier); "shrink" every step on the free cores; an int, that many; None, torch's
+    setting. Only the loop thread's team is sized; steps run inline in a waiting thread keep its setting.
     generation_config: where a request's unset sampling fields come from (`sampling_params`):
     "auto" (default) the model's generation config, then SamplingParams' defaults, as vLLM's
     `--generation-config auto`; "library" SamplingParams' defaults only. Greedy either way unless the
