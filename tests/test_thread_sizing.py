@@ -74,6 +74,10 @@ def test_a_busy_host_shrinks_the_team_only_for_mid_sized_steps():
     assert sizer.steps_by_threads == {"2 throttled": 2, "1": 2}
     sizer.current, sizer.interval = 2, float("inf")          # the host is quiet again
     assert sizer.fit(64) == 2 and sizer.switch.calls[-1] is False
+    samples = iter([(0.0, 0.0, 0.0), None])        # /proc/stat unreadable later: the team stays
+    flaky = ThreadSizer(2, interval=0.0, usage=lambda: next(samples), cpus=2, start=2)
+    flaky.claim()
+    assert flaky.fit(64) == 2
     shrink = ThreadSizer(2, interval=float("inf"), usage=lambda: None, cpus=2)
     shrink.claim()
     assert [shrink.fit(r) for r in (8, 64, 512)] == [1, 1, 1]

@@ -100,6 +100,8 @@ class ThreadSizer:
             return self.current
         if time.monotonic() - self._last[0] >= self.interval:
             sample = self._usage()
+            if sample is None:                 # /proc/stat unreadable this time (fds exhausted...): keep n
+                return self.current
             wall, busy, own = (b - a for a, b in zip(self._last, sample, strict=True))
             self._last = sample
             self.others = max(0.0, (busy - own) / wall) if wall > 0 else self.others
