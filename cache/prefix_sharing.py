@@ -130,8 +130,7 @@ class PrefixSharing:
 
         Incremental: the walk starts at the chunk where the last one stopped (`Session.index_cursor`)
         unless the epoch moved since; the chunks before it are indexed then (`integrity.check_sharing`
-        asserts it), and
-        a walk over them would only pass them by (`parent = c.entry`)."""
+        asserts it), and a walk over them would only pass them by (`parent = c.entry`)."""
         if not self.enabled or s.scope is None:
             return
         n = len(s.token_ids) // self.block_size

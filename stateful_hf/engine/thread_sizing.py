@@ -13,9 +13,9 @@ this process's own CPU time gives the cores others used, and the free cores deci
   of `shrink_rows[0] <= rows < shrink_rows[1]` runs on a team sized to the free cores, and every other
   step on the full team with its waits throttled (a waiting worker sleeps after a short spin, giving its
   core back; the OS wakes it promptly as a thread that slept); the full team spins again once the cores
-  are free. Measured beside two busy loops on 2 cores (docs/engine.md, "A team per step"): a team of
-  one is 10-45% faster for 16-256 rows (its barriers wait on no descheduled worker), the throttled
-  pair faster for <= 8 rows and >= 384 (more CPU per region);
+  are free. Measured beside two busy loops on 2 cores (`benchmarks.bench_team`; docs/engine.md, "A team
+  per step"): a team of one is 13-38% faster for 16-256 rows (its barriers wait on no descheduled
+  worker), the throttled pair faster for <= 8 rows and >= 384 (more CPU per region);
 - without ("shrink"): every step's team is sized to the free cores, between 1 and `max_threads`.
 It starts from `start` (1: "busy", so a first step beside busy processes does not spin). Without
 /proc/stat (not Linux) it keeps `start`.
