@@ -78,11 +78,11 @@ def main() -> None:
     try:
         for spec in specs:
             with Neighbours(spec):
-                load = str(os.getloadavg()[0])
+                load = os.getloadavg()[0]
                 res = measure(model, rows_list, a.reps, switch)
-            result["conditions"][spec] = {"load_start": float(load), "ms": {
+            result["conditions"][spec] = {"load_start": load, "ms": {
                 str(r): {t: round(v * 1e3, 2) for t, v in d.items()} for r, d in res.items()}}
-            print(f"{spec} (load {load}): rows  " + "  ".join(f"{t:>9}" for t in TEAMS) + "  one/throttled")
+            print(f"{spec} (load {load:.1f}): rows  " + "  ".join(f"{t:>9}" for t in TEAMS) + "  one/throttled")
             for r, d in res.items():
                 print(f"  {r:>18}  " + "  ".join(f"{d[t] * 1e3:8.1f}ms" for t in TEAMS)
                       + f"  {d['one'] / d['throttled']:8.2f}", flush=True)
