@@ -1,6 +1,6 @@
 """HCache's per-layer cost profile on the model: the costs its layer planner
-(`cache/hidden_partition.py`) splits layers by, measured through the store's own restore code.
-(Capture and restore themselves run in the step's `before_layer`: `cache/step.py`.)"""
+(`stateful_hf/cache/hidden_partition.py`) splits layers by, measured through the store's own restore code.
+(Capture and restore themselves run in the step's `before_layer`: `stateful_hf/cache/step.py`.)"""
 
 from __future__ import annotations
 

@@ -70,7 +70,7 @@ class SessionStore(KVStore):
         and written there layer by layer. Needs host_capacity, layout "paged", the torch backend and
         hidden_states "never"; `Engine(..., layerwise_kv=True)` makes such a store.
     emulate_async: run every copy to or from the device under the CPU async emulator
-        (`cache/transfer.py`, docs/gpu.md); default: STATEFUL_HF_EMULATE_ASYNC=1 in the environment.
+        (`stateful_hf/cache/transfer.py`, docs/gpu.md); default: STATEFUL_HF_EMULATE_ASYNC=1 in the environment.
     prefix_sharing: full chunks of identical prefixes (same tenant and cache_salt) are held once and
         reused by every session whose prompt starts with them (docs/prefix-sharing.md). Default (None):
         on where it can be (layout "paged", no layerwise_kv); True where it cannot raises ValueError.

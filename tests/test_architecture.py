@@ -2,14 +2,14 @@
 
 - no import cycles among stateful_hf's modules, counting imports behind `TYPE_CHECKING` and inside functions;
 - unique module basenames and unique class names across the package;
-- `cache/` and `kernels/` never import transformers;
+- `stateful_hf/cache/` and `stateful_hf/kernels/` never import transformers;
 - no module uses another module's private members (`obj._x`, `from m import _x`);
 - docs/architecture.md names every module of the package by path, and every path it names exists;
 - imports go one way (kernels <- cache <- the seam <- engine <- serve), every module has a docstring, and every
   `*.py` a docstring, comment or doc names exists.
 
-The package is three source directories (pyproject's package-dir): `stateful_hf/` (with engine/ and serve/),
-`cache/` installed as `stateful_hf.cache` and `kernels/` installed as `stateful_hf.kernels`.
+The package is one source tree, `stateful_hf/`, whose folders are its subpackages (cache/, kernels/, engine/,
+serve/): a module's path is its import path.
 """
 
 from __future__ import annotations
@@ -21,8 +21,7 @@ from functools import cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# Source directory -> dotted package it installs as.
-PACKAGE_DIRS = {"stateful_hf": "stateful_hf", "cache": "stateful_hf.cache", "kernels": "stateful_hf.kernels"}
+PACKAGE = ROOT / "stateful_hf"
 # Also held to the private-member rule: the code beside the package that uses it.
 CLIENT_DIRS = ("demo", "benchmarks", "examples")
 ARCHITECTURE_DOC = ROOT / "docs" / "architecture.md"
@@ -43,16 +42,13 @@ class Module:
 def package_modules() -> dict[str, Module]:
     """Every module of the installed package by dotted name."""
     modules: dict[str, Module] = {}
-    for src, dotted in PACKAGE_DIRS.items():
-        base = ROOT / src
-        for path in sorted(base.rglob("*.py")):
-            parts = list(path.relative_to(base).with_suffix("").parts)
-            # stateful_hf/ holds only its own subpackages; cache/ and kernels/ are mapped, not nested.
-            is_package = parts[-1] == "__init__"
-            if is_package:
-                parts = parts[:-1]
-            name = ".".join([dotted, *parts])
-            modules[name] = Module(name, path, is_package)
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        if is_package:
+            parts = parts[:-1]
+        name = ".".join(parts)
+        modules[name] = Module(name, path, is_package)
     return modules
 
 
@@ -264,7 +260,7 @@ def test_cache_and_kernels_never_import_transformers():
         for imp in imports_of(module)
         if imp.target == "transformers" or imp.target.startswith("transformers.")
     ]
-    assert not offenders, "cache/ and kernels/ must not import transformers:\n  " + "\n  ".join(offenders)
+    assert not offenders, "cache and kernels must not import transformers:\n  " + "\n  ".join(offenders)
 
 
 # ---- private members ----------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """The Triton kernel against the naive dense reference, under the Triton interpreter on the CPU.
 
-TRITON_INTERPRET must be set before the kernel is decorated; kernels/triton_backend.py decorates it on
+TRITON_INTERPRET must be set before the kernel is decorated; stateful_hf/kernels/triton_backend.py decorates it on
 first use, so setting it here (at collection, before any test runs) is enough even though triton itself
 was imported earlier (transformers pulls it in). On a GPU machine the kernel is compiled for real.
 """

@@ -1,4 +1,4 @@
-"""The prefix index alone (cache/prefix_index.py): keys, verified lookup, holders, removal.
+"""The prefix index alone (stateful_hf/cache/prefix_index.py): keys, verified lookup, holders, removal.
 
 The model of the index in these tests is a dict {(scope, prefix ids): entry} of what was inserted:
 `match` must return exactly the longest chain of full chunks whose every prefix is in it, and a hash

@@ -50,8 +50,8 @@ class Engine:
     ttft_slo / tpot_slo: seconds, or None (the default: admission as without them). Per-request
     metrics and `stats()` report violations; with `tpot_slo`, queued prefills are admitted only while
     their predicted prefill time fits in the running decodes' smallest slack (LayerKV, `slo.py`).
-    layerwise_kv: LayerKV's layer-wise KV allocation (`cache/layered_chunks.py`): a prefill that does not fit
-    with all layers on the device is admitted keeping x >= x_min evenly spaced layers there and the
+    layerwise_kv: LayerKV's layer-wise KV allocation (`stateful_hf/cache/layered_chunks.py`): a prefill that does not
+    fit with all layers on the device is admitted keeping x >= x_min evenly spaced layers there and the
     rest on the host tier (`host_capacity`, required when the engine makes its store); running
     requests' layers are pushed down to the host when free blocks run short. min_kept_layers: x_min
     (0..layers), or None to derive it from T_offload(L - x) <= T_prefill with profiled costs.

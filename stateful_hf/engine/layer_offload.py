@@ -107,7 +107,7 @@ def held_blocks(store, session_id: str) -> float:
                for c in s.chunks)
 
 
-residue_blocks = blocks_at_most      # the store's bound (cache/residue_blocks.py)
+residue_blocks = blocks_at_most      # the store's bound (stateful_hf/cache/residue_blocks.py)
 
 class LayerwiseScheduling:
     """The scheduler's layer-wise decisions, a part the Scheduler composes. Collaborators: the store

@@ -29,7 +29,7 @@ class PagedBatch:
     kv_len: torch.Tensor
     block_table: torch.Tensor
     host: tuple[list[int], list[int]] = field(init=False, repr=False, compare=False)
-    # per-step plans made by paged_attention when the caller passes none (see kernels/kernel_plan.py)
+    # per-step plans made by paged_attention when the caller passes none (see stateful_hf/kernels/kernel_plan.py)
     plans: dict = field(init=False, repr=False, compare=False, default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -1,5 +1,5 @@
 """The one entry point: attention of packed ragged queries over a paged KV pool. Writing K/V into
-the pool is the store's (`cache/kv_writer.py`)."""
+the pool is the store's (`stateful_hf/cache/kv_writer.py`)."""
 
 from __future__ import annotations
 
