@@ -16,7 +16,7 @@ from .cache.hidden_tier import HIDDEN_MODES
 from .fingerprint import model_fingerprint
 from .hidden_profile import measure_hidden_costs
 from .integration import enable
-from .kernels import resolve_backend
+from .kernels import select_backend
 from .profile import measure_cost_profile
 from .projector import kv_projector
 from .stateful_cache import StatefulCache
@@ -43,9 +43,12 @@ class SessionStore(KVStore):
     keep_freed: virtual layout: freed device pages kept committed for reuse (tokens or a size; zeroed
         when reused; `store.reclaim()` gives them back). map_ahead: virtual layout: a background
         thread maps the block each session grows into next, before the step that needs it.
-    attn_backend: "auto" (the first available for the model's device and dtype in a fixed order,
-        flashinfer, flash_attn, triton, torch: not measured, see docs/gpu.md), "torch",
-        "triton", "flashinfer" or "flash_attn"; resolved once here, so a missing one fails now.
+    attn_backend: "auto" (the first in a fixed order, flashinfer, flash_attn, triton, torch, that serves
+        the model's device, dtype, head_dim, chunk_size, layerwise_kv and layout: not measured, see
+        docs/gpu.md; each one passed over is logged with its reason), "torch", "triton", "flashinfer"
+        or "flash_attn"; resolved once here (`kernels.select_backend`), so a forced one that cannot serve
+        this store raises now: ValueError for its dtype, head_dim, chunk_size or features, RuntimeError
+        for a missing package or device.
     hidden_states: HCache. "never" (default): K/V only, nothing captured. "always": hidden states are
         captured while tokens are computed and chunks moving down from the device are kept as
         hidden states. "auto": "always" when a layer's hidden state is smaller than its K+V (MHA) and
@@ -91,7 +94,8 @@ class SessionStore(KVStore):
         param = next(model.parameters())
         spec = KVSpec(adapter.num_layers, adapter.num_kv_heads, adapter.head_dim, dtype=param.dtype,
                       device=param.device, block_size=chunk_size, windows=adapter.layer_windows)
-        attn_backend = resolve_backend(attn_backend, spec.device, spec.dtype)
+        attn_backend = select_backend(attn_backend, spec.device, spec.dtype, spec.head_dim, spec.block_size,
+                                      layerwise_kv=layerwise_kv, layout=layout).name
         if isinstance(policy, str) and policy in POLICY_NAMES:
             policy = make_policy(policy, None if policy == "lru" else cost_profile or measure_cost_profile(model, spec))
         elif not isinstance(policy, EvictionPolicy):

@@ -86,7 +86,7 @@ def engine_round(engine, convs: dict[str, Conversation], oracle, n: int) -> None
     sids = list(convs)
     outs = engine.generate(sids, [convs[s].ids[0].tolist() for s in sids], SamplingParams(max_new_tokens=n))
     for sid, out in zip(sids, outs):
-        want = greedy(oracle, convs[sid].ids, n=n)
+        want = greedy(oracle, convs[sid].ids.to(oracle.device), n=n).cpu()
         assert list(out.token_ids) == want[0, convs[sid].ids.shape[1]:].tolist(), sid
         convs[sid].reply(want)
 

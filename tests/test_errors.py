@@ -11,7 +11,6 @@ from conftest import greedy
 
 import stateful_hf
 from stateful_hf.cache import SessionBusyError, StoreError
-from stateful_hf.serve.replica import api_error
 from stateful_hf.testing import tiny_llama
 
 
@@ -61,6 +60,9 @@ def test_a_pool_torch_cannot_allocate_is_a_store_error(model, monkeypatch):
 
 
 def test_busy_409_names_the_session_once():
+    pytest.importorskip("fastapi")                 # the server (stateful_hf.serve) imports the web stack
+    from stateful_hf.serve.replica import api_error
+
     err = api_error(SessionBusyError("d1"))
     assert err.status == 409 and err.code == "session_busy"
     assert err.message == "session 'd1' has a turn in flight; retry when it has finished"

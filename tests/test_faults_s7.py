@@ -13,7 +13,6 @@ from conftest import FAMILIES, greedy, store_turn
 import stateful_hf
 from stateful_hf import Engine, SamplingParams
 from stateful_hf.cache import CapacityError, CostProfile
-from stateful_hf.serve.prefix_affinity import PrefixAffinity
 
 BS = 8
 SHARED = 5 * BS
@@ -72,6 +71,9 @@ def test_prefix_affinity_keys_are_the_replicas_scopes():
     """The router's prefix keys start from the scope as the replicas' prefix index encodes it: before
     the fix the seed was f"{tenant}\\0{cache_salt}", so cache_salt None and "None" (two scopes) routed
     by each other's prefixes, and "" and None (one scope) did not."""
+    pytest.importorskip("fastapi")                 # the server (stateful_hf.serve) imports the web stack
+    from stateful_hf.serve.prefix_affinity import PrefixAffinity
+
     a = PrefixAffinity(block_tokens=4)
     p = list(range(3, 20))
     assert a.keys(p, "t", None) != a.keys(p, "t", "None")

@@ -1,6 +1,7 @@
 """GPU paths. Tests marked `cuda` run only on a CUDA machine (`python -m benchmarks.gpu_check` runs
-them): tiers, side-stream copies, hidden capture and layer-wise staging exact against stateless
-generate in float32, and the bf16 agreement rate. The others run everywhere: FlashInfer's wrapper
+them), on tiny models of head_dim 64 (a size every GPU backend takes): tiers, side-stream copies,
+hidden capture and layer-wise staging exact against stateless generate in float32, and the bf16
+agreement rate with the backend `auto` picks and with Triton. The others run everywhere: FlashInfer's wrapper
 and workspace are made once per store and planned once per step (with a recording stand-in for the
 flashinfer package, which needs CUDA), and the GPU check's CPU behaviour."""
 
@@ -13,13 +14,17 @@ import types
 
 import pytest
 import torch
-from conftest import FAMILIES, Conversation, greedy
+from conftest import Conversation, greedy
 
 from stateful_hf import Engine, SamplingParams
 from stateful_hf.cache import CostProfile
-from stateful_hf.kernels import KernelState, PagedBatch, flashinfer_backend
+from stateful_hf.kernels import KernelState, PagedBatch, available_backends, flashinfer_backend
+from stateful_hf.testing import tiny_llama, tiny_opt
 
 PROFILE = CostProfile()
+# head_dim 64: FlashInfer takes 64/128/256 and Triton 64/80/96/128/256; the conftest FAMILIES' 16 neither
+GPU_FAMILIES = {"llama": lambda: tiny_llama(num_attention_heads=2, num_key_value_heads=1, head_dim=64),
+                "opt": lambda: tiny_opt(num_attention_heads=1)}
 
 
 def cuda(f):
@@ -52,7 +57,7 @@ def _tiers(store, sid, turn):
 @cuda
 @pytest.mark.parametrize("family", ["llama", "opt"])
 def test_cuda_tiers_and_side_stream_copies_exact(family, make_store, tmp_path):
-    model, oracle = FAMILIES[family]().cuda(), FAMILIES[family]().cuda()
+    model, oracle = GPU_FAMILIES[family]().cuda(), GPU_FAMILIES[family]().cuda()
     store = make_store(model, 256, host_capacity=512, disk_dir=tmp_path / "d", disk_capacity=512,
                        cost_profile=PROFILE, swap_out_threshold=0.5, attn_backend="torch")
     assert all(_turns(store, model, oracle, _tiers))
@@ -62,7 +67,7 @@ def test_cuda_tiers_and_side_stream_copies_exact(family, make_store, tmp_path):
 
 @cuda
 def test_cuda_hidden_capture_exact(make_store):
-    model, oracle = FAMILIES["llama"]().cuda(), FAMILIES["llama"]().cuda()
+    model, oracle = GPU_FAMILIES["llama"]().cuda(), GPU_FAMILIES["llama"]().cuda()
     store = make_store(model, 512, host_capacity=1024, hidden_states="always", hidden_layers=1,
                        cost_profile=PROFILE, attn_backend="torch")
 
@@ -75,7 +80,7 @@ def test_cuda_hidden_capture_exact(make_store):
 @cuda
 @pytest.mark.parametrize("stage", [None, True])
 def test_cuda_layerwise_staging_exact(stage, make_store):
-    model, oracle = FAMILIES["llama"]().cuda(), FAMILIES["llama"]().cuda()
+    model, oracle = GPU_FAMILIES["llama"]().cuda(), GPU_FAMILIES["llama"]().cuda()
     store = make_store(model, 256, chunk_size=16, host_capacity=8192, cost_profile=PROFILE, layerwise_kv=True,
                        attn_backend="torch")
     store.layerwise_stage = stage
@@ -89,11 +94,18 @@ def test_cuda_layerwise_staging_exact(stage, make_store):
 
 
 @cuda
-def test_cuda_bf16_agreement_rate(make_store, record_property):
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+def test_cuda_bf16_agreement_rate(backend, make_store, record_property):
     """bf16 is not exact (kernels differ in summation order): report the share of greedy tokens equal
-    to stateless bf16 generate; a rate far below 1 means a wrong path, not rounding."""
-    model, oracle = (FAMILIES["llama"]().cuda().to(torch.bfloat16) for _ in range(2))
-    store = make_store(model, 256, host_capacity=512, cost_profile=PROFILE)
+    to stateless bf16 generate; a rate far below 1 means a wrong path, not rounding. With the backend
+    `auto` picks (the first installed of flashinfer, flash_attn, triton) and with Triton by name."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    model, oracle = (GPU_FAMILIES["llama"]().cuda().to(torch.bfloat16) for _ in range(2))
+    store = make_store(model, 256, host_capacity=512, cost_profile=PROFILE, attn_backend=backend)
+    # head_dim 64, bf16, 32-token blocks: every installed GPU backend serves it, so auto takes the first
+    assert store.attn_backend == (backend if backend != "auto" else available_backends("cuda", torch.bfloat16)[0])
+    record_property("attn_backend", store.attn_backend)
     agree = total = 0
     convs = [Conversation(seed=40 + i, first=60, turn=16) for i in range(3)]
     for _ in range(3):
@@ -147,21 +159,130 @@ def test_gpu_check_on_cpu_says_it_needs_cuda(tmp_path):
     r = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--json", str(out)], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert "needs CUDA" in r.stdout and not out.exists()
+    assert "needs CUDA" in r.stdout and "gpu_bundle" in r.stdout and not out.exists()
     h = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--help"], capture_output=True, text=True,
                        timeout=120)
     assert h.returncode == 0 and "CUDA build of torch" in h.stdout and '.[dev,gpu]' in h.stdout
+    assert "benchmarks.gpu_bundle DIR" in h.stdout and "Exit status" in h.stdout
+
+
+# Absent on a GPU image (docs/gpu.md): nothing the check imports may need them.
+NOT_ON_A_GPU_IMAGE = ("fastapi", "uvicorn", "pydantic", "gguf", "gradio", "ray", "openai")
 
 
 def test_gpu_check_smoke_writes_every_figure(tmp_path):
-    """--smoke runs every benchmark step at tiny sizes on this device: the JSON has each section, no errors."""
+    """--smoke runs every benchmark step at tiny sizes (heads of 64, as the GPU backends need) on this
+    device, with the web stack and gguf made unimportable: every section passed, each outcome printed as
+    it ends, skips listed apart from failures, and what the figures were measured on (commit, versions,
+    device, date) recorded."""
     out = tmp_path / "smoke.json"
-    r = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--smoke", "--no-tests", "--json", str(out)],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
+    code = (f"import sys\nfor name in {NOT_ON_A_GPU_IMAGE!r}:\n    sys.modules[name] = None\n"
+            "from benchmarks.gpu_check import main\n"
+            f"sys.exit(main(['--smoke', '--no-tests', '--json', {str(out)!r}]))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
     report = json.loads(out.read_text())
-    assert report["device"] and report["smoke"] is True
-    for section in ("kernels", "tiers", "hidden", "engine"):
-        assert "error" not in report[section], report[section]
+    assert report["device"] and report["smoke"] is True and report["status"] == "passed"
+    assert report["date"] and report["commit"] and report["torch"] == torch.__version__ and report["transformers"]
+    assert "triton" in report and "python" in report
+    for section in ("kernels", "model", "tiers", "hidden", "engine"):
+        assert report[section]["status"] == "passed", report[section]
+        assert f"{section}: passed" in r.stdout
+    assert report["failed"] == {} and report["tests"] == {"status": "skipped", "reason": "--no-tests"}
+    skipped = report["skipped"]
+    assert skipped["tests"] == "--no-tests" and "tests: skipped" in r.stdout
+    if not torch.cuda.is_available():
+        assert {k: skipped[k] for k in skipped if k.startswith("kernels/")} == {
+            "kernels/triton": "needs CUDA", "kernels/flashinfer": "needs CUDA", "kernels/flash_attn": "needs CUDA"}
+    assert report["kernels"]["shape"]["head_dim"] == 64
+    assert report["model"]["hidden_size"] // report["model"]["num_attention_heads"] == 64
     assert report["tiers"]["swap_in_host_s"] > 0 and report["engine"]["turn2"]["tokens_per_s"] > 0
-    assert not report["engine"]["turn1"]["errors"]
+
+
+def test_gpu_check_a_failed_request_fails_the_engine_section_and_the_exit_status(tmp_path, monkeypatch, capsys):
+    """A request that fails in the engine (its step raises for one session: the stepper reruns the step
+    one request at a time, so only that one fails) makes the engine section failed with its reason and
+    no figure, and main() return 1. The same run without the fault is the control: passed, figures, 0."""
+    from benchmarks import gpu_check
+    from stateful_hf.engine.runner import ModelRunner
+
+    def check(name: str) -> tuple[int, dict]:
+        path = tmp_path / f"{name}.json"
+        code = gpu_check.main(["--smoke", "--sections", "engine", "--json", str(path)])
+        return code, json.loads(path.read_text())
+
+    code, ok = check("control")
+    assert code == 0 and ok["status"] == "passed" and ok["failed"] == {}
+    assert ok["engine"]["status"] == "passed" and ok["engine"]["turn2"]["tokens_per_s"] > 0
+    assert ok["skipped"] == {name: "not in --sections" for name in ("tests", "kernels", "tiers", "hidden")}
+
+    execute = ModelRunner.execute
+
+    def fail_e1(self, items):
+        if any(it.request.session_id == "e1" for it in items):
+            raise RuntimeError("injected kernel fault")
+        return execute(self, items)
+
+    monkeypatch.setattr(ModelRunner, "execute", fail_e1)
+    capsys.readouterr()
+    code, bad = check("fault")
+    out = capsys.readouterr().out
+    engine = bad["engine"]
+    assert code == 1 and bad["status"] == "failed" and bad["failed"] == {"engine": engine["reason"]}
+    assert engine["status"] == "failed" and "1 of 2 requests failed" in engine["reason"]
+    assert "injected kernel fault" in engine["reason"] and engine["errors"][0].startswith("e1: ")
+    assert not {"turn1", "turn2"} & set(engine) and "tokens_per_s" not in json.dumps(engine)
+    assert "engine" not in bad["skipped"] and bad["model"]["status"] == "passed"
+    assert "engine: failed" in out and "gpu_check: FAILED" in out
+
+
+def test_gpu_check_cuda_test_run_outcomes(tmp_path):
+    """The `pytest -m cuda` step on a probe file: a failing test fails the section naming it, a skip is
+    listed apart with its reason, a recorded property is kept; the same file without the failing test
+    passes (the control); a hang is killed at the timeout; no cuda test collected fails on CUDA only."""
+    from benchmarks.gpu_check import SectionFailed, run_tests, tests_status
+
+    probe = tmp_path / "test_probe.py"
+    head = "import time\n\nimport pytest\n\n\n"
+    ok = ("@pytest.mark.cuda\ndef test_ok(record_property):\n    record_property('rate', 0.9)\n\n\n"
+          "@pytest.mark.cuda\ndef test_absent():\n    pytest.skip('flashinfer is not installed')\n\n\n"
+          "def test_unmarked():\n    raise AssertionError\n\n\n")
+    probe.write_text(head + ok + "@pytest.mark.cuda\ndef test_broken():\n    raise AssertionError\n")
+    with pytest.raises(SectionFailed) as failed:
+        run_tests(120, True, paths=(str(probe),))
+    assert failed.value.reason.startswith("exit 1: tests failed") and "test_broken" in failed.value.reason
+    cases = {name.split("::")[1]: case for name, case in failed.value.detail["tests"].items()}
+    assert {name: case["outcome"] for name, case in cases.items()} == {
+        "test_ok": "passed", "test_absent": "skipped", "test_broken": "failed"}
+    probe.write_text(head + ok)
+    out = run_tests(120, True, paths=(str(probe),))
+    assert out["returncode"] == 0 and "reason" not in out
+    assert [why for name, why in out["skipped"].items() if name.endswith("::test_absent")] == [
+        "flashinfer is not installed"]
+    assert [case["rate"] for name, case in out["tests"].items() if name.endswith("::test_ok")] == ["0.9"]
+    probe.write_text(head + "@pytest.mark.cuda\ndef test_hangs():\n    time.sleep(120)\n")
+    with pytest.raises(SectionFailed, match="timed out after 5 s; output ends: .*test_hangs"):
+        run_tests(5, True, paths=(str(probe),))
+    probe.write_text(head + "def test_unmarked():\n    pass\n")
+    with pytest.raises(SectionFailed, match="collected no test"):
+        run_tests(120, True, paths=(str(probe),))
+    assert run_tests(120, False, paths=(str(probe),))["reason"] == "no cuda test collected"
+    assert tests_status(0, {"a": {"outcome": "skipped"}}, False) == ("skipped", "all 1 cuda tests skipped")
+    assert tests_status(0, {"a": {"outcome": "skipped"}}, True) == ("failed", "all 1 cuda tests skipped")
+    assert tests_status(2, {}, True)[0] == tests_status(4, {}, True)[0] == "failed"
+
+
+def test_gpu_check_records_the_commit_without_git(tmp_path):
+    """A copied checkout git refuses (or no git): the commit comes from .git's files; no .git: unknown."""
+    from benchmarks.gpu_check import checkout_commit
+
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    assert checkout_commit(tmp_path) == ("unknown", None)
+    (tmp_path / ".git" / "refs" / "heads").mkdir(parents=True)
+    (tmp_path / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (tmp_path / ".git" / "packed-refs").write_text(f"# pack-refs with: peeled\n{sha} refs/heads/main\n")
+    assert checkout_commit(tmp_path) == (sha, None)
+    (tmp_path / ".git" / "refs" / "heads" / "main").write_text(sha[::-1] + "\n")
+    assert checkout_commit(tmp_path) == (sha[::-1], None)
+    (tmp_path / ".git" / "HEAD").write_text(sha + "\n")
+    assert checkout_commit(tmp_path) == (sha, None)

@@ -1,8 +1,12 @@
 """Paged attention kernels: the torch paths, the runs trick of the GPU backends, metadata errors, backend
-choice, and (when CUDA and the packages are present) FlashInfer and flash-attn, all against the naive
-float64 `dense_reference`. Batch helpers here are shared with test_kernels_triton.py."""
+choice (auto's fallback, forced backends refused at store creation, optional packages that fail to
+import), and (when CUDA and the packages are present) FlashInfer, flash-attn and Triton, all against the
+naive float64 `dense_reference`. Batch helpers here are shared with test_kernels_triton.py."""
 
 from __future__ import annotations
+
+import logging
+import sys
 
 import pytest
 import torch
@@ -10,10 +14,13 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import stateful_hf
 from stateful_hf import kernels
-from stateful_hf.kernels import PagedBatch, paged_attention
+from stateful_hf.cache import CostProfile, KVSpec, KVStore
+from stateful_hf.kernels import PagedBatch, flash_attn_backend, flashinfer_backend, paged_attention, runs
 from stateful_hf.kernels.runs import contiguous_runs
 from stateful_hf.kernels.torch_backend import dense_reference, torch_paged_attention
+from stateful_hf.testing import tiny_llama
 
 KINDS = ("empty", "decode", "append", "scattered", "single", "dropped_prefix")
 
@@ -200,6 +207,110 @@ def test_backend_resolution_on_cpu(monkeypatch):
         kernels.resolve_backend("triton", "cpu")
 
 
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """Every GPU backend's package and device present (only the selection runs: nothing is launched)."""
+    for mod in (flashinfer_backend, flash_attn_backend, kernels.triton_backend):
+        monkeypatch.setattr(mod, "available", lambda device: True)
+
+
+def test_auto_falls_back_past_backends_that_cannot_serve_with_a_logged_reason(fake_gpu, caplog):
+    fp16, fp32 = torch.float16, torch.float32
+    cases = [   # (dtype, head_dim, block_size, features) -> backend auto picks
+        ((fp16, 64, 32, {}), "flashinfer"),
+        ((fp16, 80, 32, {}), "flash_attn"),                 # FlashInfer: 64/128/256 only
+        ((fp32, 64, 32, {}), "triton"),                     # FlashInfer and FA2 compute in fp16/bf16 only
+        ((fp32, 64, 24, {}), "torch"),                      # Triton: a power-of-two block size >= 16
+        ((fp16, 16, 32, {}), "flash_attn"),                 # FA2: a multiple of 8 up to 256
+        ((fp16, 12, 32, {}), "torch"),                      # no GPU backend takes head_dim 12
+        ((fp16, 64, 32, {"layerwise_kv": True}), "torch"),  # LayerKV's overlays: torch only
+        ((fp16, 64, 32, {"layout": "virtual"}), "torch"),   # the virtual layout attends densely
+    ]
+    for (dtype, d, bs, features), want in cases:
+        assert kernels.select_backend("auto", "cuda", dtype, d, bs, **features).name == want, (dtype, d, bs, features)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="stateful_hf.kernels.kernel_plan"):
+        choice = kernels.select_backend("auto", "cuda", fp32, 16, 32)
+    assert choice.name == "torch" and [line.split(":")[0] for line in choice.skipped] == [
+        "flashinfer skipped", "flash_attn skipped", "triton skipped"]
+    assert "triton skipped: head_dim 16 not in (64, 80" in choice.skipped[2]
+    assert [r.getMessage().split(": ", 1)[1] for r in caplog.records] == list(choice.skipped)   # one line each
+    assert kernels.select_backend("auto", "cpu", fp16, 64, 32).name == "torch"   # the CPU: always torch
+    assert kernels.available_backends("cuda", fp16) == ["flashinfer", "flash_attn", "triton", "torch"]
+    assert kernels.available_backends("cuda", fp32) == ["triton", "torch"]
+
+
+def test_forced_backend_is_refused_at_store_creation_naming_what_it_supports(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    profile = CostProfile()
+    d16 = tiny_llama()                                                         # head_dim 16
+    heads = dict(num_attention_heads=2, num_key_value_heads=1, head_dim=64)
+    d64, d64_fp64, d64_bf16 = tiny_llama(**heads), tiny_llama(**heads).double(), tiny_llama(**heads).bfloat16()
+    refused = [   # (model, store options, error, message)
+        (d16, dict(attn_backend="triton"), ValueError, r"head_dim 16 not in \(64, 80, 96, 128, 256\)"),
+        (d64, dict(attn_backend="triton", chunk_size=24), ValueError, "block_size 24 is not a power of two >= 16"),
+        (d64, dict(attn_backend="flashinfer"), ValueError, r"dtype torch.float32 not in \(torch.float16"),
+        (d64, dict(attn_backend="flash_attn"), ValueError, "dtype torch.float32 not in"),
+        (d64_fp64, dict(attn_backend="triton"), ValueError, r"dtype torch.float64 not in \(torch.float32"),
+        (d64, dict(attn_backend="triton", layerwise_kv=True, host_capacity=512), ValueError,
+         "layerwise_kv needs attn_backend='torch'"),
+        (d64, dict(attn_backend="triton", layout="virtual", max_context=256), ValueError, "layout='virtual'"),
+        (d64, dict(attn_backend="triton"), RuntimeError, "triton backend unavailable on cpu"),   # no CUDA, compiled
+    ]
+    for model, options, error, message in refused:
+        with pytest.raises(error, match=message):
+            stateful_hf.SessionStore(model, 256, cost_profile=profile, **options)
+    for name in ("flashinfer", "flash_attn"):          # served shape, missing package and device: as before
+        with pytest.raises(RuntimeError, match=f"{name} backend unavailable on cpu"):
+            stateful_hf.SessionStore(d64_bf16, 256, cost_profile=profile, attn_backend=name)
+    with pytest.raises(ValueError, match="head_dim 16 not in"):   # the model-free store resolves it too
+        KVStore(KVSpec(2, 2, 16, block_size=16), 256, attn_backend="triton")
+    assert KVStore(KVSpec(2, 2, 16, block_size=16), 256, attn_backend="auto").attn_backend == "torch"
+    store = stateful_hf.SessionStore(d64, 256, cost_profile=profile, layerwise_kv=True, host_capacity=512)
+    assert store.attn_backend == "torch"                    # auto with LayerKV: never a backend it cannot use
+    store.close()
+
+
+class _FailingFinder:
+    """A meta path finder under which importing `name` raises `error` (a half-installed package)."""
+
+    def __init__(self, name: str, error: Exception):
+        self.name, self.error = name, error
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname == self.name:
+            raise self.error
+        return None
+
+
+@pytest.mark.parametrize("error", [RuntimeError("CUDA runtime mismatch"), OSError("libcudart.so.13: cannot open"),
+                                   AttributeError("module 'torch' has no attribute 'x'"),
+                                   ImportError("undefined symbol: _ZN3c10")])
+def test_optional_package_failing_to_import_counts_as_absent(error, monkeypatch, caplog):
+    monkeypatch.delitem(sys.modules, "flashinfer", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [_FailingFinder("flashinfer", error), *sys.meta_path])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for mod in (flash_attn_backend, kernels.triton_backend):      # present: auto goes on past flashinfer
+        monkeypatch.setattr(mod, "available", lambda device: True)
+    runs.log_import_failure.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="stateful_hf.kernels.runs"):
+        assert not runs.cuda_package_available("cuda", "flashinfer")
+        assert not runs.cuda_package_available("cuda", "flashinfer")
+        choice = kernels.select_backend("auto", "cuda", torch.float16, 64, 32)
+    assert choice.name == "flash_attn" and choice.skipped == ("flashinfer skipped: needs CUDA and flashinfer-python",)
+    failures = [r.getMessage() for r in caplog.records if r.name == "stateful_hf.kernels.runs"]
+    assert failures == [f"flashinfer fails to import ({type(error).__name__}: {error}); treated as absent"]   # once
+    with pytest.raises(RuntimeError, match="flashinfer backend unavailable on cuda"):
+        kernels.select_backend("flashinfer", "cuda", torch.float16, 64, 32)
+
+
+def test_missing_optional_package_is_absent_silently(monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "flashinfer", None)      # import raises ModuleNotFoundError for it
+    with caplog.at_level(logging.WARNING, logger="stateful_hf.kernels.runs"):
+        assert not runs.package_imports("flashinfer")
+    assert not caplog.records
+
+
 def _gpu_case(dtype, bs):
     """A fixed mixed batch (decode, append, scattered, dropped prefix + new prompt) on CUDA."""
     g = torch.Generator().manual_seed(1)
@@ -219,13 +330,13 @@ def _gpu_case(dtype, bs):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("backend", ["flashinfer", "flash_attn"])
+@pytest.mark.parametrize("backend", ["flashinfer", "flash_attn", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 33])
 def test_gpu_backends_match_dense_reference(backend, dtype, window):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    pytest.importorskip({"flashinfer": "flashinfer", "flash_attn": "flash_attn"}[backend])
+    pytest.importorskip(backend)
     for bs in ((16, 256) if backend == "flash_attn" else (16, 32)):
         query, kc, vc, batch = _gpu_case(dtype, bs)
         plan = kernels.plan(batch, bs, backend=backend, dtype=dtype)

@@ -2,7 +2,9 @@
 
 TRITON_INTERPRET must be set before the kernel is decorated; stateful_hf/kernels/triton_backend.py decorates it on
 first use, so setting it here (at collection, before any test runs) is enough even though triton itself
-was imported earlier (transformers pulls it in). On a GPU machine the kernel is compiled for real.
+was imported earlier (transformers pulls it in). On a GPU machine the kernel is compiled for real, and
+these tests are also marked `cuda`. No test module sets TRITON_INTERPRET where CUDA is available: one
+module's setting would make every Triton test of the process interpreted.
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = pytest.mark.skipif(not kernels.triton_backend.available(DEVICE),
-                                reason="triton cannot run here (no CUDA and TRITON_INTERPRET=0)")
+# on CUDA the kernel compiles for real, and `pytest -m cuda` (gpu_check) runs these tests too
+pytestmark = [pytest.mark.skipif(not kernels.triton_backend.available(DEVICE),
+                                 reason="triton cannot run here (no CUDA and TRITON_INTERPRET=0)"),
+              *([pytest.mark.cuda] if DEVICE == "cuda" else [])]
 
 
 def run_triton(query, kc, vc, batch, window):

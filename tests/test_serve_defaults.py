@@ -1,9 +1,11 @@
 """The server's sampling defaults follow one precedence (docs/errors.md): the request's fields, then
 the model's generation config, then the library's defaults."""
 
+import pytest
 from transformers import GenerationConfig
 
-from stateful_hf.serve.protocol import ChatCompletionRequest
+pytest.importorskip("fastapi")                     # the server (stateful_hf.serve) imports the web stack
+from stateful_hf.serve.protocol import ChatCompletionRequest  # noqa: E402
 
 
 def _chat(**fields) -> ChatCompletionRequest:

@@ -8,6 +8,7 @@ import socket
 
 import pytest
 
+pytest.importorskip("fastapi")
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 httpx = pytest.importorskip("httpx")

@@ -58,13 +58,11 @@ def test_many_throwaway_turns_run_together(model):
     engine.store.check_integrity()
 
 
-openai = pytest.importorskip("openai")
-pytest.importorskip("fastapi")
-httpx = pytest.importorskip("httpx")
-
-
 @pytest.fixture(scope="module")
 def served():
+    """A local server; its tests skip without the web stack (the engine's tests above still run)."""
+    for name in ("fastapi", "openai", "httpx"):
+        pytest.importorskip(name)
     from stateful_hf.serve import ServerThread, build_local
 
     app, router = build_local(tiny_llama(), tiny_tokenizer(), "tiny")
@@ -76,6 +74,9 @@ def served():
 
 def test_user_field_does_not_name_a_session(served):
     """(runs first on the module's server: nothing shared yet)"""
+    import httpx
+    import openai
+
     srv, store = served
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", timeout=30, max_retries=0)
     for text in ("First conversation.", "A second, unrelated conversation."):
@@ -88,6 +89,8 @@ def test_user_field_does_not_name_a_session(served):
 
 
 def test_requests_without_a_session_reuse_a_shared_prompt(served):
+    import openai
+
     srv, store = served
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", timeout=30, max_retries=0)
     system = {"role": "system", "content": "You are a careful assistant. " * 12}

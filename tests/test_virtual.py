@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import sys
+import types
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ from conftest import FAMILIES, Conversation, engine_round, greedy
 
 import stateful_hf
 from stateful_hf.cache import CostProfile
+from stateful_hf.cache.spec import KVSpec
 from stateful_hf.cache.virtual import VirtualPool
 from stateful_hf.integration import run_step
 from stateful_hf.testing import tiny_llama
@@ -194,6 +197,121 @@ def test_cuda_virtual_memory_exact(make_store):
         assert torch.equal(out, greedy(oracle, ids))
         conv.reply(out.cpu())
     assert 0 < store.device_pool.committed_bytes() < store.device_pool.reserved_bytes
+
+
+class _FakeDriver:
+    """A recording stand-in for `cuda.bindings.driver` (needs CUDA): every call goes into `log` as
+    (name, address or None); it tracks which granularity pieces are mapped, so `as_tensor` can refuse
+    a pointer into an unmapped piece as torch does (it asks the driver for the pointer's device)."""
+
+    GRAN, BASE = 4096, 0x7F00_0000_0000
+
+    def __init__(self):
+        self.log: list[tuple[str, int | None]] = []
+        self.mapped: set[int] = set()           # mapped piece start addresses
+        self.CUmemAllocationType = types.SimpleNamespace(CU_MEM_ALLOCATION_TYPE_PINNED=1)
+        self.CUmemLocationType = types.SimpleNamespace(CU_MEM_LOCATION_TYPE_DEVICE=1)
+        self.CUmemAllocationGranularity_flags = types.SimpleNamespace(CU_MEM_ALLOC_GRANULARITY_RECOMMENDED=1)
+        self.CUmemAccess_flags = types.SimpleNamespace(CU_MEM_ACCESS_FLAGS_PROT_READWRITE=3)
+
+    @staticmethod
+    def CUmemAllocationProp():
+        return types.SimpleNamespace(type=None, location=types.SimpleNamespace(type=None, id=None))
+
+    @staticmethod
+    def CUmemAccessDesc():
+        return types.SimpleNamespace(location=None, flags=None)
+
+    def _call(self, name, addr=None, *out):
+        self.log.append((name, addr))
+        return (0, *out)
+
+    def cuDeviceGet(self, index):
+        return self._call("cuDeviceGet", None, index)
+
+    def cuDevicePrimaryCtxRetain(self, dev):
+        return self._call("cuDevicePrimaryCtxRetain", None, "ctx")
+
+    def cuDevicePrimaryCtxRelease(self, dev):
+        return self._call("cuDevicePrimaryCtxRelease")
+
+    def cuCtxSetCurrent(self, ctx):
+        return self._call("cuCtxSetCurrent")
+
+    def cuMemGetAllocationGranularity(self, prop, flags):
+        return self._call("cuMemGetAllocationGranularity", None, self.GRAN)
+
+    def cuMemAddressReserve(self, nbytes, alignment, addr, flags):
+        return self._call("cuMemAddressReserve", self.BASE, self.BASE)
+
+    def cuMemAddressFree(self, addr, nbytes):
+        return self._call("cuMemAddressFree", addr)
+
+    def cuMemCreate(self, nbytes, prop, flags):
+        return self._call("cuMemCreate", None, object())
+
+    def cuMemMap(self, addr, nbytes, offset, handle, flags):
+        self.mapped.add(addr)
+        return self._call("cuMemMap", addr)
+
+    def cuMemSetAccess(self, addr, nbytes, access, count):
+        return self._call("cuMemSetAccess", addr)
+
+    def cuMemsetD8(self, addr, value, nbytes):
+        return self._call("cuMemsetD8", addr)
+
+    def cuMemUnmap(self, addr, nbytes):
+        self.mapped.discard(addr)
+        return self._call("cuMemUnmap", addr)
+
+    def cuMemRelease(self, handle):
+        return self._call("cuMemRelease")
+
+    def as_tensor(self, obj, device=None):
+        """torch.as_tensor over a `__cuda_array_interface__`: the pointer must lie in a mapped piece."""
+        iface = obj.__cuda_array_interface__
+        addr = iface["data"][0]
+        if addr - addr % self.GRAN not in self.mapped:
+            raise RuntimeError(f"as_tensor: no device for pointer {addr:#x} (unmapped)")
+        self.log.append(("tensor", addr))
+        return torch.zeros(iface["shape"], dtype=torch.uint8)      # CPU memory stands in for the range
+
+
+@pytest.fixture
+def fake_cuda_driver(monkeypatch):
+    drv = _FakeDriver()
+    bindings = types.ModuleType("cuda.bindings")
+    bindings.driver = drv
+    monkeypatch.setitem(sys.modules, "cuda", types.ModuleType("cuda"))
+    monkeypatch.setitem(sys.modules, "cuda.bindings", bindings)
+    monkeypatch.setattr(torch.cuda, "init", lambda: None)
+    monkeypatch.setattr(torch, "as_tensor", drv.as_tensor)
+    stream = types.SimpleNamespace(synchronize=lambda: drv.log.append(("synchronize", None)))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    return drv
+
+
+def test_cuda_pool_maps_its_first_piece_before_the_tensor_over_the_range(fake_cuda_driver):
+    """The CUDA path on a CPU, through a recording fake of the driver: the pool's creation maps piece 0
+    (create, map, set access) before it makes the tensor over the reserved range (torch asks the driver
+    for the pointer's device, and an unmapped address has none); piece 0 stays mapped while the pool
+    lives, and a released block's pages are unmapped only after the stream is synchronised."""
+    drv = fake_cuda_driver
+    spec = KVSpec(num_layers=2, num_kv_heads=1, head_dim=64, device=torch.device("cuda", 0), block_size=16)
+    pool = VirtualPool(spec, capacity_blocks=8, max_context=64, keep_bytes=0)      # 2 slots of 4 blocks
+    names = [name for name, _ in drv.log]
+    first_tensor = names.index("tensor")
+    assert names.index("cuMemAddressReserve") < names.index("cuMemMap") < first_tensor
+    assert ("cuMemMap", drv.BASE) in drv.log[:first_tensor] and ("cuMemSetAccess", drv.BASE) in drv.log[:first_tensor]
+    assert drv.log[first_tensor] == ("tensor", drv.BASE) and names.count("tensor") == 1
+    assert pool.committed_bytes() == drv.GRAN                     # the anchor: one piece before any block
+    blocks = pool.allocate(2, [("a", 0), ("b", 3)])                # slot 1's block 3: the far end of the range
+    assert pool.committed_bytes() > drv.GRAN
+    del drv.log[:]
+    pool.free(blocks)                                              # keep_bytes=0: pages go back at once
+    names = [name for name, _ in drv.log]
+    assert "cuMemUnmap" in names and names.index("synchronize") < names.index("cuMemUnmap")
+    assert drv.BASE in drv.mapped and pool.committed_bytes() == drv.GRAN   # piece 0 outlives its blocks
 
 
 @pytest.mark.parametrize("family", ["llama", "opt"])

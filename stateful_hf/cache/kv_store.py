@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
+from ..kernels import select_backend
 from .chunk_needs import ChunkNeeds
 from .hidden_states import HiddenSpec, Projector
 from .history import common_prefix
@@ -48,6 +49,8 @@ class KVStore:
                  map_ahead: bool = True, hidden_disk_capacity: int | str | None = None,
                  layerwise_kv: bool = False, disk_fingerprint: str = "", emulate_async: bool | None = None,
                  prefix_sharing: bool | None = None):
+        attn_backend = select_backend(attn_backend, spec.device, spec.dtype, spec.head_dim, spec.block_size,
+                                      layerwise_kv=layerwise_kv, layout=layout).name
         self.config = StoreConfig(
             device_capacity=device_capacity, host_capacity=host_capacity, disk_dir=disk_dir,
             disk_capacity=disk_capacity, policy=policy, attn_backend=attn_backend,

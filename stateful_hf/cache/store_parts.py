@@ -54,6 +54,8 @@ class StoreConfig:
     `policy`: default `DEFAULT_POLICY` (policy.py) over a default Cost profile. It is told each
     returning session's idle gap when a lease starts, and sees all sessions before each ranking
     (`observe_return`, `prepare`).
+    attn_backend: the concrete backend `KVStore` resolved with `kernels.select_backend` (from "auto" or a
+    name, for the spec's device, dtype, head_dim, block size, layerwise_kv and layout).
     layerwise_kv: LayerKV's layer-wise allocation (`layered_chunks.py`): steps may fill chunks keeping only
     some layers on the device (residue blocks) and the rest on the host; needs a host tier, the paged
     layout and the torch backend.

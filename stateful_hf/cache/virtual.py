@@ -9,7 +9,9 @@ contiguous `[length, kv_heads, head_dim]` tensor that dense kernels (SDPA) read 
 CPU: an anonymous `mmap` with MAP_NORESERVE (nothing committed), viewed by torch without a copy; the
 OS commits a page on first touch; pages go back with MADV_DONTNEED, which also zeroes them. CUDA:
 the driver's virtual memory API (`CudaReservation`), mapping physical chunks of the allocation
-granularity as slots fill.
+granularity as slots fill; the reservation maps its first chunk before `data` is made over the range
+(torch asks the driver for the pointer's device, and an unmapped address has none), so one chunk
+stays committed while the pool lives.
 
 vAttention's two latency hiders:
   - deferred reclamation: a freed block keeps its committed pages ("cached", up to `keep_bytes` in

@@ -4,11 +4,14 @@ API (cuda-python) and back it with physical memory in allocation-granularity pie
 Used only where CUDA and `cuda-python` are present (tests skip otherwise). The range is exposed to
 torch without a copy through `__cuda_array_interface__`. Call order follows the CUDA driver docs:
 cuMemGetAllocationGranularity -> cuMemAddressReserve -> per piece cuMemCreate, cuMemMap,
-cuMemSetAccess; release: cuMemUnmap, cuMemRelease; cuMemAddressFree at the end. torch's primary
-context is made current first (torch.cuda.init) so the driver calls run in the context torch uses.
-Pieces are reference-counted by the blocks that use them; a fresh piece is zeroed. acquire and
-release may run on another thread (the background mapper): they make torch's primary context
-current on the calling thread first (cuCtxSetCurrent), as the driver API is per-thread.
+cuMemSetAccess; release: cuMemUnmap, cuMemRelease; cuMemAddressFree at the end. Piece 0 is mapped
+at reservation, before any tensor is made over the range, and stays mapped until `close`: torch
+asks the driver for a foreign pointer's device, and an unmapped address has none; the tensor's base
+address must stay valid while the tensor lives. torch's primary context is made current first
+(torch.cuda.init) so the driver calls run in the context torch uses. Pieces are reference-counted by
+the blocks that use them; a fresh piece is zeroed. acquire and release may run on another thread
+(the background mapper): they make torch's primary context current on the calling thread first
+(cuCtxSetCurrent), as the driver API is per-thread.
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ def _check(result):
 
 
 class CudaReservation:
+    """`nbytes` (rounded up to the allocation granularity) of reserved virtual addresses on `device`,
+    backed piece by piece; piece 0, the anchor, is mapped from construction to `close`."""
+
     def __init__(self, nbytes: int, device: torch.device):
         from cuda.bindings import driver  # cuda-python
 
@@ -47,14 +53,21 @@ class CudaReservation:
         access.flags = driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         self._access = access
         self._handles: dict[int, object] = {}     # piece index -> physical allocation handle
-        self._refs: dict[int, int] = {}           # piece index -> blocks using it
+        self._refs: dict[int, int] = {}           # piece index -> blocks using it (+1 on piece 0: the anchor)
+        try:
+            self.acquire(0, 1)                    # the anchor: mapped before tensor(), released only by close()
+        except Exception:
+            _check(driver.cuMemAddressFree(self.base, self.nbytes))
+            _check(driver.cuDevicePrimaryCtxRelease(self._dev))
+            raise
 
     @property
     def mapped_bytes(self) -> int:
         return len(self._handles) * self.granularity
 
     def tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """The whole reservation as one tensor (a range must be acquired before it is touched)."""
+        """The whole reservation as one tensor over the mapped anchor (piece 0); any other range must be
+        acquired before it is touched."""
         base, nbytes = self.base, self.nbytes
 
         class _Range:

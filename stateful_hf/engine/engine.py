@@ -93,7 +93,7 @@ class Engine:
             raise ValueError("min_kept_layers needs layerwise_kv=True")
         if store is None:
             store = SessionStore(model, device_capacity, chunk_size=chunk_size, host_capacity=host_capacity,
-                                 layerwise_kv=layerwise_kv, attn_backend="torch" if layerwise_kv else "auto")
+                                 layerwise_kv=layerwise_kv)
         elif host_capacity is not None:
             raise ValueError("host_capacity is a store option: pass it to the SessionStore you give")
         self.store = store

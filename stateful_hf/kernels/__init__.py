@@ -2,7 +2,15 @@
 
 from .batch import Overlay, PagedBatch
 from .dispatch import BACKENDS, paged_attention
-from .kernel_plan import KernelPlan, KernelState, available_backends, plan, resolve_backend
+from .kernel_plan import (
+    BackendChoice,
+    KernelPlan,
+    KernelState,
+    available_backends,
+    plan,
+    resolve_backend,
+    select_backend,
+)
 
-__all__ = ["BACKENDS", "KernelState", "Overlay", "PagedBatch", "KernelPlan", "available_backends", "paged_attention",
-           "plan", "resolve_backend"]
+__all__ = ["BACKENDS", "BackendChoice", "KernelState", "Overlay", "PagedBatch", "KernelPlan", "available_backends",
+           "paged_attention", "plan", "resolve_backend", "select_backend"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from .batch import Overlay, PagedBatch
-from .kernel_plan import BACKENDS, KernelPlan, KernelState, plan_for, resolve_backend
+from .kernel_plan import BACKENDS, KernelPlan, KernelState, plan_for
 
 __all__ = ["BACKENDS", "paged_attention"]
 
@@ -66,10 +66,10 @@ def paged_attention(
         raise ValueError(f"paged_attention: softcap must be > 0 or None, got {softcap}")
     num_blocks, block_size = key_cache.shape[:2]
     if plan is None:
-        plan = plan_for(batch, block_size, backend, query.dtype, state)
+        plan = plan_for(batch, block_size, backend, query.dtype, state, head_dim=query.shape[-1])
     elif plan.batch is not batch or plan.block_size != block_size:
         raise ValueError("paged_attention: the plan was made for another batch or block size")
-    elif backend != "auto" and resolve_backend(backend, query.device, query.dtype) != plan.backend:
+    elif backend != "auto" and backend != plan.backend:
         raise ValueError(f"paged_attention: backend {backend!r} but the plan is for {plan.backend!r}")
     if validate and plan.validated_for != num_blocks:
         batch.validate(num_blocks, block_size)

@@ -24,9 +24,26 @@ import torch
 from .batch import PagedBatch
 from .runs import as_int32, contiguous_runs, cuda_package_available, window_left
 
+MAX_HEAD_DIM = 256          # flash_api.cpp: head_size <= 256 and head_size % 8 == 0 (we do not pad)
+DTYPES = (torch.float16, torch.bfloat16)
+MIN_CAPABILITY = (8, 0)     # FA2 runs on Ampere, Ada and Hopper (sm80+)
+
 
 def available(device: torch.device | str) -> bool:
-    return cuda_package_available(device, "flash_attn")
+    """True on a CUDA device of compute capability sm80+ where flash_attn imports."""
+    return cuda_package_available(device, "flash_attn") and \
+        torch.cuda.get_device_capability(device) >= MIN_CAPABILITY
+
+
+def supports(dtype: torch.dtype | None = None, head_dim: int | None = None,
+             block_size: int | None = None) -> str | None:
+    """None when this backend serves (dtype, head_dim, block_size), else why not; None arguments are
+    not checked. Any block size works (paged when block_size % 256 == 0, else a gathered copy)."""
+    if dtype is not None and dtype not in DTYPES:
+        return f"dtype {dtype} not in {DTYPES}"
+    if head_dim is not None and (head_dim % 8 or not 0 < head_dim <= MAX_HEAD_DIM):
+        return f"head_dim {head_dim} is not a multiple of 8 up to {MAX_HEAD_DIM}"
+    return None
 
 
 class FlashAttnPlan:

@@ -22,10 +22,25 @@ from .batch import PagedBatch
 from .runs import as_int32, contiguous_runs, cuda_package_available, window_left
 
 WORKSPACE_BYTES = 128 * 1024 * 1024   # FlashInfer's recommended float workspace
+# FlashInfer's prefill kernels are instantiated for these head dims only (DISPATCH_HEAD_DIM in its
+# dispatch.cuh; head dims not divisible by 64 fail at run time, flashinfer-ai/flashinfer#528).
+HEAD_DIMS = (64, 128, 256)
+DTYPES = (torch.float16, torch.bfloat16)   # q and KV dtypes this backend plans (FlashInfer's fp8 KV unused)
 
 
 def available(device: torch.device | str) -> bool:
     return cuda_package_available(device, "flashinfer")
+
+
+def supports(dtype: torch.dtype | None = None, head_dim: int | None = None,
+             block_size: int | None = None) -> str | None:
+    """None when this backend serves (dtype, head_dim, block_size), else why not; None arguments are
+    not checked. Any page size works: the CSR page table carries each run's last page length."""
+    if dtype is not None and dtype not in DTYPES:
+        return f"dtype {dtype} not in {DTYPES}"
+    if head_dim is not None and head_dim not in HEAD_DIMS:
+        return f"head_dim {head_dim} not in {HEAD_DIMS}"
+    return None
 
 
 def new_workspace(device: torch.device | str) -> torch.Tensor:

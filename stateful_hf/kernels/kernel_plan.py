@@ -11,45 +11,102 @@ engine: FlashInfer's workspace and wrapper, made on first use and re-planned by 
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
+
 import torch
 
 from . import flash_attn_backend, flashinfer_backend, triton_backend
 from .batch import PagedBatch
 from .torch_batched import TorchPlan
 
+logger = logging.getLogger(__name__)
+
 BACKENDS = ("auto", "torch", "triton", "flashinfer", "flash_attn")
-_HALF = (torch.float16, torch.bfloat16)
+PREFERENCE = ("flashinfer", "flash_attn", "triton", "torch")   # auto's order: fixed, not measured
+LAYOUTS = ("paged", "virtual")
+# Each GPU backend module's supports(dtype, head_dim, block_size) -> None or why not; the torch backend
+# serves every device, dtype, head_dim and block size, and alone reads LayerKV's overlays.
+_GPU = {"flashinfer": flashinfer_backend, "flash_attn": flash_attn_backend, "triton": triton_backend}
+_NEEDS = {"flashinfer": "CUDA and flashinfer-python", "flash_attn": "CUDA (sm80+) and flash-attn",
+          "triton": "the triton package and CUDA, or TRITON_INTERPRET=1 set before first use"}
+
+
+@dataclass(frozen=True, slots=True)
+class BackendChoice:
+    """`select_backend`'s answer: a concrete backend and, for "auto", one line per backend passed over
+    in preference order ("triton skipped: head_dim 16 not in (64, 80, 96, 128, 256)")."""
+
+    name: str
+    skipped: tuple[str, ...] = ()
+
+
+def select_backend(name: str, device: torch.device | str, dtype: torch.dtype | None = None,
+                   head_dim: int | None = None, block_size: int | None = None, *, layerwise_kv: bool = False,
+                   layout: str = "paged") -> BackendChoice:
+    """The paged-attention backend for `name` serving a store on `device` with this dtype, head_dim,
+    block size and features (None: not checked). "auto" walks PREFERENCE and passes over, logging
+    one line each, any backend that cannot serve it (triton only on CUDA; the CPU always gets torch).
+    A backend forced by name raises: ValueError for an unknown name or one that cannot serve the dtype,
+    head_dim, block size or features (naming what it supports), RuntimeError for a missing package or
+    device. Features: `layerwise_kv` (LayerKV's host-resident layers are overlays only torch reads);
+    layout "virtual" attends through kernels/dense.py, never a paged backend, so it names torch."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown paged attention backend {name!r}; choose from {BACKENDS}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; choose from {LAYOUTS}")
+    if name != "auto":
+        refusal = _refusal(name, device, dtype, head_dim, block_size, layerwise_kv, layout, forced=True)
+        if refusal is not None:
+            raise refusal
+        return BackendChoice(name)
+    skipped = []
+    for candidate in PREFERENCE[:-1]:
+        refusal = _refusal(candidate, device, dtype, head_dim, block_size, layerwise_kv, layout, forced=False)
+        if refusal is None:
+            return BackendChoice(candidate, tuple(skipped))
+        skipped.append(f"{candidate} skipped: {refusal.args[0]}")
+        logger.info("attn_backend='auto' on %s: %s", device, skipped[-1])
+    return BackendChoice("torch", tuple(skipped))     # PREFERENCE's last: serves every store
+
+
+def _refusal(name: str, device: torch.device | str, dtype: torch.dtype | None, head_dim: int | None,
+             block_size: int | None, layerwise_kv: bool, layout: str, *, forced: bool) -> Exception | None:
+    """Why `name` cannot serve this store (None: it can). Checked in order: (auto only) a CUDA device,
+    then features, dtype, head_dim and block size (ValueError), then package and device (RuntimeError).
+    A forced backend's message names the backend and what it supports; auto's is the bare reason."""
+    if name == "torch":
+        return None
+    if not forced and torch.device(device).type != "cuda":
+        return RuntimeError("needs CUDA" + (" (the CPU runs it interpreted only when forced)" if name == "triton"
+                                            else ""))
+    if layerwise_kv:
+        why = "layerwise_kv needs attn_backend='torch' (only the torch backend reads LayerKV's host-resident " \
+              "layers, its overlays)"
+    elif layout == "virtual":
+        why = "layout='virtual' attends through kernels/dense.py, never a paged backend (use 'torch' or 'auto')"
+    else:
+        why = _GPU[name].supports(dtype, head_dim, block_size)
+    if why is not None:
+        return ValueError(f"attn_backend={name!r} unsupported here: {why}" if forced else why)
+    if _GPU[name].available(device):
+        return None
+    return RuntimeError(f"{name} backend unavailable on {device}: needs {_NEEDS[name]}" if forced
+                        else f"needs {_NEEDS[name]}")
 
 
 def available_backends(device: torch.device | str, dtype: torch.dtype | None = None) -> list[str]:
-    """Concrete backends usable on `device` (for `dtype`, when given), in a fixed order of preference:
+    """Concrete backends "auto" could pick on `device` (for `dtype`, when given), in PREFERENCE order:
     flashinfer, flash_attn (fp16/bf16 only), triton (CUDA), torch. Not measured: with small pages
     (e.g. 32 tokens) flash_attn gathers the whole context every layer and may be slower than triton."""
-    found = []
-    if dtype is None or dtype in _HALF:
-        found += [n for n, mod in (("flashinfer", flashinfer_backend), ("flash_attn", flash_attn_backend))
-                  if mod.available(device)]
-    if torch.device(device).type == "cuda" and triton_backend.available(device):
-        found.append("triton")
-    found.append("torch")     # on the CPU the interpreted triton kernel is a test vehicle, not a fast path
-    return found
+    return [n for n in PREFERENCE
+            if _refusal(n, device, dtype, None, None, False, "paged", forced=False) is None]
 
 
-def resolve_backend(name: str, device: torch.device | str, dtype: torch.dtype | None = None) -> str:
-    """The concrete backend for `name` on `device`: "auto" -> the first of `available_backends` (a
-    fixed order, not a measurement; torch on the CPU)."""
-    if name not in BACKENDS:
-        raise ValueError(f"unknown paged attention backend {name!r}; choose from {BACKENDS}")
-    if name == "auto":
-        return available_backends(device, dtype)[0]
-    if name == "triton" and not triton_backend.available(device):
-        raise RuntimeError(f"triton backend unavailable on {device}: needs the triton package and CUDA, "
-                           "or TRITON_INTERPRET=1 set before first use")
-    if name == "flashinfer" and not flashinfer_backend.available(device):
-        raise RuntimeError(f"flashinfer backend unavailable on {device}: needs CUDA and flashinfer-python")
-    if name == "flash_attn" and not flash_attn_backend.available(device):
-        raise RuntimeError(f"flash_attn backend unavailable on {device}: needs CUDA and flash-attn")
-    return name
+def resolve_backend(name: str, device: torch.device | str, dtype: torch.dtype | None = None,
+                    head_dim: int | None = None, block_size: int | None = None) -> str:
+    """`select_backend(...).name` for a paged store without features (kernel callers)."""
+    return select_backend(name, device, dtype, head_dim, block_size).name
 
 
 class TritonPlan:
@@ -81,10 +138,10 @@ class KernelPlan:
 
     def __init__(self, batch: PagedBatch, block_size: int, backend: str = "auto",
                  dtype: torch.dtype | None = None, workspace: torch.Tensor | None = None,
-                 state: KernelState | None = None):
+                 state: KernelState | None = None, head_dim: int | None = None):
         self.batch, self.block_size = batch, block_size
         self.validated_for: int | None = None      # num_blocks the batch was last validated against
-        self.backend = resolve_backend(backend, batch.cu_q.device, dtype)
+        self.backend = resolve_backend(backend, batch.cu_q.device, dtype, head_dim, block_size)
         if self.backend == "torch":
             self.impl = TorchPlan(batch, block_size)
         elif self.backend == "triton":
@@ -106,17 +163,19 @@ class KernelPlan:
 
 
 def plan(batch: PagedBatch, block_size: int, backend: str = "auto", dtype: torch.dtype | None = None,
-         workspace: torch.Tensor | None = None, state: KernelState | None = None) -> KernelPlan:
-    """Plan one step: call once after building the batch, pass the result to every layer."""
-    return KernelPlan(batch, block_size, backend, dtype, workspace, state)
+         workspace: torch.Tensor | None = None, state: KernelState | None = None,
+         head_dim: int | None = None) -> KernelPlan:
+    """Plan one step: call once after building the batch, pass the result to every layer. `dtype` and
+    `head_dim`, when given, take part in the backend's selection (`select_backend`)."""
+    return KernelPlan(batch, block_size, backend, dtype, workspace, state, head_dim)
 
 
 def plan_for(batch: PagedBatch, block_size: int, backend: str = "auto", dtype: torch.dtype | None = None,
-             state: KernelState | None = None) -> KernelPlan:
-    """The plan cached on `batch` for (block_size, backend, dtype), made on first use: lets callers that
-    pass no plan still do the per-batch work once per step rather than once per layer. `state`: the
-    caller's long-lived KernelState (without one, a FlashInfer plan makes its own workspace)."""
-    key = (block_size, backend, dtype)
+             state: KernelState | None = None, head_dim: int | None = None) -> KernelPlan:
+    """The plan cached on `batch` for (block_size, backend, dtype, head_dim), made on first use: lets
+    callers that pass no plan still do the per-batch work once per step rather than once per layer.
+    `state`: the caller's long-lived KernelState (without one, a FlashInfer plan makes its own workspace)."""
+    key = (block_size, backend, dtype, head_dim)
     if key not in batch.plans:
-        batch.plans[key] = KernelPlan(batch, block_size, backend, dtype, state=state)
+        batch.plans[key] = KernelPlan(batch, block_size, backend, dtype, state=state, head_dim=head_dim)
     return batch.plans[key]

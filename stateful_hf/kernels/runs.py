@@ -13,12 +13,16 @@ row order, so the query and output tensors are passed through unpermuted. A slid
 
 from __future__ import annotations
 
+import functools
 import importlib
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from .batch import PagedBatch
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -76,8 +80,26 @@ def cuda_package_available(device: torch.device | str, package: str) -> bool:
     """True when `device` is a CUDA device here and `package` imports (the GPU backends' gate)."""
     if torch.device(device).type != "cuda" or not torch.cuda.is_available():
         return False
+    return package_imports(package)
+
+
+def package_imports(package: str) -> bool:
+    """True when `package` imports. An optional package that fails in any way (ImportError, or a
+    half-installed one's OSError, RuntimeError, AttributeError, ...) counts as absent; a failure
+    other than the package missing is logged once per package and reason."""
     try:
         importlib.import_module(package)
-    except ImportError:
+    except ModuleNotFoundError as e:
+        if e.name != package:                # installed, but a dependency of it is missing
+            log_import_failure(package, f"{type(e).__name__}: {e}")
+        return False
+    except Exception as e:                   # any failure means absent: a backend's gate never crashes a store
+        log_import_failure(package, f"{type(e).__name__}: {e}")
         return False
     return True
+
+
+@functools.cache
+def log_import_failure(package: str, reason: str) -> None:
+    """Log that `package` is present but failed to import (cached: once per package and reason)."""
+    logger.warning("%s fails to import (%s); treated as absent", package, reason)

@@ -1,8 +1,10 @@
 """Triton paged attention: fused online softmax over the block table, no gathered copy of the context.
 
 One program per (query tile of one sub-request, query head). A tile is up to BLOCK_M consecutive
-packed rows of one sub-request; it walks that sub-request's blocks from the first key any of its rows
-can see to the last (one pool block = one BLOCK_N step), masking each (row, key) by absolute position:
+packed rows of one sub-request; it walks that sub-request's keys from the first any of its rows can see
+to the last in BLOCK_N steps (BLOCK_N divides the pool's block size PAGE, so a step never straddles two
+blocks; it is smaller than PAGE where a K+V tile would not fit shared memory), masking each (row, key) by
+absolute position:
     key j visible to row t  <=>  j <= q_pos[t]  and  j < kv_len[i]  and  j > q_pos[t] - window.
 With a softcap c, the scaled logits s become c * tanh(s / c) before masking (Gemma 2).
 Caches are read through their strides, so `pool[l, :, 0]` views of a
@@ -16,13 +18,18 @@ triton reads the variable when the kernel is decorated).
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from .batch import PagedBatch
+from .runs import package_imports
 
 BLOCK_M = 16        # query rows per program (tl.dot needs >= 16)
 HEAD_DIMS = (64, 80, 96, 128, 256)
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+KV_TILE_BYTES = 64 * 1024   # one step's K + V tiles at most: the cubin then fits sm_80's 163 KiB of shared memory
 _KERNEL = None      # built on first use: the jit-decorated kernel
 tl = None           # triton.language once _build() ran; the kernels look it up as a module global
 
@@ -32,12 +39,9 @@ def interpreted() -> bool:
 
 
 def available(device: torch.device | str) -> bool:
-    """True when triton is importable and can run on `device` (CUDA, or any device interpreted)."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return torch.device(device).type == "cuda" or interpreted()
+    """True when triton imports (a failure of any kind counts as absent) and can run on `device`
+    (CUDA, or any device interpreted)."""
+    return package_imports("triton") and (torch.device(device).type == "cuda" or interpreted())
 
 
 def _max_fn(a, b):
@@ -76,23 +80,26 @@ def _build():
         sbt_s, sbt_m,
         GROUP: tl.constexpr,              # Hq // Hkv
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,   # BLOCK_D = next power of two >= HEAD_DIM
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,    # BLOCK_N = the pool's block_size
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,    # BLOCK_N: keys per step, a divisor of PAGE
+        PAGE: tl.constexpr,               # the pool's block_size
         PRECISION: tl.constexpr,          # "ieee" for fp32 (no tf32), "tf32" otherwise (ignored by fp16/bf16)
         UPCAST: tl.constexpr,             # compute the dots in fp32 (interpreted bf16, see below)
     ):
+        # Index tensors may be int32 or int64 (PagedBatch takes both): every index value is int32 from here
+        # on, so branches that redefine one (lo below) keep one type; block ids widen to int64 for offsets.
         tile = tl.program_id(0)
         head = tl.program_id(1)
         kv_head = head // GROUP
-        seq = tl.load(tile_seq + tile)
-        row0 = tl.load(tile_row + tile)
-        row_end = tl.load(cu_q + seq + 1)
-        n_kv = tl.load(kv_len + seq)
+        seq = tl.load(tile_seq + tile).to(tl.int32)
+        row0 = tl.load(tile_row + tile).to(tl.int32)
+        row_end = tl.load(cu_q + seq + 1).to(tl.int32)
+        n_kv = tl.load(kv_len + seq).to(tl.int32)
 
         rows = row0 + tl.arange(0, BLOCK_M)
         row_ok = rows < row_end
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < HEAD_DIM
-        pos = tl.load(q_pos + rows, mask=row_ok, other=-1)              # [BLOCK_M]
+        pos = tl.load(q_pos + rows, mask=row_ok, other=-1).to(tl.int32)  # [BLOCK_M]
 
         q = tl.load(Q + rows[:, None] * sq_t + head * sq_h + offs_d[None, :] * sq_d,
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)    # [BLOCK_M, BLOCK_D]
@@ -111,13 +118,14 @@ def _build():
         acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
         offs_n = tl.arange(0, BLOCK_N)
         for start in range(lo, hi, BLOCK_N):
-            block = tl.load(block_table + seq * sbt_s + (start // BLOCK_N) * sbt_m).to(tl.int64)
+            block = tl.load(block_table + seq * sbt_s + (start // PAGE) * sbt_m).to(tl.int64)
             keys = start + offs_n                                         # absolute key positions [BLOCK_N]
+            slots = start % PAGE + offs_n                                 # their slots in `block`
             k_ok = keys < hi
             kv_mask = k_ok[:, None] & d_ok[None, :]
-            k = tl.load(K + block * sk_b + offs_n[:, None] * sk_s + kv_head * sk_h + offs_d[None, :] * sk_d,
+            k = tl.load(K + block * sk_b + slots[:, None] * sk_s + kv_head * sk_h + offs_d[None, :] * sk_d,
                         mask=kv_mask, other=0.0)                          # [BLOCK_N, BLOCK_D]
-            v = tl.load(V + block * sv_b + offs_n[:, None] * sv_s + kv_head * sv_h + offs_d[None, :] * sv_d,
+            v = tl.load(V + block * sv_b + slots[:, None] * sv_s + kv_head * sv_h + offs_d[None, :] * sv_d,
                         mask=kv_mask, other=0.0)
             if UPCAST:
                 k = k.to(tl.float32)
@@ -166,26 +174,60 @@ def triton_paged_attention(
     tiles: tuple[torch.Tensor, torch.Tensor] | None = None,   # query_tiles(batch), precomputed per step
     softcap: float | None = None,   # logits become softcap * tanh(logits / softcap) (Gemma 2)
 ) -> torch.Tensor:              # [T, Hq, D]
-    global _KERNEL
-    t, hq, d = query.shape
-    block_size, hkv = key_cache.shape[1], key_cache.shape[2]
-    if d not in HEAD_DIMS:
-        raise ValueError(f"triton paged attention: head_dim {d} not supported; use one of {HEAD_DIMS}")
-    if block_size < 16 or block_size & (block_size - 1):
-        raise ValueError(f"triton paged attention: block_size {block_size} must be a power of two >= 16")
-    if query.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise TypeError(f"triton paged attention: dtype {query.dtype} not supported")
+    check_supported(query.shape[2], key_cache.shape[1], query.dtype)
+    t = query.shape[0]
     out = torch.empty_like(query)
     seqs, rows = query_tiles(batch) if tiles is None else tiles
     if t == 0 or seqs.numel() == 0:
         return out
-    if _KERNEL is None:
-        _KERNEL = _build()
+    launch = kernel_launch(query, key_cache, value_cache, out, batch, scale, window, softcap, (seqs, rows),
+                           interpreted())
+    kernel()[launch.grid](*launch.args, **launch.constexprs)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class KernelLaunch:
+    """One launch of `paged_attention_kernel`: what a call passes and what a compile check specialises."""
+
+    grid: tuple[int, int]               # (query tiles, query heads)
+    args: tuple[Any, ...]               # the kernel's runtime parameters, in its order
+    constexprs: dict[str, Any]          # its tl.constexpr parameters by name
+
+
+def supports(dtype: torch.dtype | None = None, head_dim: int | None = None,
+             block_size: int | None = None) -> str | None:
+    """None when the kernel compiles for (dtype, head_dim, pool block size), else why not; None
+    arguments are not checked (the backend selection's and `check_supported`'s one rule)."""
+    if dtype is not None and dtype not in DTYPES:
+        return f"dtype {dtype} not in {DTYPES}"
+    if head_dim is not None and head_dim not in HEAD_DIMS:
+        return f"head_dim {head_dim} not in {HEAD_DIMS}"
+    if block_size is not None and (block_size < 16 or block_size & (block_size - 1)):
+        return f"block_size {block_size} is not a power of two >= 16"
+    return None
+
+
+def check_supported(head_dim: int, block_size: int, dtype: torch.dtype) -> None:
+    """Raise ValueError unless the kernel compiles for this head_dim, pool block size and dtype."""
+    reason = supports(dtype, head_dim, block_size)
+    if reason is not None:
+        raise ValueError(f"triton paged attention: {reason}")
+
+
+def kernel_launch(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, out: torch.Tensor,
+                  batch: PagedBatch, scale: float, window: int | None, softcap: float | None,
+                  tiles: tuple[torch.Tensor, torch.Tensor], interpret: bool) -> KernelLaunch:
+    """The kernel's arguments for these tensors: the one place that builds them (launches and the compile
+    test in tests/test_triton_compile.py both use it, so a new argument or index dtype cannot be missed)."""
+    _, hq, d = query.shape
+    block_size, hkv = key_cache.shape[1], key_cache.shape[2]
+    check_supported(d, block_size, query.dtype)
+    seqs, rows = tiles
     # triton 3.9's interpreter returns garbage from tl.dot on bf16 operands (a 16x16 bf16 a @ a is off by
     # 1e10), so interpreted bf16 runs its dots in fp32; compiled bf16 uses the tensor-core bf16 dot.
-    upcast = query.dtype == torch.bfloat16 and interpreted()
-    grid = (seqs.numel(), hq)
-    _KERNEL[grid](
+    upcast = query.dtype == torch.bfloat16 and interpret
+    args = (
         query, key_cache, value_cache, out,
         seqs, rows,
         batch.cu_q, batch.q_pos, batch.kv_len, batch.block_table,
@@ -193,9 +235,18 @@ def triton_paged_attention(
         *query.stride(), *out.stride(),
         *key_cache.stride(), *value_cache.stride(),
         *batch.block_table.stride(),
-        GROUP=hq // hkv, HEAD_DIM=d, BLOCK_D=max(16, 1 << (d - 1).bit_length()),
-        BLOCK_M=BLOCK_M, BLOCK_N=block_size,
-        PRECISION="ieee" if query.dtype == torch.float32 or upcast else "tf32",
-        UPCAST=upcast,
     )
-    return out
+    block_d = max(16, 1 << (d - 1).bit_length())
+    block_n = min(block_size, KV_TILE_BYTES // (2 * block_d * query.element_size()))   # >= 16: fp32 x 256 -> 32
+    constexprs = dict(GROUP=hq // hkv, HEAD_DIM=d, BLOCK_D=block_d,
+                      BLOCK_M=BLOCK_M, BLOCK_N=block_n, PAGE=block_size,
+                      PRECISION="ieee" if query.dtype == torch.float32 or upcast else "tf32", UPCAST=upcast)
+    return KernelLaunch(grid=(seqs.numel(), hq), args=args, constexprs=constexprs)
+
+
+def kernel():
+    """The jit-decorated `paged_attention_kernel`, built on first use (under the TRITON_INTERPRET then set)."""
+    global _KERNEL
+    if _KERNEL is None:
+        _KERNEL = _build()
+    return _KERNEL
