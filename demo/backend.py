@@ -141,29 +141,34 @@ class ChatBackend:
                 f"<span class='shf-mine' style='width:{own:.1f}%'></span></span>"
                 f"<span class='shf-num'>{label} (this chat: {mine.get(tier, 0)})</span></div>")
         c = st.counters
+        needed = c.device_hits + c.swapped_in_host + c.swapped_in_disk + c.restored_hidden + c.recomputed
+        hit = f"{st.hit_rate:.0%}" if needed else "— (no turn has needed stored history yet)"
         return (f"<div class='shf-tiers'><b>Session store</b> — {st.sessions} sessions, blocks of {st.block_size} "
                 f"tokens{''.join(rows)}<div class='shf-traffic'>traffic: device hits {c.device_hits}, "
                 f"swapped in host {c.swapped_in_host} / disk {c.swapped_in_disk}, swapped out "
                 f"{c.swapped_out_host}, dropped {c.dropped}, recomputed {c.recomputed}; hit rate "
-                f"{st.hit_rate:.0%}</div></div>")
+                f"<span id='shf-hit-rate'>{hit}</span></div></div>")
 
     @staticmethod
     def turns_html(turns: list[dict]) -> str:
         if not turns:
             return "<div class='shf-turns'><i>Per-turn numbers appear after the first reply.</i></div>"
         head = ("<tr><th>turn</th><th>TTFT<br>ms</th><th>prompt</th><th>reused</th><th>host/<br>disk</th>"
-                "<th>hidden</th><th>re-<br>comp.</th><th>com-<br>puted</th><th>cut</th><th>hint</th></tr>")
+                "<th>hidden</th><th>re-<br>comp.</th><th>com-<br>puted</th><th>cut</th><th>hint</th>"
+                "<th>end</th></tr>")
         body = "".join(
             f"<tr><td>{t['turn']}</td><td>{_ms(t['ttft_ms'])}</td><td>{t['prompt_tokens']}</td>"
             f"<td>{t['reused_tokens']}</td><td>{t['at_send_host']} / {t['at_send_disk']}</td>"
             f"<td>{t['at_send_hidden']}</td><td>{t['recomputed_tokens']}</td><td>{t['computed_tokens']}</td>"
-            f"<td>{t['truncated_tokens']}</td><td>{t['hint_moved_tokens']}</td></tr>" for t in turns)
+            f"<td>{t['truncated_tokens']}</td><td>{t['hint_moved_tokens']}</td>"
+            f"<td class='shf-end'>{t['finish_reason'] or '–'}</td></tr>" for t in turns)
         return (f"<div class='shf-scroll'><table class='shf-turns'>{head}{body}</table></div>"
                 "<div class='shf-note'>Reused = history served "
                 "from stored KV; host / disk / hidden = where that history was when the turn was sent "
                 "(swapped in or rebuilt, not recomputed); recomp. = recomputed; cut = history dropped because "
                 "the conversation changed there (an edit, retry or undo, or a reply whose text re-tokenizes "
-                "differently); hint = tokens a typing hint moved up before the turn was sent.</div>")
+                "differently); hint = tokens a typing hint moved up before the turn was sent; end = why the "
+                "reply ended (stop: the model ended it; length: the max new tokens limit).</div>")
 
 
 def _ms(v: float | None) -> str:

@@ -8,6 +8,7 @@ RANDOM_NOTE = ("**Note:** this demo runs an offline tiny Llama whose weights are
                "gibberish. What to watch is the side panel — from the second turn on, the history is reused, "
                "not recomputed. Start it with `--model PATH` for a real checkpoint.")
 ERROR_NOTE = "This turn failed and was rolled back (it is not part of the conversation; edit and send again):"
+LENGTH_NOTE = "*(stopped at the {n}-token limit: raise max new tokens under Generation)*"
 CSS = """
 .shf-tiers {font-size: 0.9em} .shf-tier {display:flex; flex-wrap:wrap; align-items:center; gap:4px 8px; margin:4px 0}
 .shf-name {width:64px; font-weight:600} .shf-num {font-size:0.85em; opacity:0.8; min-width:0}
@@ -24,6 +25,23 @@ table.shf-turns th {overflow-wrap:anywhere; vertical-align:bottom} table.shf-tur
 #shf-error {color:#b91c1c}
 """
 
+def shown(st) -> list[dict]:
+    """The chat as displayed: copies of the conversation's messages, each reply that stopped at its
+    token limit saying so (the conversation sent to the model stays as it was)."""
+    out = [dict(m) for m in st["messages"]]
+    for t in st["turns"]:
+        if t["finish_reason"] == "length":
+            out[t["reply"]]["content"] += "\n\n" + LENGTH_NOTE.format(n=t["output_tokens"])
+    return out
+
+
+def keep_turns(st) -> None:
+    """Keep the rows of the turns whose reply is still in the conversation (undo, retry and edit drop
+    the others), one per reply, the latest. A row's `reply` is its message's index in st["messages"]."""
+    latest = {t["reply"]: t for t in st["turns"] if t["reply"] < len(st["messages"])}
+    st["turns"] = [latest[i] for i in sorted(latest)]
+
+
 def build_app(backend: ChatBackend, random_weights: bool, hints: bool = True):
     def fresh(st):
         return st if st is not None else {"sid": backend.new_session_id(), "messages": [], "turns": []}
@@ -31,49 +49,57 @@ def build_app(backend: ChatBackend, random_weights: bool, hints: bool = True):
     def panels(st):
         return backend.turns_html(st["turns"]), backend.tiers_html(st["sid"]), (st["turns"][-1] if st["turns"] else {})
 
-    def reply(st, max_new, temperature, box="", rollback=None, seed=0):
+    def saved(st) -> tuple[list[dict], list[dict]]:
+        """The conversation and its rows before an action (what a failed turn goes back to)."""
+        return [dict(m) for m in st["messages"]], list(st["turns"])
+
+    def reply(st, max_new, temperature, rollback, box="", seed=0):
         """Stream the assistant's answer to st["messages"] (which ends with a user message). If the turn
-        fails, st["messages"] goes back to `rollback` (the conversation before this action), so later
-        sends work; the failed message is shown with its error next to it, and `box` gets it back."""
-        turn = len(st["turns"]) + 1
-        shown = [dict(m) for m in st["messages"]]
-        yield (shown, box, st, *panels(st))
+        fails, st goes back to `rollback` (`saved` before this action), so later sends work; the failed
+        message is shown with its error next to it, and `box` gets it back."""
+        keep_turns(st)
+        turn = sum(m["role"] == "assistant" for m in st["messages"]) + 1
+        before = shown(st)
+        yield (before, box, st, *panels(st))
         try:
             for text, info in backend.stream(st["sid"], st["messages"], turn, int(max_new), float(temperature),
                                              seed):
                 if info is None:
-                    yield (shown + [{"role": "assistant", "content": text}], box, st, *panels(st))
+                    yield (before + [{"role": "assistant", "content": text}], box, st, *panels(st))
                 else:
                     st["messages"].append({"role": "assistant", "content": text})
-                    st["turns"].append(info.as_dict())
-                    yield ([dict(m) for m in st["messages"]], box, st, *panels(st))
+                    st["turns"].append({**info.as_dict(), "reply": len(st["messages"]) - 1})
+                    keep_turns(st)
+                    yield (shown(st), box, st, *panels(st))
         except Exception as e:          # noqa: BLE001 - any failed turn: roll back, show it, keep going
             failed = st["messages"][-1]
-            st["messages"] = [dict(m) for m in (rollback if rollback is not None else st["messages"][:-1])]
+            st["messages"], st["turns"] = rollback
             note = {"role": "assistant", "content": f"⚠️ {ERROR_NOTE} {type(e).__name__}: {e}"}
-            yield ([dict(m) for m in st["messages"]] + [dict(failed), note], failed["content"], st, *panels(st))
+            yield (shown(st) + [dict(failed), note], failed["content"], st, *panels(st))
 
     def send(message, st, max_new, temperature):
         st = fresh(st)
         if not message or not message.strip():
-            yield ([dict(m) for m in st["messages"]], message, st, *panels(st))
+            yield (shown(st), message, st, *panels(st))
             return
-        before = [dict(m) for m in st["messages"]]
+        before = saved(st)
         st["messages"].append({"role": "user", "content": message})
-        yield from reply(st, max_new, temperature, rollback=before)
+        yield from reply(st, max_new, temperature, before)
 
     def retry(st, max_new, temperature):
         """Answer the last user message again, at the Retry temperature (a fresh seed each time)."""
         st = fresh(st)
-        before = [dict(m) for m in st["messages"]]
+        before = saved(st)
         while st["messages"] and st["messages"][-1]["role"] == "assistant":
             st["messages"].pop()
         if not st["messages"]:
+            keep_turns(st)
             yield ([], "", st, *panels(st))
             return
-        yield from reply(st, max_new, temperature, rollback=before, seed=None)
+        yield from reply(st, max_new, temperature, before, seed=None)
 
     def undo(st):
+        """Take back the last exchange: its user message returns to the box, its row leaves the table."""
         st = fresh(st)
         text = ""
         while st["messages"]:
@@ -81,18 +107,19 @@ def build_app(backend: ChatBackend, random_weights: bool, hints: bool = True):
             if m["role"] == "user":
                 text = m["content"]
                 break
-        return [dict(m) for m in st["messages"]], text, st, *panels(st)
+        keep_turns(st)
+        return shown(st), text, st, *panels(st)
 
     def edit(st, max_new, temperature, data: gr.EditData):
         st = fresh(st)
         i = data.index if isinstance(data.index, int) else data.index[0]
         if i >= len(st["messages"]) or st["messages"][i]["role"] != "user":
-            yield ([dict(m) for m in st["messages"]], "", st, *panels(st))
+            yield (shown(st), "", st, *panels(st))
             return
         value = data.value if isinstance(data.value, str) else str(data.value)
-        before = [dict(m) for m in st["messages"]]
+        before = saved(st)
         st["messages"] = st["messages"][:i] + [{"role": "user", "content": value}]
-        yield from reply(st, max_new, temperature, rollback=before)
+        yield from reply(st, max_new, temperature, before)
 
     def typing(st):
         if hints and st is not None:

@@ -1,13 +1,24 @@
-"""stateful-hf: keep each conversation's attention state across turns for Hugging Face models."""
+"""stateful-hf: keep each conversation's attention state across turns for Hugging Face models.
 
-from .adapter import UnsupportedModelError
-from .cache import CapacityError, SessionBusyError, StoreError, UnknownSessionError
-from .engine import Engine, RequestOutput, SamplingParams
-from .engine.hints import Hint
-from .integration import enable
-from .pipeline import StatefulTextGenerationPipeline, pipeline
-from .session_store import SessionStore
-from .stateful_cache import StatefulCache
+The names below load on first use (PEP 562): `import stateful_hf` imports neither torch nor
+transformers, so `python -m stateful_hf.serve` checks its flags in milliseconds. The first name used
+imports them all (and registers `transformers.pipeline("stateful-text-generation", ...)`).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:   # the same names, for type checkers and IDEs
+    from .adapter import UnsupportedModelError
+    from .cache import CapacityError, SessionBusyError, StoreError, UnknownSessionError
+    from .engine import Engine, RequestOutput, SamplingParams
+    from .engine.hints import Hint
+    from .integration import enable
+    from .pipeline import StatefulTextGenerationPipeline, pipeline
+    from .session_store import SessionStore
+    from .stateful_cache import StatefulCache
 
 __all__ = [
     "CapacityError", "SessionBusyError", "SessionStore", "StatefulCache", "StoreError", "UnknownSessionError",
@@ -16,3 +27,38 @@ __all__ = [
 __all__ += ["Engine", "RequestOutput", "SamplingParams"]
 __all__ += ["Hint", "StatefulTextGenerationPipeline", "pipeline"]
 __version__ = "0.1.0"
+
+
+def _facade() -> dict:
+    """The public names, imported (torch and transformers with them)."""
+    from .adapter import UnsupportedModelError
+    from .cache import CapacityError, SessionBusyError, StoreError, UnknownSessionError
+    from .engine import Engine, RequestOutput, SamplingParams
+    from .engine.hints import Hint
+    from .integration import enable
+    from .pipeline import StatefulTextGenerationPipeline, pipeline
+    from .session_store import SessionStore
+    from .stateful_cache import StatefulCache
+    return {"CapacityError": CapacityError, "SessionBusyError": SessionBusyError, "SessionStore": SessionStore,
+            "StatefulCache": StatefulCache, "StoreError": StoreError, "UnknownSessionError": UnknownSessionError,
+            "UnsupportedModelError": UnsupportedModelError, "enable": enable, "Engine": Engine,
+            "RequestOutput": RequestOutput, "SamplingParams": SamplingParams, "Hint": Hint,
+            "StatefulTextGenerationPipeline": StatefulTextGenerationPipeline, "pipeline": pipeline}
+
+
+def __getattr__(name: str):
+    """A public name (the first one used loads them all) or a subpackage not imported yet."""
+    if name in __all__:
+        globals().update(_facade())
+        return globals()[name]
+    if not name.startswith("__"):
+        try:
+            return importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

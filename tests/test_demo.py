@@ -77,6 +77,12 @@ def _texts(chat: list[dict]) -> list[tuple[str, str]]:
     return out
 
 
+def _reply(text: str) -> tuple[str, bool]:
+    """(a displayed reply without its note, whether the note says it stopped at its token limit)."""
+    body, note, _ = text.partition("\n\n*(stopped at the ")
+    return body, bool(note)
+
+
 def test_two_concurrent_sessions_three_turns(demo_url):
     from stateful_hf import Engine, SamplingParams
     from stateful_hf.testing import tiny_llama, tiny_tokenizer
@@ -109,7 +115,8 @@ def test_two_concurrent_sessions_three_turns(demo_url):
             want = engine.chat_submit(name, USERS[name][i], greedy).result().text
             msgs = _texts(chat)
             assert len(msgs) == 2 * (i + 1)
-            assert msgs[-2] == ("user", USERS[name][i]) and msgs[-1] == ("assistant", want)
+            assert msgs[-2] == ("user", USERS[name][i]) and msgs[-1][0] == "assistant"
+            assert _reply(msgs[-1][1]) == (want, raw["finish_reason"] == "length")
             assert n_updates > 3, "the reply was not streamed"
             assert raw["turn"] == i + 1 and raw["output_tokens"] > 0 and raw["ttft_ms"] > 0
             if i == 0:
@@ -146,14 +153,35 @@ def test_failed_turn_is_rolled_back_and_later_sends_work(demo_url):
     engine = Engine(tiny_llama(), tiny_tokenizer(), device_capacity=4096)
     greedy = SamplingParams(max_new_tokens=MAX_NEW)
     engine.chat_submit("x", first, greedy).result()
-    assert msgs[3] == ("assistant", engine.chat_submit("x", second, greedy).result().text)
-    assert msgs[1] == ("assistant", engine.conversation("x")[1]["content"])
+    assert _reply(msgs[3][1])[0] == engine.chat_submit("x", second, greedy).result().text
+    assert _reply(msgs[1][1])[0] == engine.conversation("x")[1]["content"]
     engine.stop()
     # Retry has its own temperature: at 0 it repeats the greedy reply; above 0 it samples another one
     again, *_ = client.predict(MAX_NEW, 0.0, api_name="/retry")
     assert _texts(again) == msgs
     replies = {_texts(client.predict(MAX_NEW, 1.5, api_name="/retry")[0])[-1][1] for _ in range(3)}
     assert replies - {msgs[3][1]}, "Retry at temperature 1.5 gave the greedy reply every time"
+
+
+def test_finish_reason_shown_and_undone_turns_leave_the_table(demo_url):
+    """A reply cut by the token limit says so (in its bubble and the table's `end` column); an undone
+    exchange leaves the per-turn table and the next turn takes its number."""
+    client = gradio_client.Client(demo_url, verbose=False)
+    chat, box, turns_html, tiers_html, raw = client.predict("Hello! How are you today?", 3, 0.0, api_name="/send")
+    assert raw["turn"] == 1 and raw["finish_reason"] in ("stop", "length") and raw["output_tokens"] <= 3
+    text, capped = _reply(_texts(chat)[-1][1])
+    assert capped == (raw["finish_reason"] == "length") and text
+    assert f"<td class='shf-end'>{raw['finish_reason']}</td>" in turns_html
+    chat, box, turns_html, tiers_html, raw = client.predict("Tell me about the sea.", 3, 0.0, api_name="/send")
+    assert raw["turn"] == 2 and turns_html.count("<tr>") == 3 and "hit rate" in tiers_html
+    chat, box, turns_html, tiers_html, raw = client.predict(api_name="/undo")
+    assert box == "Tell me about the sea." and len(_texts(chat)) == 2
+    assert turns_html.count("<tr>") == 2 and raw["turn"] == 1, turns_html        # turn 2's row is gone
+    chat, box, turns_html, tiers_html, raw = client.predict("Tell me about the mountains.", 3, 0.0, api_name="/send")
+    assert raw["turn"] == 2 and turns_html.count("<tr>") == 3 and raw["reused_tokens"] > 0
+    # Retry replaces the last reply: its row is replaced too, not added
+    chat, box, turns_html, tiers_html, raw = client.predict(3, 0.0, api_name="/retry")
+    assert raw["turn"] == 2 and turns_html.count("<tr>") == 3 and len(_texts(chat)) == 4
 
 
 def test_runs_as_a_script():

@@ -88,3 +88,16 @@ def test_typing_hint_prefetches_a_parked_session(backend):
     b.forget(sid)                                      # the browser session ended
     assert sid not in b.store
     b.forget(sid)
+
+
+def test_no_hit_rate_until_a_turn_has_needed_history(backend):
+    b, oracle = backend
+    assert "hit rate <span id='shf-hit-rate'>—" in b.tiers_html() and "100%" not in b.tiers_html()
+    sid, msgs = b.new_session_id(), [{"role": "user", "content": USER[0]}]
+    text, info = _turn(b, oracle, sid, msgs, 1)
+    assert "hit rate <span id='shf-hit-rate'>—" in b.tiers_html(sid)      # the first turn had no history
+    msgs += [{"role": "assistant", "content": text}, {"role": "user", "content": USER[1]}]
+    _turn(b, oracle, sid, msgs, 2)
+    assert "hit rate <span id='shf-hit-rate'>100%" in b.tiers_html(sid)
+    html = b.turns_html([{**info.as_dict(), "reply": 1}])
+    assert f"<td class='shf-end'>{info.finish_reason}</td>" in html and "end = why the reply ended" in html

@@ -6,6 +6,7 @@ import json
 import re
 import threading
 import time
+from urllib.parse import quote
 
 import pytest
 
@@ -114,6 +115,8 @@ def _error(r: httpx.Response, status: int, code: str | None = None) -> dict:
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if status == 400:                                  # every 400 names the field (or header) at fault
+        assert isinstance(err["param"], str) and err["param"], err
     if code is not None:
         assert err["code"] == code, err
     return err
@@ -147,6 +150,51 @@ def test_bad_input_gets_openai_errors(server, client):
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL, messages=user, max_tokens=-5)
     assert httpx.get(server.url + "/health", timeout=10).json()["status"] == "ok"
+
+
+def test_every_400_names_its_param(server):
+    user = [{"role": "user", "content": "hi"}]
+    chat = {"model": MODEL, "messages": user, "max_tokens": 2}
+    for body, param in (({**chat, "top_p": 0}, "top_p"), ({**chat, "top_k": -2}, "top_k"),
+                        ({**chat, "stop": ""}, "stop"), ({**chat, "stop": ["a", ""]}, "stop"),
+                        ({**chat, "tools": [{"type": "function"}]}, "tools"),
+                        ({**chat, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+                        ({**chat, "messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
+                        ({**chat, "top_logprobs": 3}, "top_logprobs"), ({**chat, "cache_salt": ""}, "cache_salt"),
+                        ({**chat, "session_id": "a b"}, "session_id"), ("{not json", "body"), ("[1]", "body")):
+        assert _error(_post(server, "/v1/chat/completions", body), 400)["param"] == param, body
+    assert _error(_post(server, "/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}), 400)["param"] == "prompt"
+    assert _error(_post(server, "/v1/hints", {"session_id": "x/y"}), 400)["param"] == "session_id"
+    salted = {**chat, "session_id": "salted", "cache_salt": "one"}
+    assert _post(server, "/v1/chat/completions", salted).status_code == 200
+    err = _error(_post(server, "/v1/chat/completions", {**salted, "cache_salt": "two"}), 400)
+    assert err["param"] == "cache_salt", err
+
+
+def test_session_ids_are_bounded(server):
+    """X-Session-Id, the body's session_id and the URL's id: 1-128 of [A-Za-z0-9._:-], else a 400
+    naming where the id came from; nothing is created."""
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+    def post(sid: str) -> httpx.Response:
+        return httpx.post(server.url + "/v1/chat/completions", json=chat, headers={"X-Session-Id": sid.encode()},
+                          timeout=30)
+    longest = "a.b_c:d-" * 16
+    assert len(longest) == 128 and post(longest).status_code == 200
+    assert httpx.get(f"{server.url}/v1/sessions/{longest}", timeout=10).json()["tokens"] > 0
+    for bad in (longest + "x", "alice bob", "a/b", "@acme/x", "é", "a\tb", "x" * 4000):
+        err = _error(post(bad), 400, "invalid_session_id")
+        assert err["param"] == "X-Session-Id" and "1-128 characters" in err["message"]
+        assert len(err["message"]) < 300                         # the id is not echoed whole
+        assert httpx.get(f"{server.url}/v1/sessions/{quote(bad, safe='')}", timeout=10).status_code in (400, 404)
+    err = _error(_post(server, "/v1/chat/completions", {**chat, "session_id": "a" * 129}), 400, "invalid_session_id")
+    assert err["param"] == "session_id"
+    err = _error(httpx.delete(f"{server.url}/v1/sessions/{'b' * 129}", timeout=10), 400, "invalid_session_id")
+    assert err["param"] == "session_id"
+    # a header wins over the body: a bad header is refused even with a good body id
+    r = httpx.post(server.url + "/v1/chat/completions", json={**chat, "session_id": "fine"},
+                   headers={"X-Session-Id": "not fine"}, timeout=30)
+    assert _error(r, 400)["param"] == "X-Session-Id"
 
 
 def test_busy_session_queues_and_disconnect_cancels(server):

@@ -1,4 +1,7 @@
-"""`python -m stateful_hf.serve [--model NAME|PATH] [--port 8000] [--ray --replicas N] [--api-keys-file FILE]`."""
+"""`python -m stateful_hf.serve [--model NAME|PATH] [--port 8000] [--ray --replicas N] [--api-keys-file FILE]`.
+
+Flags are checked before torch and transformers are imported where they can be (`flags.py`); a bad one
+exits with status 2 and one line."""
 
 from __future__ import annotations
 
@@ -7,10 +10,8 @@ import ipaddress
 import os
 import signal
 
-from ..cache import parse_capacity
-from ..models import DEFAULT_MODEL, TINY_MODEL
-
-CAPACITY = "tokens (digits) or a size such as 2GiB"
+from ..models import DEFAULT_MODEL, SOURCES, TINY_MODEL
+from . import flags
 
 
 def _share(v: str) -> tuple[str, float]:
@@ -36,7 +37,7 @@ def is_loopback(host: str) -> bool:
 
 def _access(p: argparse.ArgumentParser, a: argparse.Namespace):
     """The server's `Access` from the options; exits with status 2 on a bad keys file or an open bind."""
-    from .auth import Access, KeyRing
+    from .auth import Access, CorsPolicy, KeyRing
     from .limits import Limits
     keys = None
     if a.api_key is not None or a.api_keys_file is not None:
@@ -53,7 +54,8 @@ def _access(p: argparse.ArgumentParser, a: argparse.Namespace):
                         a.max_stored_tokens_per_tenant)
     except ValueError as e:
         p.error(str(e))
-    return Access(keys, a.metrics_key, limits)
+    cors = CorsPolicy(tuple(a.allowed_origins), tuple(a.allowed_methods), tuple(a.allowed_headers), a.allow_credentials)
+    return Access(keys, a.metrics_key, limits, cors)
 
 
 def _announce(access, host: str) -> None:
@@ -67,6 +69,15 @@ def _announce(access, host: str) -> None:
               flush=True)
 
 
+def _describe(store, context: int) -> None:
+    """One line: what the store was built with (the flags' effect, resolved: `auto` named)."""
+    inner = getattr(store.policy, "inner", None)             # FairSharePolicy wraps the chosen one
+    policy = store.policy.name if inner is None else f"{store.policy.name}({inner.name})"
+    hidden = "on" if store.hidden_plan is not None else "off"
+    print(f"stateful-hf: context {context} tokens; store: attention backend {store.attn_backend}, eviction policy "
+          f"{policy}, hidden states {hidden}", flush=True)
+
+
 def reload_keys_on_sighup(keys) -> None:
     """SIGHUP re-reads the keys file (`KeyRing.reload`)."""
     signal.signal(signal.SIGHUP, lambda *_: keys.reload())
@@ -74,21 +85,19 @@ def reload_keys_on_sighup(keys) -> None:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m stateful_hf.serve", description=__doc__,
+                                usage="%(prog)s [options]   (--help lists them)",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"a named model ({DEFAULT_MODEL}, fetched once into $STATEFUL_HF_MODELS; {TINY_MODEL}: the "
-                   "offline fixture with RANDOM weights) or a Hugging Face model directory or hub id")
+    flags.add_model_flags(p, DEFAULT_MODEL, f"{DEFAULT_MODEL}, fetched once into $STATEFUL_HF_MODELS; {TINY_MODEL}: "
+                          "the offline fixture with RANDOM weights")
     p.add_argument("--served-model-name", help="the `model` clients send (none: --model)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port")
-    p.add_argument("--dtype", default="float32", help="torch dtype of the model and its KV")
-    p.add_argument("--device", default="cpu", help="torch device of the model and the device KV tier")
-    p.add_argument("--device-capacity", type=parse_capacity, default="256MiB", help=f"device KV tier: {CAPACITY}")
-    p.add_argument("--host-capacity", type=parse_capacity,
-                   help=f"host KV tier: {CAPACITY}; none: no host tier (memory is taken as it is used)")
-    p.add_argument("--disk-dir", help="disk tier directory (persistent; one server per directory); none: no disk tier")
-    p.add_argument("--disk-capacity", type=parse_capacity, help=f"disk tier: {CAPACITY}; none: 1GiB with --disk-dir")
-    p.add_argument("--chunk-size", type=int, default=32, help="tokens per KV chunk")
+    p.add_argument("--max-model-len", type=int,
+                   help="context length in tokens: a request whose prompt + max_tokens exceeds it gets 400 "
+                   "(none: the model's max_position_embeddings)")
+    p.add_argument("--seed", type=int, help="requests without a `seed` take theirs from a generator seeded with "
+                   "this, in the order the server takes them (none: a fresh random seed each)")
+    flags.add_store_flags(p, device_capacity="256MiB", host_capacity=None)
     p.add_argument("--max-batch-tokens", type=int, default=512, help="rows per forward")
     p.add_argument("--default-max-tokens", type=int,
                    help="cap on a chat's max_tokens when the request has none; none: the room left in the context")
@@ -100,7 +109,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--replica-cpus", type=float, default=1.0, help="with --ray: CPUs per replica")
     p.add_argument("--replica-gpus", type=float, default=0.0, help="with --ray: GPUs per replica (1 = one device)")
     p.add_argument("--log-format", choices=("text", "json"), default="text", help="log lines as text or JSON objects")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", type=flags.log_level, default="info", help=f"one of {', '.join(flags.LOG_LEVELS)}")
     p.add_argument("--log-prompts", action="store_true", help="log prompt and completion text (off: never logged)")
     g = p.add_argument_group("access (docs/security.md)")
     g.add_argument("--api-key", default=os.environ.get("STATEFUL_HF_API_KEY"),
@@ -116,42 +125,86 @@ def parser() -> argparse.ArgumentParser:
                    help="history tokens kept per tenant (none: unlimited; beyond it 429)")
     g.add_argument("--tenant-share", type=_share, action="append", default=[], metavar="TENANT=WEIGHT",
                    help="weight of a tenant's fair share of each tier under eviction (default 1: equal)")
+    g = p.add_argument_group("CORS: which web pages may call the API from a browser (none: no CORS headers)")
+    g.add_argument("--allowed-origins", type=flags.name_list, default=[], metavar="LIST",
+                   help='origins, as a JSON list (\'["https://app.example"]\') or comma-separated; "*" is any')
+    g.add_argument("--allowed-methods", type=flags.name_list, default=["*"], metavar="LIST",
+                   help="methods a cross-origin request may use (with --allowed-origins)")
+    g.add_argument("--allowed-headers", type=flags.name_list, default=["*"], metavar="LIST",
+                   help="request headers a cross-origin request may send (with --allowed-origins)")
+    g.add_argument("--allow-credentials", action="store_true",
+                   help="let browsers send cookies and Authorization to the allowed origins")
     return p
+
+
+def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> str | None:
+    """The checks that need neither torch nor transformers; returns the chat template's text."""
+    for flag, value, least in (("--default-max-tokens", a.default_max_tokens, 1),
+                               ("--max-model-len", a.max_model_len, 2), ("--max-batch-tokens", a.max_batch_tokens, 1),
+                               ("--replicas", a.replicas, 1), ("--seed", a.seed, 0)):
+        if value is not None and value < least:
+            p.error(f"{flag} must be >= {least}, got {value}")
+    if not a.session_wait_timeout > 0:
+        p.error("--session-wait-timeout must be > 0")
+    if not 0 < a.port < 65536:
+        p.error(f"--port must be in 1..65535, got {a.port}")
+    flags.check_model(p, a.model, (*SOURCES, TINY_MODEL))
+    return flags.read_chat_template(p, a.chat_template)
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(f"{type(e).__name__}: {e}".split())
 
 
 def main(argv=None) -> None:
     p = parser()
     a = p.parse_args(argv)
-    if a.default_max_tokens is not None and a.default_max_tokens < 1:
-        p.error("--default-max-tokens must be >= 1")
-    if not a.session_wait_timeout > 0:
-        p.error("--session-wait-timeout must be > 0")
+    template = _check(p, a)
     from .logs import configure
     configure(a.log_format, a.log_level.upper(), a.log_prompts)
-    access = _access(p, a)
+    dtype = flags.torch_dtype(a.dtype)
+    if a.dtype == "auto":
+        print(f"stateful-hf: --dtype auto loads {dtype}", flush=True)
+    flags.check_device(p, a.device)         # imports torch
+    store = flags.store_options(p, a)
+    access = _access(p, a)                  # imports the engine (transformers)
     from .server import EngineOptions
-    options = EngineOptions(device_capacity=a.device_capacity, host_capacity=a.host_capacity, disk_dir=a.disk_dir,
-                            disk_capacity=a.disk_capacity, chunk_size=a.chunk_size,
-                            max_batch_tokens=a.max_batch_tokens, session_wait_timeout=a.session_wait_timeout,
-                            tenant_shares=dict(a.tenant_share))
+    named = {k: store.pop(k) for k in ("device_capacity", "host_capacity", "disk_dir", "disk_capacity", "chunk_size")}
+    options = EngineOptions(**named, max_batch_tokens=a.max_batch_tokens, session_wait_timeout=a.session_wait_timeout,
+                            tenant_shares=dict(a.tenant_share), store_kwargs=store)
+    hub = {"revision": a.revision, "trust_remote_code": a.trust_remote_code}
     if a.ray:
         from .cluster import run_cluster
         _announce(access, a.host)
         run_cluster(a.model, options, a.replicas, host=a.host, port=a.port, address=a.ray_address,
                     served_name=a.served_model_name, default_max_tokens=a.default_max_tokens,
-                    replica_cpus=a.replica_cpus, replica_gpus=a.replica_gpus, dtype=a.dtype, device=a.device,
-                    access=access)
+                    replica_cpus=a.replica_cpus, replica_gpus=a.replica_gpus, dtype=dtype, device=a.device,
+                    access=access, load=dict(hub, chat_template=template), max_model_len=a.max_model_len, seed=a.seed)
         return
     import uvicorn
 
+    from ..models import ModelUnavailableError, use_chat_template
     from .server import build_local, load_model
-    model, tokenizer, name = load_model(a.model, a.dtype, a.device)
-    app, _ = build_local(model, tokenizer, a.served_model_name or name, options, a.default_max_tokens, access)
+    try:
+        model, tokenizer, name = load_model(a.model, dtype, a.device, **hub)
+    except (OSError, ValueError, ImportError, ModelUnavailableError) as e:
+        p.error(f"--model {a.model}: {_one_line(e)}")
+    if template is not None:
+        try:
+            use_chat_template(tokenizer, template)
+        except ValueError as e:
+            p.error(f"--chat-template {a.chat_template}: {e}")
+    try:
+        app, router = build_local(model, tokenizer, a.served_model_name or name, options, a.default_max_tokens,
+                                  access, max_model_len=a.max_model_len, seed=a.seed)
+    except (ValueError, RuntimeError) as e:     # the store refused its options (a backend missing, ...)
+        p.error(" ".join(str(e).split()))
+    _describe(router.clients[0].replica.store, app.state.config.max_model_len)
     _announce(access, a.host)
     if access.keys is not None and access.keys.keys_file is not None:
         reload_keys_on_sighup(access.keys)
     print(f"stateful-hf serving {a.served_model_name or name!r} on http://{a.host}:{a.port}/v1", flush=True)
-    uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level.lower(), log_config=None)   # our handler
+    uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, log_config=None)   # our handler
 
 
 if __name__ == "__main__":

@@ -118,14 +118,33 @@ class KeyRing:
         return found
 
 
+@dataclass(frozen=True, slots=True)
+class CorsPolicy:
+    """Which web pages may call the API from a browser: Starlette's CORSMiddleware, in front of `Guard`
+    (a preflight carries no key). No `origins`: no CORS headers (a browser's OPTIONS gets 405)."""
+
+    origins: tuple[str, ...] = ()
+    methods: tuple[str, ...] = ("*",)
+    headers: tuple[str, ...] = ("*",)
+    credentials: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("origins", "methods", "headers"):
+            v = getattr(self, name)
+            if isinstance(v, str) or not all(isinstance(x, str) and x for x in v):
+                raise ValueError(f"CorsPolicy.{name} must be a tuple of non-empty strings, got {v!r}")
+
+
 @dataclass(frozen=True)
 class Access:
     """Who may call and how much: `keys` None serves everyone as the default tenant (loopback only,
-    enforced by `python -m stateful_hf.serve`); `metrics_key` guards /metrics; `limits` (limits.py)."""
+    enforced by `python -m stateful_hf.serve`); `metrics_key` guards /metrics; `limits` (limits.py);
+    `cors`: the browser origins allowed."""
 
     keys: KeyRing | None = None
     metrics_key: str | None = None
     limits: Limits = field(default_factory=Limits)
+    cors: CorsPolicy = field(default_factory=CorsPolicy)
 
 
 def request_tenant(request) -> str:

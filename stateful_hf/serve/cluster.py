@@ -24,7 +24,7 @@ from . import logs
 from .app import ServeConfig, create_app
 from .protocol import APIError
 from .router import Router
-from .server import EngineOptions, load_model
+from .server import EngineOptions, context_length, load_model
 
 log = logging.getLogger(__name__)
 APP_NAME = "stateful-hf"
@@ -35,9 +35,9 @@ class EngineReplica:
     """One engine (one device). Each instance is its own deployment: `replica-0`, `replica-1`, ..."""
 
     def __init__(self, model_path: str | None, options: dict, name: str, dtype: str = "float32",
-                 device: str = "cpu"):
+                 device: str = "cpu", load: dict | None = None):
         logs.configure_from_env()
-        model, tokenizer, _ = load_model(model_path, dtype, device)
+        model, tokenizer, _ = load_model(model_path, dtype, device, **(load or {}))
         self.replica = EngineOptions(**options).replica(model, tokenizer, name)
 
     async def stream(self, session_id, prompt, sampling: dict, cache_salt=None, tenant=None) -> AsyncIterator[dict]:
@@ -140,10 +140,13 @@ class Ingress:
     """The HTTP app and the router (one instance: the router's view of sessions is global)."""
 
     def __init__(self, model_path: str | None, served_name: str | None, default_max_tokens: int | None, *replicas,
-                 access=None):
+                 access=None, load: dict | None = None, max_model_len: int | None = None, seed: int | None = None):
+        """`load`: `load_model`'s keyword arguments (revision, trust_remote_code, chat_template)."""
         from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-        from ..models import SOURCES, TINY_MODEL, model_dir
+        from ..models import SOURCES, TINY_MODEL, model_dir, use_chat_template
+        load = load or {}
+        hub = {k: load[k] for k in ("revision", "trust_remote_code") if k in load}
         if model_path is None or model_path == TINY_MODEL:
             from ..testing import tiny_llama, tiny_tokenizer
             from .server import TINY_NAME
@@ -152,14 +155,17 @@ class Ingress:
             generation = tiny.generation_config
         else:
             path = str(model_dir(model_path)) if model_path in SOURCES else model_path   # fetched by build_app
-            tokenizer, config = AutoTokenizer.from_pretrained(path), AutoConfig.from_pretrained(path)
+            tokenizer, config = AutoTokenizer.from_pretrained(path, **hub), AutoConfig.from_pretrained(path, **hub)
             max_len, name = config.max_position_embeddings, model_path.rstrip("/")
             try:
-                generation = GenerationConfig.from_pretrained(path)
+                generation = GenerationConfig.from_pretrained(path, revision=hub.get("revision"))
             except OSError:                                  # no generation_config.json: the model config's
                 generation = GenerationConfig.from_model_config(config)
+        if load.get("chat_template") is not None:
+            use_chat_template(tokenizer, load["chat_template"])
         self.router = Router([RayClient(h, f"replica-{i}") for i, h in enumerate(replicas)])
-        self.config = ServeConfig(served_name or name, tokenizer, max_len, default_max_tokens, generation)
+        self.config = ServeConfig(served_name or name, tokenizer, context_length(max_len, max_model_len),
+                                  default_max_tokens, generation, seed)
         self.access = access        # keys file read here at deploy (SIGHUP reload: single machine only)
 
     def __serve_build_asgi_app__(self):
@@ -168,18 +174,21 @@ class Ingress:
 
 def build_app(model_path: str | None, options: EngineOptions, replicas: int, served_name: str | None = None,
               default_max_tokens: int | None = None, replica_cpus: float = 1.0, replica_gpus: float = 0.0,
-              dtype: str = "float32", device: str = "cpu", access=None):
-    """The Serve application: `replicas` engine deployments behind the ingress."""
+              dtype: str = "float32", device: str = "cpu", access=None, load: dict | None = None,
+              max_model_len: int | None = None, seed: int | None = None):
+    """The Serve application: `replicas` engine deployments behind the ingress. `load`: `load_model`'s
+    keyword arguments; `max_model_len`, `seed`: `build_local`'s."""
     from ..models import SOURCES, fetch
     if model_path in SOURCES:
         fetch(model_path)                  # once, here, before the replicas load it
     opts = dataclasses.asdict(options)
     actor = {"num_cpus": replica_cpus, "num_gpus": replica_gpus, "runtime_env": {"env_vars": logs.env()}}
     engines = [EngineReplica.options(name=f"replica-{i}", ray_actor_options=actor).bind(
-        model_path, opts, f"replica-{i}", dtype, device)
+        model_path, opts, f"replica-{i}", dtype, device, load)
         for i in range(replicas)]
     return Ingress.options(ray_actor_options={"num_cpus": 0}).bind(model_path, served_name, default_max_tokens,
-                                                                    *engines, access=access)
+                                                                    *engines, access=access, load=load,
+                                                                    max_model_len=max_model_len, seed=seed)
 
 
 def start(model_path: str | None, options: EngineOptions, replicas: int, *, host: str = "127.0.0.1",

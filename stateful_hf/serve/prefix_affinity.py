@@ -6,7 +6,7 @@ A prompt's key for its first j full blocks of `block_tokens` ids is a chain of x
 (key_j = H(key_{j-1}, ids of block j)), started from the request's scope encoded as the replicas
 encode it (`PrefixScope(tenant, cache_salt).encode()`: length-prefixed, so salt None and "" are one
 scope and "None" another): two scopes never match, as in the replicas' prefix index
-(stateful_hf/cache/prefix_index.py). The router needs no proof here: a wrong guess costs only a recomputation
+(stateful_hf/cache/prefix/index.py). The router needs no proof here: a wrong guess costs only a recomputation
 on the replica, whose own index verifies ids.
 
 Owns: the map key -> replica (an LRU of at most `capacity` keys). Written by `record` (after the
@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import xxhash
 
-from ..cache.prefix_key import PrefixScope
+from ..cache.prefix.key import PrefixScope
 from ..cache.tenant import DEFAULT_TENANT
 
 

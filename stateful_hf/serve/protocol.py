@@ -103,6 +103,13 @@ class _Sampling(BaseModel):
         if self.temperature is not None and not 0.0 <= self.temperature <= 2.0:
             raise APIError(400, f"temperature must be in [0, 2], got {self.temperature}", param="temperature",
                            code="invalid_value")
+        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
+            raise APIError(400, f"top_p must be in (0, 1], got {self.top_p}", param="top_p", code="invalid_value")
+        if self.top_k is not None and self.top_k < 0:
+            raise APIError(400, f"top_k must be >= 0 (0 = off), got {self.top_k}", param="top_k", code="invalid_value")
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if not all(stops):
+            raise APIError(400, "stop strings must be non-empty", param="stop", code="invalid_value")
         given = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
                  "stop": (self.stop,) if isinstance(self.stop, str) else _tuple(self.stop),
                  "stop_token_ids": _tuple(self.stop_token_ids)}
@@ -110,8 +117,13 @@ class _Sampling(BaseModel):
         try:
             return SamplingParams.from_generation_config(generation_config, max_new_tokens=max_tokens,
                                                          ignore_eos=self.ignore_eos, **explicit)
-        except ValueError as e:
-            raise APIError(400, str(e), code="invalid_value") from None
+        except ValueError as e:       # a field the checks above do not cover: named by SamplingParams' message
+            field = str(e).split(" ", 1)[0]
+            raise APIError(400, str(e), param=_REQUEST_FIELD.get(field, field), code="invalid_value") from None
+
+
+# SamplingParams' field -> the request's
+_REQUEST_FIELD = {"max_new_tokens": "max_tokens", "logprobs": "top_logprobs", "stop_token_ids": "stop_token_ids"}
 
 
 def _tuple(values: list | None) -> tuple | None:

@@ -31,10 +31,10 @@ def api_error(e: BaseException) -> APIError:
     if isinstance(e, SessionBusyError):
         return APIError(409, f"session {split_key(e.session_id)[1]!r} has a turn in flight; retry when it has "
                         "finished", param="session_id", code="session_busy", retry_after=1)
-    if isinstance(e, CapacityError):
-        return APIError(400, str(e), code="capacity_exceeded")
-    if isinstance(e, (ValueError, TypeError)):
-        return APIError(400, str(e), param="prompt", code="invalid_prompt")
+    if isinstance(e, CapacityError):              # the prompt and max_tokens do not fit the pools
+        return APIError(400, str(e), param="prompt", code="capacity_exceeded")
+    if isinstance(e, (ValueError, TypeError)):    # a bad prompt, or a turn under another cache_salt
+        return APIError(400, str(e), param="cache_salt" if "cache_salt" in str(e) else "prompt", code="invalid_prompt")
     return APIError(500, f"{type(e).__name__}: {e}", type="server_error", code="internal_error")
 
 

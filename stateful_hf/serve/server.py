@@ -51,9 +51,11 @@ class EngineOptions:
         return Replica(self.build(model, tokenizer, disk_dir), name, self.session_wait_timeout)
 
 
-def load_model(path: str | None, dtype: str = "float32", device: str = "cpu"):
+def load_model(path: str | None, dtype: str = "float32", device: str = "cpu", *, revision: str | None = None,
+               trust_remote_code: bool = False, chat_template: str | None = None):
     """(model, tokenizer, name). `path`: a named model of stateful_hf.models (fetched once), a checkpoint
-    directory or hub id; None or "tiny-random": the offline tiny fixture, whose weights are random."""
+    directory or hub id; None or "tiny-random": the offline tiny fixture, whose weights are random.
+    The keyword arguments are `stateful_hf.models.load`'s."""
     from ..models import TINY_MODEL, load
     if path is None or path == TINY_MODEL:
         log.warning("serving the offline tiny Llama fixture; its weights are RANDOM, its replies are gibberish "
@@ -61,19 +63,36 @@ def load_model(path: str | None, dtype: str = "float32", device: str = "cpu"):
         path, name = TINY_MODEL, TINY_NAME
     else:
         name = path.rstrip("/")
-    model, tokenizer = load(path, dtype=dtype, device=device)
+    model, tokenizer = load(path, dtype=dtype, device=device, revision=revision, trust_remote_code=trust_remote_code,
+                            chat_template=chat_template)
     return model, tokenizer, name
 
 
+def context_length(model_len: int, max_model_len: int | None) -> int:
+    """The context the server enforces: `--max-model-len`, at most the model's own (else ValueError)."""
+    if max_model_len is None:
+        return model_len
+    if max_model_len > model_len:
+        raise ValueError(f"--max-model-len {max_model_len} is more than the model's context of {model_len} tokens "
+                         "(max_position_embeddings)")
+    return max_model_len
+
+
 def build_local(model, tokenizer, name: str, options: EngineOptions | None = None,
-                default_max_tokens: int | None = None, access: Access | None = None):
+                default_max_tokens: int | None = None, access: Access | None = None, *,
+                max_model_len: int | None = None, seed: int | None = None):
     """The single-machine server: one replica behind the router. Returns (app, router).
     default_max_tokens: cap on a chat's max_tokens when the request has none (None: the room left).
-    `access`: API keys and limits (auth.py); None: no keys (the default tenant), default limits."""
+    `access`: API keys, limits and CORS (auth.py); None: no keys (the default tenant), default limits.
+    max_model_len: the context enforced (None: the model's). seed: `ServeConfig`'s."""
     replica = (options or EngineOptions()).replica(model, tokenizer)
+    try:
+        context = context_length(replica.engine.adapter.max_positions, max_model_len)
+    except ValueError:
+        replica.shutdown()
+        raise
     router = Router([LocalClient(replica)])
-    config = ServeConfig(name, tokenizer, replica.engine.adapter.max_positions, default_max_tokens,
-                         replica.engine.generation_config)
+    config = ServeConfig(name, tokenizer, context, default_max_tokens, replica.engine.generation_config, seed)
     return create_app(router, config, access), router
 
 
