@@ -12,7 +12,7 @@ every disk restore the tier's files are written back and evicted from the page c
 included (`DiskTier.drop_page_cache`), so its reads are real. The planner's costs are profiled
 (`measure_hidden_costs`, 1024 tokens, per layer) once for the host and once for disk I/O (cold
 reads of the disk tier's hidden file); the CPU runs copies and GEMMs on the same cores (no copy
-engine), so HCache's planner uses its serial model (stateful_hf/cache/hidden_partition.py): nothing here
+engine), so HCache's planner uses its serial model (stateful_hf/cache/hidden/partition.py): nothing here
 hard-codes its answer.
 The verdict compares the mix's median with the better pure strategy's (within noise: no slower
 than that strategy's slowest repeat). On a shared machine pass `--threads 1` if copies swing wildly.
@@ -31,7 +31,7 @@ import torch
 
 import stateful_hf
 from stateful_hf.cache import CostProfile
-from stateful_hf.cache.hidden_partition import HiddenCosts, HiddenPlan, min_hidden_layers, plan_layers
+from stateful_hf.cache.hidden.partition import HiddenCosts, HiddenPlan, min_hidden_layers, plan_layers
 from stateful_hf.hidden_profile import measure_hidden_costs
 from stateful_hf.integration import restore, run_step
 

@@ -16,7 +16,7 @@ import time
 import torch
 
 from stateful_hf.cache import KVSpec
-from stateful_hf.cache.virtual import VirtualPool
+from stateful_hf.cache.virtual.pool import VirtualPool
 from stateful_hf.kernels import PagedBatch, paged_attention
 from stateful_hf.kernels.dense import dense_attention
 

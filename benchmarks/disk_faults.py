@@ -75,7 +75,7 @@ def exact_turn(model, store, sid: str, ids: list[int], n: int = 6) -> tuple[bool
 def _crash_hook(crash_at: int | None, kind: str | None = None) -> None:
     """Print each durability point; SIGKILL this process at the `crash_at`-th one (of `kind` only,
     if given: e.g. "data-flush", where a write into a reused slot is not committed yet)."""
-    from stateful_hf.cache import disk_index
+    from stateful_hf.cache.disk import index as disk_index
 
     count = of_kind = 0
 

@@ -1,5 +1,5 @@
 """HCache's per-layer cost profile on the model: the costs its layer planner
-(`stateful_hf/cache/hidden_partition.py`) splits layers by, measured through the store's own restore code.
+(`stateful_hf/cache/hidden/partition.py`) splits layers by, measured through the store's own restore code.
 (Capture and restore themselves run in the step's `before_layer`: `stateful_hf/cache/step.py`.)"""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import time
 import torch
 
 from .adapter import ModelAdapter
-from .cache.disk import DiskTier
-from .cache.hidden_partition import HiddenCosts
-from .cache.hidden_states import HiddenCapture, HiddenPool, HiddenRestore, HiddenSpec
+from .cache.disk.tier import DiskTier
+from .cache.hidden.partition import HiddenCosts
+from .cache.hidden.states import HiddenCapture, HiddenPool, HiddenRestore, HiddenSpec
 from .cache.pool import BlockPool
 from .cache.spec import KVSpec
 from .projector import kv_projector

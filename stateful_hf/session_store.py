@@ -9,10 +9,10 @@ from collections.abc import Callable
 import torch
 
 from .cache import DEFAULT_POLICY, POLICY_NAMES, CostProfile, EvictionPolicy, KVSpec, KVStore, make_policy
-from .cache.disk_directory import saved_hidden_layers
-from .cache.hidden_partition import HiddenCosts, HiddenPlan, min_hidden_layers, plan_layers
-from .cache.hidden_states import HiddenSpec
-from .cache.hidden_tier import HIDDEN_MODES
+from .cache.disk.directory import saved_hidden_layers
+from .cache.hidden.partition import HiddenCosts, HiddenPlan, min_hidden_layers, plan_layers
+from .cache.hidden.states import HiddenSpec
+from .cache.hidden.tier import HIDDEN_MODES
 from .fingerprint import model_fingerprint
 from .hidden_profile import measure_hidden_costs
 from .integration import enable

@@ -1,8 +1,12 @@
-"""The architecture rules, checked on the source text (ast only: nothing here imports torch or the package).
+"""The architecture rules, checked on the source text (ast only: nothing here imports torch or the package,
+except the one test that runs turns: `test_no_feature_package_runs_on_the_default_path`).
 
 - no import cycles among stateful_hf's modules, counting imports behind `TYPE_CHECKING` and inside functions;
-- unique module basenames and unique class names across the package;
+- module names unique within their package (no module shares its name with a sibling subpackage) and unique
+  class names across the package;
 - `stateful_hf/cache/` and `stateful_hf/kernels/` never import transformers;
+- the store's core imports its feature packages (disk/, hidden/, layerwise/, virtual/) for annotations only:
+  `store_parts.py` alone builds their parts, and with the default options none of their functions runs;
 - no module uses another module's private members (`obj._x`, `from m import _x`);
 - docs/architecture.md names every module of the package by path, and every path it names exists;
 - imports go one way (kernels <- cache <- the seam <- engine <- serve), every module has a docstring, and every
@@ -15,7 +19,11 @@ serve/): a module's path is its import path.
 from __future__ import annotations
 
 import ast
+import os
 import re
+import sys
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -227,12 +235,17 @@ def test_cycle_finder_finds_a_cycle():
 
 
 def test_unique_module_basenames():
-    by_base: dict[str, list[str]] = {}
+    """Unique within a package: a module's name is its noun inside its package (`cache/disk/index.py` and
+    `cache/prefix/index.py` are two), but no two names of one package's modules and subpackages are equal,
+    ignoring case (`cache/disk.py` beside `cache/disk/` would shadow one of them)."""
+    by_name: dict[tuple[str, str], list[str]] = {}
     for module in package_modules().values():
-        if module.path.stem not in ("__init__", "__main__"):
-            by_base.setdefault(module.path.stem, []).append(module.rel)
-    repeated = {base: paths for base, paths in by_base.items() if len(paths) > 1}
-    assert not repeated, f"module basenames used more than once: {repeated}"
+        path = module.path.parent if module.is_package else module.path
+        if module.name == "stateful_hf" or path.stem == "__main__":
+            continue
+        by_name.setdefault((path.parent.as_posix(), path.stem.lower()), []).append(module.rel)
+    repeated = {name: paths for (_, name), paths in by_name.items() if len(paths) > 1}
+    assert not repeated, f"names used more than once within a package: {repeated}"
 
 
 def test_unique_class_names():
@@ -261,6 +274,110 @@ def test_cache_and_kernels_never_import_transformers():
         if imp.target == "transformers" or imp.target.startswith("transformers.")
     ]
     assert not offenders, "cache and kernels must not import transformers:\n  " + "\n  ".join(offenders)
+
+
+# ---- the store's feature packages ---------------------------------------------------------------------------
+
+# Optional features of the store, each a package of stateful_hf/cache/ that runs only when its option is on.
+# cache/prefix/ is not one: prefix sharing is on by default, part of the core.
+FEATURE_PACKAGES = ("stateful_hf.cache.disk", "stateful_hf.cache.hidden", "stateful_hf.cache.layerwise",
+                    "stateful_hf.cache.virtual")
+# The one core module that builds the features' parts (a feature that is off has none).
+FEATURE_ASSEMBLER = "stateful_hf.cache.store_parts"
+
+
+def _in_feature(name: str) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in FEATURE_PACKAGES)
+
+
+def _type_checking_lines(tree: ast.Module) -> set[int]:
+    """Lines of the import statements inside an `if TYPE_CHECKING:` block."""
+    imports = (ast.Import, ast.ImportFrom)
+    return {n.lineno for node in ast.walk(tree)
+            if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+            for stmt in node.body for n in ast.walk(stmt) if isinstance(n, imports)}
+
+
+def test_core_imports_features_for_annotations_only():
+    """The store's core (stateful_hf/cache/ outside the feature packages) imports a feature package only
+    behind `TYPE_CHECKING`, except `store_parts.py`, which builds the parts: at run time features depend on
+    the core, never the reverse, and a feature that is off has no code path in."""
+    core = [m for m in package_modules().values() if m.name.startswith("stateful_hf.cache")
+            and not _in_feature(m.name) and m.name != FEATURE_ASSEMBLER]
+    offenders = sorted({f"{m.rel}:{imp.line} imports {imp.target}" for m in core for imp in imports_of(m)
+                        if _in_feature(imp.target) and imp.line not in _type_checking_lines(parse(m.path))})
+    assert not offenders, "the core imports feature packages at run time:\n  " + "\n  ".join(offenders)
+
+
+def feature_functions_run(run: Callable[[], None]) -> list[str]:
+    """`path:line name` of each function of a feature package that runs during `run()`, on any thread
+    (a module's own code, run once when it is imported, is not counted)."""
+    roots = tuple(str(ROOT.joinpath(*p.split("."))) + os.sep for p in FEATURE_PACKAGES)
+    seen: set[str] = set()
+
+    def probe(frame, event, arg):
+        code = frame.f_code
+        if event == "call" and code.co_name != "<module>" and code.co_filename.startswith(roots):
+            seen.add(f"{Path(code.co_filename).relative_to(ROOT).as_posix()}:{code.co_firstlineno} {code.co_name}")
+
+    before = sys.getprofile(), threading.getprofile()
+    threading.setprofile(probe)
+    sys.setprofile(probe)
+    try:
+        run()
+    finally:
+        sys.setprofile(before[0])
+        threading.setprofile(before[1])
+    return sorted(seen)
+
+
+def two_turns(path: str, **options) -> Callable[[], None]:
+    """A store (and engine) with `options` made, then a warm-up turn and a returning turn of one session
+    on the tiny Llama, through `Engine` or `model.generate(past_key_values=store.cache(sid))`."""
+    import torch
+
+    from stateful_hf import Engine, SamplingParams, SessionStore  # imported here, not in the probed run
+    from stateful_hf.testing import tiny_llama
+
+    model = tiny_llama()
+    first, message = list(range(5, 45)), list(range(50, 60))
+
+    def run() -> None:
+        store = SessionStore(model, **options) if options else None
+        if path == "engine":
+            engine = Engine(model, store=store)
+            sampling = SamplingParams(max_new_tokens=6)
+            out = engine.submit("s", first, sampling).result()
+            engine.submit("s", first + list(out.token_ids) + message, sampling).result()
+            engine.stop()
+            store = engine.store
+        else:
+            store = store or SessionStore(model)
+            ids = torch.tensor([first])
+            for _ in range(2):
+                ids = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=store.cache("s"),
+                                     max_new_tokens=6, do_sample=False, pad_token_id=0)
+                ids = torch.cat([ids, torch.tensor([message])], dim=1)
+        store.check_integrity()
+        store.close()
+
+    return run
+
+
+def test_no_feature_package_runs_on_the_default_path():
+    """With the default options no function of disk/, hidden/, layerwise/ or virtual/ runs while a store
+    (and engine) is made and a session takes a warm-up turn and a returning turn, either way."""
+    for path in ("engine", "generate"):
+        ran = feature_functions_run(two_turns(path))
+        assert not ran, f"{path}: feature package code on the default path:\n  " + "\n  ".join(ran)
+
+
+def test_the_feature_probe_sees_features_that_are_on(tmp_path):
+    """The negative control: with a feature's option on, the same probe sees its package run."""
+    hidden = feature_functions_run(two_turns("generate", host_capacity=1024, hidden_states="always", hidden_layers=1))
+    assert any(f.startswith("stateful_hf/cache/hidden/") for f in hidden), hidden
+    disk = feature_functions_run(two_turns("engine", disk_dir=tmp_path / "disk"))
+    assert any(f.startswith("stateful_hf/cache/disk/") for f in disk), disk
 
 
 # ---- private members ----------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stateful_hf.cache.hidden_states import HiddenPool, HiddenSpec
+from stateful_hf.cache.hidden.states import HiddenPool, HiddenSpec
 from stateful_hf.cache.pool import BlockPool, block_runs
 from stateful_hf.cache.spec import KVSpec
 from stateful_hf.cache.transfer import copy_now

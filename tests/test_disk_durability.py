@@ -112,7 +112,7 @@ def test_capacity_change_relocates_and_stays_exact(second, tmp_path):
 
 class Faults:
     def __init__(self, monkeypatch, point):
-        from stateful_hf.cache import disk_index
+        from stateful_hf.cache.disk import index as disk_index
 
         self.point, self.on, self.hits = point, True, 0
         monkeypatch.setattr(disk_index, "durability_point", self)

@@ -1,5 +1,5 @@
-"""The order of service within and between steps (issue 22's returning-turn TTFT): decode tokens and
-short turns before long prefills, and the loop's arrival window. Every output is exact against
+"""The order of service within and between steps: decode tokens and short turns before long prefills,
+one session's turns in submit order, and the loop's arrival and burst windows. Every output is exact against
 stateless generate; every store is integrity-checked when idle."""
 
 from __future__ import annotations
@@ -205,3 +205,27 @@ def test_await_burst_waits_while_submissions_keep_coming():
     assert 0.2 <= time.monotonic() - t0 < 0.5
     t.join()
 
+
+def test_a_sessions_turns_run_in_submit_order_even_when_the_later_is_short():
+    """Two turns queued for one session, a long one then a short one (`on_busy="wait"`: the second
+    waits for the first): they run in submit order, since short turns go first across sessions only.
+    Run out of order, the session would keep the earlier turn's conversation, and its next turn
+    (continuing the later one) would find a divergent history and recompute it."""
+    model, oracle = FAMILIES["llama"](), FAMILIES["llama"]()
+    engine = Engine(model, chunk_size=8, device_capacity=1024, max_batch_tokens=64)
+    long, short = list(range(3, 103)), list(range(200, 210))
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    h1, h2 = engine.submit("a", long, params), engine.submit("a", short, params)
+    while engine.has_work():
+        engine.step()
+    o1, o2 = h1.output(), h2.output()
+    for prompt, out in ((long, o1), (short, o2)):
+        assert list(out.token_ids) == greedy(oracle, torch.tensor([prompt]), n=3)[0, len(prompt):].tolist()
+    first_token = [o.metrics.arrival_time + o.metrics.ttft for o in (o1, o2)]
+    assert first_token[0] < first_token[1]
+    assert engine.store.session("a").token_ids == short + list(o2.token_ids[:-1])     # the later turn's
+    more = short + list(o2.token_ids) + [7, 8, 9]
+    out = engine.submit("a", more, params).result()
+    assert list(out.token_ids) == greedy(oracle, torch.tensor([more]), n=3)[0, len(more):].tolist()
+    assert out.metrics.recomputed_tokens == 0 and out.metrics.reused_tokens == len(more) - 4
+    engine.store.check_integrity()

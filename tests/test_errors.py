@@ -49,12 +49,12 @@ def test_capacity_beyond_any_tensor_is_a_clear_value_error(model, capacity):
 
 def test_a_pool_torch_cannot_allocate_is_a_store_error(model, monkeypatch):
     """No test allocates a huge pool on a shared machine: torch's out-of-memory is simulated."""
-    import stateful_hf.cache.tier_pools as cache_pools
+    import stateful_hf.cache.store_parts as store_parts  # where `open_pools` makes the pools
 
     def refuse(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB")
 
-    monkeypatch.setattr(cache_pools, "BlockPool", refuse)
+    monkeypatch.setattr(store_parts, "BlockPool", refuse)
     with pytest.raises(StoreError, match=r"pool for device_capacity='64GiB'.*give a smaller device_capacity"):
         stateful_hf.SessionStore(model, "64GiB")
 

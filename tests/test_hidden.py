@@ -10,7 +10,7 @@ from conftest import FAMILIES, Conversation, greedy, seed_of
 import stateful_hf
 from stateful_hf import Engine, SamplingParams
 from stateful_hf.cache import ChunkState
-from stateful_hf.cache.hidden_partition import HiddenCosts, min_hidden_layers, plan_layers, predicted_time
+from stateful_hf.cache.hidden.partition import HiddenCosts, min_hidden_layers, plan_layers, predicted_time
 from stateful_hf.testing import tiny_llama, tiny_opt
 
 PROFILE = stateful_hf.cache.CostProfile()

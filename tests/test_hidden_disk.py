@@ -13,7 +13,7 @@ from conftest import FAMILIES, Conversation, greedy, seed_of
 
 import stateful_hf
 from stateful_hf.cache import CapacityError, ChunkState
-from stateful_hf.cache.hidden_partition import HiddenCosts
+from stateful_hf.cache.hidden.partition import HiddenCosts
 from stateful_hf.testing import tiny_llama
 
 PROFILE = stateful_hf.cache.CostProfile()

@@ -14,7 +14,7 @@ from test_kernels import assert_close_to_reference, ragged_case
 import stateful_hf
 from stateful_hf import Engine, SamplingParams
 from stateful_hf.cache import CapacityError, ChunkState, CostProfile, KVSpec, KVStore
-from stateful_hf.cache.residue_blocks import ResidueTable, kept_layers
+from stateful_hf.cache.layerwise.residues import ResidueTable, kept_layers
 from stateful_hf.engine.layer_offload import LayerwisePolicy
 from stateful_hf.integration import run_step
 from stateful_hf.kernels import Overlay, paged_attention

@@ -1,4 +1,4 @@
-"""The prefix index alone (stateful_hf/cache/prefix_index.py): keys, verified lookup, holders, removal.
+"""The prefix index alone (stateful_hf/cache/prefix/index.py): keys, verified lookup, holders, removal.
 
 The model of the index in these tests is a dict {(scope, prefix ids): entry} of what was inserted:
 `match` must return exactly the longest chain of full chunks whose every prefix is in it, and a hash
@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stateful_hf.cache.prefix_index import PrefixEntry, PrefixIndex
-from stateful_hf.cache.prefix_key import PrefixScope, xxh3_128
+from stateful_hf.cache.prefix.index import PrefixEntry, PrefixIndex
+from stateful_hf.cache.prefix.key import PrefixScope, xxh3_128
 
 A, B = PrefixScope("a"), PrefixScope("b")
 

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from stateful_hf.cache.integrity import check_sharing
-from stateful_hf.cache.prefix_sharing import PrefixSharing
+from stateful_hf.cache.prefix.sharing import PrefixSharing
 from stateful_hf.cache.session import Chunk, ChunkState, Session
 
 BS = 4

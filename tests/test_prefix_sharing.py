@@ -1,4 +1,4 @@
-"""Prefix sharing in the store (stateful_hf/cache/prefix_sharing.py): sessions opening with the same prompt hold
+"""Prefix sharing in the store (stateful_hf/cache/prefix/sharing.py): sessions opening with the same prompt hold
 its full chunks once. Every turn is checked against stateless greedy generate on the whole
 conversation, and the store's integrity (reference counts against holders) after every change."""
 

@@ -15,7 +15,7 @@ from conftest import FAMILIES, Conversation, engine_round, greedy
 import stateful_hf
 from stateful_hf.cache import CostProfile
 from stateful_hf.cache.spec import KVSpec
-from stateful_hf.cache.virtual import VirtualPool
+from stateful_hf.cache.virtual.pool import VirtualPool
 from stateful_hf.integration import run_step
 from stateful_hf.testing import tiny_llama
 
@@ -128,7 +128,7 @@ def test_reused_slot_reads_zeros(make_store, keep_freed):
 
 def _resident(pool, slot: int, k: int) -> bool:
     """Every page of block k of `slot` (all layers, K and V) is resident."""
-    from stateful_hf.cache.virtual import _resident_pages
+    from stateful_hf.cache.virtual.pool import _resident_pages
     for rows, _, _ in pool._block_rows(slot, k):
         n = rows.numel() * rows.element_size()
         first = rows.data_ptr() // 4096 * 4096

@@ -2,21 +2,23 @@
 (`available_blocks`, `available_host_blocks`, `available_slots`, `chunk_needs`, `blocks_needed`).
 
 Collaborators: the session table, the pools and prefix sharing (a shared chunk counts once, and only
-if none of its holders is busy), the layered chunks (residue blocks); `chunk_needs.py` classifies
-chunks. Mutates nothing. Every method runs with the store lock held.
+if none of its holders is busy), the layered chunks (residue blocks; None without layerwise_kv);
+`chunk_needs.py` classifies chunks. Mutates nothing. Every method runs with the store lock held.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-from .chunk_needs import ChunkNeeds, needs
-from .layered_chunks import LayeredChunks
-from .prefix_sharing import PrefixSharing
-from .residue_blocks import blocks_at_most
+from .chunk_needs import ChunkNeeds, blocks_at_most, check_factor, needs
+from .prefix.sharing import PrefixSharing
 from .session import ChunkState, Session
 from .session_table import SessionTable
 from .tier_pools import TierPools
+
+if TYPE_CHECKING:
+    from .layerwise.chunks import LayeredChunks
 
 DEVICE, HOST = ChunkState.DEVICE, ChunkState.HOST
 NO_EXCLUDE: frozenset[str] = frozenset()
@@ -45,7 +47,7 @@ def count_chunks(sessions: Iterable[Session], state: ChunkState, sharing: Prefix
 
 
 class Capacity:
-    def __init__(self, sessions: SessionTable, tiers: TierPools, layered: LayeredChunks, layout: str):
+    def __init__(self, sessions: SessionTable, tiers: TierPools, layered: LayeredChunks | None, layout: str):
         self.sessions, self.tiers, self.sharing = sessions, tiers, tiers.sharing
         self.layered, self.layout, self.block_size = layered, layout, tiers.device.spec.block_size
 
@@ -61,7 +63,10 @@ class Capacity:
         return blocks_at_most(factor, len(fills)) + len(copies)
 
     def residue_blocks_needed(self, factor: int, n_chunks: int) -> int:
-        """Device blocks `n_chunks` new chunks of keep factor `factor` take now."""
+        """Device blocks `n_chunks` new chunks of keep factor `factor` take now (no residue block is open
+        without layerwise_kv: the bound `blocks_at_most`)."""
+        if self.layered is None:
+            return blocks_at_most(check_factor(factor, self.tiers.device.spec.num_layers), n_chunks)
         return self.layered.blocks_needed(factor, n_chunks)
 
     def device_blocks(self) -> int:

@@ -4,6 +4,10 @@ LAYERED; a HOST chunk for a layer-wise entry), or nothing. One classification, a
 `needs` ahead of a step (the engine scheduler's question, through `KVStore.chunk_needs` /
 `blocks_needed`) and `entry_needs` when the step planner plans it (validating the entry).
 
+A step entry's keep factor (`factors` of `plan_step`, `factor` here) says how many of its layers
+stay on the device: 1 all (every store), 0 or f >= 2 some (layerwise_kv stores only, `layerwise/`).
+`check_factor` validates one; `blocks_at_most` bounds the device blocks its fills take.
+
 Pure functions of a session's chunk table: they read, never mutate. Called with the store lock held.
 """
 
@@ -14,6 +18,23 @@ from typing import NamedTuple
 from .session import ChunkState, Session
 
 DEVICE, DROPPED, HOST, LAYERED = ChunkState.DEVICE, ChunkState.DROPPED, ChunkState.HOST, ChunkState.LAYERED
+
+
+def check_factor(factor: int, num_layers: int) -> int:
+    """A keep factor: 0 (no layer on the device), 1 (all layers) or 2..num_layers."""
+    if isinstance(factor, bool) or not isinstance(factor, int) or not 0 <= factor <= num_layers:
+        raise ValueError(f"keep factor must be an int in [0, {num_layers}] (0: no layer on the device, 1: all, "
+                         f"f: layers l with l % f == r), got {factor!r}")
+    return factor
+
+
+def blocks_at_most(factor: int, chunks: int) -> int:
+    """Device blocks `chunks` new chunks of keep factor `factor` take at most: all (1), none (0),
+    ceil(chunks / f) residue blocks (f >= 2; fewer when open residue blocks have free residues).
+    A bound that holds whatever else a step takes: what a scheduler adds up over a step's entries."""
+    if factor == 1:
+        return chunks
+    return 0 if factor == 0 else -(-chunks // factor)
 
 
 class ChunkNeeds(NamedTuple):

@@ -12,17 +12,19 @@ index: the facade does after each call. Every method runs with the store lock he
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from .disk_file import identity_tags
-from .disk_state import DiskState
 from .errors import SessionBusyError, StoreError
 from .placement import Placement
-from .prefix_key import PrefixScope
+from .prefix.key import PrefixScope
 from .session import ON_DISK, ChunkState, Session, TurnStats
 from .session_table import SessionTable
 from .step_planner import StepPlanner
 from .tenant import TenantUsage, tenant_of
 from .tier_pools import TierPools
+
+if TYPE_CHECKING:
+    from .disk.state import DiskState
 
 DROPPED = ChunkState.DROPPED
 
@@ -38,7 +40,7 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 class History:
-    def __init__(self, sessions: SessionTable, tiers: TierPools, placement: Placement, disk_state: DiskState,
+    def __init__(self, sessions: SessionTable, tiers: TierPools, placement: Placement, disk_state: DiskState | None,
                  planner: StepPlanner):
         self.sessions, self.tiers, self.placement, self.disk_state = sessions, tiers, placement, disk_state
         self.sharing, self.planner, self.block_size = tiers.sharing, planner, tiers.device.spec.block_size
@@ -60,7 +62,7 @@ class History:
         sessions): if it alone holds indexed chunks of a shared prefix, they stay in the store, held
         by the session, now `retained` (its id is no longer listed), until the policy drops them or
         a turn uses its id again (`_revive`), so that the next turn with that prefix reuses them
-        (prefix_sharing.py)."""
+        (prefix/sharing.py)."""
         if s.busy:
             raise SessionBusyError(s.session_id)
         keep = self.sharing.retainable(s) if keep_shared else 0
@@ -82,7 +84,7 @@ class History:
         to size the turn before its lease; `begin_turn` does it too): idle `s` takes the indexed chunks
         of the longest shared prefix of the prompt (its tenant's and `cache_salt`'s, verified id by id,
         at least one token short of the prompt) in place of its dropped chunks and past its history, if
-        its history is a prefix of the prompt. Returns the tokens it gained (`prefix_sharing.py`).
+        its history is a prefix of the prompt. Returns the tokens it gained (`prefix/sharing.py`).
         ValueError: a `cache_salt` other than the one the session was opened with."""
         if s.busy:
             raise SessionBusyError(s.session_id)
@@ -135,10 +137,10 @@ class History:
         if length % bs and not self.sharing.privatize(s, keep - 1):
             self.tiers.release(s, keep - 1)
         cut_inside = bool(s.chunks) and s.chunks[-1].state in ON_DISK and length % bs
-        old_tag = identity_tags(s.token_ids[: keep * bs], bs)[-1] if cut_inside else None
+        old_ids = s.token_ids[: keep * bs] if cut_inside else None
         del s.token_ids[length:]
         # its checksum named the longer prefix: retag it, or drop it if it does not hold what it should
-        if cut_inside and not self.disk_state.cut(s, keep - 1, old_tag):
+        if cut_inside and not self.disk_state.cut(s, keep - 1, old_ids):
             self.placement.drop(s, keep - 1)
         return cut
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .prefix_index import PrefixIndex
+from .prefix.index import PrefixIndex
 from .session import SHADOWED, ChunkState, Session
 from .session_table import SessionTable
 from .tier_pools import TierPools
@@ -61,7 +61,7 @@ def check_integrity(sessions: SessionTable, tiers: TierPools, block_size: int) -
                 assert c.source[0] in (HIDDEN, DISK_HIDDEN), f"{who}: not a hidden form {c}"
                 own(c.source[0], c.source[1], who)
     listed = set()
-    for block, (factor, slots) in tiers.residues.blocks.items():
+    for block, (factor, slots) in (tiers.residues.blocks.items() if tiers.residues is not None else ()):
         assert any(o is not None for o in slots), f"residue block {block} has no owner and is not freed"
         for r, o in enumerate(slots):
             if o is not None:
@@ -96,7 +96,7 @@ def _check_disk_rows(sessions: SessionTable, tiers: TierPools) -> None:
 
 
 def check_sharing(sessions: Sequence[Session], index: PrefixIndex, block_size: int, epoch: int | None = None) -> None:
-    """Raise AssertionError unless holders and chunks agree (`prefix_sharing.py`'s rules): a chunk with
+    """Raise AssertionError unless holders and chunks agree (`prefix/sharing.py`'s rules): a chunk with
     an entry is that entry's payload, at the entry's depth in exactly its holders, full, never
     DROPPED (it may be on disk), and its holders' ids agree up to its end (its KV, and a disk slot's
     checksum, depend on them); an indexed entry's payload names it; the index's own rules hold.

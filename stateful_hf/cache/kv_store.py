@@ -5,7 +5,8 @@ change only inside it, through the parts. A method that raises leaves every sess
 they were and the invariants of `check_integrity()` intact: every slot of every tier is free or
 owned by exactly one chunk (device blocks: by a DEVICE chunk, as the cached `shadow` of one
 HOST/HIDDEN chunk, or split by residue among LAYERED chunks). After each method that may change
-what is on disk, the facade syncs the disk index (`DiskState.sync`, which never raises).
+what is on disk, the facade syncs the disk index (`_sync_disk`: `DiskState.sync`, which never
+raises; a store without a disk tier has no disk state and skips it).
 
 The parts are built by `store_parts.assemble`, each with its collaborators; docs/store.md says
 what each owns and mutates. A method whose contract is longer than its docstring names the part's
@@ -18,10 +19,10 @@ import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 from ..kernels import select_backend
 from .chunk_needs import ChunkNeeds
-from .hidden_states import HiddenSpec, Projector
 from .history import common_prefix
 from .integrity import check_integrity
 from .policy import EvictionPolicy
@@ -33,6 +34,9 @@ from .step import StepBatch
 from .store_parts import StoreConfig, assemble
 from .store_stats import session_stats, store_stats
 from .tenant import TenantUsage
+
+if TYPE_CHECKING:
+    from .hidden.states import HiddenSpec, Projector
 
 
 class KVStore:
@@ -74,23 +78,25 @@ class KVStore:
     disk = property(lambda self: self.tiers.disk)
     hidden_pool = property(lambda self: self.tiers.hidden)
     disk_hidden_pool = property(lambda self: self.tiers.disk_hidden)
-    capture = property(lambda self: self.hidden.capture)
-    hidden_spec = property(lambda self: self.hidden.spec)
-    project = property(lambda self: self.hidden.project)
+    capture = property(lambda self: None if self.hidden is None else self.hidden.capture)
+    hidden_spec = property(lambda self: self.config.hidden_spec)
+    project = property(lambda self: self.config.project)
     residues = property(lambda self: self.tiers.residues, doc="LayerKV's residue blocks (the pools own the table)")
     page_mapper = property(lambda self: self.planner.page_mapper)
-    layerwise = property(lambda self: self.layered.enabled)
+    layerwise = property(lambda self: self.layered is not None)
     swap_out_threshold = property(lambda self: self.placement.swap_out_threshold)
     clock = property(lambda self: self.sessions.clock)
     emulate_async = property(lambda self: self.transfer.emulate, doc="copies run under the CPU async emulator")
 
     @property
     def layerwise_stage(self) -> bool | None:
-        return self.layered.stage
+        """LayerKV's staging choice (`LayeredChunks.stage`); None and not settable without layerwise_kv."""
+        return None if self.layered is None else self.layered.stage
 
     @layerwise_stage.setter
     def layerwise_stage(self, stage: bool | None) -> None:
-        self.layered.stage = stage
+        if self.layered is not None:       # without layerwise_kv no step is layer-wise: nothing to stage
+            self.layered.stage = stage
 
     @property
     def policy(self) -> EvictionPolicy:
@@ -129,7 +135,7 @@ class KVStore:
         """Forget the session and free what only it holds (`keep_shared`: see `History.delete`)."""
         with self.lock:
             self.history.delete(self.sessions.get(session_id), keep_shared)
-            self.disk_state.sync()
+            self._sync_disk()
 
     @contextmanager
     def lease(self, session_id: str) -> Iterator[Session]:
@@ -144,14 +150,15 @@ class KVStore:
         finally:
             with self.lock:          # lease end: layered chunks settle, swap-out ahead, then the index
                 self.sessions.release(s)
-                self.layered.settle(s)
+                if self.layered is not None:
+                    self.layered.settle(s)
                 self.maintain()
 
     def begin_turn(self, session_id: str, prompt: Sequence[int], cache_salt: str | None = None) -> TurnStats:
         """A turn of the leased session starts with `prompt`, the whole conversation (`History.begin_turn`)."""
         with self.lock:
             turn = self.history.begin_turn(self.sessions.get(session_id), prompt, cache_salt)
-            self.disk_state.sync()
+            self._sync_disk()
             return turn
 
     def add_generated(self, session_id: str, n: int) -> None:
@@ -173,7 +180,7 @@ class KVStore:
         """Cut the session's history to its first `length` tokens; returns how many were cut."""
         with self.lock:
             cut = self.history.truncate(self.sessions.get(session_id), length)
-            self.disk_state.sync()
+            self._sync_disk()
             return cut
 
     def missing_positions(self, session_id: str, cut: int | None = None) -> list[int]:
@@ -194,7 +201,7 @@ class KVStore:
         and describe it; the contract is `StepPlanner.plan`'s."""
         with self.lock:
             step = self.planner.plan(requests, factors)
-            self.disk_state.sync()
+            self._sync_disk()
             return step
 
     def commit(self, step: StepBatch) -> None:
@@ -223,9 +230,11 @@ class KVStore:
             return self.capacity.residue_blocks_needed(factor, n_chunks)
 
     def offload_layers(self, session_id: str, full: bool = False) -> int:
-        """LayerKV's push-down for a running request; device blocks freed (`LayeredChunks.offload`)."""
+        """LayerKV's push-down for a running request; device blocks freed (`LayeredChunks.offload`; 0
+        without layerwise_kv)."""
         with self.lock:
-            return self.layered.offload(self.sessions.get(session_id), full)
+            s = self.sessions.get(session_id)
+            return 0 if self.layered is None else self.layered.offload(s, full)
 
     # ---- movement (relocation.py, placement.py) and capacity (capacity.py) -------------------------
 
@@ -235,13 +244,13 @@ class KVStore:
         target, chunks = target_state(tier), chunk_indices(chunks)
         with self.lock, self.placement.moving(reason):
             self.relocation.move(self.sessions.get(session_id), chunks, target)
-            self.disk_state.sync()
+            self._sync_disk()
 
     def evict(self, session_id: str) -> int:
         """The session's device chunks one tier down, also when busy; device blocks freed (`Relocation.evict`)."""
         with self.lock, self.placement.moving("evict"):
             freed = self.relocation.evict(self.sessions.get(session_id))
-            self.disk_state.sync()
+            self._sync_disk()
             return freed
 
     def available_blocks(self) -> int:
@@ -270,6 +279,12 @@ class KVStore:
         with self.lock:
             self.placement.swap_out_ahead()
             self.history.collect_retained()
+            self._sync_disk()
+
+    def _sync_disk(self) -> None:
+        """Commit the disk index if the disk state changed (`DiskState.sync`, which never raises); nothing
+        without a disk tier. Lock held."""
+        if self.disk_state is not None:
             self.disk_state.sync()
 
     # ---- integrity and statistics ---------------------------------------------------------------
@@ -296,6 +311,6 @@ class KVStore:
         self.transfer.synchronize()
         self.planner.stop_mapping()
         with self.lock:
-            if self.tiers.disk is not None:
+            if self.disk_state is not None:
                 self.disk_state.sync(force=True)      # best effort: the last committed index stays true
                 self.tiers.disk.close()

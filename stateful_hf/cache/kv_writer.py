@@ -3,9 +3,9 @@ enters a pool layer through `write_kv`, and through nothing else.
 
 Its callers, all within one step (docs/step.md):
 - the step's own rows, from the registered attention through `StepBatch.write_rows`: at the rows'
-  device slots, or where LayerKV's placement puts each layer of their chunk (`layered_step.py`:
+  device slots, or where LayerKV's placement puts each layer of their chunk (`layerwise/step.py`:
   device blocks, the host pool in place, a staged buffer, the host rows written down at commit);
-- HCache's layer-wise restore (`hidden_states.HiddenRestore`): the K/V of the context's hidden
+- HCache's layer-wise restore (`HiddenRestore`, `hidden/states.py`): the K/V of the context's hidden
   chunks, projected from hidden states or read from the chunk's K/V layers, as whole device blocks.
 
 Not through here: moving whole blocks between tiers (swap-in, swap-out, disk reads and writes).

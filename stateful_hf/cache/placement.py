@@ -10,7 +10,9 @@ Pensieve's ahead-of-time swap-out copies idle device chunks to the host and keep
 Owns: the eviction policy (`policy`, replaceable) and the reason of the moves under way (`moving`).
 Collaborators: the session table (read: idle sessions), the pools (`tier_pools.py`: allocation and
 release), the transfer engine (copies), the disk state (durability before a chunk counts as on
-disk), the hidden tier (capture), the move ledger and the counters (written: swapped_out_*, dropped).
+disk; None without a disk tier), the hidden tier (capture; None when the store captures nothing),
+the move ledger and the counters (written: swapped_out_*, dropped). A disk or hidden state as source
+or target implies that part exists.
 Mutates: chunks of idle sessions outside `exclude` (state, loc, shadow) and the slots of the pools.
 Invariant kept: a chunk's KV lives in exactly one place (plus, for HOST/HIDDEN chunks, an optional
 device `shadow`). Every method runs with the store lock held.
@@ -21,10 +23,9 @@ from __future__ import annotations
 import math
 import time
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
-from .disk_state import DiskState
 from .errors import CapacityError, StoreError
-from .hidden_tier import HiddenTier
 from .moves import REASONS, MoveBatch, MoveLedger
 from .policy import EvictionPolicy
 from .session import ON_DISK, SHADOWED, ChunkState, Session
@@ -33,6 +34,10 @@ from .stats import Counters
 from .tier_pools import TierPools
 from .transfer import Transfer
 
+if TYPE_CHECKING:
+    from .disk.state import DiskState
+    from .hidden.tier import HiddenTier
+
 DEVICE, HOST, DROPPED = ChunkState.DEVICE, ChunkState.HOST, ChunkState.DROPPED
 HIDDEN, DISK_HIDDEN = ChunkState.HIDDEN, ChunkState.DISK_HIDDEN
 
@@ -40,8 +45,8 @@ Items = list[tuple[Session, int]]       # (session, chunk index) pairs
 
 
 class Placement:
-    def __init__(self, sessions: SessionTable, tiers: TierPools, transfer: Transfer, disk_state: DiskState,
-                 hidden: HiddenTier, policy: EvictionPolicy, moves: MoveLedger, counters: Counters,
+    def __init__(self, sessions: SessionTable, tiers: TierPools, transfer: Transfer, disk_state: DiskState | None,
+                 hidden: HiddenTier | None, policy: EvictionPolicy, moves: MoveLedger, counters: Counters,
                  swap_out_threshold: float):
         self.sessions, self.tiers, self.transfer, self.disk_state = sessions, tiers, transfer, disk_state
         self.hidden, self.policy, self.moves, self.counters = hidden, policy, moves, counters
@@ -85,6 +90,8 @@ class Placement:
         """Prove the session's disk chunks (of `ks`, default all) before they are read; drop those
         that fail (their token ids stay: recomputed; a shared one leaves the prefix index and `s`
         lets go of it, its other holders fail it in turn). Returns the tokens dropped."""
+        if self.disk_state is None:           # no disk tier: nothing to prove
+            return 0
         lost = 0
         for k in self.disk_state.failed(s, ks):
             lost += s.chunk_len(k, self.block_size)
@@ -97,7 +104,7 @@ class Placement:
     def candidates(self, state: ChunkState, exclude: set[str], shadowed: bool | None = None) -> Items:
         """(session, chunk) pairs in `state` of idle sessions outside `exclude`, in policy order: one
         pair per physical chunk; a shared chunk only if every holder is idle and outside `exclude`,
-        ranked by its most valuable holder (`prefix_sharing.py`: its value counts every holder)."""
+        ranked by its most valuable holder (`prefix/sharing.py`: its value counts every holder)."""
         now, sharing, bs = self.sessions.clock(), self.tiers.sharing, self.block_size
         self.policy.prepare(self.sessions, now)
         found = sharing.unique((s, k) for s in self.sessions if not s.busy and s.session_id not in exclude
@@ -187,7 +194,7 @@ class Placement:
         items = self.tiers.sharing.unique(items)
         if not items:
             return
-        if target is None and state is DEVICE and self.hidden.keeps_hidden:   # the policy keeps hidden states
+        if target is None and state is DEVICE and self.hidden is not None:   # the policy keeps hidden states
             valid = self.hidden.capture.valid
             hid = [(s, k) for s, k in items if valid[s.chunks[k].loc]]
             items = [(s, k) for s, k in items if not valid[s.chunks[k].loc]]
@@ -256,8 +263,9 @@ class Placement:
             return
         with self.moving("ahead"):
             items = self.candidates(DEVICE, set())[:want]
-            hid = [(s, k) for s, k in items if self.hidden.captured(s.chunks[k].loc)]
-            kv = [(s, k) for s, k in items if not self.hidden.captured(s.chunks[k].loc)]
+            captured = [self.hidden is not None and self.hidden.captured(s.chunks[k].loc) for s, k in items]
+            hid = [sk for sk, cap in zip(items, captured) if cap]
+            kv = [sk for sk, cap in zip(items, captured) if not cap]
             for group, target in ((hid, HIDDEN), (kv, HOST)):
                 if not group or self.tiers.pool(target) is None:
                     continue

@@ -5,9 +5,11 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from .prefix_index import PrefixEntry
-from .prefix_key import PrefixScope
+if TYPE_CHECKING:     # annotations only: the prefix package's modules import this one
+    from .prefix.index import PrefixEntry
+    from .prefix.key import PrefixScope
 
 
 class ChunkState(enum.Enum):
@@ -38,7 +40,7 @@ class Chunk:
     source: DEVICE only, while a step is in flight: (HIDDEN or DISK_HIDDEN, slot), the hidden form
             this block's KV is being rebuilt from layer by layer. Freed when the step commits; on abort
             of an unfinished rebuild the chunk returns to that state at that slot.
-    entry:  the prefix index entry of a shared chunk (`prefix_sharing.py`): then this one object is
+    entry:  the prefix index entry of a shared chunk (`prefix/sharing.py`): then this one object is
             chunk k of every holder, full and immutable, and its state changes in place (`assign`)
             for all of them. None: private to one session.
     residue_block: LAYERED only: (device block, factor f >= 2, residue r < f) when layers l with
@@ -46,7 +48,7 @@ class Chunk:
             hold one each);
             every other layer lives in the host slot `loc`. None: every layer is in the host slot.
             Only a busy session (a running request) has LAYERED chunks: they become HOST when its
-            turn ends (`layered_chunks.py`).
+            turn ends (`layerwise/chunks.py`).
     """
 
     state: ChunkState = ChunkState.DROPPED
@@ -111,7 +113,7 @@ class Session:
     turn_started: bool = False    # set by a lease, cleared by the turn's first step (for hit counting)
     in_turn: bool = False         # set by begin_turn, cleared when the lease ends: commits count in last_turn
     last_turn: TurnStats = field(default_factory=TurnStats)
-    scope: PrefixScope | None = None    # whose prefixes it shares (prefix_sharing.py), set at its first turn
+    scope: PrefixScope | None = None    # whose prefixes it shares (prefix/sharing.py), set at its first turn
     retained: bool = False              # deleted, kept only to hold its shared prefix (KVStore.delete)
     # (epoch, n): as of the sharing's epoch `epoch`, chunks [0, n) are indexed (entries in the index);
     # written only by PrefixSharing (its `register` starts at chunk n while the epoch is unchanged)

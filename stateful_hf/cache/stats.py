@@ -15,7 +15,7 @@ class Counters:
     device_hits: int = 0          # history found on the device (incl. cached shadows): step_planner, swap_in
     swapped_in_host: int = 0      # host -> device: swap_in
     swapped_in_disk: int = 0      # disk -> device: swap_in
-    swapped_out_host: int = 0     # device -> host (ahead of time or under pressure): placement, layered_chunks
+    swapped_out_host: int = 0     # device -> host (ahead of time or under pressure): placement, LayeredChunks
     swapped_out_disk: int = 0     # host/device -> disk: placement
     dropped: int = 0              # KV discarded, token ids kept: placement
     recomputed: int = 0           # dropped history computed again: step_planner
@@ -62,7 +62,7 @@ class StoreStats:
     disk_degraded: bool = False       # the disk tier could not make its last change durable (retried on moves)
     disk_write_failures: int = 0      # data flushes and index commits of the disk tier that failed
     disk_checksum_failures: int = 0   # disk chunks that were not what they named: dropped and recomputed
-    # Prefix sharing (prefix_sharing.py): the *_tokens fields above are physical (a chunk held by several
+    # Prefix sharing (prefix/sharing.py): the *_tokens fields above are physical (a chunk held by several
     # sessions counts once); logical_tokens counts every session's stored tokens (a shared chunk once per
     # holder) and shared_tokens the tokens of chunks held by more than one session (once each).
     logical_tokens: int = 0

@@ -5,15 +5,18 @@ layer prepares (`before_layer`) and whose attention places its rows (`write_rows
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..kernels import KernelState, Overlay, PagedBatch
-from .hidden_states import StepHidden
 from .kv_writer import write_kv
-from .layered_step import LayeredStep
 from .pool import BlockPool
 from .transfer import wait_event
+
+if TYPE_CHECKING:
+    from .hidden.states import StepHidden
+    from .layerwise.step import LayeredStep
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,8 +6,10 @@ host/disk chunks of the context up (swap-in), queues hidden chunks for a layer-w
 the new tokens to the history and describes the step; `commit` makes it permanent, `abort` takes it
 back. Raising leaves the store unchanged.
 
-Collaborators: the session table, the pools, placement, swap-in, the hidden tier, the layered
-chunks, the transfer engine (end of step), the counters (written: recomputed, device_hits).
+Collaborators: the session table, the pools, placement, swap-in, the hidden tier and the layered
+chunks (each None when the store lacks the feature: skipped), the page mapper (virtual layout with
+map_ahead, else None), the transfer engine (end of step), the counters (written: recomputed,
+device_hits).
 Mutates: the step's sessions' token ids and chunk tables, and `last_turn` (`begin_turn` sets it and
 `in_turn`, `commit` adds the computed and recomputed rows of a session in a turn, `add_generated`
 the generated tokens).
@@ -20,19 +22,15 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..kernels import KernelState, PagedBatch
 from .capacity import count_chunks
-from .chunk_needs import entry_needs
+from .chunk_needs import check_factor, entry_needs
 from .errors import CapacityError, StoreError
-from .hidden_states import StepHidden
-from .hidden_tier import HiddenTier
-from .layered_chunks import LayeredChunks
-from .page_mapper import PageMapper
 from .placement import Placement
-from .residue_blocks import check_factor
 from .session import HIDDEN_FORMS, Chunk, ChunkState, Session, TurnStats
 from .session_table import SessionTable
 from .stats import Counters
@@ -41,13 +39,19 @@ from .swap_in import SwapIn
 from .tier_pools import TierPools
 from .transfer import Transfer
 
+if TYPE_CHECKING:
+    from .hidden.states import HiddenRestore
+    from .hidden.tier import HiddenTier
+    from .layerwise.chunks import LayeredChunks
+    from .virtual.mapper import PageMapper
+
 DEVICE, DROPPED, HOST, LAYERED = ChunkState.DEVICE, ChunkState.DROPPED, ChunkState.HOST, ChunkState.LAYERED
 DISK = ChunkState.DISK
 
 
 class StepPlanner:
     def __init__(self, sessions: SessionTable, tiers: TierPools, placement: Placement, swap_in: SwapIn,
-                 hidden: HiddenTier, layered: LayeredChunks, transfer: Transfer, counters: Counters,
+                 hidden: HiddenTier | None, layered: LayeredChunks | None, transfer: Transfer, counters: Counters,
                  kernels: KernelState, *, layout: str, attn_backend: str, page_mapper: PageMapper | None):
         self.sessions, self.tiers, self.placement, self.swap_in = sessions, tiers, placement, swap_in
         self.hidden, self.layered, self.transfer, self.counters = hidden, layered, transfer, counters
@@ -107,7 +111,7 @@ class StepPlanner:
 
         `factors` (layerwise_kv stores only; default 1 each): per entry, the keep factor of the chunks
         it fills: 1 all layers on the device, 0 none (host only), f >= 2 layers l % f == r in a
-        residue block (`layered_chunks.py`). An entry with factor != 1 also reads its HOST context in place.
+        residue block (`layerwise/chunks.py`). An entry with factor != 1 also reads its HOST context in place.
         """
         sessions = [self.sessions.get(sid) for sid, _, _ in requests]
         if len({s.session_id for s in sessions}) != len(sessions):
@@ -115,7 +119,7 @@ class StepPlanner:
         factors = [1] * len(requests) if factors is None else [check_factor(f, self.spec.num_layers) for f in factors]
         if len(factors) != len(requests):
             raise ValueError(f"plan_step: {len(factors)} factors for {len(requests)} entries")
-        if not self.layered.enabled and any(f != 1 for f in factors):
+        if self.layered is None and any(f != 1 for f in factors):
             raise ValueError("plan_step: keep factors other than 1 need a store made with layerwise_kv=True")
         bs, device = self.block_size, self.tiers.device
         self._await_rebuilds(sessions)
@@ -139,7 +143,7 @@ class StepPlanner:
         n_fill = sum(len(f) for fac, (f, _) in zip(factors, plans) if fac == 1)
         if fresh > device.num_free:
             self.placement.make_room(DEVICE, fresh - device.num_free, exclude)
-        restore = self.hidden.new_restore(self.counters)
+        restore = None if self.hidden is None else self.hidden.new_restore(self.counters)
         try:
             with self.placement.moving("step"):
                 events = self.swap_in.move_up([(s, k) for s, (_, sw) in zip(sessions, plans) for k in sw], DEVICE,
@@ -161,7 +165,7 @@ class StepPlanner:
                     self.layered.discard(c)
             self._unplan_swap_in(restore)
             raise
-        entries, capture = [], self.hidden.capture
+        entries, capture = [], None if self.hidden is None else self.hidden.capture
         for s, fac, (_, ids, pos), (fill, swap), made in zip(sessions, factors, requests, plans, layered):
             if fac != 1:
                 for k in range(min(len(s.chunks), -(-(max(pos) + 1) // bs))):
@@ -198,7 +202,7 @@ class StepPlanner:
             raise StoreError("a step reads a shared chunk another step is rebuilding from hidden states, and that "
                              f"step was neither committed nor aborted within {self.rebuild_wait:g} s")
 
-    def _unplan_swap_in(self, restore) -> None:
+    def _unplan_swap_in(self, restore: HiddenRestore | None) -> None:
         """`plan` raises after chunks came up for its step: the copies into the device land (those
         chunks hold their KV now and stay there); the hidden-state rebuilds it queued will never run,
         so those chunks go back to their hidden form and their blocks are freed (else they would be
@@ -229,7 +233,7 @@ class StepPlanner:
                 turn = s.last_turn
                 turn.computed_tokens += len(e.positions)
                 turn.recomputed_tokens += sum(1 for p in e.positions if p < e.old_len)
-            if not s.busy:                       # LAYERED chunks live only within a turn
+            if not s.busy and self.layered is not None:    # LAYERED chunks live only within a turn
                 self.layered.settle(s)
         self.settled.notify_all()
         if self.page_mapper is not None:
@@ -266,11 +270,12 @@ class StepPlanner:
                     self.tiers.release(s, k)
             del s.token_ids[e.old_len:]
             del s.chunks[-(-e.old_len // self.block_size):]
-            if not s.busy:
+            if not s.busy and self.layered is not None:
                 self.layered.settle(s)
         self.settled.notify_all()
 
-    def _build(self, sessions: list[Session], entries: list[StepEntry], events: list, restore=None) -> StepBatch:
+    def _build(self, sessions: list[Session], entries: list[StepEntry], events: list,
+               restore: HiddenRestore | None = None) -> StepBatch:
         bs, device = self.block_size, self.tiers.device
         dev = device.device
         ids, pos, slots, cu, kv_len, tables = [], [], [], [0], [], []
@@ -296,14 +301,12 @@ class StepPlanner:
         if events:   # per layer, the events of every copy group
             layer_events = tuple(tuple(group[layer] for group in events) for layer in range(self.spec.num_layers))
         layered = self.layered.step_map(sessions, [e.positions for e in entries], tables) \
-            if self.layered.enabled else None
-        capture = self.hidden.capture
+            if self.layered is not None else None
         return StepBatch(
             entries=tuple(entries), paged=paged.to(dev), slots=torch.tensor(slots, dtype=torch.int64, device=dev),
             input_ids=torch.tensor([ids], dtype=torch.long, device=dev),
             position_ids=torch.tensor([pos], dtype=torch.long, device=dev),
             pool=device, backend=self.attn_backend, windows=self.spec.windows, layer_events=layer_events,
             dense_slots=dense_slots, layered=layered, kernels=self.kernels,
-            hidden=None if capture is None else StepHidden(
-                capture, torch.tensor(slots, dtype=torch.long), restore if restore and restore.chunks else None),
+            hidden=None if self.hidden is None else self.hidden.step_hidden(slots, restore),
         )

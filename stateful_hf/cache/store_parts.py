@@ -1,6 +1,10 @@
 """The store's configuration and the assembly of its parts: `StoreConfig` (every option of `KVStore`,
-checked once) and `assemble(spec, config)`, which builds each part with its collaborators, in
-dependency order (docs/store.md), into one frozen `StoreParts`.
+checked once) and `assemble(spec, config)`, which opens the pools (`open_pools`) and builds each part
+with its collaborators, in dependency order (docs/store.md), into one frozen `StoreParts`.
+
+The one module that builds the feature packages' parts (`disk/`, `hidden/`, `layerwise/`,
+`virtual/`): a feature that is off has no part (None) and the core skips it, so with the default
+options none of their code runs; the core imports them for annotations only.
 
 Owns nothing after it returns: the parts own their state, the facade (`kv_store.py`) holds the
 parts. If a part refuses the configuration, the disk tier opened before it is closed and the error
@@ -11,29 +15,35 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ..kernels import KernelState
 from .capacity import Capacity
-from .disk_state import DiskState
-from .hidden_states import HiddenSpec, Projector
-from .hidden_tier import HiddenTier
+from .disk.state import DiskState
+from .disk.tier import DiskTier
+from .errors import StoreError
+from .hidden.states import HiddenSpec, Projector
+from .hidden.tier import HiddenTier, open_hidden_tier
 from .history import History
-from .layered_chunks import LayeredChunks
+from .layerwise.chunks import LayeredChunks
+from .layerwise.residues import ResidueTable
 from .moves import MoveLedger
-from .page_mapper import PageMapper
 from .placement import Placement
 from .policy import DEFAULT_POLICY, EvictionPolicy, make_policy
-from .prefix_sharing import PrefixSharing
+from .pool import BlockPool
+from .prefix.sharing import PrefixSharing
 from .relocation import Relocation
 from .session_table import SessionTable
-from .spec import KVSpec
+from .spec import KVSpec, capacity_in_blocks
 from .stats import Counters
 from .step_planner import StepPlanner
 from .swap_in import SwapIn
-from .tier_pools import TierPools, open_pools
+from .tier_pools import TierPools
 from .transfer import Transfer, emulate_from_env
+from .virtual.mapper import PageMapper
+from .virtual.pool import VirtualPool
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +55,7 @@ class StoreConfig:
     share of device blocks kept free or reclaimable by ahead-of-time swap-out after each turn.
     hidden_states ("auto" | "always" | "never"), hidden_spec, hidden_capacity (default: host_capacity),
     hidden_disk_capacity (the disk tier's hidden file; default: disk_capacity) and project (hidden ->
-    K/V per layer): HCache's hidden-state tier, see `hidden_tier.py`.
+    K/V per layer): HCache's hidden-state tier, see `hidden/tier.py`.
     Virtual layout only: `keep_freed` (tokens or a size) of freed device pages stay committed for
     reuse (vAttention's deferred reclamation; `reclaim()` gives them back), and with `map_ahead` a
     background thread maps the block each stepping session grows into next.
@@ -56,15 +66,15 @@ class StoreConfig:
     (`observe_return`, `prepare`).
     attn_backend: the concrete backend `KVStore` resolved with `kernels.select_backend` (from "auto" or a
     name, for the spec's device, dtype, head_dim, block size, layerwise_kv and layout).
-    layerwise_kv: LayerKV's layer-wise allocation (`layered_chunks.py`): steps may fill chunks keeping only
+    layerwise_kv: LayerKV's layer-wise allocation (`layerwise/chunks.py`): steps may fill chunks keeping only
     some layers on the device (residue blocks) and the rest on the host; needs a host tier, the paged
     layout and the torch backend.
     disk_fingerprint: identifies the model whose KV the disk tier holds (its config and weights); a
     disk_dir made with another is refused. The disk tier serves a chunk only if it proves it is the
-    chunk it names, else recomputes it (`disk.py`).
+    chunk it names, else recomputes it (`disk/tier.py`).
     emulate_async: run copies under the CPU async emulator (`transfer.py`); default: the environment
     variable STATEFUL_HF_EMULATE_ASYNC=1.
-    prefix_sharing: full chunks of identical prefixes held once (`prefix_sharing.py`); None: on where
+    prefix_sharing: full chunks of identical prefixes held once (`prefix/sharing.py`); None: on where
     it can be (paged layout, no layerwise_kv)."""
 
     device_capacity: int | str = 4096
@@ -103,6 +113,34 @@ class StoreConfig:
                              "session's KV in its own slot; layer-wise KV splits blocks among sessions)")
 
 
+@contextmanager
+def _allocating(name: str, capacity, spec: KVSpec) -> Iterator[None]:
+    """A pool allocation torch cannot make (out of memory) as a StoreError naming the option."""
+    try:
+        yield
+    except RuntimeError as e:                 # torch.OutOfMemoryError is one too
+        raise StoreError(f"cannot allocate the pool for {name}={capacity!r} on "
+                         f"{'cpu' if name == 'host_capacity' else spec.device}: {e}; give a smaller {name}") from e
+
+
+def open_pools(spec: KVSpec, device_capacity, host_capacity, disk_dir: str | os.PathLike | None, disk_capacity,
+               layout: str, max_context: int | None, keep_freed, disk_fingerprint: str):
+    """(device pool, host pool or None, disk tier or None) of a store (`KVStore` has the options)."""
+    with _allocating("device_capacity", device_capacity, spec):
+        if layout == "paged":
+            device_pool = BlockPool(spec, capacity_in_blocks(device_capacity, spec))
+        else:
+            device_pool = VirtualPool(spec, capacity_in_blocks(device_capacity, spec), max_context,
+                                      keep_bytes=0 if keep_freed in (0, "0") else
+                                      capacity_in_blocks(keep_freed, spec) * spec.bytes_per_block)
+    with _allocating("host_capacity", host_capacity, spec):
+        host_pool = None if host_capacity is None else BlockPool(
+            spec, capacity_in_blocks(host_capacity, spec), "cpu", pin_memory=spec.device.type == "cuda")
+    disk_blocks = capacity_in_blocks(disk_capacity if disk_capacity is not None else "1GiB", spec)
+    disk = None if disk_dir is None else DiskTier(spec, disk_dir, disk_blocks, disk_fingerprint)
+    return device_pool, host_pool, disk
+
+
 @dataclass(frozen=True, slots=True)
 class StoreParts:
     """One store's parts, in the order they are built (each is given only parts above it)."""
@@ -113,12 +151,12 @@ class StoreParts:
     moves: MoveLedger              # chunk moves between tiers (moves.py)
     sessions: SessionTable
     sharing: PrefixSharing
-    hidden: HiddenTier
-    disk_state: DiskState
+    hidden: HiddenTier | None      # None: the store captures no hidden states (the default)
+    disk_state: DiskState | None   # None: no disk tier (the default)
     tiers: TierPools
     placement: Placement
     swap_in: SwapIn
-    layered: LayeredChunks
+    layered: LayeredChunks | None  # None: no layerwise_kv (the default)
     relocation: Relocation
     planner: StepPlanner
     history: History
@@ -134,19 +172,22 @@ def assemble(spec: KVSpec, c: StoreConfig) -> StoreParts:
     sharing = PrefixSharing(spec.block_size, sessions.find,
                             c.prefix_sharing is not False and c.layout == "paged" and not c.layerwise_kv)
     try:
-        hidden = HiddenTier(c.hidden_states, c.hidden_spec, c.project, spec, device_pool.num_blocks,
-                            c.hidden_capacity, c.host_capacity, disk,
-                            c.hidden_disk_capacity if c.hidden_disk_capacity is not None else c.disk_capacity)
-        disk_state = DiskState(sessions, disk, transfer, spec.block_size)
-        tiers = TierPools(device_pool, host_pool, disk, hidden.pool, hidden.disk_pool, disk_state, sharing)
+        hidden = None if c.hidden_states == "never" else open_hidden_tier(
+            c.hidden_states, c.hidden_spec, c.project, spec, device_pool.num_blocks, c.hidden_capacity,
+            c.host_capacity, disk, c.hidden_disk_capacity if c.hidden_disk_capacity is not None else c.disk_capacity)
+        disk_state = None if disk is None else DiskState(sessions, disk, transfer, spec.block_size)
+        tiers = TierPools(device_pool, host_pool, disk, hidden.pool if hidden is not None else None,
+                          hidden.disk_pool if hidden is not None else None, disk_state, sharing,
+                          ResidueTable() if c.layerwise_kv else None)
         for pool in (device_pool, host_pool, disk.pool if disk is not None else None):
             if pool is not None:
                 pool.transfer = transfer
         placement = Placement(sessions, tiers, transfer, disk_state, hidden, c.policy or make_policy(DEFAULT_POLICY),
                               moves, counters, c.swap_out_threshold)
         swap_in = SwapIn(sessions, tiers, placement, transfer, hidden, disk_state, counters)
-        layered = LayeredChunks(c.layerwise_kv, tiers, placement, transfer, counters, layout=c.layout,
-                                attn_backend=c.attn_backend, capturing=hidden.capture is not None)
+        layered = None if not c.layerwise_kv else LayeredChunks(
+            tiers, placement, transfer, counters, layout=c.layout, attn_backend=c.attn_backend,
+            capturing=hidden is not None)
         relocation = Relocation(tiers, placement, swap_in, hidden, layered, transfer)
         kernels = KernelState()
         planner = StepPlanner(sessions, tiers, placement, swap_in, hidden, layered, transfer, counters, kernels,
@@ -158,7 +199,7 @@ def assemble(spec: KVSpec, c: StoreConfig) -> StoreParts:
         if disk is not None:
             disk.close()
         raise
-    if disk is not None:
+    if disk_state is not None:
         disk_state.load(sharing)
     return StoreParts(kernels, transfer, counters, moves, sessions, sharing, hidden, disk_state, tiers, placement,
                       swap_in, layered, relocation, planner, history, capacity)

@@ -20,7 +20,7 @@ def session_stats(s: Session, block_size: int) -> SessionStats:
 
 def store_stats(sessions: SessionTable, tiers: TierPools, counters: Counters) -> StoreStats:
     """Tokens per tier are physical: a chunk shared by several sessions counts once (its holders'
-    tokens are `logical_tokens`; `prefix_sharing.py`)."""
+    tokens are `logical_tokens`; `prefix/sharing.py`)."""
     device, host, disk = tiers.device, tiers.host, tiers.disk
     bs = device.spec.block_size
     tot = {t.value: 0 for t in ChunkState}

@@ -2,7 +2,8 @@
 the host hidden pool), and the settling of hidden-state rebuilds after the step that ran them.
 
 Collaborators: the pools, placement (to get slots, making room by the policy), the transfer engine
-(copies; per-layer events on CUDA), the hidden tier (capture), the disk state, the move ledger via
+(copies; per-layer events on CUDA), the hidden tier (capture) and the disk state (each None when the
+store lacks it; hidden and disk chunks exist only where it has them), the move ledger via
 placement, the counters (written: swapped_in_*, device_hits, restored_hidden*).
 Mutates: the moved chunks (state, loc, shadow, source) and the pools' slots. A chunk rebuilt from
 hidden states keeps its hidden slot as `source` until `settle` (after its step) frees it or, when
@@ -13,10 +14,8 @@ Every method runs with the store lock held.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
-from .disk_state import DiskState
-from .hidden_states import HiddenRestore
-from .hidden_tier import HiddenTier
 from .placement import Items, Placement
 from .session import HIDDEN_FORMS, ChunkState
 from .session_table import SessionTable
@@ -24,13 +23,18 @@ from .stats import Counters
 from .tier_pools import TierPools
 from .transfer import Transfer
 
+if TYPE_CHECKING:
+    from .disk.state import DiskState
+    from .hidden.states import HiddenRestore
+    from .hidden.tier import HiddenTier
+
 DEVICE, HOST, DISK = ChunkState.DEVICE, ChunkState.HOST, ChunkState.DISK
 HIDDEN, DISK_HIDDEN = ChunkState.HIDDEN, ChunkState.DISK_HIDDEN
 
 
 class SwapIn:
     def __init__(self, sessions: SessionTable, tiers: TierPools, placement: Placement, transfer: Transfer,
-                 hidden: HiddenTier, disk_state: DiskState, counters: Counters):
+                 hidden: HiddenTier | None, disk_state: DiskState | None, counters: Counters):
         self.sessions, self.tiers, self.placement, self.transfer = sessions, tiers, placement, transfer
         self.hidden, self.disk_state, self.counters = hidden, disk_state, counters
         self.block_size = tiers.device.spec.block_size
@@ -88,7 +92,7 @@ class SwapIn:
             for i, s, k in group:
                 tiers.vacate(s.chunks[k])
                 s.chunks[k].assign(target, slots[i])
-                if target is DEVICE and self.hidden.capture is not None:
+                if target is DEVICE and self.hidden is not None:
                     self.hidden.capture.valid[slots[i]] = False        # K/V only: its hidden states are unknown
                 if target is DEVICE:
                     n = s.chunk_len(k, bs)

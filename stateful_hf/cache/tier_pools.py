@@ -1,30 +1,28 @@
 """The pools per tier: which pool holds a chunk state's slots, which tier is below which, and the
 one way a chunk's slots are given back.
 
-Owns: the residue table (LayerKV's device blocks split by residue class, `residue_blocks.py`), a
-sub-allocator of the device pool. References (does not create): the device, host, hidden, disk and
-disk-hidden pools. Mutates: pools' free lists (`release`, `vacate`, `free_residue`, `place_residues`)
-and the released chunk (it becomes DROPPED; a chunk other sessions share stays theirs: the prefix
-sharing part, `prefix_sharing.py`, says so). Tells the disk state when a disk slot is given back.
+Owns: the residue table (LayerKV's device blocks split by residue class, `layerwise/residues.py`;
+None without layerwise_kv), a sub-allocator of the device pool. References (does not create): the
+device, host, hidden, disk and disk-hidden pools (`store_parts.open_pools` opens them). Mutates:
+pools' free lists (`release`, `vacate`, `free_residue`, `place_residues`) and the released chunk (it
+becomes DROPPED; a chunk other sessions share stays theirs: the prefix sharing part,
+`prefix/sharing.py`, says so). Tells the disk state when a disk slot is given back.
 Every method runs with the store lock held.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
-from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
-from .disk import DiskTier
-from .disk_state import DiskState
-from .errors import StoreError
-from .hidden_states import HiddenPool
 from .pool import BlockPool
-from .prefix_sharing import PrefixSharing
-from .residue_blocks import ResidueTable
+from .prefix.sharing import PrefixSharing
 from .session import ON_DISK, Chunk, ChunkState, Session
-from .spec import KVSpec, capacity_in_blocks
-from .virtual import VirtualPool
+
+if TYPE_CHECKING:
+    from .disk.state import DiskState
+    from .disk.tier import DiskTier
+    from .hidden.states import HiddenPool
+    from .layerwise.residues import ResidueTable
 
 DEVICE, HOST, DISK, DROPPED = ChunkState.DEVICE, ChunkState.HOST, ChunkState.DISK, ChunkState.DROPPED
 HIDDEN, DISK_HIDDEN, LAYERED = ChunkState.HIDDEN, ChunkState.DISK_HIDDEN, ChunkState.LAYERED
@@ -32,12 +30,13 @@ HIDDEN, DISK_HIDDEN, LAYERED = ChunkState.HIDDEN, ChunkState.DISK_HIDDEN, ChunkS
 
 class TierPools:
     def __init__(self, device, host: BlockPool | None, disk: DiskTier | None, hidden: HiddenPool | None,
-                 disk_hidden: HiddenPool | None, disk_state: DiskState, sharing: PrefixSharing):
+                 disk_hidden: HiddenPool | None, disk_state: DiskState | None, sharing: PrefixSharing,
+                 residues: ResidueTable | None):
         self.device, self.host, self.disk = device, host, disk
         self.sharing = sharing
         self.hidden, self.disk_hidden = hidden, disk_hidden
-        self.disk_state = disk_state
-        self.residues = ResidueTable()         # mutated only through place_residues / free_residue
+        self.disk_state = disk_state           # None without a disk tier (then no chunk is ON_DISK)
+        self.residues = residues               # layerwise_kv only; mutated only through place_residues / free_residue
         self._by_state = {DEVICE: device, HOST: host, DISK: disk.pool if disk is not None else None,
                           HIDDEN: hidden, DISK_HIDDEN: disk_hidden,
                           LAYERED: host}       # a LAYERED chunk's host slot (its residue block: the table)
@@ -102,31 +101,3 @@ class TierPools:
         hidden = getattr(pool, "hidden_spec", None)
         per = hidden.bytes_per_block if hidden is not None else pool.spec.bytes_per_block
         return (pool.num_blocks - pool.num_free) * per
-
-
-@contextmanager
-def _allocating(name: str, capacity, spec: KVSpec) -> Iterator[None]:
-    """A pool allocation torch cannot make (out of memory) as a StoreError naming the option."""
-    try:
-        yield
-    except RuntimeError as e:                 # torch.OutOfMemoryError is one too
-        raise StoreError(f"cannot allocate the pool for {name}={capacity!r} on "
-                         f"{'cpu' if name == 'host_capacity' else spec.device}: {e}; give a smaller {name}") from e
-
-
-def open_pools(spec: KVSpec, device_capacity, host_capacity, disk_dir: str | os.PathLike | None, disk_capacity,
-               layout: str, max_context: int | None, keep_freed, disk_fingerprint: str):
-    """(device pool, host pool or None, disk tier or None) of a store (`KVStore` has the options)."""
-    with _allocating("device_capacity", device_capacity, spec):
-        if layout == "paged":
-            device_pool = BlockPool(spec, capacity_in_blocks(device_capacity, spec))
-        else:
-            device_pool = VirtualPool(spec, capacity_in_blocks(device_capacity, spec), max_context,
-                                      keep_bytes=0 if keep_freed in (0, "0") else
-                                      capacity_in_blocks(keep_freed, spec) * spec.bytes_per_block)
-    with _allocating("host_capacity", host_capacity, spec):
-        host_pool = None if host_capacity is None else BlockPool(
-            spec, capacity_in_blocks(host_capacity, spec), "cpu", pin_memory=spec.device.type == "cuda")
-    disk_blocks = capacity_in_blocks(disk_capacity if disk_capacity is not None else "1GiB", spec)
-    disk = None if disk_dir is None else DiskTier(spec, disk_dir, disk_blocks, disk_fingerprint)
-    return device_pool, host_pool, disk

@@ -55,7 +55,7 @@ class Admission:
             s = store.open(r.session_id)
             if s.busy:
                 return Verdict(skip=True)
-            try:                       # shared chunks of the prompt's prefix join the session (prefix_sharing.py)
+            try:                       # shared chunks of the prompt's prefix join the session (prefix/sharing.py)
                 store.adopt_prefix(r.session_id, r.prompt, r.cache_salt)
             except ValueError as e:    # a cache_salt other than the session's
                 return Verdict(skip=True, released=self._fail(r, e))

@@ -50,7 +50,7 @@ class Engine:
     ttft_slo / tpot_slo: seconds, or None (the default: admission as without them). Per-request
     metrics and `stats()` report violations; with `tpot_slo`, queued prefills are admitted only while
     their predicted prefill time fits in the running decodes' smallest slack (LayerKV, `slo.py`).
-    layerwise_kv: LayerKV's layer-wise KV allocation (`stateful_hf/cache/layered_chunks.py`): a prefill that does not
+    layerwise_kv: LayerKV's layer-wise KV allocation (`stateful_hf/cache/layerwise/chunks.py`): a prefill that does not
     fit with all layers on the device is admitted keeping x >= x_min evenly spaced layers there and the
     rest on the host tier (`host_capacity`, required when the engine makes its store); running
     requests' layers are pushed down to the host when free blocks run short. min_kept_layers: x_min
@@ -87,7 +87,7 @@ class Engine:
         self.generation_config = getattr(model, "generation_config", None) if generation_config == "auto" else None
         self.default_sampling = SamplingParams.from_generation_config(self.generation_config)
         self.ttft_slo, self.tpot_slo = check_slo("ttft_slo", ttft_slo), check_slo("tpot_slo", tpot_slo)
-        # None when no SLO is set: the scheduler then admits exactly as before
+        # None when no SLO is set: admission weighs tokens and blocks only
         self.slo = SloPolicy(self.ttft_slo, self.tpot_slo) if (ttft_slo, tpot_slo) != (None, None) else None
         if min_kept_layers is not None and not layerwise_kv:
             raise ValueError("min_kept_layers needs layerwise_kv=True")

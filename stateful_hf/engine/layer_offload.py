@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from ..cache import ChunkState, CostProfile, StoreError
-from ..cache.residue_blocks import blocks_at_most
+from ..cache.chunk_needs import blocks_at_most
 from .request import Request, RequestStatus
 from .work_item import WorkItem, next_item, whole_item
 
@@ -107,7 +107,7 @@ def held_blocks(store, session_id: str) -> float:
                for c in s.chunks)
 
 
-residue_blocks = blocks_at_most      # the store's bound (stateful_hf/cache/residue_blocks.py)
+residue_blocks = blocks_at_most      # the store's bound (stateful_hf/cache/chunk_needs.py)
 
 class LayerwiseScheduling:
     """The scheduler's layer-wise decisions, a part the Scheduler composes. Collaborators: the store
@@ -192,7 +192,7 @@ class LayerwiseScheduling:
 
     def host_committed(self, items: list[WorkItem]) -> int:
         """Host slots the running layer-wise requests will still fill after this step's items: not
-        free for admissions (as `_committed` is for device blocks)."""
+        free for admissions (as `committed` is for device blocks)."""
         mine = {it.request.request_id: it for it in items}
         total = 0
         for q in self.running:

@@ -4,7 +4,7 @@ Every step it (1) continues running requests oldest first (a decode token each, 
 their prefills and recomputations), suspending the latest-arrived ones when their session blocks
 do not fit; (2) admits queued requests while more than a reserve of device blocks stays available
 and, with an SLO policy, while the queued prefills' predicted time fits in the running decodes'
-smallest TPOT slack (`slo.py`). With layer-wise allocation (`layered_chunks.py`) a prefill that does
+smallest TPOT slack (`slo.py`). With layer-wise allocation (`layerwise/chunks.py`) a prefill that does
 not fit with all layers is admitted keeping fewer layers on the device, and a running request short
 of blocks has its layers pushed down to the host before anyone is suspended.
 

@@ -147,7 +147,7 @@ class SloPolicy:
 def prefill_rows(store, r: Request) -> int:
     """Rows a queued request computes before its first token: the prompt past the reusable prefix
     plus dropped history before it (WAITING), or its pending ids plus evicted history (SUSPENDED).
-    Read-only: the same `keep` that `Scheduler._admit` will compute."""
+    Read-only: the same `keep` that `Admission.admit` (admission.py) will compute."""
     if r.status is RequestStatus.SUSPENDED:
         return len(r.pending) + len(r.missing)
     if r.session_id not in store:

@@ -1,24 +1,20 @@
-"""`ThreadSizer`: how the engine's loop thread steps beside other processes.
+"""`ThreadSizer`: the OpenMP team of the engine's loop thread, per step, beside other processes.
 
-Why: a step is ~1000 parallel regions (every linear, norm and activation), each ending at a barrier
-that waits for the team's slowest thread. With as many threads as cores and other processes busy, a
-team thread is often waiting for a core; if the waiting threads spin (libgomp's default once the
-caller's pool is released, `openmp.py`) they burn the CPU the late thread needs, and every region
-waits for the OS to reschedule it: the step collapses (docs/engine.md, "Threads on a shared host").
+Why: a step's parallel regions each end at a barrier that waits for the team's slowest thread; beside
+busy processes a team thread waits for a core, and workers that spin at the barrier (`openmp.py`) take
+the CPU it needs, so every region waits for the OS (docs/engine.md, "Threads on a shared host").
 
-How: every `interval` seconds the busy time of the CPUs this process may run on (/proc/stat) less
-this process's own CPU time gives the cores others used, and the free cores decide, with hysteresis
-(n grows when at least `n + 1 - grow_margin` cores are free, shrinks below `n - shrink_margin`):
-- with a `SpinSwitch` ("auto", the engine's default): while fewer cores than the team are free, a step
-  of `shrink_rows[0] <= rows < shrink_rows[1]` runs on a team sized to the free cores, and every other
-  step on the full team with its waits throttled (a waiting worker sleeps after a short spin, giving its
-  core back; the OS wakes it promptly as a thread that slept); the full team spins again once the cores
-  are free. Measured beside two busy loops on 2 cores (`benchmarks.bench_team`; docs/engine.md, "A team
-  per step"): a team of one is 13-38% faster for 16-256 rows (its barriers wait on no descheduled
-  worker), the throttled pair faster for <= 8 rows and >= 384 (more CPU per region);
-- without ("shrink"): every step's team is sized to the free cores, between 1 and `max_threads`.
-It starts from `start` (1: "busy", so a first step beside busy processes does not spin). Without
-/proc/stat (not Linux) it keeps `start`.
+Rule:
+- every `interval` seconds: cores others used = busy CPU time of this process's CPUs (/proc/stat)
+  less this process's CPU time; the free cores set n, with hysteresis (n grows when at least
+  `n + 1 - grow_margin` cores are free, shrinks below `n - shrink_margin`);
+- with a `SpinSwitch` ("auto"): host busy (n < max_threads) -> a step of `shrink_rows[0] <= rows <
+  shrink_rows[1]` runs on n threads, any other step on the full team with throttled waits (a waiting
+  worker sleeps after a short spin, giving its core back); host free -> the full team spins;
+- without one ("shrink"): every step runs on n threads, 1 <= n <= `max_threads`;
+- n starts at `start` (1: busy, so a first step beside busy processes never spins);
+- without /proc/stat (not Linux) n stays `start`.
+The measurements behind `shrink_rows` (`benchmarks.bench_team`): docs/engine.md, "A team per step".
 """
 
 from __future__ import annotations

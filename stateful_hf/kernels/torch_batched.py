@@ -1,19 +1,18 @@
 """Fast pure-torch paged attention: gather into a cache-sized workspace + one SDPA per slice of a group.
 
-Measured on the 2-core CPU (benchmarks/bench_kernels.py, 32 x 8 rows, Hq 16 / Hkv 4, 4096 context):
-a per-sub-request loop costs ~11x contiguous SDPA; gathering a whole group then one SDPA ~1.9x
-(the gathered copy is written to and read back from DRAM); a block-wise online-softmax loop in torch
-~1.6x. What this file does, ~1.2x of the best contiguous call:
+Shape of the work:
   - GQA folded into query rows: the G query heads sharing a KV head become G * q rows of one
     [n, Hkv, G * q, D] query, so SDPA never expands K/V to Hq heads (enable_gqa does);
   - a group is attended in slices of members whose gathered K+V fits WORKSPACE_BYTES, so the
     gather's writes and SDPA's reads stay in cache instead of making two more trips to DRAM.
-The workspace is allocated on the first layer of a step and reused by every later layer (fresh
-100 MB allocations cost more than the copy itself: first-touch page faults).
+The workspace is allocated on the first layer of a step and reused by every later layer (a fresh
+allocation per layer costs more than the copy: first-touch page faults).
 
 Plan (host side, once per step): sub-requests with query rows are sorted by (q_len, blocks) and cut
 into groups whose padded cost n * max_q * max_kv stays within PAD_SLACK of the real sum q_i * kv_i,
 so one long prompt is not padded against 31 decode rows.
+
+Its cost against contiguous SDPA and the alternatives (`benchmarks/bench_kernels.py`): docs/virtual-layout.md.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ against the KV geometry, the format and the model's fingerprint) and the data fi
 (`kv.<gen>.bin`, `hidden.<gen>.bin`: `files`, one `DiskFile` per form). It may mutate: the files on
 disk (creating, relocating, deleting leftovers) and the index's header and rows only while a data
 file is switched (`_switch`: relocation keeps the rows, a new file forgets that form's rows). The
-running tier (`disk.py`'s `DiskTier`) writes rows and checksums; this part is done once a file is
+running tier (`disk/tier.py`'s `DiskTier`) writes rows and checksums; this part is done once a file is
 open.
 
 Relocation (a different `disk_capacity` at open): the chunks are copied into a new file of the new
@@ -24,11 +24,11 @@ import re
 import sqlite3
 from pathlib import Path
 
-from . import disk_index
-from .disk_file import DiskFile
-from .disk_index import FORMAT, DiskIndex, read_meta
-from .errors import StoreError
-from .spec import KVSpec
+from ..errors import StoreError
+from ..spec import KVSpec
+from . import index
+from .file import DiskFile
+from .index import FORMAT, DiskIndex, read_meta
 
 _DATA_FILE = re.compile(r"(kv|hidden)\.\d+\.bin")
 
@@ -155,7 +155,7 @@ class DiskDirectory:
         try:
             new.flush()
             _fsync_dir(self.path)
-            disk_index.durability_point("relocate-copied")
+            index.durability_point("relocate-copied")
             gen = new.path.name.split(".")[1]
             self.index.commit({f"{form}.file": new.path.name, f"{form}.slots": str(new.slots), "generation": gen,
                                **extra}, self.index.sessions, rows)
@@ -163,7 +163,7 @@ class DiskDirectory:
             new.close()
             new.path.unlink(missing_ok=True)
             raise StoreError(f"cannot set up the disk tier file {str(new.path)!r}: {e}") from e
-        disk_index.durability_point("relocate-committed")
+        index.durability_point("relocate-committed")
         self.files[form] = new
         if old is not None and old != new.path:
             old.unlink(missing_ok=True)

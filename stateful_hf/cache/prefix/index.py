@@ -53,7 +53,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from .prefix_key import Digest, PrefixKeys, PrefixScope, xxh3_128
+from .key import Digest, PrefixKeys, PrefixScope, xxh3_128
 
 
 @dataclass(eq=False, slots=True)
@@ -99,7 +99,7 @@ class IndexCounters:
 
 
 class PrefixIndex:
-    """Full chunks by content key (`PrefixKeys`, `prefix_key.py`). `block_size`: tokens per chunk (the
+    """Full chunks by content key (`PrefixKeys`, `prefix/key.py`). `block_size`: tokens per chunk (the
     store's). `digest`: the chain's hash (default xxh3-128; tests pass a weak one to force collisions).
 
     Mutating methods: `insert` (adds an entry, no holder), `acquire` / `release` (a holder), `remove`

@@ -18,23 +18,6 @@ def kept_layers(num_layers: int, factor: int, residue: int) -> list[int]:
     return list(range(residue, num_layers, factor))
 
 
-def check_factor(factor: int, num_layers: int) -> int:
-    """A keep factor: 0 (no layer on the device), 1 (all layers) or 2..num_layers."""
-    if isinstance(factor, bool) or not isinstance(factor, int) or not 0 <= factor <= num_layers:
-        raise ValueError(f"keep factor must be an int in [0, {num_layers}] (0: no layer on the device, 1: all, "
-                         f"f: layers l with l % f == r), got {factor!r}")
-    return factor
-
-
-def blocks_at_most(factor: int, chunks: int) -> int:
-    """Device blocks `chunks` new chunks of keep factor `factor` take at most: all (1), none (0),
-    ceil(chunks / f) residue blocks (f >= 2; fewer when open residue blocks have free residues).
-    A bound that holds whatever else a step takes: what a scheduler adds up over a step's entries."""
-    if factor == 1:
-        return chunks
-    return 0 if factor == 0 else -(-chunks // factor)
-
-
 class ResidueTable:
     """blocks: {device block: (factor, [owner (session id, chunk index) or None] * factor)}.
 

@@ -3,7 +3,7 @@
 A key names a whole prefix, not only a chunk's own ids: key_0 = digest(root(scope) + ids of chunk 0),
 key_k = digest(key_{k-1} + ids of chunk k) (vLLM's block-hash chain; here xxh3-128, with
 (tenant, cache_salt) at the root: `PrefixScope`). A key only finds a candidate: the index
-(`prefix_index.py`) verifies every hit id by id, so a collision is a miss, never a wrong chunk.
+(`prefix/index.py`) verifies every hit id by id, so a collision is a miss, never a wrong chunk.
 Pure: no state but the block size and the digest (unseeded: the same ids in the same scope give the
 same keys in every process).
 """
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from .tenant import DEFAULT_TENANT, check_tenant
+from ..tenant import DEFAULT_TENANT, check_tenant
 
 Digest = Callable[[bytes], bytes]
 

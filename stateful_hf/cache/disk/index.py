@@ -10,14 +10,14 @@ Tables:
                           is a retained prefix holder (`KVStore.delete(keep_shared=True)`)
   chunks(session, k, form, slot, checksum)
                           chunk k of the session is in `slot` of the `form` file, with the xxh3-64
-                          `checksum` of its identity tag and its bytes (`disk_file.chunk_checksum`).
+                          `checksum` of its identity tag and its bytes (`DiskFile.checksum`, `disk/file.py`).
                           Several rows name one slot when sessions share the chunk (prefix sharing):
                           same k, same checksum (the identity tag chains the prefix's ids)
 
 Format 3 added the sessions' scope and retained columns. A format-2 index (without them) is upgraded
 in place at open, in one transaction with its header (its sessions get no scope: their chunks are
 not indexed for sharing after the restart until a turn registers them again); other formats are
-refused by the tier (`disk.py`).
+refused by the tier (`disk/tier.py`).
 
 Journal WAL, synchronous=FULL: `commit` returns once the transaction is durable, and a crash leaves
 the last committed transaction whole. Every commit is one transaction holding one whole state of
@@ -32,7 +32,7 @@ from array import array
 from collections.abc import Mapping
 from pathlib import Path
 
-from .errors import StoreError
+from ..errors import StoreError
 
 FORMAT = "stateful-hf disk tier 3"
 UPGRADABLE = "stateful-hf disk tier 2"     # the same but for the sessions' scope and retained columns

@@ -5,11 +5,11 @@ A step entry planned with keep factor f != 1 fills its fresh chunks as LAYERED: 
 of a residue block: a device block split with up to f - 1 other chunks (layers l % f == r are
 written there). Such a step also reads the entry's HOST context chunks in place (they become
 LAYERED with no residue block) instead of copying them up. Attention reads every LAYERED chunk's
-layer from wherever it lives (`layered_step.py`). Pushing kept layers down copies them to the host
+layer from wherever it lives (`layerwise/step.py`). Pushing kept layers down copies them to the host
 slot and gives the residue back; when the turn ends (lease released) every LAYERED chunk is pushed
 down and becomes HOST.
 
-Owns: whether the store allows layer-wise steps (`enabled`) and the staging choice (`stage`).
+Owns: the staging choice (`stage`). Exists only in a store made with layerwise_kv=True.
 Collaborators: the pools (their residue table: `place_residues` / `free_residue`), placement (slots,
 room, move records), the transfer engine, the counters (written: swapped_out_host).
 Mutates: LAYERED chunks (created by `fill`, pushed down, settled to HOST), a busy session's DEVICE
@@ -22,30 +22,30 @@ import time
 
 import torch
 
-from .errors import CapacityError
-from .layered_step import LayeredStep
-from .placement import Items, Placement
-from .residue_blocks import check_factor, kept_layers
-from .session import Chunk, ChunkState, Session
-from .stats import Counters
-from .tier_pools import TierPools
-from .transfer import Transfer
+from ..chunk_needs import check_factor
+from ..errors import CapacityError
+from ..placement import Items, Placement
+from ..session import Chunk, ChunkState, Session
+from ..stats import Counters
+from ..tier_pools import TierPools
+from ..transfer import Transfer
+from .residues import kept_layers
+from .step import LayeredStep
 
 LAYERED, DEVICE, HOST = ChunkState.LAYERED, ChunkState.DEVICE, ChunkState.HOST
 
 
 class LayeredChunks:
-    def __init__(self, enabled: bool, tiers: TierPools, placement: Placement, transfer: Transfer,
-                 counters: Counters, *, layout: str, attn_backend: str, capturing: bool):
-        self.enabled = bool(enabled)
+    """Built only for a store made with layerwise_kv=True (otherwise the store has no layered part)."""
+
+    def __init__(self, tiers: TierPools, placement: Placement, transfer: Transfer, counters: Counters, *,
+                 layout: str, attn_backend: str, capturing: bool):
         # stage host-resident layers onto the device per layer (None: when the host pool is elsewhere,
         # i.e. on CUDA; True: on the CPU too, which is how tests cover the staging path)
         self.stage: bool | None = None
         self.tiers, self.placement, self.transfer, self.counters = tiers, placement, transfer, counters
         self.num_layers = tiers.device.spec.num_layers
         self.block_size = tiers.device.spec.block_size
-        if not enabled:
-            return
         if tiers.host is None:
             raise ValueError("layerwise_kv needs a host tier (host_capacity): the layers a chunk does not keep on "
                              "the device live there")
@@ -131,9 +131,7 @@ class LayeredChunks:
 
     def offload(self, s: Session, full: bool) -> int:
         """LayerKV's push-down for a running request: its LAYERED chunks' kept layers to their host
-        slots; with `full`, its DEVICE chunks too. Returns device blocks freed (0 when not enabled)."""
-        if not self.enabled:
-            return 0
+        slots; with `full`, its DEVICE chunks too. Returns device blocks freed."""
         freed = self.push_residues([(s, k) for k in range(len(s.chunks))])
         if full:
             freed += self.offload_device(s, {s.session_id})

@@ -11,7 +11,7 @@ from __future__ import annotations
 import queue
 import threading
 
-from .virtual import VirtualPool
+from .pool import VirtualPool
 
 
 class PageMapper:

@@ -13,7 +13,7 @@ commit switches the whole disk state atomically, with no hand-written rename/fsy
 diff of rows is written per change instead of the whole index. Why xxh3-64: the fastest well-kept
 64-bit hash here (`xxhash`), 64 bits so a wrong chunk passing by chance is negligible.
 
-Layout of `disk_dir`: `index.sqlite` (`disk_index.py`), `kv.<gen>.bin` (the KV pool's tensor,
+Layout of `disk_dir`: `index.sqlite` (`disk/index.py`), `kv.<gen>.bin` (the KV pool's tensor,
 layer-major), `hidden.<gen>.bin` (with hidden states in use: hidden layers then K/V layers of
 HCache chunks), `lock` (one store per directory). `<gen>` grows when a file is replaced.
 
@@ -30,7 +30,7 @@ store frees the slot only when its last holder lets go, so it enters limbo only 
 current state names it, and leaves limbo only once the committed index names it no more (rule 3).
 So at any crash the durable index names only slots holding exactly the data it names.
 Opening (the directory, its lock, the header check, which data file is current, relocation to
-another `disk_capacity`) is `disk_directory.py`'s `DiskDirectory`; this module runs the open tier.
+another `disk_capacity`) is `disk/directory.py`'s `DiskDirectory`; this module runs the open tier.
 
 The disk is a cache: a failed flush or commit (EIO, ENOSPC, a full SQLite) never fails a turn.
 The tier marks itself `degraded` (`failing` names the step), counts `write_failures`, and new
@@ -46,12 +46,12 @@ import os
 import sqlite3
 from dataclasses import dataclass
 
-from .disk_directory import DiskDirectory
-from .disk_file import DiskFile
-from .disk_index import SessionRow, unpack_ids
-from .disk_pool import DiskHiddenPool, DiskPool, Quarantined
-from .hidden_states import HiddenSpec
-from .spec import KVSpec
+from ..hidden.states import HiddenSpec
+from ..spec import KVSpec
+from .directory import DiskDirectory
+from .file import DiskFile
+from .index import SessionRow, unpack_ids
+from .pool import DiskHiddenPool, DiskPool, Quarantined
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from .hidden_states import HiddenPool
-from .pool import BlockPool
+from ..hidden.states import HiddenPool
+from ..pool import BlockPool
 
 
 class Quarantined:

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import Overlay
-from .kv_writer import write_kv
-from .pool import BlockPool
+from ...kernels import Overlay
+from ..kv_writer import write_kv
+from ..pool import BlockPool
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,6 @@
 """Prefix sharing in the store: full chunks of identical prefixes held once, by every session that has them.
 
-Owns: the prefix index (`prefix_index.py`), and is the one writer of `Chunk.entry` and
+Owns: the prefix index (`prefix/index.py`), and is the one writer of `Chunk.entry` and
 `Session.scope`. A shared chunk is ONE `Chunk` object that sits at the same index k in the chunk
 list of every holder (`entry.holders`); the store's parts change a chunk's state in place
 (`Chunk.assign`), so a move of a shared chunk is a move for every holder. Collaborators: the
@@ -38,10 +38,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
-from .prefix_index import PrefixEntry, PrefixIndex
-from .prefix_key import PrefixScope
-from .session import ON_DISK, Chunk, ChunkState, Session
-from .tenant import tenant_of
+from ..session import ON_DISK, Chunk, ChunkState, Session
+from ..tenant import tenant_of
+from .index import PrefixEntry, PrefixIndex
+from .key import PrefixScope
 
 DEVICE, DROPPED = ChunkState.DEVICE, ChunkState.DROPPED
 

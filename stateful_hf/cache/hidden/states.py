@@ -2,7 +2,7 @@
 
 A HIDDEN chunk stores, for layers [0, L_H), the hidden state entering the layer (the residual
 stream, `hidden_size` values per token) and, for layers [L_H, num_layers), plain K/V: the layer
-split chosen by HCache's bubble-free planner (`hidden_partition.py`). K/V of a hidden layer are rebuilt by
+split chosen by HCache's bubble-free planner (`hidden/partition.py`). K/V of a hidden layer are rebuilt by
 `project(layer, hidden [n, D], positions [n]) -> (K, V) [n, kv_heads, head_dim]`, a callable the
 integration builds from the model's own modules (this package never imports transformers).
 
@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .kv_writer import write_kv
-from .pool import BlockPool, block_runs, host_zeros, resident_bytes
-from .spec import KVSpec
+from ..kv_writer import write_kv
+from ..pool import BlockPool, block_runs, host_zeros, resident_bytes
+from ..spec import KVSpec
 
 # (layer, hidden [n, D], positions [n]) -> (K, V), each [n, kv_heads, head_dim], on the hidden's device
 Projector = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -241,7 +241,7 @@ class StepHidden:
 
     On CUDA a layer's rows are copied on a side stream into a pinned host buffer (no device sync per
     layer); `flush` (the step's commit or abort) waits on each copy's event and writes the rows
-    into the capture buffer. Elsewhere `capture` writes them at once, as before."""
+    into the capture buffer. Elsewhere `capture` writes them at once."""
 
     def __init__(self, capture: HiddenCapture | None, slots_cpu: torch.Tensor, restore: HiddenRestore | None):
         self.capture_buf, self.slots_cpu, self.restore = capture, slots_cpu, restore

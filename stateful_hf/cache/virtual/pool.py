@@ -19,8 +19,8 @@ vAttention's two latency hiders:
     finds no physical memory reclaims first). A cached block holds stale KV, so it is zeroed when it
     is handed out again: no session ever reads another's data.
   - pages mapped ahead: `prefetch(owners)` commits the pages of blocks a session will grow into
-    (the next decode step's block) while they are still free, from `PageMapper`'s background thread (`page_mapper.py`),
-    so the step that allocates them maps nothing. A prefetched block is cached and clean (zeros).
+    (the next decode step's block) while they are still free, from `PageMapper`'s background thread
+    (`virtual/mapper.py`), so the step that allocates them maps nothing. A prefetched block is cached and clean (zeros).
 Pool state is guarded by its own lock: the store calls allocate/free under the store lock, the
 mapper thread calls prefetch.
 """
@@ -32,8 +32,8 @@ import threading
 
 import torch
 
-from .spec import KVSpec
-from .virtual_cuda import CudaReservation
+from ..spec import KVSpec
+from .reservation import CudaReservation
 
 PAGE = mmap.PAGESIZE
 

@@ -1,4 +1,4 @@
-"""The disk state: the store's side of the disk tier (`disk.py`): what its index says, what is
+"""The disk state: the store's side of the disk tier (`disk/tier.py`): what its index says, what is
 written and what is proven before it is read.
 
 Owns: whether the committed index is stale (`mark_changed`, cleared by a successful `sync`).
@@ -6,7 +6,7 @@ Collaborators: the session table (read: the rows of the index; `load` adds sessi
 tier, the transfer engine (copies into disk slots land before they are checksummed). It never frees
 a slot itself: `verify` and `cut` return what failed and the caller (placement) drops those chunks.
 
-Rules (see `disk.py` for the crash ordering):
+Rules (see `disk/tier.py` for the crash ordering):
 - a chunk becomes DISK / DISK_HIDDEN only after its data is flushed (`written`);
 - a disk chunk is read (copied up, rebuilt from, exported) only after `verify` proved it is the
   chunk of its session's prefix; one that fails is dropped and recomputed from its token ids;
@@ -17,23 +17,25 @@ Every method runs with the store lock held.
 
 from __future__ import annotations
 
-from .disk import DiskTier
-from .disk_file import identity_tags
-from .disk_index import SessionRow, pack_ids
-from .errors import StoreError
-from .prefix_key import PrefixScope
-from .prefix_sharing import PrefixSharing
-from .session import ON_DISK, Chunk, ChunkState, Session
-from .session_table import SessionTable
-from .tenant import tenant_of
-from .transfer import Transfer
+from ..errors import StoreError
+from ..prefix.key import PrefixScope
+from ..prefix.sharing import PrefixSharing
+from ..session import ON_DISK, Chunk, ChunkState, Session
+from ..session_table import SessionTable
+from ..tenant import tenant_of
+from ..transfer import Transfer
+from .file import identity_tags
+from .index import SessionRow, pack_ids
+from .tier import DiskTier
 
 DISK, DISK_HIDDEN = ChunkState.DISK, ChunkState.DISK_HIDDEN
 FORM = {DISK: "kv", DISK_HIDDEN: "hidden"}
 
 
 class DiskState:
-    def __init__(self, sessions: SessionTable, disk: DiskTier | None, transfer: Transfer, block_size: int):
+    """Built only for a store with a disk tier (otherwise the store has no disk state)."""
+
+    def __init__(self, sessions: SessionTable, disk: DiskTier, transfer: Transfer, block_size: int):
         self.sessions, self.disk, self.transfer, self.block_size = sessions, disk, transfer, block_size
         self._changed = False
 
@@ -65,7 +67,7 @@ class DiskState:
 
     def sync(self, force: bool = False) -> bool:
         """Commit the index if the disk state changed (or `force`). False if the commit failed."""
-        if self.disk is None or not (self._changed or force):
+        if not (self._changed or force):
             return True
         if not self.disk.commit(*self.rows()):
             self._changed = True
@@ -96,19 +98,19 @@ class DiskState:
     def failed(self, s: Session, ks=None) -> list[int]:
         """The session's disk chunks (of `ks`, default all) that do not prove to be what they name;
         the caller must drop them before anything reads them. Mutates nothing here."""
-        if self.disk is None:
-            return []
         ks = [k for k in (range(len(s.chunks)) if ks is None else ks) if s.chunks[k].state in ON_DISK]
         if not ks:
             return []
         tags = identity_tags(s.token_ids, self.block_size)
         return [k for k in ks if not self.disk.verify(FORM[s.chunks[k].state], s.chunks[k].loc, tags[k])]
 
-    def cut(self, s: Session, k: int, old_tag: bytes) -> bool:
-        """Chunk k, on disk, lost its last tokens (a truncation inside it): checksum it under its new
-        identity tag. False if it does not hold what it should (the caller drops it)."""
+    def cut(self, s: Session, k: int, old_ids: list[int]) -> bool:
+        """Chunk k, on disk, lost its last tokens (a truncation inside it; `old_ids`: the ids up to its
+        old end): checksum it under its new identity tag. False if it does not hold what it should (the
+        caller drops it)."""
         c = s.chunks[k]
         self._changed = True
+        old_tag = identity_tags(old_ids, self.block_size)[k]
         return self.disk.retag(FORM[c.state], c.loc, old_tag, identity_tags(s.token_ids, self.block_size)[k])
 
     def load(self, sharing: PrefixSharing) -> None:

@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 import xxhash
 
-from . import disk_index
-from .errors import StoreError
+from ..errors import StoreError
+from . import index
 
 
 def identity_tags(token_ids: Sequence[int], block_size: int) -> list[bytes]:
@@ -100,7 +100,7 @@ class DiskFile:
 
     def flush(self) -> None:
         """Make every write into the mapping durable (raises OSError if it cannot)."""
-        disk_index.durability_point("data-flush")
+        index.durability_point("data-flush")
         os.fdatasync(self.fd)
 
     def copy_from(self, other: DiskFile, src: list[int], dst: list[int]) -> None:

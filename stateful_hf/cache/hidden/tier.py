@@ -1,0 +1,108 @@
+"""The hidden-state tier (HCache): its pools, the capture of hidden states, and the rules of moving
+hidden chunks.
+
+Hidden chunks live in the host hidden pool (HIDDEN) and, below it, in the disk tier's hidden file
+(DISK_HIDDEN, same split, so moving between them is a copy of slots). Either restores to the device
+the same way: read up layer by layer and projected (`HiddenRestore`, run by the step; its slots are
+settled by `swap_in.py`).
+
+Owns: the HiddenCapture (which device blocks' hidden states were captured), the hidden pool and
+(opened in the disk tier) the disk hidden pool. Mutates nothing after construction except through
+the capture (written by steps and by swap-in, `capture.valid`). Stateless rules otherwise. A store
+that captures nothing (`hidden_states="never"`, the default) has no hidden tier: its callers skip it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..session import HIDDEN_FORMS, ChunkState, Session
+from ..spec import KVSpec, capacity_in_blocks
+from ..stats import Counters
+from .states import HiddenCapture, HiddenPool, HiddenRestore, HiddenSpec, Projector, StepHidden
+
+if TYPE_CHECKING:
+    from ..disk.tier import DiskTier
+
+HIDDEN_MODES = ("auto", "always", "never")
+DEVICE, HIDDEN, DISK, DROPPED = ChunkState.DEVICE, ChunkState.HIDDEN, ChunkState.DISK, ChunkState.DROPPED
+
+
+def open_hidden_tier(mode: str, spec: HiddenSpec | None, project: Projector | None, kv: KVSpec, device_blocks: int,
+                     capacity, host_capacity, disk: DiskTier | None, disk_capacity=None) -> HiddenTier | None:
+    """The store's hidden tier, or None when it captures nothing. mode "never": None. "always":
+    capture while computing and keep chunks moving down from the device as hidden states. "auto":
+    like "always" when a layer's hidden state is smaller than its K+V (MHA), else None (GQA keeps
+    KV). With a disk tier, hidden chunks moving down from the host stay hidden states in its hidden
+    file, which holds `disk_capacity` (tokens or a size). `capacity`: the hidden pool (default
+    `host_capacity`)."""
+    if mode not in HIDDEN_MODES:
+        raise ValueError(f"hidden_states must be one of {HIDDEN_MODES}, got {mode!r}")
+    if mode == "never":
+        return None
+    if spec is None or project is None:
+        raise ValueError(f"hidden_states={mode!r} needs a HiddenSpec and a projector (hidden -> K/V)")
+    if spec.kv != kv:
+        raise ValueError("the HiddenSpec must describe the store's own KV geometry")
+    if mode == "auto" and spec.hidden_size >= 2 * spec.kv.num_kv_heads * spec.kv.head_dim:
+        return None
+    capacity = capacity if capacity is not None else host_capacity
+    if capacity is None:
+        raise ValueError(f"hidden_states={mode!r} needs room for hidden states: give hidden_capacity "
+                         "(or host_capacity, which it defaults to)")
+    pool = HiddenPool(spec, capacity_in_blocks(capacity, spec), "cpu", pin_memory=kv.device.type == "cuda")
+    disk_pool = None
+    if disk is not None:
+        disk.open_hidden(spec, capacity_in_blocks(disk_capacity or "1GiB", spec))
+        disk_pool = disk.hidden_pool
+    return HiddenTier(spec, project, pool, HiddenCapture(spec, device_blocks), disk_pool)
+
+
+class HiddenTier:
+    """A store's hidden tier (`open_hidden_tier` builds it; a store that captures nothing has none):
+    the hidden pool, the disk tier's hidden pool (None without a disk tier) and the capture."""
+
+    def __init__(self, spec: HiddenSpec, project: Projector, pool: HiddenPool, capture: HiddenCapture,
+                 disk_pool: HiddenPool | None):
+        self.spec, self.project, self.pool, self.capture, self.disk_pool = spec, project, pool, capture, disk_pool
+
+    def captured(self, block: int) -> bool:
+        """Whether device block `block` holds K/V whose hidden states were captured."""
+        return bool(self.capture.valid[block])
+
+    def new_restore(self, counters: Counters) -> HiddenRestore:
+        """An empty restore for a step."""
+        return HiddenRestore(self.capture, self.project, counters)
+
+    def step_hidden(self, slots: list[int], restore: HiddenRestore | None) -> StepHidden:
+        """A step's capture of its rows at device `slots` and its restore (kept only if it has chunks)."""
+        return StepHidden(self.capture, torch.tensor(slots, dtype=torch.long),
+                          restore if restore and restore.chunks else None)
+
+    @staticmethod
+    def target(state: ChunkState, target: ChunkState) -> ChunkState:
+        """Where `move(..., target)` puts a chunk in `state`: hidden chunks stay hidden states on disk,
+        and disk hidden chunks come up to the host as hidden states."""
+        if target is DISK and state in HIDDEN_FORMS:
+            return ChunkState.DISK_HIDDEN
+        return target
+
+    def check_source(self, items: list[tuple[Session, int]], state: ChunkState) -> None:
+        """ValueError unless every chunk of `items` (in `state`) can become HIDDEN."""
+        bad = [(s.session_id, k) for s, k in items if state is not DEVICE or not self.capture.valid[s.chunks[k].loc]]
+        if bad:
+            raise ValueError(f"chunks {bad[:4]} cannot become hidden: their hidden states were not captured "
+                             "(only device chunks computed or rebuilt from hidden states while capturing can)")
+
+    def check_move(self, s: Session, ks: list[int], target: ChunkState) -> None:
+        """Refuse moves the hidden forms cannot make (ValueError, nothing moved)."""
+        if target is HIDDEN:
+            self.check_source([(s, k) for k in ks if s.chunks[k].state is DEVICE], DEVICE)
+            if any(s.chunks[k].state not in (DEVICE, *HIDDEN_FORMS) for k in ks):
+                raise ValueError(f"session {s.session_id!r}: only device chunks can become hidden (host and disk "
+                                 "chunks keep K/V only; their hidden states are gone)")
+        if target not in (DEVICE, DISK, HIDDEN, DROPPED) and any(s.chunks[k].state in HIDDEN_FORMS for k in ks):
+            raise ValueError(f"session {s.session_id!r}: hidden chunks move to the device (their K/V is rebuilt "
+                             "there), to disk (as hidden states) or are dropped")
