@@ -25,6 +25,6 @@ for user in ["Hello! How are you today?", "Tell me about the sea.", "Summarize t
     print(f"user: {user}\nassistant: {messages[-1]['content']!r}")
     print(f"  [{turn.reused_tokens} tokens reused, {turn.computed_tokens} computed]")
 
-# The same task is registered with transformers (importing stateful_hf registers it):
+# The same task is registered with transformers (by the first use of a stateful_hf name, above):
 same = transformers.pipeline("stateful-text-generation", model=chat.model, tokenizer=chat.tokenizer)
 print(type(same).__name__, same("The quick brown fox", max_new_tokens=8, do_sample=False)[0]["generated_text"][:40])
