@@ -7,8 +7,9 @@ imports them all (and registers `transformers.pipeline("stateful-text-generation
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from .lazy import lazy_exports
 
 if TYPE_CHECKING:   # the same names, for type checkers and IDEs
     from .adapter import UnsupportedModelError
@@ -46,19 +47,4 @@ def _facade() -> dict:
             "StatefulTextGenerationPipeline": StatefulTextGenerationPipeline, "pipeline": pipeline}
 
 
-def __getattr__(name: str):
-    """A public name (the first one used loads them all) or a subpackage not imported yet."""
-    if name in __all__:
-        globals().update(_facade())
-        return globals()[name]
-    if not name.startswith("__"):
-        try:
-            return importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"{__name__}.{name}":
-                raise
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _facade)

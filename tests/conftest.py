@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import time
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -103,3 +105,20 @@ def engine_round_ids(engine, oracle, convs: dict[str, torch.Tensor], sids: list[
         want = greedy(oracle, convs[sid], n=n)
         assert list(out.token_ids) == want[0, convs[sid].shape[1]:].tolist(), sid
         convs[sid] = torch.cat([want, next_user(sid)], 1)
+
+
+def wait_healthy(proc, url: str, log_path, timeout: float = 300) -> None:
+    """Wait until server subprocess `proc` answers `url`/health with 200; fail with its log if it exits
+    first or `timeout` seconds pass (httpx imported here: collection needs no web stack)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, Path(log_path).read_text()[-3000:]
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.2)

@@ -17,6 +17,8 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
+from conftest import wait_healthy  # noqa: E402
+
 from stateful_hf.serve.auth import Access, KeyRing, parse_keys_file  # noqa: E402
 from stateful_hf.serve.limits import Limits  # noqa: E402
 
@@ -94,16 +96,7 @@ def test_sighup_reloads_keys_in_a_running_server(tmp_path):
                              "--api-keys-file", str(keys), "--default-max-tokens", "8"],
                             stdout=log, stderr=subprocess.STDOUT, env=_env())
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, (tmp_path / "server.log").read_text()
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.2)
+        wait_healthy(proc, url, tmp_path / "server.log")
         a1 = openai.OpenAI(base_url=url + "/v1", api_key=K1, timeout=60, max_retries=0)
         msgs = [{"role": "user", "content": "Hello, remember this conversation please."}]
         first = a1.chat.completions.create(model="stateful-hf/tiny-llama-random", messages=msgs, max_tokens=4,

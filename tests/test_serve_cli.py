@@ -20,6 +20,8 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
+from conftest import wait_healthy  # noqa: E402
+
 from stateful_hf.serve import flags  # noqa: E402
 from stateful_hf.serve.app import request_seeds  # noqa: E402
 
@@ -184,16 +186,7 @@ def server(tmp_path_factory):
              "--hidden-states", "always", "--host-capacity", "4096", "--policy", "lru", "--backend", "torch",
              "--log-level", "WARNING"], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=_env())
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, log.read_text()[-3000:]
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.2)
+        wait_healthy(proc, url, log)
         tok.chat_template = TEMPLATE
         yield url, log, tok, str(model_dir).rstrip("/")
     finally:

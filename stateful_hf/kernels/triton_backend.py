@@ -219,10 +219,10 @@ def kernel_launch(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
                   batch: PagedBatch, scale: float, window: int | None, softcap: float | None,
                   tiles: tuple[torch.Tensor, torch.Tensor], interpret: bool) -> KernelLaunch:
     """The kernel's arguments for these tensors: the one place that builds them (launches and the compile
-    test in tests/test_triton_compile.py both use it, so a new argument or index dtype cannot be missed)."""
+    test in tests/test_triton_compile.py both use it, so a new argument or index dtype cannot be missed).
+    The caller has checked the shapes (`check_supported`)."""
     _, hq, d = query.shape
     block_size, hkv = key_cache.shape[1], key_cache.shape[2]
-    check_supported(d, block_size, query.dtype)
     seqs, rows = tiles
     # triton 3.9's interpreter returns garbage from tl.dot on bf16 operands (a 16x16 bf16 a @ a is off by
     # 1e10), so interpreted bf16 runs its dots in fp32; compiled bf16 uses the tensor-core bf16 dot.

@@ -7,7 +7,7 @@ before torch, transformers or the web stack are imported."""
 
 from __future__ import annotations
 
-import importlib
+from ..lazy import lazy_exports
 
 __all__ = [
     "APIError", "EngineOptions", "LocalClient", "Replica", "Router", "ServeConfig", "ServerThread", "SessionExport",
@@ -30,19 +30,4 @@ def _facade() -> dict:
             "import_session": import_session, "load_model": load_model}
 
 
-def __getattr__(name: str):
-    """A public name (the first one used loads them all) or a module not imported yet."""
-    if name in __all__:
-        globals().update(_facade())
-        return globals()[name]
-    if not name.startswith("__"):
-        try:
-            return importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"{__name__}.{name}":
-                raise
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _facade)
