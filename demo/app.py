@@ -33,7 +33,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=7860, help="HTTP port")
     flags.add_store_flags(p, device_capacity=4096, host_capacity=16384)
     p.add_argument("--max-new-tokens", type=int, default=48, help="the reply length slider's start value")
-    p.add_argument("--max-batch-tokens", type=int, default=512, help="rows per forward")
+    flags.add_engine_flags(p)
     p.add_argument("--no-hints", action="store_true", help="do not prefetch a session when its user types")
     return p
 
@@ -42,7 +42,7 @@ def build_engine(p: argparse.ArgumentParser, args: argparse.Namespace):
     """The engine over the store the flags describe; a bad flag exits with status 2 and one line."""
     template = flags.read_chat_template(p, args.chat_template)
     flags.check_device(p, args.device)
-    store_kwargs = flags.store_options(p, args)
+    store_kwargs, scheduling = flags.store_options(p, args), flags.engine_options(p, args)
 
     import stateful_hf
     from stateful_hf import Engine
@@ -65,7 +65,7 @@ def build_engine(p: argparse.ArgumentParser, args: argparse.Namespace):
         store = stateful_hf.SessionStore(model, **store_kwargs)
     except (ValueError, RuntimeError) as e:        # the store refused its options (a backend missing, ...)
         p.error(" ".join(str(e).split()))
-    return Engine(model, tokenizer, store=store, max_batch_tokens=args.max_batch_tokens)
+    return Engine(model, tokenizer, store=store, **scheduling)
 
 
 def _interrupt(signum, frame):

@@ -81,10 +81,8 @@ class ChatBackend:
         if session_id not in self.store:
             return out
         keep = min(self.store.match_prefix(session_id, ids), len(ids) - 1)
-        s, bs = self.store.session(session_id), self.store.block_size
-        for k, c in enumerate(list(s.chunks)):
-            n = max(min(bs, keep - k * bs), 0)
-            out[c.state.value] = out.get(c.state.value, 0) + n
+        for tier, n in self.store.residency(session_id, upto=keep).items():
+            out[tier] = out.get(tier, 0) + n
         return out
 
     def stream(self, session_id: str, messages: list[dict], turn: int, max_new_tokens: int | None = None,

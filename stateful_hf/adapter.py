@@ -14,7 +14,7 @@ What each supported family brings, and where it is honoured:
   opt                     LayerNorm (pre or post), learned positions, biased projections.
 Per-layer windows, scaling and the attention-logit softcap are what transformers passes to the
 attention interface; the registered attention honours them and checks the window against
-`layer_windows` on every call (see hf_attention.py).
+`layer_windows` on every call (see integration.py).
 """
 
 from __future__ import annotations

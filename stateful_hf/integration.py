@@ -1,22 +1,48 @@
-"""How an unmodified transformers model becomes stateful: `enable(model)` registers the attention,
-installs forward hooks that plan one store step per forward and make it this thread's current step
-(`step_context.py`), one pre-hook per decoder layer that runs the step's `before_layer`, and wraps
-`generate` so that the full conversation ids are checked against the session's history before
-transformers sees them. `run_step` runs an already planned step. docs/step.md."""
+"""How an unmodified transformers model becomes stateful, the project's one seam with transformers.
+
+`enable(model)` registers the attention implementation (`stateful_attention`), installs forward hooks
+that plan one store step per forward and make it this thread's current step, one pre-hook per
+decoder layer that runs the step's `before_layer`, and wraps `generate` so that the full conversation
+ids are checked against the session's history before transformers sees them. `run_step` runs an
+already planned step. docs/step.md.
+
+The attention reads this thread's step, has the step write each row's K/V (`StepBatch.write_rows`,
+the one K/V writer) and attends through the paged kernel. Without a step (any ordinary call of the
+same model) it is plain SDPA, or the model's eager attention when it softcaps logits.
+
+The step context, nano-vllm's forward `Context`, set once per forward. Who sets it: the model's
+forward pre-hook (`_pre_forward`: a forward with a StatefulCache, including each forward of
+`generate`) and `run_step` (the engine, a restore, the profiles). Who resets it: the forward hook
+(`_post_forward`, registered with `always_call`, so it also runs when the forward raises) and
+`run_step`'s `finally`. Who reads it: `stateful_attention` and the decoder-layer pre-hooks
+(`_before_layer`). No keyword argument carries the step.
+
+Thread rule: the value is a `ContextVar`, so each thread (and each asyncio task) sees its own. The
+engine steps on its own thread while other threads may call a plain or a stateful `generate` of the
+same model: none of them sees another's step. A forward of an enabled model sets the context to its
+step or to None before anything reads it, so only `model.base_model(...)` called directly, after a
+KeyboardInterrupt escaped a stateful forward on the same thread, could see a stale step.
+"""
 
 from __future__ import annotations
 
 import copy
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from . import hf_attention
 from .adapter import ModelAdapter, adapter_for, decoder_layers
 from .cache import StepBatch, TurnStats
+from .kernels import paged_attention
+from .kernels.dense import dense_attention
+from .kernels.torch_batched import softcapped_attention
 from .stateful_cache import StatefulCache
-from .step_context import get_step, reset_step, set_step, stepping
 
 _ENABLED = "_stateful_hf_adapter"
 
@@ -28,7 +54,7 @@ def enable(model: torch.nn.Module) -> ModelAdapter:
     if adapter is not None:
         return adapter
     adapter = adapter_for(model)
-    model.set_attn_implementation(hf_attention.register())
+    model.set_attn_implementation(register())
     model.register_forward_pre_hook(_pre_forward, with_kwargs=True)
     model.register_forward_hook(_post_forward, with_kwargs=True, always_call=True)
     for idx, layer in enumerate(decoder_layers(model)):
@@ -96,7 +122,7 @@ _MASK_UNUSED = torch.ones(1, 1, 1, 1, dtype=torch.bool)
 
 def run_step(model: torch.nn.Module, step: StepBatch, logit_rows: torch.Tensor | None = None) -> torch.Tensor:
     """One forward over a planned step, outside `generate`: the step is this thread's current step
-    for the forward (`step_context.stepping`); the caller commits or aborts it.
+    for the forward (`stepping`); the caller commits or aborts it.
 
     Returns the logits [len(logit_rows), vocab] of the given packed rows (with the model's final
     logit softcap, as its own forward applies it: Gemma 2), or, without `logit_rows`, the final
@@ -121,7 +147,7 @@ def restore(model: torch.nn.Module, cache: StatefulCache) -> int:
     missing = store.missing_positions(sid)
     if not missing:
         return 0
-    history = store.session(sid).token_ids
+    history = store.token_ids(sid)
     step = store.plan_step([(sid, [history[p] for p in missing], missing)])
     try:
         with torch.inference_mode():
@@ -238,3 +264,102 @@ def _generate(model, original_generate, *args, cache=None, past_key_values=None,
         seqs = out if isinstance(out, torch.Tensor) else out.sequences
         store.add_generated(cache.session_id, seqs.shape[1] - len(ids))
         return out
+
+
+# ---- the attention implementation and the step context ---------------------------------------------
+
+NAME = "stateful"
+
+
+def stateful_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,   # [1, Hq, T, D]
+    key: torch.Tensor,     # [1, Hkv, T, D]
+    value: torch.Tensor,   # [1, Hkv, T, D]
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:  # [1, T, Hq, D]
+    """`scaling` (Gemma: query_pre_attn_scalar ** -0.5), `sliding_window` and `softcap` (Gemma 2:
+    cap * tanh(logits / cap), applied to the scaled logits before the mask) are what the model's
+    attention passes; a layer's window must be the one the store was made with (KVSpec.windows).
+    The layer's `before_layer` already ran (its decoder layer's pre-hook): its swap-ins landed and its
+    hidden chunks are rebuilt."""
+    step = get_step()
+    if step is None:
+        if kwargs.get("softcap") is not None:   # SDPA cannot softcap
+            return _softcapped(query, key, value, attention_mask, scaling, kwargs["softcap"]), None
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
+    layer = module.layer_idx
+    window, softcap = step.window(layer), kwargs.get("softcap")
+    if "sliding_window" in kwargs and kwargs["sliding_window"] != window:
+        raise RuntimeError(f"layer {layer} attends with sliding_window={kwargs['sliding_window']} but the "
+                           f"store was made for window {window}: the model's adapter is out of date")
+    if query.shape[0] != 1:
+        raise ValueError("a stateful step packs all rows into batch dimension 1")
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))   # [T, H, D]
+    key_cache, value_cache = step.pool.layer(layer)                  # [blocks, block_size, Hkv, D] views
+    overlay = step.write_rows(layer, key_cache, value_cache, k, v)
+    if step.dense_slots is not None:   # vAttention layout: contiguous per session, no block table
+        key_slots, value_slots = step.pool.dense(layer)
+        out = dense_attention(q, key_slots, value_slots, step.paged, list(step.dense_slots),
+                              scale=scaling if scaling is not None else q.shape[-1] ** -0.5,
+                              window=window, softcap=softcap)
+        return out.unsqueeze(0), None
+    out = paged_attention(q, key_cache, value_cache, step.paged, scale=scaling, backend=step.backend,
+                          window=window, validate=False, overlay=overlay, softcap=softcap, state=step.kernels)
+    return out.unsqueeze(0), None
+
+
+def _softcapped(query, key, value, attention_mask, scaling, softcap) -> torch.Tensor:   # [1, T, Hq, D]
+    """Softcapped attention of an ordinary call over the SDPA-style mask transformers built for this
+    implementation: a bool [B, 1, q, kv] mask (True = attend), or None where SDPA would use is_causal
+    (q == kv, or one query row that sees every key)."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if attention_mask is None:
+        keys = torch.arange(kv_len, device=query.device)
+        attention_mask = keys[None, :] <= torch.arange(q_len, device=query.device)[:, None] + (kv_len - q_len)
+    elif attention_mask.dtype != torch.bool:
+        attention_mask = attention_mask == 0
+    group = query.shape[1] // key.shape[1]
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    out = softcapped_attention(query, key.repeat_interleave(group, 1), value.repeat_interleave(group, 1),
+                               attention_mask, scale, softcap)
+    return out.transpose(1, 2)
+
+
+def register() -> str:
+    """Register the implementation (idempotent); returns its name for `set_attn_implementation`."""
+    AttentionInterface.register(NAME, stateful_attention)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
+    return NAME
+
+
+_STEP: ContextVar[StepBatch | None] = ContextVar("stateful_hf_step", default=None)
+
+
+def get_step() -> StepBatch | None:
+    """The step of the forward running on this thread; None outside one (an ordinary call)."""
+    return _STEP.get()
+
+
+def set_step(step: StepBatch | None) -> None:
+    """Make `step` this thread's current step (None: an ordinary forward). Pair with `reset_step`."""
+    _STEP.set(step)
+
+
+def reset_step() -> None:
+    """End this thread's current step (the forward returned or raised)."""
+    _STEP.set(None)
+
+
+@contextmanager
+def stepping(step: StepBatch) -> Iterator[StepBatch]:
+    """`step` is this thread's current step inside the block, and no longer after it, however it exits."""
+    _STEP.set(step)
+    try:
+        yield step
+    finally:
+        _STEP.set(None)

@@ -19,11 +19,11 @@ from transformers import AutoModelForCausalLM
 from transformers.pipelines import PIPELINE_REGISTRY, TextGenerationPipeline
 from transformers.pipelines import pipeline as _hf_pipeline
 
+from .options import SessionStoreOptions
 from .session_store import SessionStore
 
 TASK = "stateful-text-generation"
-_STORE_KEYS = ("device_capacity", "host_capacity", "disk_dir", "disk_capacity", "chunk_size", "policy",
-               "cost_profile", "attn_backend", "swap_out_threshold")
+_STORE_KEYS = SessionStoreOptions.names()     # also accepted as top-level pipeline kwargs
 
 
 class StatefulTextGenerationPipeline(TextGenerationPipeline):
@@ -35,9 +35,10 @@ class StatefulTextGenerationPipeline(TextGenerationPipeline):
 
     def __init__(self, *args, store: SessionStore | None = None, store_kwargs: dict | None = None, **kwargs):
         store_kwargs = dict(store_kwargs or {})
-        for key in _STORE_KEYS:                  # also accepted as top-level pipeline kwargs
+        for key in _STORE_KEYS:
             if key in kwargs:
                 store_kwargs[key] = kwargs.pop(key)
+        SessionStoreOptions.build(**store_kwargs)        # TypeError / ValueError now, not at the first call
         if store is not None and store_kwargs:
             raise ValueError(f"pass either store= or store options {sorted(store_kwargs)}, not both")
         super().__init__(*args, **kwargs)

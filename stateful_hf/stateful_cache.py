@@ -30,8 +30,8 @@ class StatefulCache(Cache):
         return f"StatefulCache(session_id={self.session_id!r}, tokens={self.get_seq_length()})"
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        s = self.store.session(self.session_id)
-        return s.num_tokens - (len(self.pending.input_ids[0]) if self.pending is not None else 0)
+        pending = len(self.pending.input_ids[0]) if self.pending is not None else 0
+        return self.store.num_tokens(self.session_id) - pending
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         # The mask transformers builds is unused on a paged step (the kernel masks by position).

@@ -1,5 +1,5 @@
 """The architecture rules, checked on the source text (ast only: nothing here imports torch or the package,
-except the one test that runs turns: `test_no_feature_package_runs_on_the_default_path`).
+except the tests that run turns: `test_no_feature_package_runs_on_the_default_path` and the turn's cost).
 
 - no import cycles among stateful_hf's modules, counting imports behind `TYPE_CHECKING` and inside functions;
 - module names unique within their package (no module shares its name with a sibling subpackage) and unique
@@ -7,10 +7,12 @@ except the one test that runs turns: `test_no_feature_package_runs_on_the_defaul
 - `stateful_hf/cache/` and `stateful_hf/kernels/` never import transformers;
 - the store's core imports its feature packages (disk/, hidden/, layerwise/, virtual/) for annotations only:
   `store_parts.py` alone builds their parts, and with the default options none of their functions runs;
+- one returning turn through `Engine` runs at most 25 of the package's files and makes at most 5 calls into
+  the store's public methods besides one plan/commit per step; no module is over 400 lines;
 - no module uses another module's private members (`obj._x`, `from m import _x`);
 - docs/architecture.md names every module of the package by path, and every path it names exists;
-- imports go one way (kernels <- cache <- the seam <- engine <- serve), every module has a docstring, and every
-  `*.py` a docstring, comment or doc names exists.
+- imports go one way (options <- kernels <- cache <- the seam <- engine <- serve), every module has a docstring,
+  and every `*.py` a docstring, comment or doc names exists.
 
 The package is one source tree, `stateful_hf/`, whose folders are its subpackages (cache/, kernels/, engine/,
 serve/): a module's path is its import path.
@@ -23,6 +25,7 @@ import os
 import re
 import sys
 import threading
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
@@ -192,6 +195,7 @@ def test_no_import_cycles():
 
 # Layers, lowest first: a module may import its own layer and those below, never one above.
 LAYERS = (
+    ("options", ("stateful_hf.options",)),  # the option list: plain data, imports nothing of the package
     ("kernels", ("stateful_hf.kernels",)),
     ("cache", ("stateful_hf.cache",)),
     ("seam", ()),  # the other modules of stateful_hf/: adapter, integration, session_store, ...
@@ -207,11 +211,11 @@ def layer_of(name: str) -> int:
     for i, (_, prefixes) in enumerate(LAYERS):
         if any(name == p or name.startswith(p + ".") for p in prefixes):
             return i
-    return 2
+    return [name for name, _ in LAYERS].index("seam")
 
 
 def test_imports_go_one_way():
-    """kernels <- cache <- the transformers seam <- engine <- serve (<- the package's __init__)."""
+    """options <- kernels <- cache <- the transformers seam <- engine <- serve (<- the package's __init__)."""
     modules, graph = package_modules(), import_graph()
     upward = [
         f"{modules[a].rel}:{line} ({LAYERS[layer_of(a)][0]}) imports {b} ({LAYERS[layer_of(b)][0]})"
@@ -223,8 +227,8 @@ def test_imports_go_one_way():
 
 
 def test_layers_are_ordered():
-    names = ["stateful_hf.kernels.plan", "stateful_hf.cache", "stateful_hf.integration", "stateful_hf.engine.engine",
-             "stateful_hf.serve.app", "stateful_hf"]
+    names = ["stateful_hf.options.store", "stateful_hf.kernels.plan", "stateful_hf.cache", "stateful_hf.integration",
+             "stateful_hf.engine.engine", "stateful_hf.serve.app", "stateful_hf"]
     assert [layer_of(n) for n in names] == list(range(len(LAYERS)))
 
 
@@ -378,6 +382,68 @@ def test_the_feature_probe_sees_features_that_are_on(tmp_path):
     assert any(f.startswith("stateful_hf/cache/hidden/") for f in hidden), hidden
     disk = feature_functions_run(two_turns("engine", disk_dir=tmp_path / "disk"))
     assert any(f.startswith("stateful_hf/cache/disk/") for f in disk), disk
+
+
+MAX_TURN_FILES = 25          # nano-vllm's step runs through 9 files, mini-sglang's through ~12
+MAX_STORE_CALLS = 5          # per admitted turn, besides plan_step/commit/abort once per step
+MAX_MODULE_LINES = 400
+PER_STEP = frozenset({"plan_step", "commit", "abort"})
+STORE_FILES = ("stateful_hf/cache/", "stateful_hf/session_store.py")
+
+
+def returning_turn_trace() -> tuple[set[str], Counter]:
+    """(package files with a function that runs, {store method: calls from outside the store}) during
+    one returning turn of one session through `Engine` on the tiny Llama, after a warm-up turn; every
+    thread is traced (the engine steps on whichever thread waits, or its loop thread)."""
+    from stateful_hf import Engine, SamplingParams  # imported here, not in the probed run
+    from stateful_hf.cache import KVStore
+    from stateful_hf.testing import tiny_llama
+
+    public = {n for n in dir(KVStore) if not n.startswith("_")}
+    engine = Engine(tiny_llama())
+    first, message, sampling = list(range(5, 45)), list(range(50, 60)), SamplingParams(max_new_tokens=6)
+    out = engine.submit("s", first, sampling).result()
+    files: set[str] = set()
+    calls: Counter = Counter()
+    root = str(PACKAGE) + os.sep
+
+    def probe(frame, event, arg):
+        if event != "call" or not frame.f_code.co_filename.startswith(root):
+            return
+        rel = Path(frame.f_code.co_filename).relative_to(ROOT).as_posix()
+        files.add(rel)
+        if rel.startswith(STORE_FILES) and frame.f_code.co_name in public and frame.f_back is not None:
+            caller = Path(frame.f_back.f_code.co_filename)
+            inside = caller.is_relative_to(ROOT) and caller.relative_to(ROOT).as_posix().startswith(STORE_FILES)
+            if not inside:
+                calls[frame.f_code.co_name] += 1
+
+    before = sys.getprofile(), threading.getprofile()
+    threading.setprofile(probe)
+    sys.setprofile(probe)
+    try:
+        engine.submit("s", first + list(out.token_ids) + message, sampling).result()
+    finally:
+        sys.setprofile(before[0])
+        threading.setprofile(before[1])
+    engine.store.check_integrity()
+    engine.stop()
+    return files, calls
+
+
+def test_a_returning_turn_runs_through_few_files_and_few_store_calls():
+    files, calls = returning_turn_trace()
+    assert calls["plan_step"] >= 1 and calls["commit"] == calls["plan_step"], calls   # the probe sees the steps
+    assert any(f.startswith("stateful_hf/engine/") for f in files), files           # and the engine's files
+    assert len(files) <= MAX_TURN_FILES, f"{len(files)} files run for one turn:\n  " + "\n  ".join(sorted(files))
+    per_turn = {name: n for name, n in calls.items() if name not in PER_STEP}
+    assert sum(per_turn.values()) <= MAX_STORE_CALLS, f"store calls per admitted turn: {per_turn}"
+
+
+def test_no_module_is_over_the_line_limit():
+    long = [f"{m.rel}: {n} lines" for m in package_modules().values()
+            if (n := len(m.path.read_text().splitlines())) > MAX_MODULE_LINES]
+    assert not long, "modules over " + str(MAX_MODULE_LINES) + " lines:\n  " + "\n  ".join(long)
 
 
 # ---- private members ----------------------------------------------------------------------------------------

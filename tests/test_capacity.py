@@ -1,7 +1,8 @@
-"""What a step could get (stateful_hf/cache/capacity.py): `available_blocks` / `available_host_blocks` against a
-reference computed from the chunk tables alone (a chunk object held by several sessions is one
-block, and counts only when every session holding it is idle), with shared prefixes, busy holders
-and chunks moved to the host. Exactness of the turns is checked against stateless greedy generate."""
+"""What a step could get (`Capacity`, stateful_hf/cache/tier_pools.py): `available_blocks` /
+`available_host_blocks` against a reference computed from the chunk tables alone (a chunk object
+held by several sessions is one block, and counts only when every session holding it is idle), with
+shared prefixes, busy holders and chunks moved to the host. Exactness of the turns is checked
+against stateless greedy generate."""
 
 from __future__ import annotations
 

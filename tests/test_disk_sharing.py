@@ -17,7 +17,7 @@ from conftest import FAMILIES, engine_round_ids, greedy, store_turn
 import stateful_hf
 from stateful_hf import Engine, SamplingParams
 from stateful_hf.cache import CostProfile
-from stateful_hf.engine.handle import RequestFailed
+from stateful_hf.engine.request import RequestFailed
 
 BS = 8
 SYSTEM = torch.randint(3, 300, (1, 43), generator=torch.Generator().manual_seed(7))   # 5 full chunks + 3

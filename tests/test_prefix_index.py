@@ -10,8 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stateful_hf.cache.prefix.index import PrefixEntry, PrefixIndex
-from stateful_hf.cache.prefix.key import PrefixScope, xxh3_128
+from stateful_hf.cache.prefix.index import PrefixEntry, PrefixIndex, PrefixScope, xxh3_128
 
 A, B = PrefixScope("a"), PrefixScope("b")
 

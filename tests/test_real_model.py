@@ -117,7 +117,7 @@ def test_server_chat_exact_with_tier_moves(real, oracle, tmp_path):
     model, tok = real
     app, router = build_local(model, tok, "smollm2", EngineOptions(
         device_capacity=1024, host_capacity=1024, disk_dir=str(tmp_path), disk_capacity=1024,
-        store_kwargs={"cost_profile": PROFILE}))
+        cost_profile=PROFILE))
     store = router.clients[0].replica.store
     messages = [{"role": "system", "content": SYSTEM}]
     try:

@@ -238,7 +238,7 @@ def test_export_hidden_state_chunks_is_exact():
     (a store without a hidden tier) continues exactly, recomputing nothing."""
     tok, model = tiny_tokenizer(), tiny_llama()
     a = EngineOptions(device_capacity=4096, host_capacity=4096, chunk_size=8,
-                      store_kwargs={"hidden_states": "always"}).build(model, tok)
+                      hidden_states="always").build(model, tok)
     other = tiny_llama()
     b = EngineOptions(device_capacity=4096, chunk_size=8).build(other, tok)
     msgs = [{"role": "user", "content": "Please summarize the previous answer in one sentence."}]

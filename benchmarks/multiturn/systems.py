@@ -181,8 +181,13 @@ class HFContinuousBatching:
 
 
 def store_options() -> set[str]:
-    """Keyword options of stateful_hf.SessionStore in this checkout (e.g. hidden_states, if present)."""
-    return set(inspect.signature(stateful_hf.SessionStore.__init__).parameters)
+    """Keyword options of stateful_hf.SessionStore in this checkout (e.g. hidden_states, if present): its
+    declared options (`stateful_hf.options`), or, in an older checkout without them, its signature's."""
+    try:
+        from stateful_hf.options import SessionStoreOptions
+    except ImportError:
+        return set(inspect.signature(stateful_hf.SessionStore.__init__).parameters)
+    return set(SessionStoreOptions.names())
 
 
 class StatefulEngine:

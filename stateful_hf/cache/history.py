@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING
 
 from .errors import SessionBusyError, StoreError
 from .placement import Placement
-from .prefix.key import PrefixScope
-from .session import ON_DISK, ChunkState, Session, TurnStats
-from .session_table import SessionTable
+from .prefix.index import PrefixScope
+from .session import ON_DISK, ChunkState, Session, SessionTable, TurnStats
 from .step_planner import StepPlanner
 from .tenant import TenantUsage, tenant_of
 from .tier_pools import TierPools
+from .turn import Place, Room, TurnNeeds, places_of
 
 if TYPE_CHECKING:
     from .disk.state import DiskState
@@ -37,6 +37,12 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
             break
         n += 1
     return n
+
+
+def kept_prefix(history: Sequence[int], prompt: Sequence[int]) -> int:
+    """The keep rule: the history tokens a turn whose prompt is `prompt` keeps, their common prefix,
+    at least one token short of the prompt (the turn's last prompt row computes the logits)."""
+    return max(min(common_prefix(history, prompt), len(prompt) - 1), 0)
 
 
 class History:
@@ -103,20 +109,25 @@ class History:
         if s.scope is not None and s.scope != PrefixScope(tenant_of(s.session_id), cache_salt):
             self.truncate(s, 0)
 
-    def begin_turn(self, s: Session, prompt: Sequence[int], cache_salt: str | None) -> TurnStats:
+    def begin_turn(self, s: Session, prompt: Sequence[int], cache_salt: str | None,
+                   expect_keep: int | None = None) -> TurnStats:
         """`KVStore.begin_turn`: a turn of the leased session starts with `prompt` (the whole conversation's ids): it
         adopts the shared chunks of the prompt's prefix (`adopt_prefix`, scoped by its tenant and
         `cache_salt`), its history is cut to the longest common prefix (at least one token short of
         the prompt, so the turn computes logits), its disk chunks are proven, and its `last_turn`
         restarts with what each tier holds for it (reused_device / swapped_in_host / swapped_in_disk /
-        restored_hidden). Every step committed during the lease adds its rows (computed_tokens,
+        restored_hidden). `expect_keep`: StoreError, before any change but the adoption, if the
+        turn keeps another length. Every step committed during the lease adds its rows (computed_tokens,
         recomputed_tokens); `add_generated` sets generated_tokens. The store is the one writer of last_turn."""
         if not s.busy:
             raise StoreError(f"begin_turn: session {s.session_id!r} is not leased (use store.lease first)")
         self._revive(s, cache_salt)
         self.sharing.adopt(s, prompt, cache_salt, self.tiers.release)
-        keep = min(common_prefix(s.token_ids, prompt), len(prompt) - 1)
-        truncated = self.truncate(s, max(keep, 0))
+        keep = kept_prefix(s.token_ids, prompt)
+        if expect_keep is not None and keep != expect_keep:
+            raise StoreError(f"session {s.session_id!r}: the turn keeps {keep} tokens, not the {expect_keep} "
+                             "asked about (the session changed since turn_needs)")
+        truncated = self.truncate(s, keep)
         self.placement.prove(s)
         return self.planner.begin_turn(s, truncated)
 
@@ -160,3 +171,16 @@ class History:
                 and s.chunks[k].entry is not None and s.chunks[k].entry.holders != {s.session_id}:
             out = sorted(set(out) | set(range(k * bs, cut)))
         return [p for p in out if p < cut]
+
+    def turn_needs(self, s: Session, prompt: Sequence[int] | None, room: Room, has_slot: bool | None) -> TurnNeeds:
+        """`KVStore.turn_needs`: what a turn of `s` with `prompt` would take, after the cut to the kept
+        prefix (None: the leased turn continuing, keeping the whole history). Proves disk chunks."""
+        if s.busy and prompt is not None:
+            return TurnNeeds(s.session_id, True, 0, (), (), (), has_slot, self.block_size, room)
+        keep = s.num_tokens if prompt is None else kept_prefix(s.token_ids, prompt)
+        missing = tuple(self.missing_positions(s, None if prompt is None else keep))
+        bs, ids = self.block_size, s.token_ids
+        dropped = {p // bs for p in missing}       # also a cut shared chunk: the session lets go of it
+        places = tuple(Place.DROPPED if k in dropped else p for k, p in enumerate(places_of(s, -(-keep // bs))))
+        return TurnNeeds(s.session_id, False, keep, missing, tuple(ids[p] for p in missing), places, has_slot,
+                         bs, room)

@@ -7,8 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .prefix.index import PrefixIndex
-from .session import SHADOWED, ChunkState, Session
-from .session_table import SessionTable
+from .session import SHADOWED, ChunkState, Session, SessionTable
 from .tier_pools import TierPools
 
 DEVICE, HOST, DROPPED, LAYERED = ChunkState.DEVICE, ChunkState.HOST, ChunkState.DROPPED, ChunkState.LAYERED

@@ -15,55 +15,39 @@ method that holds it.
 
 from __future__ import annotations
 
-import os
-import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+import dataclasses
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
 
 from ..kernels import select_backend
-from .chunk_needs import ChunkNeeds
+from ..options import KVStoreKwargs, Layout, StoreConfig, TokensOrSize, Unpack
 from .history import common_prefix
 from .integrity import check_integrity
+from .migration import SessionExport, export_session, import_session
 from .policy import EvictionPolicy
 from .relocation import chunk_indices, target_state
-from .session import Session, TurnStats
+from .session import ChunkState, Session, TurnStats
 from .spec import KVSpec
 from .stats import SessionStats, StoreStats, summary
 from .step import StepBatch
-from .store_parts import StoreConfig, assemble
+from .store_parts import assemble
 from .store_stats import session_stats, store_stats
 from .tenant import TenantUsage
-
-if TYPE_CHECKING:
-    from .hidden.states import HiddenSpec, Projector
+from .turn import ChunkNeeds, Committed, Place, Room, TurnNeeds, places_of
 
 
 class KVStore:
-    """The model-free session store. The options are `StoreConfig`'s (`store_parts.py` documents
-    each); the parts are attributes named as in `StoreParts` (`store.sessions`, `store.planner`, ...)."""
+    """The model-free session store. Its options are `StoreConfig`'s (`stateful_hf/options/store.py`
+    documents each; here `attn_backend` defaults to "torch"): an unknown one raises TypeError, a bad
+    value ValueError naming it, before anything is allocated. The parts are attributes named as in
+    `StoreParts` (`store.sessions`, `store.planner`, ...); `config` holds the resolved backend."""
 
-    def __init__(self, spec: KVSpec, device_capacity: int | str = 4096, *, host_capacity: int | str | None = None,
-                 disk_dir: str | os.PathLike | None = None, disk_capacity: int | str | None = None,
-                 policy: EvictionPolicy | None = None, attn_backend: str = "torch",
-                 swap_out_threshold: float = 0.25, hidden_states: str = "never",
-                 hidden_spec: HiddenSpec | None = None, hidden_capacity: int | str | None = None,
-                 project: Projector | None = None, layout: str = "paged", max_context: int | None = None,
-                 clock: Callable[[], float] = time.monotonic, keep_freed: int | str = "64MiB",
-                 map_ahead: bool = True, hidden_disk_capacity: int | str | None = None,
-                 layerwise_kv: bool = False, disk_fingerprint: str = "", emulate_async: bool | None = None,
-                 prefix_sharing: bool | None = None):
-        attn_backend = select_backend(attn_backend, spec.device, spec.dtype, spec.head_dim, spec.block_size,
-                                      layerwise_kv=layerwise_kv, layout=layout).name
-        self.config = StoreConfig(
-            device_capacity=device_capacity, host_capacity=host_capacity, disk_dir=disk_dir,
-            disk_capacity=disk_capacity, policy=policy, attn_backend=attn_backend,
-            swap_out_threshold=swap_out_threshold, hidden_states=hidden_states, hidden_spec=hidden_spec,
-            hidden_capacity=hidden_capacity, project=project, layout=layout, max_context=max_context, clock=clock,
-            keep_freed=keep_freed, map_ahead=map_ahead, hidden_disk_capacity=hidden_disk_capacity,
-            layerwise_kv=layerwise_kv, disk_fingerprint=disk_fingerprint, emulate_async=emulate_async,
-            prefix_sharing=prefix_sharing)
-        self.spec, self.block_size, self.layout, self.attn_backend = spec, spec.block_size, layout, attn_backend
+    def __init__(self, spec: KVSpec, device_capacity: TokensOrSize = 4096, **options: Unpack[KVStoreKwargs]):
+        c = StoreConfig.build(device_capacity=device_capacity, **{"attn_backend": "torch", **options})
+        attn_backend = select_backend(c.attn_backend, spec.device, spec.dtype, spec.head_dim, spec.block_size,
+                                      layerwise_kv=c.layerwise_kv, layout=c.layout).name
+        self.config = dataclasses.replace(c, attn_backend=attn_backend)
+        self.spec, self.block_size, self.layout, self.attn_backend = spec, spec.block_size, c.layout, attn_backend
         p = self.parts = assemble(spec, self.config)
         self.kernels, self.transfer, self.counters, self.moves = p.kernels, p.transfer, p.counters, p.moves
         self.sessions, self.sharing, self.hidden, self.disk_state = p.sessions, p.sharing, p.hidden, p.disk_state
@@ -127,7 +111,7 @@ class KVStore:
             return [s.session_id for s in self.sessions if not s.retained]
 
     def tenant_usage(self) -> dict[str, TenantUsage]:
-        """Per tenant (`tenant.py`): sessions, history tokens, tokens stored in some tier."""
+        """Per tenant (`session.py`): sessions, history tokens, tokens stored in some tier."""
         with self.lock:
             return self.history.tenant_usage()
 
@@ -137,22 +121,94 @@ class KVStore:
             self.history.delete(self.sessions.get(session_id), keep_shared)
             self._sync_disk()
 
-    @contextmanager
-    def lease(self, session_id: str) -> Iterator[Session]:
-        """Mark the session busy for one turn; a second lease raises SessionBusyError. When the turn
-        ends, chunks move down ahead of time if free device blocks fell under the threshold."""
+    def acquire(self, session_id: str) -> None:
+        """Lease the session for one turn: it becomes busy (SessionBusyError if leased). End with `release`."""
         with self.lock:
-            s, gap = self.sessions.acquire(session_id)
+            _, gap = self.sessions.acquire(session_id)
             if gap is not None:      # a conversation with history is back: the policy sees the gap
                 self.placement.policy.observe_return(gap)
+
+    def release(self, session_id: str) -> None:
+        """End the session's lease: its layered chunks settle, chunks move down ahead of time if free
+        device blocks fell under the threshold."""
+        with self.lock:
+            s = self.sessions.get(session_id)
+            self.sessions.release(s)
+            if self.layered is not None:
+                self.layered.settle(s)
+            self.maintain()
+
+    @contextmanager
+    def lease(self, session_id: str) -> Iterator[None]:
+        """`acquire` ... `release` around a block."""
+        self.acquire(session_id)
         try:
-            yield s
+            yield
         finally:
-            with self.lock:          # lease end: layered chunks settle, swap-out ahead, then the index
-                self.sessions.release(s)
-                if self.layered is not None:
-                    self.layered.settle(s)
-                self.maintain()
+            self.release(session_id)
+
+    # ---- a scheduler's turn: one query, one admission, one end (turn.py) -------------------------
+
+    def room(self) -> Room:
+        """What a step could get now."""
+        with self.lock:
+            return self.capacity.room()
+
+    def turn_needs(self, session_id: str, prompt: Sequence[int] | None = None,
+                   cache_salt: str | None = None) -> TurnNeeds:
+        """What admitting a turn with `prompt` (the whole conversation) would take. Opens the session if
+        new; an idle one first adopts the prompt's shared prefix (`History.adopt`; ValueError: another
+        `cache_salt` than the session's). `prompt` None: the leased session's turn continuing."""
+        with self.lock:
+            s = self.sessions.get(session_id) if prompt is None else self.sessions.open(session_id)
+            if prompt is not None and not s.busy:
+                self.history.adopt(s, prompt, cache_salt)
+            return self.history.turn_needs(s, prompt, self.capacity.room(), self.capacity.has_slot(s))
+
+    def begin(self, session_id: str, prompt: Sequence[int], cache_salt: str | None = None, *,
+              keep: int | None = None) -> TurnStats:
+        """Admit a turn: `acquire` the lease and `begin_turn` with `prompt`, at once (SessionBusyError if
+        leased; on any error the lease is not held). `keep`: the kept prefix `turn_needs` answered; a
+        StoreError if the turn would keep another (the session changed since). End it with `end`."""
+        with self.lock:
+            self.acquire(session_id)
+            try:
+                turn = self.history.begin_turn(self.sessions.get(session_id), prompt, cache_salt, keep)
+                self._sync_disk()
+                return turn
+            except BaseException:
+                self.release(session_id)
+                raise
+
+    def end(self, session_id: str, generated: int) -> Room:
+        """The leased turn ends having generated `generated` tokens: `add_generated`, then `release`.
+        Returns the room after."""
+        with self.lock:
+            self.planner.add_generated(self.sessions.get(session_id), generated)
+            self.release(session_id)
+            return self.capacity.room()
+
+    def num_tokens(self, session_id: str) -> int:
+        """Tokens of the session's history; 0 for an unknown session."""
+        with self.lock:
+            s = self.sessions.find(session_id)
+            return 0 if s is None else s.num_tokens
+
+    def token_ids(self, session_id: str) -> list[int]:
+        """A copy of the session's history."""
+        with self.lock:
+            return list(self.sessions.get(session_id).token_ids)
+
+    def is_busy(self, session_id: str) -> bool:
+        """Whether a turn holds the session's lease (False for an unknown session)."""
+        with self.lock:
+            s = self.sessions.find(session_id)
+            return s is not None and s.busy
+
+    def places(self, session_id: str) -> tuple[Place, ...]:
+        """Where each chunk of the session is (`chunk_needs.Place`)."""
+        with self.lock:
+            return places_of(self.sessions.get(session_id))
 
     def begin_turn(self, session_id: str, prompt: Sequence[int], cache_salt: str | None = None) -> TurnStats:
         """A turn of the leased session starts with `prompt`, the whole conversation (`History.begin_turn`)."""
@@ -188,10 +244,10 @@ class KVStore:
         with self.lock:
             return self.history.missing_positions(self.sessions.get(session_id), cut)
 
-    def residency(self, session_id: str) -> dict[str, int]:
-        """Tokens of the session per tier."""
+    def residency(self, session_id: str, upto: int | None = None) -> dict[str, int]:
+        """Tokens of the session per tier (of its first `upto` tokens; None: all)."""
         with self.lock:
-            return self.sessions.get(session_id).residency(self.block_size)
+            return self.sessions.get(session_id).residency(self.block_size, upto)
 
     # ---- steps (step_planner.py) ----------------------------------------------------------------
 
@@ -204,10 +260,18 @@ class KVStore:
             self._sync_disk()
             return step
 
-    def commit(self, step: StepBatch) -> None:
-        """Make a planned step permanent; a leased session's last_turn counts its rows."""
+    def commit(self, step: StepBatch) -> Committed:
+        """Make a planned step permanent; a leased session's last_turn counts its rows. Returns the room
+        after it and each stepped session's continuing turn."""
         with self.lock:
             self.planner.commit(step)
+            room = self.capacity.room()
+            turns = {}
+            for e in step.entries:
+                s = self.sessions.find(e.session_id)
+                if s is not None and e.session_id not in turns:
+                    turns[e.session_id] = self.history.turn_needs(s, None, room, self.capacity.has_slot(s))
+            return Committed(room, turns)
 
     def abort(self, step: StepBatch) -> None:
         """Undo `plan_step` (`StepPlanner.abort`): history and blocks as before the step."""
@@ -220,7 +284,7 @@ class KVStore:
             return self.capacity.chunk_needs(self.sessions.get(session_id), end, length, factor)
 
     def blocks_needed(self, session_id: str, end: int, *, length: int | None = None, factor: int = 1) -> int:
-        """Device blocks such a step takes at most (the engine scheduler's question; `capacity.py`)."""
+        """Device blocks such a step takes at most (the engine scheduler's question; `tier_pools.py` Capacity)."""
         with self.lock:
             return self.capacity.blocks_needed(self.sessions.get(session_id), end, length, factor)
 
@@ -229,6 +293,13 @@ class KVStore:
         with self.lock:
             return self.capacity.residue_blocks_needed(factor, n_chunks)
 
+    def held_blocks(self, session_id: str) -> float:
+        """Device blocks the session holds: a whole block per DEVICE chunk, 1/f of one per residue block."""
+        with self.lock:
+            return sum(1.0 if c.state is ChunkState.DEVICE else
+                       (1.0 / c.residue_block[1] if c.residue_block is not None else 0.0)
+                       for c in self.sessions.get(session_id).chunks)
+
     def offload_layers(self, session_id: str, full: bool = False) -> int:
         """LayerKV's push-down for a running request; device blocks freed (`LayeredChunks.offload`; 0
         without layerwise_kv)."""
@@ -236,7 +307,7 @@ class KVStore:
             s = self.sessions.get(session_id)
             return 0 if self.layered is None else self.layered.offload(s, full)
 
-    # ---- movement (relocation.py, placement.py) and capacity (capacity.py) -------------------------
+    # ---- movement (relocation.py, placement.py) and capacity (tier_pools.py) ------------------------
 
     def move(self, session_id: str, chunks: Iterable[int], tier: str, reason: str = "explicit") -> None:
         """Move chosen chunks of an idle session to `tier` ("device", "host", "hidden", "disk", "dropped"),
@@ -272,7 +343,7 @@ class KVStore:
         """Virtual layout: give back the committed pages of free device blocks now (they are kept for
         reuse up to `keep_freed` otherwise). Returns the bytes given back (0 for a paged pool)."""
         with self.lock:
-            return self.tiers.device.reclaim() if self.layout == "virtual" else 0
+            return self.tiers.device.reclaim() if self.layout is Layout.VIRTUAL else 0
 
     def maintain(self) -> None:
         """Run ahead-of-time swap-out now (it also runs whenever a lease ends)."""
@@ -280,6 +351,18 @@ class KVStore:
             self.placement.swap_out_ahead()
             self.history.collect_retained()
             self._sync_disk()
+
+    def export_session(self, session_id: str) -> SessionExport:
+        """The idle session's token ids and stored KV (SessionBusyError while leased; `migration.py`)."""
+        with self.lock:
+            return export_session(self.parts, self.spec, self.sessions.get(session_id))
+
+    def import_session(self, exp: SessionExport) -> int:
+        """Make `exp` this store's session of its id, on the device; tokens whose KV came along."""
+        with self.lock:
+            n = import_session(self.parts, self.spec, exp)
+            self.maintain()
+            return n
 
     def _sync_disk(self) -> None:
         """Commit the disk index if the disk state changed (`DiskState.sync`, which never raises); nothing

@@ -8,6 +8,8 @@ Pensieve's ahead-of-time swap-out copies idle device chunks to the host and keep
 `shadow`s, reclaimed without a copy when blocks are needed.
 
 Owns: the eviction policy (`policy`, replaceable) and the reason of the moves under way (`moving`).
+What moves down is chosen in one place, `victims` (by the policy's key), for making room and for the
+ahead-of-time swap-out alike; copies are issued through the transfer engine, one method per kind.
 Collaborators: the session table (read: idle sessions), the pools (`tier_pools.py`: allocation and
 release), the transfer engine (copies), the disk state (durability before a chunk counts as on
 disk; None without a disk tier), the hidden tier (capture; None when the store captures nothing),
@@ -28,8 +30,7 @@ from typing import TYPE_CHECKING
 from .errors import CapacityError, StoreError
 from .moves import REASONS, MoveBatch, MoveLedger
 from .policy import EvictionPolicy
-from .session import ON_DISK, SHADOWED, ChunkState, Session
-from .session_table import SessionTable
+from .session import ON_DISK, SHADOWED, ChunkState, Session, SessionTable
 from .stats import Counters
 from .tier_pools import TierPools
 from .transfer import Transfer
@@ -72,8 +73,7 @@ class Placement:
         if not items:
             return
         pool = None if dst is DROPPED else self.tiers.pool(dst)
-        hidden = getattr(pool, "hidden_spec", None)
-        per_slot = 0 if pool is None else hidden.bytes_per_block if hidden is not None else pool.spec.bytes_per_block
+        per_slot = 0 if pool is None else pool.bytes_per_slot
         per_session: dict[str, int] = {}
         bs = self.block_size
         for s, k in items:
@@ -101,25 +101,34 @@ class Placement:
 
     # ---- making room ---------------------------------------------------------------------------
 
-    def candidates(self, state: ChunkState, exclude: set[str], shadowed: bool | None = None) -> Items:
-        """(session, chunk) pairs in `state` of idle sessions outside `exclude`, in policy order: one
-        pair per physical chunk; a shared chunk only if every holder is idle and outside `exclude`,
-        ranked by its most valuable holder (`prefix/sharing.py`: its value counts every holder)."""
-        now, sharing, bs = self.sessions.clock(), self.tiers.sharing, self.block_size
+    def _ranking(self):
+        """The policy's key of (session, chunk) for one ranking, smaller first (the policy is
+        prepared with every session first). The one place `policy.key` is asked."""
+        now, bs = self.sessions.clock(), self.block_size
         self.policy.prepare(self.sessions, now)
+        return lambda s, k: self.policy.key(s, k, bs, now)
+
+    def victims(self, state: ChunkState, n: int, exclude: set[str], shadowed: bool | None = None) -> Items:
+        """The n lowest-value chunks (fewer if there are fewer) in `state` of idle sessions outside
+        `exclude`, lowest first: (session, chunk) pairs, one per physical chunk; `shadowed` True /
+        False: only chunks with / without a device shadow. A shared chunk is a victim only if every
+        holder is idle and outside `exclude`, ranked by its most valuable holder (`prefix/sharing.py`:
+        its value counts every holder). Every choice of what moves down is made here. Reads only."""
+        sharing = self.tiers.sharing
+        key = self._ranking()
         found = sharing.unique((s, k) for s in self.sessions if not s.busy and s.session_id not in exclude
                                for k, c in enumerate(s.chunks)
                                if c.state is state and (shadowed is None or (c.shadow is not None) == shadowed)
                                and sharing.free_to_move(c, exclude))
-        found.sort(key=lambda sk: max(self.policy.key(h, sk[1], bs, now) for h in sharing.holders(*sk)))
-        return found
+        found.sort(key=lambda sk: max(key(h, sk[1]) for h in sharing.holders(*sk)))
+        return found[:max(n, 0)]
 
     def take(self, state: ChunkState, n: int, exclude: set[str],
              owners: list[tuple[str, int]] | None = None) -> list[int]:
         """Allocate n slots of a tier, first making room by moving its lowest-value chunks down.
         `owners` ((session id, chunk) per slot) places device blocks in a virtual layout's slots."""
         pool = self.tiers.pool(state)
-        if getattr(pool, "virtual", False):
+        if pool.virtual:
             with self.moving("slots"):
                 self._free_slots(pool.slots_needed(owners), exclude)
         if n > pool.num_free and state in ON_DISK and pool.limbo:
@@ -136,16 +145,14 @@ class Placement:
     def _free_slots(self, needed: int, exclude: set[str]) -> None:
         """Virtual layout: while fewer slots are free than `needed`, the idle session of lowest value
         holding a slot leaves the device (its chunks move down, its cached shadows are dropped)."""
-        pool, now = self.tiers.device, self.sessions.clock()
-        self.policy.prepare(self.sessions, now)
+        pool, key = self.tiers.device, self._ranking()
         while pool.free_slots < needed:
             holders = [s for s in self.sessions if not s.busy and s.session_id not in exclude
                        and pool.slot_of(s.session_id) is not None]
             if not holders:
                 raise CapacityError(f"all {pool.num_slots} device slots are held by busy sessions; "
                                     "raise device_capacity or lower max_context")
-            victim = min(holders, key=lambda s: min(self.policy.key(s, k, self.block_size, now)
-                                                    for k in range(max(len(s.chunks), 1))))
+            victim = min(holders, key=lambda s: min(key(s, k) for k in range(max(len(s.chunks), 1))))
             self.move_down([(victim, k) for k, c in enumerate(victim.chunks) if c.state is DEVICE], DEVICE, exclude)
             self.drop_shadows(victim)
 
@@ -163,24 +170,24 @@ class Placement:
         """Free n slots of tier `state` by moving idle chunks outside `exclude` down (policy order)."""
         with self.moving("pressure"):
             if state is DEVICE:
-                shadowed = (self.candidates(HOST, exclude, shadowed=True)
-                            + self.candidates(HIDDEN, exclude, shadowed=True))
+                shadowed = (self.victims(HOST, n, exclude, shadowed=True)
+                            + self.victims(HIDDEN, n, exclude, shadowed=True))
                 for s, k in shadowed[:n]:   # lazy reclamation: no copy
                     self.tiers.device.free([s.chunks[k].shadow])
                     s.chunks[k].shadow = None
                     n -= 1
                 if n > 0:
-                    self.move_down(self.candidates(DEVICE, exclude)[:n], DEVICE, exclude)
+                    self.move_down(self.victims(DEVICE, n, exclude), DEVICE, exclude)
             elif state in SHADOWED:
-                for s, k in self.candidates(state, exclude, shadowed=True)[:n]:   # still on device: revert
+                for s, k in self.victims(state, n, exclude, shadowed=True):   # still on device: revert
                     c = s.chunks[k]
                     self.tiers.pool(state).free([c.loc])
                     c.assign(DEVICE, c.shadow)
                     n -= 1
                 if n > 0:
-                    self.move_down(self.candidates(state, exclude, shadowed=False)[:n], state, exclude)
+                    self.move_down(self.victims(state, n, exclude, shadowed=False), state, exclude)
             elif state in ON_DISK:
-                self.move_down(self.candidates(state, exclude)[:n], state, exclude)
+                self.move_down(self.victims(state, n, exclude), state, exclude)
 
     # ---- moving down ---------------------------------------------------------------------------
 
@@ -222,9 +229,9 @@ class Placement:
         src = [s.chunks[k].loc for s, k in items]
         if target is HIDDEN:
             self.hidden.check_source(items, state)
-            self.hidden.pool.store_from(self.hidden.capture, self.tiers.device, src, slots)
+            self.transfer.store_hidden(self.hidden.capture, self.tiers.device, src, self.hidden.pool, slots)
         elif target is DISK_HIDDEN:   # from HIDDEN: same split, a copy of slots
-            self.tiers.hidden.copy_slots(src, self.tiers.disk_hidden, slots)
+            self.transfer.copy_hidden(self.tiers.hidden, src, self.tiers.disk_hidden, slots)
         else:
             self.transfer.copy(self.tiers.pool(state), src, self.tiers.pool(target), slots)
         if target in ON_DISK and not self.disk_state.written(items, target, slots):   # not durable: not on disk
@@ -255,14 +262,14 @@ class Placement:
         to the hidden pool) and keep their blocks as shadows."""
         pool = self.tiers.device
         if (self.tiers.host is None and self.tiers.hidden is None) or self.transfer.swap_in_pending() \
-                or getattr(pool, "virtual", False):   # a virtual layout frees slots on demand instead
+                or pool.virtual:   # a virtual layout frees slots on demand instead
             return
         shadows = sum(1 for _, _, c in self.tiers.sharing.physical(self.sessions) if c.shadow is not None)
         want = math.ceil(self.swap_out_threshold * pool.num_blocks) - pool.num_free - shadows
         if want <= 0:
             return
         with self.moving("ahead"):
-            items = self.candidates(DEVICE, set())[:want]
+            items = self.victims(DEVICE, want, set())
             captured = [self.hidden is not None and self.hidden.captured(s.chunks[k].loc) for s, k in items]
             hid = [sk for sk, cap in zip(items, captured) if cap]
             kv = [sk for sk, cap in zip(items, captured) if not cap]
@@ -276,7 +283,7 @@ class Placement:
                 blocks = [s.chunks[k].loc for s, k in group]
                 t0 = time.perf_counter()
                 if target is HIDDEN:
-                    self.hidden.pool.store_from(self.hidden.capture, pool, blocks, slots)
+                    self.transfer.store_hidden(self.hidden.capture, pool, blocks, self.hidden.pool, slots)
                 else:
                     self.transfer.copy(pool, blocks, self.tiers.host, slots)
                 self.record(DEVICE, target, group, t0)

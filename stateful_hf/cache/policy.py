@@ -23,7 +23,7 @@ in about half of the settings and fewer in the others, while the default never r
 (it drops as many chunks of the same conversations, by construction) and fewer wherever a partial chunk
 of a returning conversation was dropped. The same order decides device -> host, host -> disk and dropping.
 
-`FairSharePolicy` wraps any of them for a store shared by tenants (`tenant.py`): chunks of tenants
+`FairSharePolicy` wraps any of them for a store shared by tenants (`session.py`): chunks of tenants
 above their fair share of a tier go first, so one tenant flooding the store cannot push everyone
 else's history down.
 """

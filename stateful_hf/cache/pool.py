@@ -1,7 +1,7 @@
 """A physical pool of KV blocks: preallocated tensor + free list. No policy lives here.
 
 Every tier (device, host, disk) is a BlockPool of the same geometry, so one copy routine moves
-chunks between any two of them, layer by layer.
+chunks between any two of them, layer by layer. Every pool keeps the contract of `tier.py`'s `TierPool`.
 
 Memory is taken as it is used: a pool in (unpinned) CPU memory is an anonymous private mapping with
 MAP_NORESERVE (`lazy_zeros`), so creating it reserves address space only and the OS commits a page,
@@ -18,6 +18,7 @@ import mmap
 import torch
 
 from .spec import KVSpec
+from .tier import LazyFree
 
 PAGE = mmap.PAGESIZE
 
@@ -83,17 +84,25 @@ def block_runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, i
 class BlockPool:
     """`data` is [layers, num_blocks, 2, block_size, kv_heads, head_dim]; dim 2 is (K, V).
 
-    Contract: `allocate` and `free` are the only mutations of the free list; the caller (the store)
-    owns the mapping of blocks to sessions and holds its lock around every call.
+    Contract (`tier.TierPool`): `allocate`, `free`, `give_back` and `take` are the only mutations of
+    the free list; the caller (the store) owns the mapping of blocks to sessions and holds its lock
+    around every call. `transfer` (given by the store; None outside one): frees go through
+    `Transfer.release` (transfer.py). `device_tier`: this is the store's device pool.
     """
 
-    transfer = None     # set by the store: frees go through Transfer.release (transfer.py)
-    slice_blocks = True  # block b of every layer is data[:, b] (transfer.copy_now slices runs of ids)
+    virtual = False       # not vAttention's layout (virtual/pool.py)
+    slice_blocks = True   # block b of every layer is data[:, b] (transfer.copy_now slices runs of ids)
+    pages_released = 0    # the virtual layout's counters: none here
+    cached_bytes = 0
+    blocks_prefetched = 0
 
     def __init__(self, spec: KVSpec, num_blocks: int, device: torch.device | str | None = None, *,
-                 pin_memory: bool = False, data: torch.Tensor | None = None):
+                 pin_memory: bool = False, data: torch.Tensor | None = None, transfer: LazyFree | None = None,
+                 device_tier: bool = False):
         self.spec = spec
         self.num_blocks = num_blocks
+        self.transfer = transfer
+        self.device_tier = device_tier
         shape = (spec.num_layers, num_blocks, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
         self._mem = None                  # the lazy mapping under `data`, if any
         if data is None:
@@ -113,6 +122,10 @@ class BlockPool:
     def num_free(self) -> int:
         """Free blocks, counting those held back for a copy in flight (allocate waits for them)."""
         return len(self._free) + (len(self.transfer.deferred_ids(self)) if self.transfer is not None else 0)
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return self.spec.bytes_per_block
 
     @property
     def bytes(self) -> int:
@@ -173,3 +186,25 @@ class BlockPool:
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views (K, V) of one layer, each [num_blocks, block_size, kv_heads, head_dim] (strided)."""
         return self.data[layer, :, 0], self.data[layer, :, 1]
+
+
+def write_kv(
+    key_cache: torch.Tensor,    # [num_blocks, block_size, Hkv, D] one layer of a pool (a view of it)
+    value_cache: torch.Tensor,
+    key: torch.Tensor,          # rows [T, Hkv, D], or whole blocks [n, block_size, Hkv, D]
+    value: torch.Tensor,
+    slots: torch.Tensor,        # rows: [T] block * block_size + offset; blocks: [n] block ids. Long, caches' device
+) -> None:
+    """Store K/V in one pool layer: row t at slot `slots[t]` (vLLM's reshape_and_cache), or, given
+    whole blocks, block i at block `slots[i]` (a restore: one copy per block instead of per row).
+    Mutates the two caches only. The cache keeps values in its own dtype, not autograd history:
+    gradients never flow into stored KV."""
+    key, value = key.detach().to(key_cache.dtype), value.detach().to(value_cache.dtype)
+    if key.dim() == 4:
+        key_cache.index_copy_(0, slots, key)
+        value_cache.index_copy_(0, slots, value)
+        return
+    block_size = key_cache.shape[1]
+    blocks, offsets = slots // block_size, slots % block_size
+    key_cache[blocks, offsets] = key
+    value_cache[blocks, offsets] = value

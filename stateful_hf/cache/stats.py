@@ -96,6 +96,7 @@ class SessionStats:
     last_turn: TurnStats
     hidden_tokens: int = 0        # of host_tokens, kept as hidden states
     disk_hidden_tokens: int = 0   # of disk_tokens, kept as hidden states
+    last_active: float = 0.0      # the store clock's time of its last activity
 
 
 def _mib(n: int) -> str:

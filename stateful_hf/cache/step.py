@@ -1,6 +1,22 @@
 """One forward step over the store: built once per step by the store's planner, then, while the
-forward runs, the current step of its thread (`stateful_hf/step_context.py`), which every decoder
-layer prepares (`before_layer`) and whose attention places its rows (`write_rows`). docs/step.md."""
+forward runs, the current step of its thread (`stateful_hf/integration.py`), which every decoder
+layer prepares (`before_layer`) and whose attention places its rows (`write_rows`). docs/step.md.
+
+The one writer of computed K/V: every K/V row that a forward computes or a restore rebuilds
+enters a pool layer through `pool.write_kv`, and through nothing else.
+
+Its callers, all within one step (docs/step.md):
+- the step's own rows, from the registered attention through `StepBatch.write_rows`: at the rows'
+  device slots, or where LayerKV's placement puts each layer of their chunk (`layerwise/step.py`:
+  device blocks, the host pool in place, a staged buffer, the host rows written down at commit);
+- HCache's layer-wise restore (`HiddenRestore`, `hidden/states.py`): the K/V of the context's hidden
+  chunks, projected from hidden states or read from the chunk's K/V layers, as whole device blocks.
+
+Not through here: moving whole blocks between tiers (swap-in, swap-out, disk reads and writes).
+Those are block copies of K/V already written, owned by the transfer engine (`transfer.py`: one
+`Copy` per group of blocks with one event per layer; `before_layer` waits on the events of its
+layer before anything reads those blocks) and by the tier moves that call it.
+"""
 
 from __future__ import annotations
 
@@ -10,13 +26,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..kernels import KernelState, Overlay, PagedBatch
-from .kv_writer import write_kv
-from .pool import BlockPool
+from .pool import BlockPool, write_kv
 from .transfer import wait_event
 
 if TYPE_CHECKING:
     from .hidden.states import StepHidden
     from .layerwise.step import LayeredStep
+
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,3 +107,4 @@ class StepBatch:
     def last_rows(self) -> torch.Tensor:
         """[S] index of each entry's last row (where its next-token logits come from)."""
         return self.paged.cu_q[1:] - 1
+

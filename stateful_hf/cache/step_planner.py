@@ -1,5 +1,5 @@
 """The step planner: one forward step over the store (plan, commit, abort) and the one writer of a
-session's `last_turn`. What a step does with each chunk is `chunk_needs.py`'s classification.
+session's `last_turn`. What a step does with each chunk is `turn.py`'s classification.
 
 `plan` reserves device blocks (placement moves other sessions' chunks down by the policy), copies
 host/disk chunks of the context up (swap-in), queues hidden chunks for a layer-wise rebuild, appends
@@ -27,17 +27,16 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..kernels import KernelState, PagedBatch
-from .capacity import count_chunks
-from .chunk_needs import check_factor, entry_needs
+from ..options import Layout
 from .errors import CapacityError, StoreError
 from .placement import Placement
-from .session import HIDDEN_FORMS, Chunk, ChunkState, Session, TurnStats
-from .session_table import SessionTable
+from .session import HIDDEN_FORMS, Chunk, ChunkState, Session, SessionTable, TurnStats
 from .stats import Counters
 from .step import StepBatch, StepEntry
 from .swap_in import SwapIn
-from .tier_pools import TierPools
+from .tier_pools import TierPools, count_chunks
 from .transfer import Transfer
+from .turn import check_factor, entry_needs
 
 if TYPE_CHECKING:
     from .hidden.states import HiddenRestore
@@ -52,7 +51,7 @@ DISK = ChunkState.DISK
 class StepPlanner:
     def __init__(self, sessions: SessionTable, tiers: TierPools, placement: Placement, swap_in: SwapIn,
                  hidden: HiddenTier | None, layered: LayeredChunks | None, transfer: Transfer, counters: Counters,
-                 kernels: KernelState, *, layout: str, attn_backend: str, page_mapper: PageMapper | None):
+                 kernels: KernelState, *, layout: Layout, attn_backend: str, page_mapper: PageMapper | None):
         self.sessions, self.tiers, self.placement, self.swap_in = sessions, tiers, placement, swap_in
         self.hidden, self.layered, self.transfer, self.counters = hidden, layered, transfer, counters
         self.kernels, self.layout, self.attn_backend, self.page_mapper = kernels, layout, attn_backend, page_mapper
@@ -145,9 +144,11 @@ class StepPlanner:
             self.placement.make_room(DEVICE, fresh - device.num_free, exclude)
         restore = None if self.hidden is None else self.hidden.new_restore(self.counters)
         try:
-            with self.placement.moving("step"):
-                events = self.swap_in.move_up([(s, k) for s, (_, sw) in zip(sessions, plans) for k in sw], DEVICE,
-                                              exclude, restore=restore)
+            ups = [(s, k) for s, (_, sw) in zip(sessions, plans) for k in sw]
+            events = []                    # nothing below the device: no copy, no move recorded
+            if ups:
+                with self.placement.moving("step"):
+                    events = self.swap_in.move_up(ups, DEVICE, exclude, restore=restore)
             fills = iter(self.placement.take(DEVICE, n_fill, exclude,
                                              [(s.session_id, k) for s, fac, (f, _) in zip(sessions, factors, plans)
                                               if fac == 1 for k in f]))
@@ -295,7 +296,7 @@ class StepPlanner:
                            torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32))
         paged.validate(device.num_blocks, bs)
         dense_slots = None
-        if self.layout == "virtual":   # each entry's KV is one contiguous row of its session's slot
+        if self.layout is Layout.VIRTUAL:   # each entry's KV is one contiguous row of its session's slot
             dense_slots = tuple(device.slot_of(e.session_id) for e in entries)
         layer_events = None
         if events:   # per layer, the events of every copy group

@@ -1,6 +1,6 @@
-"""The store's configuration and the assembly of its parts: `StoreConfig` (every option of `KVStore`,
-checked once) and `assemble(spec, config)`, which opens the pools (`open_pools`) and builds each part
-with its collaborators, in dependency order (docs/store.md), into one frozen `StoreParts`.
+"""The assembly of the store's parts: `assemble(spec, config)` (`KVStore`'s options, `StoreConfig`, declared
+in `stateful_hf/options/store.py`) opens the pools (`open_pools`) and builds each part with its
+collaborators, in dependency order (docs/store.md), into one frozen `StoreParts`.
 
 The one module that builds the feature packages' parts (`disk/`, `hidden/`, `layerwise/`,
 `virtual/`): a feature that is off has no part (None) and the core skips it, so with the default
@@ -14,17 +14,15 @@ propagates (nothing else holds an OS resource yet).
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ..kernels import KernelState
-from .capacity import Capacity
+from ..options import HiddenStates, Layout, StoreConfig
 from .disk.state import DiskState
 from .disk.tier import DiskTier
 from .errors import StoreError
-from .hidden.states import HiddenSpec, Projector
 from .hidden.tier import HiddenTier, open_hidden_tier
 from .history import History
 from .layerwise.chunks import LayeredChunks
@@ -35,82 +33,15 @@ from .policy import DEFAULT_POLICY, EvictionPolicy, make_policy
 from .pool import BlockPool
 from .prefix.sharing import PrefixSharing
 from .relocation import Relocation
-from .session_table import SessionTable
+from .session import SessionTable
 from .spec import KVSpec, capacity_in_blocks
 from .stats import Counters
 from .step_planner import StepPlanner
 from .swap_in import SwapIn
-from .tier_pools import TierPools
+from .tier_pools import Capacity, TierPools
 from .transfer import Transfer, emulate_from_env
 from .virtual.mapper import PageMapper
 from .virtual.pool import VirtualPool
-
-
-@dataclass(frozen=True, slots=True)
-class StoreConfig:
-    """`KVStore`'s options (its signature; the defaults are its defaults).
-
-    device_capacity / host_capacity / disk_capacity: tokens (int) or sizes ("2GiB"); a host or
-    disk tier exists only when given (the disk tier also needs `disk_dir`). `swap_out_threshold`:
-    share of device blocks kept free or reclaimable by ahead-of-time swap-out after each turn.
-    hidden_states ("auto" | "always" | "never"), hidden_spec, hidden_capacity (default: host_capacity),
-    hidden_disk_capacity (the disk tier's hidden file; default: disk_capacity) and project (hidden ->
-    K/V per layer): HCache's hidden-state tier, see `hidden/tier.py`.
-    Virtual layout only: `keep_freed` (tokens or a size) of freed device pages stay committed for
-    reuse (vAttention's deferred reclamation; `reclaim()` gives them back), and with `map_ahead` a
-    background thread maps the block each stepping session grows into next.
-    `clock`: seconds for sessions' last activity, which the policy's idle time T is measured with
-    (default time.monotonic; a virtual clock makes eviction order reproducible in replays).
-    `policy`: default `DEFAULT_POLICY` (policy.py) over a default Cost profile. It is told each
-    returning session's idle gap when a lease starts, and sees all sessions before each ranking
-    (`observe_return`, `prepare`).
-    attn_backend: the concrete backend `KVStore` resolved with `kernels.select_backend` (from "auto" or a
-    name, for the spec's device, dtype, head_dim, block size, layerwise_kv and layout).
-    layerwise_kv: LayerKV's layer-wise allocation (`layerwise/chunks.py`): steps may fill chunks keeping only
-    some layers on the device (residue blocks) and the rest on the host; needs a host tier, the paged
-    layout and the torch backend.
-    disk_fingerprint: identifies the model whose KV the disk tier holds (its config and weights); a
-    disk_dir made with another is refused. The disk tier serves a chunk only if it proves it is the
-    chunk it names, else recomputes it (`disk/tier.py`).
-    emulate_async: run copies under the CPU async emulator (`transfer.py`); default: the environment
-    variable STATEFUL_HF_EMULATE_ASYNC=1.
-    prefix_sharing: full chunks of identical prefixes held once (`prefix/sharing.py`); None: on where
-    it can be (paged layout, no layerwise_kv)."""
-
-    device_capacity: int | str = 4096
-    host_capacity: int | str | None = None
-    disk_dir: str | os.PathLike | None = None
-    disk_capacity: int | str | None = None
-    policy: EvictionPolicy | None = None
-    attn_backend: str = "torch"
-    swap_out_threshold: float = 0.25
-    hidden_states: str = "never"
-    hidden_spec: HiddenSpec | None = None
-    hidden_capacity: int | str | None = None
-    project: Projector | None = None
-    layout: str = "paged"
-    max_context: int | None = None
-    clock: Callable[[], float] = time.monotonic
-    keep_freed: int | str = "64MiB"
-    map_ahead: bool = True
-    hidden_disk_capacity: int | str | None = None
-    layerwise_kv: bool = False
-    disk_fingerprint: str = ""
-    emulate_async: bool | None = None
-    prefix_sharing: bool | None = None
-
-    def __post_init__(self):
-        if not 0 <= self.swap_out_threshold < 1:
-            raise ValueError(f"swap_out_threshold must be in [0, 1), got {self.swap_out_threshold}")
-        if self.disk_capacity is not None and self.disk_dir is None:
-            raise ValueError("disk_capacity needs a disk_dir")
-        if self.layout not in ("paged", "virtual"):
-            raise ValueError(f"unknown layout {self.layout!r}; choose 'paged' or 'virtual'")
-        if self.layout == "virtual" and self.max_context is None:
-            raise ValueError("layout='virtual' needs max_context (tokens per session slot)")
-        if self.prefix_sharing and (self.layout != "paged" or self.layerwise_kv):
-            raise ValueError("prefix_sharing needs layout='paged' and no layerwise_kv (a virtual layout keeps each "
-                             "session's KV in its own slot; layer-wise KV splits blocks among sessions)")
 
 
 @contextmanager
@@ -123,21 +54,24 @@ def _allocating(name: str, capacity, spec: KVSpec) -> Iterator[None]:
                          f"{'cpu' if name == 'host_capacity' else spec.device}: {e}; give a smaller {name}") from e
 
 
-def open_pools(spec: KVSpec, device_capacity, host_capacity, disk_dir: str | os.PathLike | None, disk_capacity,
-               layout: str, max_context: int | None, keep_freed, disk_fingerprint: str):
-    """(device pool, host pool or None, disk tier or None) of a store (`KVStore` has the options)."""
+def open_pools(spec: KVSpec, transfer: Transfer, device_capacity, host_capacity, disk_dir: str | os.PathLike | None,
+               disk_capacity, layout: Layout, max_context: int | None, keep_freed, disk_fingerprint: str):
+    """(device pool, host pool or None, disk tier or None) of a store (`KVStore` has the options), each
+    pool given the store's `transfer` (made first: every free passes through it)."""
     with _allocating("device_capacity", device_capacity, spec):
-        if layout == "paged":
-            device_pool = BlockPool(spec, capacity_in_blocks(device_capacity, spec))
+        if layout is Layout.PAGED:
+            device_pool = BlockPool(spec, capacity_in_blocks(device_capacity, spec), transfer=transfer,
+                                    device_tier=True)
         else:
             device_pool = VirtualPool(spec, capacity_in_blocks(device_capacity, spec), max_context,
                                       keep_bytes=0 if keep_freed in (0, "0") else
-                                      capacity_in_blocks(keep_freed, spec) * spec.bytes_per_block)
+                                      capacity_in_blocks(keep_freed, spec) * spec.bytes_per_block, transfer=transfer)
     with _allocating("host_capacity", host_capacity, spec):
         host_pool = None if host_capacity is None else BlockPool(
-            spec, capacity_in_blocks(host_capacity, spec), "cpu", pin_memory=spec.device.type == "cuda")
+            spec, capacity_in_blocks(host_capacity, spec), "cpu", pin_memory=spec.device.type == "cuda",
+            transfer=transfer)
     disk_blocks = capacity_in_blocks(disk_capacity if disk_capacity is not None else "1GiB", spec)
-    disk = None if disk_dir is None else DiskTier(spec, disk_dir, disk_blocks, disk_fingerprint)
+    disk = None if disk_dir is None else DiskTier(spec, disk_dir, disk_blocks, disk_fingerprint, transfer)
     return device_pool, host_pool, disk
 
 
@@ -163,26 +97,31 @@ class StoreParts:
     capacity: Capacity
 
 
+def _policy(c: StoreConfig) -> EvictionPolicy:
+    """The config's policy: an EvictionPolicy as given, a name (None: DEFAULT_POLICY) over its cost profile."""
+    return c.policy if isinstance(c.policy, EvictionPolicy) else make_policy(c.policy or DEFAULT_POLICY, c.cost_profile)
+
+
 def assemble(spec: KVSpec, c: StoreConfig) -> StoreParts:
-    """Open the pools and build every part; the disk tier's committed index is loaded last."""
-    device_pool, host_pool, disk = open_pools(spec, c.device_capacity, c.host_capacity, c.disk_dir, c.disk_capacity,
-                                              c.layout, c.max_context, c.keep_freed, c.disk_fingerprint)
-    transfer = Transfer(device_pool, emulate_from_env() if c.emulate_async is None else c.emulate_async)
+    """Make the transfer engine, open the pools (each given it) and build every part; the disk tier's
+    committed index is loaded last."""
+    transfer = Transfer(spec.device, emulate_from_env() if c.emulate_async is None else c.emulate_async)
+    device_pool, host_pool, disk = open_pools(spec, transfer, c.device_capacity, c.host_capacity, c.disk_dir,
+                                              c.disk_capacity, c.layout, c.max_context, c.keep_freed,
+                                              c.disk_fingerprint)
     counters, moves, sessions = Counters(), MoveLedger(), SessionTable(c.clock)
     sharing = PrefixSharing(spec.block_size, sessions.find,
-                            c.prefix_sharing is not False and c.layout == "paged" and not c.layerwise_kv)
+                            c.prefix_sharing is not False and c.layout is Layout.PAGED and not c.layerwise_kv)
     try:
-        hidden = None if c.hidden_states == "never" else open_hidden_tier(
+        hidden = None if c.hidden_states is HiddenStates.NEVER else open_hidden_tier(
             c.hidden_states, c.hidden_spec, c.project, spec, device_pool.num_blocks, c.hidden_capacity,
-            c.host_capacity, disk, c.hidden_disk_capacity if c.hidden_disk_capacity is not None else c.disk_capacity)
+            c.host_capacity, disk, c.hidden_disk_capacity if c.hidden_disk_capacity is not None else c.disk_capacity,
+            transfer)
         disk_state = None if disk is None else DiskState(sessions, disk, transfer, spec.block_size)
         tiers = TierPools(device_pool, host_pool, disk, hidden.pool if hidden is not None else None,
                           hidden.disk_pool if hidden is not None else None, disk_state, sharing,
                           ResidueTable() if c.layerwise_kv else None)
-        for pool in (device_pool, host_pool, disk.pool if disk is not None else None):
-            if pool is not None:
-                pool.transfer = transfer
-        placement = Placement(sessions, tiers, transfer, disk_state, hidden, c.policy or make_policy(DEFAULT_POLICY),
+        placement = Placement(sessions, tiers, transfer, disk_state, hidden, _policy(c),
                               moves, counters, c.swap_out_threshold)
         swap_in = SwapIn(sessions, tiers, placement, transfer, hidden, disk_state, counters)
         layered = None if not c.layerwise_kv else LayeredChunks(
@@ -192,9 +131,10 @@ def assemble(spec: KVSpec, c: StoreConfig) -> StoreParts:
         kernels = KernelState()
         planner = StepPlanner(sessions, tiers, placement, swap_in, hidden, layered, transfer, counters, kernels,
                               layout=c.layout, attn_backend=c.attn_backend,
-                              page_mapper=PageMapper(device_pool) if c.layout == "virtual" and c.map_ahead else None)
+                              page_mapper=PageMapper(device_pool) if c.layout is Layout.VIRTUAL and c.map_ahead
+                              else None)
         history = History(sessions, tiers, placement, disk_state, planner)
-        capacity = Capacity(sessions, tiers, layered, c.layout)
+        capacity = Capacity(sessions, tiers, c.layout)
     except BaseException:
         if disk is not None:
             disk.close()

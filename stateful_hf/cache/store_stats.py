@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from .session import ChunkState, Session
-from .session_table import SessionTable
+from .session import ChunkState, Session, SessionTable
 from .stats import Counters, SessionStats, StoreStats
 from .tier_pools import TierPools
 
@@ -15,7 +14,7 @@ def session_stats(s: Session, block_size: int) -> SessionStats:
     r = s.residency(block_size)
     return SessionStats(s.session_id, s.num_tokens, r["device"], r["host"] + r["hidden"],
                         r["disk"] + r["disk_hidden"], r["dropped"], s.busy, s.last_turn,
-                        hidden_tokens=r["hidden"], disk_hidden_tokens=r["disk_hidden"])
+                        hidden_tokens=r["hidden"], disk_hidden_tokens=r["disk_hidden"], last_active=s.last_active)
 
 
 def store_stats(sessions: SessionTable, tiers: TierPools, counters: Counters) -> StoreStats:
@@ -57,9 +56,9 @@ def store_stats(sessions: SessionTable, tiers: TierPools, counters: Counters) ->
         device_committed_bytes=device.committed_bytes(),
         host_reserved_bytes=sum(p.reserved_bytes for p in (host, hid) if p is not None),
         host_committed_bytes=sum(p.committed_bytes() for p in (host, hid) if p is not None),
-        device_pages_released=getattr(device, "pages_released", 0),
-        device_kept_bytes=getattr(device, "cached_bytes", 0),
-        device_blocks_prefetched=getattr(device, "blocks_prefetched", 0),
+        device_pages_released=device.pages_released,
+        device_kept_bytes=device.cached_bytes,
+        device_blocks_prefetched=device.blocks_prefetched,
         logical_tokens=logical, shared_tokens=shared, prefix_index_chunks=len(tiers.sharing.index),
     )
 

@@ -17,8 +17,7 @@ import time
 from typing import TYPE_CHECKING
 
 from .placement import Items, Placement
-from .session import HIDDEN_FORMS, ChunkState
-from .session_table import SessionTable
+from .session import HIDDEN_FORMS, ChunkState, SessionTable
 from .stats import Counters
 from .tier_pools import TierPools
 from .transfer import Transfer
@@ -73,8 +72,8 @@ class SwapIn:
         up = [(i, s, k) for i, (s, k) in enumerate(rest) if s.chunks[k].state is DISK_HIDDEN]
         if up:                                 # disk hidden states up to the host hidden pool
             t0 = time.perf_counter()
-            tiers.disk_hidden.copy_slots([s.chunks[k].loc for _, s, k in up], tiers.hidden,
-                                         [slots[i] for i, _, _ in up])
+            self.transfer.copy_hidden(tiers.disk_hidden, [s.chunks[k].loc for _, s, k in up], tiers.hidden,
+                                      [slots[i] for i, _, _ in up])
             record(DISK_HIDDEN, HIDDEN, [(s, k) for _, s, k in up], t0)
             for i, s, k in up:
                 tiers.vacate(s.chunks[k])

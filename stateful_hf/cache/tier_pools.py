@@ -1,9 +1,10 @@
-"""The pools per tier: which pool holds a chunk state's slots, which tier is below which, and the
-one way a chunk's slots are given back.
+"""The pools per tier (`TierPools`): which pool holds a chunk state's slots, which tier is below which,
+and the one way a chunk's slots are given back; and their room (`Capacity`): what a step could get now.
 
 Owns: the residue table (LayerKV's device blocks split by residue class, `layerwise/residues.py`;
 None without layerwise_kv), a sub-allocator of the device pool. References (does not create): the
-device, host, hidden, disk and disk-hidden pools (`store_parts.open_pools` opens them). Mutates:
+device, host, hidden, disk and disk-hidden pools (`store_parts.open_pools` opens them; each keeps
+`tier.TierPool`'s contract, so callers ask a pool what it is, never probe it). Mutates:
 pools' free lists (`release`, `vacate`, `free_residue`, `place_residues`) and the released chunk (it
 becomes DROPPED; a chunk other sessions share stays theirs: the prefix sharing part,
 `prefix/sharing.py`, says so). Tells the disk state when a disk slot is given back.
@@ -12,11 +13,15 @@ Every method runs with the store lock held.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from ..options import Layout
 from .pool import BlockPool
 from .prefix.sharing import PrefixSharing
-from .session import ON_DISK, Chunk, ChunkState, Session
+from .session import ON_DISK, Chunk, ChunkState, Session, SessionTable
+from .tier import TierPool
+from .turn import ChunkNeeds, Room, blocks_at_most, check_factor, needs, places_of
 
 if TYPE_CHECKING:
     from .disk.state import DiskState
@@ -29,7 +34,7 @@ HIDDEN, DISK_HIDDEN, LAYERED = ChunkState.HIDDEN, ChunkState.DISK_HIDDEN, ChunkS
 
 
 class TierPools:
-    def __init__(self, device, host: BlockPool | None, disk: DiskTier | None, hidden: HiddenPool | None,
+    def __init__(self, device: TierPool, host: BlockPool | None, disk: DiskTier | None, hidden: HiddenPool | None,
                  disk_hidden: HiddenPool | None, disk_state: DiskState | None, sharing: PrefixSharing,
                  residues: ResidueTable | None):
         self.device, self.host, self.disk = device, host, disk
@@ -45,7 +50,7 @@ class TierPools:
         self._below[HIDDEN] = DISK_HIDDEN if disk_hidden is not None else DROPPED
         self._below[DISK_HIDDEN] = DROPPED
 
-    def pool(self, state: ChunkState):
+    def pool(self, state: ChunkState) -> TierPool | None:
         """The pool holding slots of chunks in `state` (None: DROPPED, or a tier this store lacks)."""
         return self._by_state.get(state)
 
@@ -94,10 +99,96 @@ class TierPools:
         return False
 
     @staticmethod
-    def used_bytes(pool) -> int:
+    def used_bytes(pool: TierPool | None) -> int:
         """Bytes of `pool`'s slots in use (K/V or hidden-state slots), 0 for an absent tier."""
         if pool is None:
             return 0
-        hidden = getattr(pool, "hidden_spec", None)
-        per = hidden.bytes_per_block if hidden is not None else pool.spec.bytes_per_block
-        return (pool.num_blocks - pool.num_free) * per
+        return (pool.num_blocks - pool.num_free) * pool.bytes_per_slot
+
+
+NO_EXCLUDE: frozenset[str] = frozenset()
+
+
+def count_chunks(sessions: Iterable[Session], state: ChunkState, sharing: PrefixSharing, *, shadows: bool,
+                 idle_only: bool) -> int:
+    """Chunk objects of `sessions` in `state` (with `shadows`, also HOST/HIDDEN chunks cached on the
+    device), a shared chunk once; with `idle_only`, only those no busy session holds. One pass, a set
+    only for chunks with several holders: this runs every step (`StepPlanner.plan`, and the engine
+    scheduler's `available_blocks`)."""
+    n, seen = 0, set()
+    for s in sessions:
+        if idle_only and s.busy:      # its private chunks are busy, its shared ones have a busy holder
+            continue
+        for c in s.chunks:
+            if c.state is not state and (not shadows or c.shadow is None):
+                continue
+            e = c.entry
+            if e is None or len(e.holders) == 1:        # held by `s` alone
+                n += 1
+            elif id(c) not in seen:
+                seen.add(id(c))
+                n += not idle_only or sharing.free_to_move(c, NO_EXCLUDE)
+    return n
+
+
+class Capacity:
+    """What a step could get now and what one would take: the engine scheduler's questions
+    (`available_blocks`, `available_host_blocks`, `available_slots`, `chunk_needs`, `blocks_needed`).
+    A shared chunk counts once, and only if none of its holders is busy; `turn.py` classifies chunks.
+    Mutates nothing. Every method runs with the store lock held."""
+
+    def __init__(self, sessions: SessionTable, tiers: TierPools, layout: Layout):
+        self.sessions, self.tiers, self.sharing = sessions, tiers, tiers.sharing
+        self.layout, self.block_size = layout, tiers.device.spec.block_size
+
+    def chunk_needs(self, s: Session, end: int, length: int | None, factor: int) -> ChunkNeeds:
+        """`KVStore.chunk_needs`: per chunk below `end`, what a step of `s` must do (`chunk_needs.needs`)."""
+        return needs(places_of(s), end, s.num_tokens if length is None else length, factor, self.block_size)
+
+    def blocks_needed(self, s: Session, end: int, length: int | None, factor: int) -> int:
+        """Device blocks such a step takes at most: a block per chunk it fills or copies up at factor 1;
+        at keep factor f != 1, ceil(fills / f) residue blocks (none at 0) plus the copies (HOST chunks
+        are read in place)."""
+        fills, copies, _ = self.chunk_needs(s, end, length, factor)
+        return blocks_at_most(factor, len(fills)) + len(copies)
+
+    def residue_blocks_needed(self, factor: int, n_chunks: int) -> int:
+        """Device blocks `n_chunks` new chunks of keep factor `factor` take now (no residue block is open
+        without layerwise_kv: the bound `blocks_at_most`)."""
+        check_factor(factor, self.tiers.device.spec.num_layers)
+        if self.tiers.residues is None or factor == 1:
+            return blocks_at_most(factor, n_chunks)
+        return self.tiers.residues.blocks_needed(factor, n_chunks)
+
+    def device_blocks(self) -> int:
+        """Free device blocks, plus idle sessions' cached shadows and DEVICE chunks (which `plan_step`
+        moves down). Busy sessions' blocks do not count."""
+        return self.tiers.device.num_free + count_chunks(self.sessions, DEVICE, self.sharing, shadows=True,
+                                                         idle_only=True)
+
+    def host_blocks(self) -> int:
+        """Free host slots plus idle sessions' HOST chunks (which move down to make room); 0 without a host tier."""
+        if self.tiers.host is None:
+            return 0
+        return self.tiers.host.num_free + count_chunks(self.sessions, HOST, self.sharing, shadows=False,
+                                                       idle_only=True)
+
+    def device_slots(self) -> int | None:
+        """Virtual layout: device slots that busy sessions could still get, the free ones plus those
+        held by idle sessions (which a step takes by moving them down). None for the paged layout,
+        where only blocks count. Admitting a turn costs one: its session either claims a slot or
+        keeps the one it holds out of reach."""
+        if self.layout is not Layout.VIRTUAL:
+            return None
+        pool = self.tiers.device
+        idle = sum(1 for s in self.sessions if not s.busy and pool.slot_of(s.session_id) is not None)
+        return pool.free_slots + idle
+
+    def room(self) -> Room:
+        """What a step could get now (host slots only where a layer-wise step can fill them)."""
+        return Room(self.device_blocks(), self.host_blocks() if self.tiers.residues is not None else 0,
+                    self.device_slots())
+
+    def has_slot(self, s: Session) -> bool | None:
+        """Virtual layout: whether `s` holds a device slot; None for the paged layout."""
+        return None if self.layout is not Layout.VIRTUAL else self.tiers.device.slot_of(s.session_id) is not None

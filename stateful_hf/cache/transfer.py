@@ -2,7 +2,13 @@
 
 On CUDA a copy to or from the device runs on a side stream and records one event per layer; the
 attention of layer l waits on event l only (Pensieve's pipelined swap-in: the batch starts before
-the swap-in ends). Between two CPU pools (host <-> disk) a copy is synchronous.
+the swap-in ends). Between two CPU pools (host <-> disk) a copy is synchronous. Every copy between
+tiers is issued here, one method per kind, and counted in `issued`: whole blocks (`copy`), some
+layers of some blocks (`copy_layers`: LayerKV's kept layers to their host slots), device chunks
+into hidden slots (`store_hidden`: HCache), hidden slots between hidden pools (`copy_hidden`) and
+blocks out of and into the store (`read_out`, `write_in`: a session's export and import);
+all but `copy` to or from the device pool are synchronous, and each first settles its source (rule 5).
+A pool is told apart by what it declares (`tier.TierPool`): `device_tier`, `virtual`, `slice_blocks`.
 
 Ordering discipline (every rule holds on CUDA; the emulator below checks them on the CPU):
 1. Every copy has an event per layer (`Copy.events`), recorded on the copy stream after that layer;
@@ -18,7 +24,8 @@ Ordering discipline (every rule holds on CUDA; the emulator below checks them on
    `BlockPool.free` passes blocks through `release`, which holds those back (`deferred`); they are
    given back when their copy is reaped: a non-blocking poll at each copy and at the end of a step,
    or a wait when an allocation needs them (`BlockPool.allocate`). Deferred blocks count as free
-   (`num_free`, `check`). A virtual pool's free waits for such copies at once instead.
+   (`num_free`, `check`). A virtual pool's free waits for such copies at once instead. Each pool is
+   given the transfer engine when it is made (its `transfer`), so every free passes through here.
 4. Host staging uses pinned buffers owned by their `Copy` until its event completed, never reused
    before (each copy makes its own; torch's pinned allocator recycles them after).
 5. Copies between CPU pools and every CPU-side read settle the copies into their source first.
@@ -36,10 +43,16 @@ from __future__ import annotations
 
 import os
 import threading
+from typing import TYPE_CHECKING
 
 import torch
 
-from .pool import BlockPool, block_runs
+from .copies import Copy, EmulatedEvent, poison
+from .pool import block_runs
+from .tier import TierPool
+
+if TYPE_CHECKING:
+    from .hidden.states import HiddenCapture, HiddenPool
 
 ENV = "STATEFUL_HF_EMULATE_ASYNC"
 
@@ -48,20 +61,12 @@ def emulate_from_env() -> bool:
     return os.environ.get(ENV, "") == "1"
 
 
-def _poison(pool, ids: list[int]) -> None:
-    """Every layer of blocks `ids` of `pool` reads NaN."""
-    idx = torch.tensor(ids, device=pool.device)
-    for layer in range(pool.spec.num_layers):
-        blocks = pool.read(layer, idx)
-        pool.write(layer, idx, torch.full_like(blocks, float("nan")))
-
-
-def copy_now(src: BlockPool, src_ids: list[int], dst: BlockPool, dst_ids: list[int]) -> None:
+def copy_now(src: TierPool, src_ids: list[int], dst: TierPool, dst_ids: list[int]) -> None:
     """Synchronous copy of blocks src_ids of `src` to dst_ids of `dst`, every layer. Between pools whose
     block b is `data[:, b]` (`slice_blocks`), each run of consecutive ids is one strided slice copy over
     all layers (no gathered temporary: half the memory traffic of index_select + index_copy_); other
     pools (a VirtualPool) copy layer by layer through their read / write."""
-    if src is not dst and getattr(src, "slice_blocks", False) and getattr(dst, "slice_blocks", False):
+    if src is not dst and src.slice_blocks and dst.slice_blocks:
         for s, d, n in block_runs(src_ids, dst_ids):
             dst.data[:, d:d + n].copy_(src.data[:, s:s + n])
         return
@@ -69,72 +74,6 @@ def copy_now(src: BlockPool, src_ids: list[int], dst: BlockPool, dst_ids: list[i
     d_idx = torch.tensor(dst_ids, device=dst.device)
     for layer in range(src.spec.num_layers):
         dst.write(layer, d_idx, src.read(layer, s_idx).to(dst.device))
-
-
-class Copy:
-    """One queued copy: blocks src_ids of `src` to dst_ids of `dst`, every layer. `events[l]` is a
-    CUDA event (or an EmulatedEvent); `staged[l]` the pinned host buffer of layer l: the one a
-    device -> host layer lands in before it is written into `dst`, or the one a host -> device layer
-    is read from; None for the emulator."""
-
-    __slots__ = ("src", "src_ids", "dst", "dst_ids", "events", "staged", "emulated", "_landed")
-
-    def __init__(self, src, src_ids: list[int], dst, dst_ids: list[int], emulated: bool):
-        self.src, self.src_ids, self.dst, self.dst_ids = src, list(src_ids), dst, list(dst_ids)
-        self.emulated = emulated
-        self.events: list = []
-        self.staged: list[torch.Tensor | None] = []
-        self._landed = [False] * src.spec.num_layers
-
-    def touches(self, pool, blocks) -> set[int]:
-        """The blocks of `blocks` (of `pool`) this copy reads or writes."""
-        out = set()
-        if pool is self.src:
-            out |= set(blocks).intersection(self.src_ids)
-        if pool is self.dst:
-            out |= set(blocks).intersection(self.dst_ids)
-        return out
-
-    def _write(self, layer: int, blocks: torch.Tensor) -> None:
-        self.dst.write(layer, torch.tensor(self.dst_ids, device=self.dst.device), blocks)
-
-    def land(self, layer: int) -> None:
-        """Layer `layer` is in `dst` when this returns (waits on its event; emulated: performs it)."""
-        if self._landed[layer]:
-            return
-        if self.emulated:
-            self._write(layer, self.src.read(layer, torch.tensor(self.src_ids, device=self.src.device))
-                        .to(self.dst.device))
-        else:
-            self.events[layer].synchronize()
-            if self.dst.device.type == "cpu":      # device -> host: the host-side write, after the event
-                self._write(layer, self.staged[layer])
-            self.staged[layer] = None              # the pinned buffer may be reused from now on
-        self._landed[layer] = True
-
-    def poll(self, wait: bool) -> bool:
-        """True when every layer has landed; lands those whose event completed (all, if `wait`)."""
-        for layer, done in enumerate(self._landed):
-            if not done:
-                if not wait and (self.emulated or not self.events[layer].query()):
-                    return False
-                self.land(layer)
-        return True
-
-
-class EmulatedEvent:
-    """Stands for the CUDA event recorded after layer `layer` of `copy`."""
-
-    __slots__ = ("copy", "layer")
-
-    def __init__(self, copy: Copy, layer: int):
-        self.copy, self.layer = copy, layer
-
-    def query(self) -> bool:
-        return self.copy._landed[self.layer]
-
-    def synchronize(self) -> None:
-        self.copy.land(self.layer)
 
 
 def wait_event(event, device: torch.device) -> None:
@@ -146,14 +85,17 @@ def wait_event(event, device: torch.device) -> None:
 
 
 class Transfer:
-    """Owns the copy stream, the copies in flight and the blocks held back for them (rule 3).
+    """Owns the copy stream, the copies in flight, the blocks held back for them (rule 3) and the
+    count of copies issued. Made before the pools (each is given it); the copies to or from the
+    device tier's pool (`device_tier`), on `device`, are the queued ones.
     Contract: called with the store lock held (an internal lock covers `synchronize` from outside
-    it); it changes free lists only through `BlockPool.give_back`, never chunk tables."""
+    it); it changes free lists only through a pool's `give_back`, never chunk tables."""
 
-    def __init__(self, device_pool, emulate: bool = False):
-        self.device_pool = device_pool
-        self.device = device_pool.device
+    def __init__(self, device: torch.device, emulate: bool = False):
+        self.device = torch.device(device)
         self.emulate = bool(emulate)
+        # slots copied, by kind
+        self.issued = {"blocks": 0, "layers": 0, "hidden": 0, "hidden_slots": 0, "exported": 0, "imported": 0}
         self.lazy_free = True       # rule 3; False only to show the emulator catching its absence
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" and not emulate else None
         self._pending: list[Copy] = []                                 # copies not known to have landed
@@ -163,29 +105,84 @@ class Transfer:
 
     # ---- copies ---------------------------------------------------------------------------------
 
-    def copy(self, src: BlockPool, src_ids: list[int], dst: BlockPool, dst_ids: list[int]) -> list | None:
+    def copy(self, src: TierPool, src_ids: list[int], dst: TierPool, dst_ids: list[int]) -> list | None:
         """Blocks src_ids of `src` to dst_ids of `dst`, every layer; per-layer events (CUDA or
-        emulated), or None when the copy is done on return (CPU pools)."""
+        emulated), or None when the copy is done on return (CPU pools). Mutates: the copies in flight."""
         if not src_ids:
             return None
         with self._lock:
             self._reap(wait=False)
             self.settle(src)                         # rule 5: read the source once it has landed
-            asynchronous = self.device_pool in (src, dst) and (self.emulate or self.stream is not None)
+            self.issued["blocks"] += len(src_ids)
+            asynchronous = (src.device_tier or dst.device_tier) and (self.emulate or self.stream is not None)
             if not asynchronous:
                 copy_now(src, src_ids, dst, dst_ids)
                 return None
             c = Copy(src, src_ids, dst, dst_ids, emulated=self.emulate)
             if self.emulate:
-                _poison(dst, c.dst_ids)                  # reads NaN until it lands
+                poison(dst, c.dst_ids)                  # reads NaN until it lands
                 c.events = [EmulatedEvent(c, layer) for layer in range(src.spec.num_layers)]
                 c.staged = [None] * len(c.events)
             else:
                 self._launch(c)
             self._pending.append(c)
-            if dst is self.device_pool:
+            if dst.device_tier:
                 self._last = c
             return c.events
+
+    def copy_layers(self, src: TierPool, dst: TierPool, moves: list[tuple[int, list[int], list[int]]]) -> None:
+        """For each (layer, src_ids, dst_ids) of `moves`, that layer of blocks src_ids of `src` to
+        dst_ids of `dst` (LayerKV: the layers a residue block keeps, to their host slots). Synchronous."""
+        moves = [m for m in moves if m[1]]
+        if not moves:
+            return
+        with self._lock:
+            self.settle(src)                         # rule 5
+            for layer, src_ids, dst_ids in moves:
+                part = src.read(layer, torch.tensor(src_ids, device=src.device))
+                dst.write(layer, torch.tensor(dst_ids, device=dst.device), part.to(dst.device))
+                self.issued["layers"] += len(src_ids)
+
+    def store_hidden(self, capture: HiddenCapture, src: TierPool, blocks: list[int], dst: HiddenPool,
+                     slots: list[int]) -> None:
+        """Device blocks' chunks into hidden slots of `dst` (HCache): the hidden layers from the
+        capture, the K/V layers from `src` (`HiddenPool.store_from`). Synchronous."""
+        if not blocks:
+            return
+        with self._lock:
+            self.settle(src)                         # rule 5
+            dst.store_from(capture, src, blocks, slots)
+            self.issued["hidden"] += len(blocks)
+
+    def copy_hidden(self, src: HiddenPool, src_ids: list[int], dst: HiddenPool, dst_ids: list[int]) -> None:
+        """Hidden slots src_ids of `src` to dst_ids of `dst` (host <-> disk, same split;
+        `HiddenPool.copy_slots`). Synchronous."""
+        if not src_ids:
+            return
+        with self._lock:
+            self.settle(src)                         # rule 5
+            src.copy_slots(src_ids, dst, dst_ids)
+            self.issued["hidden_slots"] += len(src_ids)
+
+    def read_out(self, src: TierPool, ids: list[int]) -> torch.Tensor:
+        """Blocks `ids` of `src` out of the store, [n, layers, 2, block_size, kv_heads, head_dim] on the
+        CPU (an export). Synchronous: every copy in flight lands first. Mutates nothing."""
+        with self._lock:
+            self.synchronize()
+            idx = torch.tensor(ids, device=src.device)
+            self.issued["exported"] += len(ids)
+            return torch.stack([src.read(layer, idx).cpu() for layer in range(src.spec.num_layers)], dim=1)
+
+    def write_in(self, dst: TierPool, ids: list[int], blocks: torch.Tensor) -> None:
+        """`blocks` ([n, layers, ...] as `read_out` gives them) into blocks `ids` of `dst` (an import, into
+        blocks just allocated that no copy touches). Synchronous. Mutates: those blocks."""
+        if not ids:
+            return
+        with self._lock:
+            idx = torch.tensor(ids, device=dst.device)
+            for layer in range(dst.spec.num_layers):
+                dst.write(layer, idx, blocks[:, layer].to(dst.device))
+            self.issued["imported"] += len(ids)
 
     def _launch(self, c: Copy) -> None:
         """CUDA: queue every layer of `c` on the copy stream, an event after each."""
@@ -250,7 +247,7 @@ class Transfer:
 
     # ---- lazy free (rule 3) ---------------------------------------------------------------------
 
-    def release(self, pool, blocks: list[int]) -> list[int]:
+    def release(self, pool: TierPool, blocks: list[int]) -> list[int]:
         """Blocks of `pool` its owner frees (from `pool.free`): returns those free now; the ones a
         copy in flight reads or writes are held back until it lands (a virtual pool: waited for now)."""
         with self._lock:
@@ -266,10 +263,10 @@ class Transfer:
                 return blocks
             if not self.lazy_free:               # broken on purpose: the emulator must catch this
                 if self.emulate:
-                    _poison(pool, sorted(b for c, ids in held.items() for b in ids
+                    poison(pool, sorted(b for c, ids in held.items() for b in ids
                                          if pool is self._pending[c].src))
                 return blocks
-            if getattr(pool, "virtual", False):
+            if pool.virtual:
                 for i in held:
                     self._pending[i].poll(wait=True)
                 return blocks
@@ -277,12 +274,12 @@ class Transfer:
                 self._deferred.append((self._pending[i], pool, ids))
             return [b for b in blocks if b in rest]
 
-    def deferred_ids(self, pool) -> list[int]:
+    def deferred_ids(self, pool: TierPool) -> list[int]:
         """Blocks of `pool` held back for copies in flight (free once those land)."""
         with self._lock:
             return [b for _, p, blocks in self._deferred if p is pool for b in blocks]
 
-    def reclaim(self, pool) -> None:
+    def reclaim(self, pool: TierPool) -> None:
         """Wait for the copies holding blocks of `pool` and give those blocks back."""
         with self._lock:
             self._reap(wait=True, pool=pool)

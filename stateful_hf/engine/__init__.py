@@ -2,8 +2,7 @@
 arriving turns, the recomputed history of returning sessions, and the decode tokens of running ones."""
 
 from .engine import Engine, EngineStats
-from .handle import RequestFailed, RequestHandle
-from .request import RequestMetrics, RequestOutput, RequestStatus
+from .request import RequestFailed, RequestHandle, RequestMetrics, RequestOutput, RequestStatus
 from .runner import StepRecord
 from .sampling import SamplingParams
 from .scheduler import SchedulerConfig

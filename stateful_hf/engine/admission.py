@@ -1,16 +1,34 @@
 """`Admission`: a queued request (WAITING or SUSPENDED) becomes a running one if its first work item
 fits the step's token budget and the device blocks left; a part the `Scheduler` composes.
 
-Collaborators, passed in: the store (KV state), the layer-wise part (`LayerwiseScheduling`, or None),
-the scheduler's `running` list (read only: who claims device slots, whether the pool serves anyone
-else) and `fail(r, error) -> device blocks that made available` (the scheduler's). It mutates only
-the request it admits (`pending`, `missing`, `factor`, `lease`, `truncated`, `reused`, `swapped`) and
-that session's turn in the store (`lease`, `adopt_prefix`, `begin_turn`); moving the request between
-the queues is the scheduler's.
+Collaborators, passed in: the store, the layer-wise part (`LayerwiseScheduling`, or None), the
+scheduler's `running` list (read only: who claims device slots, whether the pool serves anyone
+else) and `fail(r, error) -> device blocks that made available` (the scheduler's). A WAITING request
+takes two store calls: `turn_needs` (what admitting it would take: unless asked in this pass already)
+and `begin` (lease and turn at once). It mutates only the request it admits (`pending`, `missing`,
+`missing_ids`, `needs`, `factor`, `leased`, `truncated`, `reused`, `swapped`); moving the request
+between the queues is the scheduler's.
 
 Block rule: the item's blocks plus the device blocks the session already holds for its kept history
 must fit in `avail`, and in `avail - reserve` unless it is the only work of an otherwise empty step
 (then a request that can never fit fails instead of waiting forever).
+
+Refusal at submit: a request that can never fit is failed before it takes anything; the
+CapacityErrors the scheduler fails a request with when the pools are taken by others.
+
+"Never fits" is decided from the pool sizes alone (not from what other sessions hold now, which
+changes), for the request's least footprint:
+    tokens = len(prompt) + min(max_new_tokens - 1, block_size)   (the prompt and one block of decode)
+    chunks = ceil(tokens / block_size)
+Without layer-wise allocation every chunk needs a device block with all layers: refused iff
+chunks > device blocks. With it (LayerKV) the chunks the turn adds (`new`, past the history it
+shares with the session) may keep only some layers on the device, every layer they do not keep in a
+host slot; history on the host is read in place. Refused iff even the sparsest keep factor allowed
+by x_min does not fit:
+    new > host blocks, or residue_blocks(f_max, new) > device blocks, or
+    chunks > host blocks + device blocks - residue_blocks(f_max, new)
+(f_max: the keep factor with the fewest layers on the device and >= x_min of them; 0 when x_min = 0.)
+Everything that passes may still wait for room; it is served once the pool is free enough.
 """
 
 from __future__ import annotations
@@ -18,13 +36,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from ..cache import CapacityError, ChunkState, KVStore, SessionBusyError
-from .layer_offload import LayerwiseScheduling
-from .refusal import no_device_room, no_layered_fit
-from .request import Request, RequestStatus
-from .work_item import WorkItem, blocks_needed, next_item
-
-RESIDENT = (ChunkState.DEVICE, ChunkState.LAYERED)     # chunks a step reads in place
+from ..cache import CapacityError, KVStore, SessionBusyError, StoreError
+from .layer_offload import LayerwisePolicy, LayerwiseScheduling, residue_blocks
+from .request import Request, RequestStatus, WorkItem, blocks_needed, next_item
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,29 +58,38 @@ class Admission:
                  fail: Callable[[Request, CapacityError], int]):
         self.store, self.layered, self.running, self._fail = store, layered, running, fail
 
-    def admit(self, r: Request, budget: int, avail: int, reserve: int, first: bool, committed: int = 0,
-              host_avail: int = 0) -> Verdict:
-        """Admit `r` if its first work item fits (`first`: nothing else is in this step yet). With
-        layer-wise allocation the whole prompt is weighed against the blocks not `committed` to running
-        prefills: all layers if it fits, else the most layers that fit (x >= x_min), else it waits.
-        On admission `r` holds its session's lease and its turn has begun (history cut to `keep`)."""
-        store, alone = self.store, first and not self.running
+    def ask(self, r: Request, pass_: int) -> ValueError | None:
+        """Ask the store what admitting the WAITING `r` would take (`r.needs`). A cache_salt other than
+        the session's leaves `r.needs` None and is returned (admission fails `r` with it)."""
+        r.needs_pass = pass_
+        try:
+            r.needs = self.store.turn_needs(r.session_id, r.prompt, r.cache_salt)
+        except ValueError as e:
+            r.needs = None
+            return e
+        return None
+
+    def admit(self, r: Request, budget: int, avail: int, reserve: int, first: bool, pass_: int, slots: int | None,
+              committed: int = 0, host_avail: int = 0) -> Verdict:
+        """Admit `r` if its first work item fits (`first`: nothing else is in this step yet; `slots`:
+        virtual layout, device slots left in this pass). With layer-wise allocation the whole prompt
+        is weighed against the blocks not `committed` to running prefills: all layers if it fits, else
+        the most layers that fit (x >= x_min), else it waits. On admission `r` holds its session's
+        lease and its turn has begun (history cut to `keep`)."""
+        store, alone, bs = self.store, first and not self.running, self.store.block_size
         if r.status is RequestStatus.WAITING:
-            s = store.open(r.session_id)
-            if s.busy:
+            refused = self.ask(r, pass_) if r.needs_pass != pass_ or r.needs is None else None
+            if refused is not None:
+                return Verdict(skip=True, released=self._fail(r, refused))
+            if r.needs.busy:
                 return Verdict(skip=True)
-            try:                       # shared chunks of the prompt's prefix join the session (prefix/sharing.py)
-                store.adopt_prefix(r.session_id, r.prompt, r.cache_salt)
-            except ValueError as e:    # a cache_salt other than the session's
-                return Verdict(skip=True, released=self._fail(r, e))
-            keep = min(store.match_prefix(r.session_id, r.prompt), len(r.prompt) - 1)
+            keep = r.needs.keep
             r.pending = r.prompt[keep:]
-            r.missing = store.missing_positions(r.session_id, cut=keep)     # as after the truncation below
-            held = self._held(r, keep)
-        else:                          # SUSPENDED: lease held, KV evicted
-            keep, held = store.session(r.session_id).num_tokens, 0
-            r.missing = store.missing_positions(r.session_id)
-        item = next_item(r, budget, keep, store)
+            r.missing, r.missing_ids = list(r.needs.missing), list(r.needs.missing_ids)
+            held = r.needs.held
+        else:                          # SUSPENDED: lease held, KV evicted (`needs` asked at the suspension)
+            keep, held = r.needs.keep, 0
+        item = next_item(r, budget, keep, bs)
         if item is None:
             return Verdict()
         if self.layered is not None:
@@ -79,40 +102,86 @@ class Admission:
             r.factor = factor
             item = replace(item, factor=factor)
             if r.status is RequestStatus.WAITING:      # layer_factor may have moved its device chunks down
-                held = self._held(r, keep)
-        need = blocks_needed(store, item, keep)
-        slots = store.available_slots()                    # virtual layout: a session needs a device slot
-        if slots is not None:
-            claimed = sum(1 for q in self.running if store.device_pool.slot_of(q.session_id) is None)
-            if slots - claimed < 1:                        # running sessions not yet placed claim them first
+                held = r.needs.held
+        need = blocks_needed(item)
+        if slots is not None:          # virtual layout: running sessions not yet placed claim slots first
+            claimed = sum(1 for q in self.running if q.needs is not None and not q.needs.has_slot)
+            if slots - claimed < 1:
                 return Verdict()
         if need + held > avail or (need + held > avail - reserve and not alone):
             if alone and need + held > avail:
                 return Verdict(skip=True, released=self._fail(r, no_device_room(
-                    r, need + held, avail, store.block_size, self.layered is not None, more=False)))
+                    r, need + held, avail, bs, self.layered is not None, more=False)))
             return Verdict()
         if r.status is RequestStatus.WAITING:
             try:
-                lease = store.lease(r.session_id)
-                lease.__enter__()
+                turn = store.begin(r.session_id, r.prompt, r.cache_salt, keep=keep)   # cuts the history to `keep`
             except SessionBusyError:
                 return Verdict(skip=True)
-            r.lease = lease
-            turn = store.begin_turn(r.session_id, r.prompt, r.cache_salt)      # cuts the history to `keep`
+            except StoreError:         # the session changed since `turn_needs` (another caller): ask again
+                r.needs_pass = -1
+                return Verdict(skip=True)
+            r.leased = True
             r.truncated, r.reused = turn.truncated_tokens, turn.reused_tokens
-        r.swapped += self._below_device(r.session_id, keep)
+        r.swapped += r.needs.stored_below()
         return Verdict(item, need + held)
 
-    def _held(self, r: Request, keep: int) -> int:
-        """Device blocks the session holds for its first `keep` tokens."""
-        s = self.store.session(r.session_id)
-        return sum(1 for c in s.chunks[: -(-keep // self.store.block_size)] if c.state is ChunkState.DEVICE)
 
-    def _below_device(self, session_id: str, length: int) -> int:
-        """History tokens < length whose KV is stored in a lower tier (host, disk, hidden states) and
-        not cached on the device: `plan_step` brings them up (swap-in or rebuild), not a recompute."""
-        bs, n = self.store.block_size, 0
-        for k, c in enumerate(self.store.session(session_id).chunks[: -(-length // bs)]):
-            if c.state not in (*RESIDENT, ChunkState.DROPPED) and getattr(c, "shadow", None) is None:
-                n += min((k + 1) * bs, length) - k * bs
-        return n
+def least_chunks(r: Request, block_size: int) -> int:
+    """Chunks the request needs at the least: its prompt and up to one block of decode."""
+    tokens = len(r.prompt) + min(r.sampling.max_new_tokens - 1, block_size)
+    return -(-tokens // block_size)
+
+
+def refusal(store, layerwise: LayerwisePolicy | None, r: Request) -> CapacityError | None:
+    """The CapacityError to fail `r` with at submit, or None if some state of the pools serves it."""
+    bs, device = store.block_size, store.device_pool.num_blocks
+    chunks = least_chunks(r, bs)
+    if chunks <= device:
+        return None
+    what = (f"request {r.request_id} (session {r.session_id!r}) can never fit: its {len(r.prompt)} prompt tokens "
+            f"and one block of decode need {chunks} chunks of {bs} tokens")
+    if layerwise is None:
+        return CapacityError(
+            f"{what} with all layers on the device, and the device pool holds {device} ({device * bs} tokens). "
+            f"Raise device_capacity, or serve it with layerwise_kv=True (layer-wise KV: the layers that do not "
+            f"fit live on the host tier; host_capacity of at least {chunks * bs} tokens)")
+    host = store.host_pool.num_blocks
+    keep = 0
+    if r.session_id in store:            # the history the turn shares: already on some tier
+        keep = min(store.match_prefix(r.session_id, r.prompt), len(r.prompt) - 1)
+    new = chunks - -(-keep // bs)
+    x_min = layerwise.x_min(len(r.prompt) - keep, keep)
+    sparsest = layerwise.factors(x_min)[-1]
+    on_device = residue_blocks(sparsest, new)
+    if new <= host and on_device <= device and chunks <= host + device - on_device:
+        return None
+    kept = layerwise.num_layers if sparsest == 1 else (0 if sparsest == 0 else layerwise.num_layers // sparsest)
+    return CapacityError(
+        f"{what}, {new} of them new, even with layer-wise KV: keeping {kept} of {layerwise.num_layers} layers on "
+        f"the device (x_min = {x_min}) takes {on_device} of the {device} device blocks, and the rest needs host "
+        f"slots ({host} in the host pool). Raise device_capacity or host_capacity")
+
+
+# ---- failures while scheduling (the pools are taken by others and nothing more can be freed) ----
+
+def no_device_room(r: Request, need: int, avail: int, block_size: int, layerwise: bool, more: bool) -> CapacityError:
+    """`r` needs `need` (`more`: further) device blocks and only `avail` can be made available."""
+    hint = "" if layerwise else (
+        ", or serve it with layerwise_kv=True (layers that do not fit on the device live on the host tier)")
+    return CapacityError(f"request {r.request_id} (session {r.session_id!r}) needs {need} {'more ' if more else ''}"
+                         f"device blocks of {block_size} tokens and only {avail} can be made available; raise "
+                         "device_capacity" + hint)
+
+
+def no_host_slots(r: Request) -> CapacityError:
+    return CapacityError(
+        f"request {r.request_id} (session {r.session_id!r}) needs host slots for its layer-wise KV and the "
+        "host tier has none left for it (the other running requests hold them); raise host_capacity")
+
+
+def no_layered_fit(r: Request, host_avail: int) -> CapacityError:
+    return CapacityError(
+        f"request {r.request_id} (session {r.session_id!r}) does not fit even with layer-wise KV allocation: its "
+        f"prompt needs more host slots ({host_avail} available) or more device blocks for its x_min kept layers "
+        "than can be made available; raise host_capacity or device_capacity")

@@ -11,115 +11,80 @@ import torch
 
 from ..cache import SessionBusyError
 from ..integration import check_input_ids
+from ..options import EngineConfig, EngineKwargs, GenerationConfigMode, OnBusy, Unpack, split_engine_options
 from ..session_store import SessionStore
 from . import frontends
-from .engine_stats import EngineStats
+from .admission import refusal
 from .frontends import Conversations
-from .handle import RequestHandle
 from .hints import Hint, Prefetcher
 from .layer_offload import measured_policy
-from .loop import StepLoop
 from .openmp import release_thread_pool
-from .refusal import refusal
-from .registry import RequestRegistry
-from .request import Request, RequestOutput
-from .runner import ModelRunner, StepRecord
+from .request import Request, RequestHandle, RequestOutput
+from .runner import EngineStats, ModelRunner, StepRecord
 from .sampling import SamplingParams, eos_ids, make_generator
 from .scheduler import Scheduler, SchedulerConfig
-from .slo import SloPolicy, check_slo
-from .stepper import Stepper
+from .slo import SloPolicy
+from .stepper import RequestRegistry, StepLoop, Stepper, ThrowawaySessions
 from .text import OutputText
 from .thread_sizing import ThreadSizer
-from .throwaway import ThrowawaySessions
 
 
 class Engine:
-    """Serve many sessions of one model. Args:
-    store: a SessionStore of this model (made with `device_capacity`/`chunk_size` if None).
-    max_batch_tokens: rows per forward; prefills are chunked to fit. max_num_seqs: running requests.
-    short_prefill_tokens: a turn with at most this many rows before its first token (a returning
-    session's new message) is served before long prefills (`scheduler.py`); None: max_batch_tokens // 4,
-    0: plain arrival order.
-    arrival_window: seconds the background loop waits after a step that ended requests for their
-    callers' next turns (at most a tenth of that step; ends when as many have arrived), so a returning
-    turn joins the next step instead of the one after; also, woken from idle, it waits while
-    submissions keep coming (a fifth of it without one ends the wait) for at most that long;
-    0: never wait.
-    reserve_fraction: admit new work only while more than this share of device blocks is available.
-    on_busy: a submit for a session that has a turn in flight "wait"s for it or is "refuse"d.
-    ttft_slo / tpot_slo: seconds, or None (the default: admission as without them). Per-request
-    metrics and `stats()` report violations; with `tpot_slo`, queued prefills are admitted only while
-    their predicted prefill time fits in the running decodes' smallest slack (LayerKV, `slo.py`).
-    layerwise_kv: LayerKV's layer-wise KV allocation (`stateful_hf/cache/layerwise/chunks.py`): a prefill that does not
-    fit with all layers on the device is admitted keeping x >= x_min evenly spaced layers there and the
-    rest on the host tier (`host_capacity`, required when the engine makes its store); running
-    requests' layers are pushed down to the host when free blocks run short. min_kept_layers: x_min
-    (0..layers), or None to derive it from T_offload(L - x) <= T_prefill with profiled costs.
-    release_openmp_pool: `start()` frees the calling thread's idle OpenMP workers, so the loop thread's
-    pool spins between parallel regions like the main thread's does (`openmp.py`).
-    step_threads: the loop thread's OpenMP team (`thread_sizing.py`), from the cores other processes
-    leave free (re-read every 0.25 s) and each step's rows: "auto" (default) a full spinning team on a
-    free host; while it is busy, a team sized to the free cores for steps of 16-319 rows and the full
-    team with throttled waits for the others (spinning workers beside busy processes stall every
-    parallel region's barrier); "shrink" every step on the free cores; an int, that many; None, torch's
-    setting. Only the loop thread's team is sized; steps run inline in a waiting thread keep its setting.
-    generation_config: where a request's unset sampling fields come from (`sampling_params`):
-    "auto" (default) the model's generation config, then SamplingParams' defaults, as vLLM's
-    `--generation-config auto`; "library" SamplingParams' defaults only. Greedy either way unless the
-    generation config sets do_sample=True.
+    """Serve many sessions of one model.
+
+    `store`: a SessionStore of this model; None: the engine makes one from the store options given
+    here (`device_capacity` defaults to 1GiB). The options are `EngineConfig`'s (the engine's and its
+    scheduler's) and, for the store it makes, `SessionStoreOptions`' (`stateful_hf/options/`; each
+    declared once with its default and a one-line doc; docs/engine.md explains the scheduling ones):
+    an unknown one raises TypeError naming the closest valid ones, a bad value ValueError naming it.
+    `layerwise_kv` is both: it makes a LayerKV store and turns on the engine's LayerKV scheduling
+    (`layer_offload.py`), which needs a store made with it. `engine.config` holds the engine's options.
     """
 
-    def __init__(self, model: torch.nn.Module, tokenizer=None, store: SessionStore | None = None, *,
-                 device_capacity: int | str = "1GiB", chunk_size: int = 32, max_batch_tokens: int = 512,
-                 max_num_seqs: int = 128, reserve_fraction: float = 0.1, on_busy: str = "wait",
-                 keep_step_records: int = 4096, ttft_slo: float | None = None, tpot_slo: float | None = None,
-                 layerwise_kv: bool = False, host_capacity: int | str | None = None,
-                 min_kept_layers: int | None = None, release_openmp_pool: bool = True,
-                 step_threads: int | str | None = "auto", generation_config: str = "auto",
-                 short_prefill_tokens: int | None = None, arrival_window: float = 0.005):
-        if on_busy not in ("wait", "refuse"):
-            raise ValueError(f"on_busy must be 'wait' or 'refuse', got {on_busy!r}")
-        if not 0 <= arrival_window < 1:
-            raise ValueError(f"arrival_window must be in [0, 1) seconds, got {arrival_window!r}")
-        self.arrival_window = arrival_window
-        if generation_config not in ("auto", "library"):
-            raise ValueError(f"generation_config must be 'auto' or 'library', got {generation_config!r}")
-        self.generation_config = getattr(model, "generation_config", None) if generation_config == "auto" else None
-        self.default_sampling = SamplingParams.from_generation_config(self.generation_config)
-        self.ttft_slo, self.tpot_slo = check_slo("ttft_slo", ttft_slo), check_slo("tpot_slo", tpot_slo)
-        # None when no SLO is set: admission weighs tokens and blocks only
-        self.slo = SloPolicy(self.ttft_slo, self.tpot_slo) if (ttft_slo, tpot_slo) != (None, None) else None
-        if min_kept_layers is not None and not layerwise_kv:
+    def __init__(self, model: torch.nn.Module, tokenizer=None, store: SessionStore | None = None,
+                 **options: Unpack[EngineKwargs]):
+        engine_options, store_options = split_engine_options(options)
+        c = self.config = EngineConfig.build(**engine_options)
+        layerwise_kv = bool(store_options.get("layerwise_kv", False))
+        if c.min_kept_layers is not None and not layerwise_kv:
             raise ValueError("min_kept_layers needs layerwise_kv=True")
         if store is None:
-            store = SessionStore(model, device_capacity, chunk_size=chunk_size, host_capacity=host_capacity,
-                                 layerwise_kv=layerwise_kv)
-        elif host_capacity is not None:
-            raise ValueError("host_capacity is a store option: pass it to the SessionStore you give")
+            store = SessionStore(model, store_options.pop("device_capacity", "1GiB"), **store_options)
+        else:
+            given = sorted(set(store_options) - {"layerwise_kv"})
+            if given:
+                raise ValueError(f"{given[0]} is a store option: pass it to the SessionStore you give")
+        self.arrival_window = c.arrival_window
+        self.generation_config = getattr(model, "generation_config", None) \
+            if c.generation_config is GenerationConfigMode.AUTO else None
+        self.default_sampling = SamplingParams.from_generation_config(self.generation_config)
+        self.ttft_slo, self.tpot_slo = c.ttft_slo, c.tpot_slo
+        # None when no SLO is set: admission weighs tokens and blocks only
+        self.slo = SloPolicy(c.ttft_slo, c.tpot_slo) if (c.ttft_slo, c.tpot_slo) != (None, None) else None
         self.store = store
         if self.store.model is not model:
             raise ValueError("the store belongs to another model")
         if layerwise_kv and not self.store.layerwise:
             raise ValueError("layerwise_kv=True needs a store made with layerwise_kv=True (or let the engine make it)")
-        self.layerwise = measured_policy(model, self.store, min_kept_layers) if layerwise_kv else None
-        self.model, self.tokenizer, self.on_busy = model, tokenizer, on_busy
-        self.release_openmp_pool = release_openmp_pool
+        self.layerwise = measured_policy(model, self.store, c.min_kept_layers) if layerwise_kv else None
+        self.model, self.tokenizer, self.on_busy = model, tokenizer, c.on_busy
+        self.release_openmp_pool = c.release_openmp_pool
         self.adapter = self.store.adapter
         self.eos = eos_ids(model)
-        self.scheduler = Scheduler(self.store, SchedulerConfig(max_batch_tokens, max_num_seqs, reserve_fraction,
-                                                               short_prefill_tokens),
+        self.scheduler = Scheduler(self.store, SchedulerConfig(c.max_batch_tokens, c.max_num_seqs, c.reserve_fraction,
+                                                               c.short_prefill_tokens),
                                    self.adapter.max_positions, self.slo, self.layerwise)
         self.runner = ModelRunner(model, self.store)
-        self.thread_sizer = ThreadSizer.for_option(step_threads)
+        self.thread_sizer = ThreadSizer.for_option(c.step_threads)
         self.loop = StepLoop(self.step, self.has_work, self._fail_in_flight,
-                             release_thread_pool if release_openmp_pool else None,
+                             release_thread_pool if c.release_openmp_pool else None,
                              self.thread_sizer.claim if self.thread_sizer is not None else None,
-                             self._await_next_turns if arrival_window > 0 else None,
-                             on_wake=self._gather_burst if arrival_window > 0 else None)
+                             self._await_next_turns if c.arrival_window > 0 else None,
+                             on_wake=self._gather_burst if c.arrival_window > 0 else None)
         self.throwaway = ThrowawaySessions(self.store, self.loop.cv)
         self.requests = RequestRegistry(self.loop, self.throwaway.forget)
         self.stepper = Stepper(self.scheduler, self.runner, self.requests, self.eos, self.slo, self.ttft_slo,
-                               self.tpot_slo, keep_step_records,
+                               self.tpot_slo, c.keep_step_records,
                                self.thread_sizer.fit if self.thread_sizer is not None else None)
         self.steps = self.stepper.records          # the last `keep_step_records` StepRecords
         self.chats = Conversations(self.submit, self.requests.when_finished, tokenizer)
@@ -173,7 +138,7 @@ class Engine:
         r = Request(handle.request_id, session_id, [], sampling, None, cache_salt=cache_salt)
         try:
             r.prompt = check_input_ids(self.encode(prompt), self.adapter)
-            r.generator = make_generator(sampling, self.store.device_pool.device)
+            r.generator = make_generator(sampling, self.store.spec.device)
             r.text = OutputText(self.tokenizer, sampling.stop, sampling.skip_special_tokens) \
                 if self.tokenizer is not None or sampling.stop else None
         except (ValueError, TypeError) as e:
@@ -183,8 +148,7 @@ class Engine:
             return self.requests.reject(handle, r, never, self.stepper.output)
 
         def refuse(active_here: bool) -> bool:
-            busy = session_id in self.store and self.store.session(session_id).busy
-            return self.on_busy == "refuse" and (active_here or busy)
+            return self.on_busy is OnBusy.REFUSE and (active_here or self.store.is_busy(session_id))
 
         if not self.requests.add(r, handle, refuse):
             return self.requests.reject(handle, r, SessionBusyError(session_id), self.stepper.output)
@@ -205,7 +169,7 @@ class Engine:
         """Run one engine iteration (admit, schedule, forward, sample, publish; `stepper.py`). Returns what ran."""
         return self.stepper.step()
 
-    # ---- background loop (loop.py) -------------------------------------------------------------
+    # ---- background loop (stepper.py: StepLoop) -------------------------------------------------------------
 
     @property
     def running(self) -> bool:

@@ -5,8 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable, Sequence
 
-from .handle import RequestHandle
-from .request import RequestOutput
+from .request import RequestHandle, RequestOutput
 from .sampling import SamplingParams
 
 

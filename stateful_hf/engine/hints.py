@@ -25,9 +25,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ..cache import CapacityError, ChunkState, SessionBusyError, StoreError
+from ..cache import CapacityError, Place, SessionBusyError, StoreError
 
-_BELOW = (ChunkState.HOST, ChunkState.HIDDEN, ChunkState.DISK, ChunkState.DISK_HIDDEN)   # what a hint brings up
+_BELOW = (Place.CACHED, Place.HOST, Place.LOWER)    # what a hint brings up
 
 
 @dataclass(eq=False)
@@ -136,17 +136,17 @@ class Prefetcher:
             if h._cancel:
                 return "cancelled"
             try:
-                s = store.session(h.session_id)
+                if store.is_busy(h.session_id):
+                    return "busy"
+                places, n = store.places(h.session_id), store.num_tokens(h.session_id)
             except StoreError:
                 return "unknown session"
-            if s.busy:
-                return "busy"
             # Next chunk below the device, leading chunks first (a turn's first layer reads them first).
-            below = [(k, c) for k, c in enumerate(list(s.chunks)) if c.state in _BELOW]
+            below = [(k, p) for k, p in enumerate(places) if p in _BELOW]
             if not below:
                 return "done"
-            k, c = below[0]
-            cost = 0 if c.shadow is not None else 1   # a chunk still cached on the device flips for free
+            k, place = below[0]
+            cost = 0 if place is Place.CACHED else 1   # a chunk still cached on the device flips for free
             if cost and store.device_pool.num_free - cost < self._reserve_blocks():
                 return "no room"
             try:
@@ -160,4 +160,4 @@ class Prefetcher:
             except StoreError:
                 return "unknown session"
             h.moved_chunks += 1
-            h.moved_tokens += s.chunk_len(k, bs)
+            h.moved_tokens += max(min(bs, n - k * bs), 0)

@@ -22,10 +22,9 @@ import math
 from collections.abc import Callable
 from dataclasses import replace
 
-from ..cache import ChunkState, CostProfile, StoreError
-from ..cache.chunk_needs import blocks_at_most
-from .request import Request, RequestStatus
-from .work_item import WorkItem, next_item, whole_item
+from ..cache import CostProfile, Place, StoreError
+from ..cache.turn import blocks_at_most
+from .request import Request, RequestStatus, WorkItem, chunk_needs, next_item, whole_item
 
 
 def check_min_kept_layers(value, num_layers: int) -> int | None:
@@ -99,35 +98,22 @@ def measured_policy(model, store, min_kept_layers: int | None) -> LayerwisePolic
                            spec.block_size, min_kept_layers)
 
 
-def held_blocks(store, session_id: str) -> float:
-    """Device blocks a session holds: whole blocks of DEVICE chunks, 1/f of a block per residue block."""
-    s = store.session(session_id)
-    return sum(1.0 if c.state is ChunkState.DEVICE else
-               (1.0 / c.residue_block[1] if c.residue_block is not None else 0.0)
-               for c in s.chunks)
-
-
-residue_blocks = blocks_at_most      # the store's bound (stateful_hf/cache/chunk_needs.py)
+residue_blocks = blocks_at_most      # the store's bound (stateful_hf/cache/turn.py)
 
 class LayerwiseScheduling:
     """The scheduler's layer-wise decisions, a part the Scheduler composes. Collaborators: the store
     (chunks are moved to the host and kept layers offloaded through it), the policy (`layerwise`;
     its counters are written here), the scheduler's config and SLO policy, its `running` list (read
-    only), and `chunks_to_place(r, item, length=None) -> ChunkNeeds(fills, copies, in_place)`, the
-    store's answer (`KVStore.chunk_needs`) for the chunks an item places. Mutates requests' keep
-    `factor` only (in `push_down`)."""
+    only); what an item does with each chunk is its request's `TurnNeeds` (`request.chunk_needs`).
+    Mutates requests' keep `factor` and, after moving their chunks, `needs` (`push_down`, `layer_factor`)."""
 
-    def __init__(self, store, layerwise: LayerwisePolicy, config, slo, running: list[Request],
-                 chunks_to_place: Callable):
+    def __init__(self, store, layerwise: LayerwisePolicy, config, slo, running: list[Request]):
         self.store, self.layerwise, self.config, self.slo = store, layerwise, config, slo
-        self.running, self._chunks_to_place = running, chunks_to_place
-
-    def _length(self, r: Request) -> int:
-        return self.store.session(r.session_id).num_tokens
+        self.running = running
 
     def host_needed(self, r: Request, item: WorkItem) -> int:
         """Host slots a layer-wise item's fills take (0 for an item keeping all layers)."""
-        return 0 if item.factor == 1 else len(self._chunks_to_place(r, item)[0])
+        return 0 if item.factor == 1 else len(chunk_needs(item).fills)
 
     def host_left(self, taken: int) -> int:
         """Host slots a step could still fill: the store's available ones less `taken` by this pass."""
@@ -140,7 +126,7 @@ class LayerwiseScheduling:
         bs, lw = self.store.block_size, self.layerwise
         rows = len(r.pending) + len(r.missing)
         whole = whole_item(r, keep)
-        fills, swaps, in_place = self._chunks_to_place(r, whole, keep)
+        fills, swaps, in_place = chunk_needs(whole)
         growth = 1 if (keep + len(r.pending)) % bs == 0 else 0     # the first decode token opens a chunk
         if len(fills) + growth + len(swaps) + len(in_place) + held <= room:
             return 1
@@ -155,12 +141,11 @@ class LayerwiseScheduling:
                 and lw.choose(len(fills) + growth, room - len(swaps), x_min, residue_blocks, layered=True) is not None:
             # a returning session's own device chunks crowd its new ones out: move them to the host
             # (the session is idle until its lease), where this turn reads them in place
-            s = self.store.session(r.session_id)
             try:
-                self.store.move(r.session_id, [k for k, c in enumerate(s.chunks) if c.state is ChunkState.DEVICE],
-                                "host")
+                self.store.move(r.session_id, [k for k, p in enumerate(r.needs.places) if p is Place.DEVICE], "host")
             except StoreError:     # no host room after all (or the session just turned busy): wait
                 return None
+            r.needs = self.store.turn_needs(r.session_id, r.prompt, r.cache_salt)
             return self.layer_factor(r, keep, 0, room, host_avail - held)
         if factor is not None:
             lw.layered_admissions += 1
@@ -212,7 +197,7 @@ class LayerwiseScheduling:
         rows = (-item.start) % bs + slots * bs
         if rows <= 0:
             return None
-        cut = next_item(r, min(rows, len(item.new_ids)), item.start, self.store)
+        cut = next_item(r, min(rows, len(item.new_ids)), item.start, bs)
         if cut is None or self.host_needed(r, replace(cut, factor=item.factor)) > slots:
             return None
         return replace(cut, factor=item.factor)
@@ -221,31 +206,34 @@ class LayerwiseScheduling:
         """Push a running request's kept layers (and with `full` its device chunks) to the host; its
         later chunks keep no layer on the device. Returns blocks freed."""
         freed = self.store.offload_layers(q.session_id, full=full)
+        q.needs = self.store.turn_needs(q.session_id)
         if full or q.factor >= 2:
             q.factor = 0
         self.layerwise.pushed_blocks += freed
         return freed
 
-    def project(self, avail: int, reserve: int) -> None:
+    def project(self, avail: int, reserve: int) -> bool:
         """Eq. 5 over `horizon` steps: F = avail + R (blocks of requests predicted to finish) − A
         (blocks the running requests will take). While F < reserve, push down the kept layers of
-        the most recently admitted layer-wise requests."""
+        the most recently admitted layer-wise requests. Returns whether it pushed any down."""
         h, bs = self.layerwise.horizon, self.store.block_size
         budget = self.config.max_batch_tokens
         released = allocated = 0.0
         for q in self.running:
-            n = self._length(q)
+            n = q.length
             left = q.sampling.max_new_tokens - len(q.output_ids)
             if self.slo is not None:
                 left = min(left, max(self.slo.outputs.predict_total(q.session_id, q.sampling.max_new_tokens)
                                      - len(q.output_ids), 1))
             if q.output_ids and left <= h:
-                released += held_blocks(self.store, q.session_id)
+                released += self.store.held_blocks(q.session_id)
             rows = min(left, h) if q.decoding else min(len(q.pending) + len(q.missing), h * budget)
             allocated += residue_blocks(q.factor, (n + rows - 1) // bs - (n - 1) // bs if n else -(-rows // bs))
-        projected = avail + released - allocated
+        projected, pushed = avail + released - allocated, False
         for q in reversed(self.running):          # most recently admitted first
             if projected >= reserve:
                 break
-            if any(c.residue_block is not None for c in self.store.session(q.session_id).chunks):
+            if Place.LAYERED in q.needs.places:   # it may hold residue blocks
                 projected += self.push_down(q, full=False)
+                pushed = True
+        return pushed

@@ -1,14 +1,23 @@
-"""A request (one turn of one session): its state, owned by the scheduler, and its results."""
+"""A request (one turn of one session): its state, owned by the scheduler, and its results.
+
+`WorkItem`: one request's rows in one step, and how the next rows of a request are cut.
+
+`RequestHandle`: what `Engine.submit` returns. Stream tokens or text, wait, cancel; sync or async.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import enum
+import threading
 import time
-from contextlib import AbstractContextManager
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
+from ..cache import TurnNeeds
 from .sampling import SamplingParams
 from .text import OutputText
 
@@ -74,10 +83,15 @@ class Request:
     # Set at admission, consumed by steps:
     pending: list[int] = field(default_factory=list)      # ids to append to the session, not yet fed
     missing: list[int] = field(default_factory=list)      # history positions to recompute (ascending)
+    missing_ids: list[int] = field(default_factory=list)  # the token ids at `missing`
     output_ids: list[int] = field(default_factory=list)
     logprobs: list = field(default_factory=list)          # with sampling.logprobs: one per output id
     text: OutputText | None = None                        # decoded output (with a tokenizer)
-    lease: AbstractContextManager | None = None
+    leased: bool = False                                  # holds its session's lease (store.begin .. store.end)
+    # The store's latest answer for this turn (`TurnNeeds`): when queued, what admitting it would take;
+    # once running, its continuing turn after each committed step (keep = the session's history).
+    needs: TurnNeeds | None = None
+    needs_pass: int = -1                                  # the scheduler pass `needs` was asked in (queued)
     finish_reason: str | None = None
     error: BaseException | None = None
     cancel_requested: bool = False
@@ -100,6 +114,18 @@ class Request:
     short: bool = False
 
     @property
+    def length(self) -> int:
+        """The session's history tokens (known once admitted: `needs.keep`)."""
+        return self.needs.keep if self.needs is not None else 0
+
+    def prefill_rows(self) -> int:
+        """Rows before the first token: the prompt past the kept prefix plus dropped history before it
+        (queued: as the store last answered), or the pending ids plus evicted history (suspended)."""
+        if self.status is RequestStatus.SUSPENDED:
+            return len(self.pending) + len(self.missing)
+        return len(self.prompt) if self.needs is None else self.needs.prefill_rows(len(self.prompt))
+
+    @property
     def decoding(self) -> bool:
         """One sampled token to feed and nothing to recompute: a 1-row step entry."""
         return bool(self.output_ids) and len(self.pending) == 1 and not self.missing
@@ -119,3 +145,217 @@ class Request:
             ttft_slo_violated=None if ttft_slo is None or ttft is None else ttft > ttft_slo,
             tpot_slo_violated=None if tpot_slo is None or tpot is None else tpot > tpot_slo,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class WorkItem:
+    """One request's rows in a step: recomputed history positions (whole chunks, ascending), then new
+    ids appended at positions start .. start + len(new_ids) - 1. One store entry."""
+
+    request: Request
+    recompute: tuple[int, ...]
+    recompute_ids: tuple[int, ...]
+    new_ids: tuple[int, ...]
+    start: int                         # session length before the step
+    needs_logits: bool                 # the last row is the last pending token: sample after it
+    factor: int = 1                    # keep factor of the chunks it fills (layerwise_kv; 1: all layers)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.recompute) + len(self.new_ids)
+
+    def entry(self) -> tuple[str, list[int], list[int]]:
+        pos = list(self.recompute) + list(range(self.start, self.start + len(self.new_ids)))
+        return self.request.session_id, list(self.recompute_ids) + list(self.new_ids), pos
+
+
+def next_item(r: Request, budget: int, length: int, block_size: int) -> WorkItem | None:
+    """The next rows of `r` within `budget` tokens, for a session of `length` tokens: whole missing
+    chunks first (their ids are `r.missing_ids`), new ids only once nothing before them is missing.
+    None if nothing fits."""
+    recompute: list[int] = []
+    for k in sorted({p // block_size for p in r.missing}):
+        chunk = [p for p in r.missing if p // block_size == k]
+        if len(recompute) + len(chunk) > budget:
+            break
+        recompute += chunk
+    new: list[int] = []
+    if len(recompute) == len(r.missing):
+        new = r.pending[: budget - len(recompute)]
+    if not recompute and not new:
+        return None
+    ids = dict(zip(r.missing, r.missing_ids, strict=True)) if recompute else {}
+    return WorkItem(r, tuple(recompute), tuple(ids[p] for p in recompute), tuple(new), length,
+                    needs_logits=bool(new) and len(new) == len(r.pending), factor=r.factor)
+
+
+def whole_item(r: Request, keep: int) -> WorkItem:
+    """All of r's remaining rows as one item at keep factor 0 (so host chunks count as in place)."""
+    return WorkItem(r, tuple(r.missing), (), tuple(r.pending), keep, False, factor=0)
+
+
+def item_end(item: WorkItem) -> int:
+    """One past the item's last row position."""
+    return max(item.start + len(item.new_ids), max(item.recompute, default=-1) + 1)
+
+
+def blocks_needed(item: WorkItem) -> int:
+    """Device blocks the store must give this item (`TurnNeeds.blocks` of its request's turn): chunks
+    up to its last row that are not on the device. A layer-wise item (factor != 1) fills its chunks
+    with residue blocks, ceil(n / f) blocks at most, and reads host chunks in place."""
+    return item.request.needs.blocks(item_end(item), item.factor)
+
+
+def chunk_needs(item: WorkItem):
+    """The ChunkNeeds of the item: (chunks it fills, copies up, reads in place) (`TurnNeeds.needs`)."""
+    return item.request.needs.needs(item_end(item), item.factor)
+
+
+class Loop(Protocol):
+    """What a handle needs of the engine's step loop (`stepper.StepLoop`)."""
+
+    cv: threading.Condition      # guards handles' published state; notified after every step
+
+    def wait_until(self, pred: Callable[[], bool], timeout: float | None = None) -> bool:
+        """Wait for `pred`, driving the steps in this thread when no background loop runs."""
+
+    def start(self) -> None:
+        """Start the background loop (idempotent)."""
+
+
+class RequestFailed(RuntimeError):
+    """`result()` of a request that failed; the cause is chained (`__cause__`) and in `output.error`."""
+
+    def __init__(self, output: RequestOutput):
+        super().__init__(f"request {output.request_id} of session {output.session_id!r} failed: {output.error}")
+        self.output = output
+
+
+class RequestHandle:
+    """Published to by the engine's stepping thread; read from any thread.
+
+    If the engine has no background loop running, waiting on a handle drives the engine's steps
+    in the calling thread (so `submit(...).result()` works without `start()`). Collaborators: the
+    engine's `loop` (its condition guards this handle's published state) and `cancel(request_id)`.
+    """
+
+    def __init__(self, request_id: int, session_id: str, loop: Loop, cancel: Callable[[int], None]):
+        self.request_id = request_id
+        self.session_id = session_id
+        self._loop, self._cancel = loop, cancel
+        self._cv = loop.cv                    # the engine's condition: notified after every step
+        self._tokens: list[int] = []
+        self._text = ""
+        self._stable = 0                      # chars of _text that may be streamed
+        self._output: RequestOutput | None = None
+
+    def __repr__(self) -> str:
+        state = self._output.finish_reason if self._output else "running"
+        return f"RequestHandle(id={self.request_id}, session={self.session_id!r}, {state})"
+
+    # ---- engine side ----------------------------------------------------------------------------
+
+    def publish(self, tokens: list[int], text: str, stable: int, output: RequestOutput | None = None) -> None:
+        """The engine's stepping thread: the tokens and text so far (`stable` chars may be streamed);
+        `output` once the request has ended. The only writer of this handle's state."""
+        with self._cv:
+            self._tokens, self._text, self._stable = list(tokens), text, stable
+            if output is not None:
+                self._output = output
+            self._cv.notify_all()
+
+    # ---- reader side ----------------------------------------------------------------------------
+
+    @property
+    def done(self) -> bool:
+        return self._output is not None
+
+    def snapshot(self) -> tuple[list[int], str, RequestOutput | None]:
+        """(tokens so far, the stable text so far, the final output or None), read consistently."""
+        with self._cv:
+            return list(self._tokens), self._text[:self._stable], self._output
+
+    def cancel(self) -> None:
+        """Ask the engine to stop this request after the current step (no-op if already done)."""
+        self._cancel(self.request_id)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the request ends (never raises for its failure). Returns whether it has ended."""
+        return self._wait(lambda: self._output is not None, timeout)
+
+    def _wait(self, pred: Callable[[], bool], timeout: float | None = None) -> bool:
+        return self._loop.wait_until(pred, timeout)
+
+    def result(self, timeout: float | None = None) -> RequestOutput:
+        """Block until the request ends. Raises RequestFailed if it failed; a cancelled request returns
+        its partial output with finish_reason "cancelled"."""
+        self._wait(lambda: self._output is not None, timeout)
+        if self._output is None:
+            raise TimeoutError(f"request {self.request_id} not done after {timeout} s")
+        if self._output.error is not None:
+            raise RequestFailed(self._output) from self._output.error
+        return self._output
+
+    def output(self) -> RequestOutput | None:
+        """The final output (also for a failed request), or None while it runs."""
+        return self._output
+
+    def _next(self, kind: str, seen: int) -> tuple[list[int] | str, bool]:
+        """Block until there is more than `seen` (tokens or stable chars) or the request is done."""
+        def ready() -> bool:
+            n = len(self._tokens) if kind == "tokens" else self._stable
+            return n > seen or self._output is not None
+
+        self._wait(ready)
+        with self._cv:
+            new = self._tokens[seen:] if kind == "tokens" else self._text[seen:self._stable]
+            return new, self._output is not None and (len(new) == 0 or kind == "text")
+
+    def __iter__(self) -> Iterator[int]:
+        """Generated token ids as they are sampled. Ends when the request ends (see `result()`)."""
+        seen = 0
+        while True:
+            new, done = self._next("tokens", seen)
+            yield from new
+            seen += len(new)
+            if done or (not new and self._output is not None):
+                return
+
+    def text_deltas(self) -> Iterator[str]:
+        """Pieces of the decoded text as they become stable (needs the engine's tokenizer)."""
+        seen = 0
+        while True:
+            new, done = self._next("text", seen)
+            if new:
+                yield new
+                seen += len(new)
+            if done:
+                return
+
+    # ---- asyncio --------------------------------------------------------------------------------
+
+    async def aresult(self) -> RequestOutput:
+        self._loop.start()
+        return await asyncio.to_thread(self.result)
+
+    async def __aiter__(self) -> AsyncIterator[int]:
+        self._loop.start()
+        seen = 0
+        while True:
+            new, done = await asyncio.to_thread(self._next, "tokens", seen)
+            for t in new:
+                yield t
+            seen += len(new)
+            if done or (not new and self._output is not None):
+                return
+
+    async def atext_deltas(self) -> AsyncIterator[str]:
+        self._loop.start()
+        seen = 0
+        while True:
+            new, done = await asyncio.to_thread(self._next, "text", seen)
+            if new:
+                yield new
+                seen += len(new)
+            if done:
+                return

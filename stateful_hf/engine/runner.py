@@ -4,19 +4,22 @@ The store builds the packed step (ids, positions, per-entry query ranges, block 
 the CPU; `run_step` makes it the engine thread's current step for one forward (the step context
 read by the registered attention and the decoder-layer hooks: docs/step.md) and applies the LM head
 only at the rows that need a token.
+
+`EngineStats` and the running totals they are read from (`StepTotals`).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from ..cache import StepBatch
+from ..cache import Committed, StepBatch
 from ..integration import run_step
+from .request import RequestOutput, WorkItem
 from .sampling import sample, token_logprobs
-from .work_item import WorkItem
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,10 +44,11 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, store):
         self.model, self.store = model, store
 
-    def execute(self, items: Sequence[WorkItem]) -> tuple[StepBatch, list[int]]:
-        """Plan, run and commit one step; returns the step and one sampled token per item that needs
-        logits (in item order). On any error the step is aborted (the store is as before) and the
-        error raised: CapacityError from planning, or whatever the forward raised."""
+    def execute(self, items: Sequence[WorkItem]) -> tuple[StepBatch, list[int], Committed]:
+        """Plan, run and commit one step; returns the step, one sampled token per item that needs
+        logits (in item order) and what the commit answered. On any error the step is aborted (the
+        store is as before) and the error raised: CapacityError from planning, or whatever the forward
+        raised."""
         factors = [it.factor for it in items] if any(it.factor != 1 for it in items) else None
         step = self.store.plan_step([it.entry() for it in items], factors=factors)
         try:
@@ -62,8 +66,7 @@ class ModelRunner:
         except BaseException:
             self.store.abort(step)
             raise
-        self.store.commit(step)
-        return step, tokens
+        return step, tokens, self.store.commit(step)
 
     def record(self, index: int, items: Sequence[WorkItem], seconds: float) -> StepRecord:
         pool = self.store.device_pool
@@ -85,3 +88,75 @@ def _keep_logprobs(requests, logits: torch.Tensor, tokens: list[int]) -> None:
     got = token_logprobs(logits[rows], [tokens[j] for j in rows], [requests[j].sampling.logprobs for j in rows])
     for j, entry in zip(rows, got, strict=True):
         requests[j].logprobs.append(entry)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    steps: int
+    finished_requests: int
+    prompt_tokens: int           # new prompt rows computed
+    recomputed_tokens: int       # history rows recomputed (dropped or evicted KV)
+    generated_tokens: int
+    busy_seconds: float          # time spent in steps
+    tokens_per_second: float     # generated tokens per busy second
+    mean_batch_tokens: float
+    mean_occupancy: float        # mean share of device blocks in use after a step
+    running: int
+    waiting: int
+    # SLOs (zero without them): finished requests whose metric is defined, and those over the SLO.
+    ttft_measured: int = 0
+    ttft_slo_violations: int = 0
+    ttft_slo_violation_rate: float = 0.0       # violations / measured
+    tpot_measured: int = 0
+    tpot_slo_violations: int = 0
+    tpot_slo_violation_rate: float = 0.0
+    slo_deferrals: int = 0                     # steps whose admission the TPOT slack gate stopped
+    layered_admissions: int = 0                # prefills admitted with fewer than all layers on the device
+    pushed_blocks: int = 0                     # device blocks freed by pushing running requests' layers down
+
+
+class StepTotals:
+    """Counts over an engine's life. One writer: the stepping thread (under the engine's step lock)."""
+
+    def __init__(self):
+        self._t = Counter()
+
+    @property
+    def steps(self) -> int:
+        return self._t["steps"]
+
+    def add_step(self, items: Sequence[WorkItem], record: StepRecord, decode_rows: int) -> None:
+        """A committed step: `decode_rows` of its rows fed a sampled token of a decoding request."""
+        t = self._t
+        t["steps"] += 1
+        t["prompt"] += sum(len(it.new_ids) for it in items) - decode_rows
+        t["recomputed"] += sum(len(it.recompute) for it in items)
+        t["generated"] += sum(it.needs_logits for it in items)
+        t["rows"] += record.num_tokens
+        t["busy_us"] += int(record.seconds * 1e6)
+        t["occupancy_ppm"] += int(1e6 * record.used_blocks / max(record.total_blocks, 1))
+
+    def add_finished(self, out: RequestOutput) -> None:
+        t, m = self._t, out.metrics
+        t["finished"] += 1
+        for name, violated in (("ttft", m.ttft_slo_violated), ("tpot", m.tpot_slo_violated)):
+            if violated is not None:
+                t[f"{name}_measured"] += 1
+                t[f"{name}_violations"] += violated
+
+    def stats(self, running: int, waiting: int, slo_deferrals: int, layered_admissions: int,
+              pushed_blocks: int) -> EngineStats:
+        t = self._t
+        busy = t["busy_us"] / 1e6
+        return EngineStats(steps=t["steps"], finished_requests=t["finished"], prompt_tokens=t["prompt"],
+                           recomputed_tokens=t["recomputed"], generated_tokens=t["generated"], busy_seconds=busy,
+                           tokens_per_second=t["generated"] / busy if busy else 0.0,
+                           mean_batch_tokens=t["rows"] / max(t["steps"], 1),
+                           mean_occupancy=t["occupancy_ppm"] / 1e6 / max(t["steps"], 1),
+                           running=running, waiting=waiting,
+                           ttft_measured=t["ttft_measured"], ttft_slo_violations=t["ttft_violations"],
+                           ttft_slo_violation_rate=t["ttft_violations"] / max(t["ttft_measured"], 1),
+                           tpot_measured=t["tpot_measured"], tpot_slo_violations=t["tpot_violations"],
+                           tpot_slo_violation_rate=t["tpot_violations"] / max(t["tpot_measured"], 1),
+                           slo_deferrals=slo_deferrals, layered_admissions=layered_admissions,
+                           pushed_blocks=pushed_blocks)

@@ -15,25 +15,23 @@ rows they need are set aside from the running prefills' share, which keeps at le
 long prefill always progresses); admission goes short turns first, then the rest, each kind in
 arrival order, but never a session's later turn before its earlier one (they run in submit order);
 a head of line that does not fit in the device blocks stops admission for the step.
-The store owns KV state; the scheduler only reads it and asks for steps/evictions/push-downs.
+The store owns KV state; the scheduler asks it once per turn (`turn_needs`), admits (`begin`), ends
+(`end`), and per step plans and commits (the runner); `room()` only when it holds no fresh `Room`.
 """
 
 from __future__ import annotations
 
 import bisect
-import functools
 import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
-from ..cache import CapacityError, KVStore
-from .admission import Admission
+from ..cache import CapacityError, Committed, KVStore, Room
+from .admission import Admission, no_device_room, no_host_slots
 from .layer_offload import LayerwisePolicy, LayerwiseScheduling
-from .refusal import no_device_room, no_host_slots
-from .request import Request, RequestStatus
-from .slo import SloPolicy, prefill_rows
-from .work_item import WorkItem, blocks_needed, chunk_needs, next_item
+from .request import Request, RequestStatus, WorkItem, blocks_needed, next_item
+from .slo import SloPolicy
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,14 +66,17 @@ class Scheduler:
         self.waiting: list[Request] = []    # WAITING and SUSPENDED, by arrival
         self.running: list[Request] = []    # RUNNING, by arrival
         self.finished: list[Request] = []   # ended since the engine last drained them
+        self.room: Room | None = None       # the store's room as the last commit or end left it; None: ask
+        self.passes = 0                     # schedule() calls so far
         # the layer-wise part (layer_offload.py); it reads `running`, which is never rebound
-        self.layered = LayerwiseScheduling(store, layerwise, config, slo, self.running,
-                                           functools.partial(chunk_needs, store)) if layerwise is not None else None
+        self.layered = LayerwiseScheduling(store, layerwise, config, slo, self.running) \
+            if layerwise is not None else None
         self.admission = Admission(store, self.layered, self.running, self._fail)
 
     # ---- queue ----------------------------------------------------------------------------------
 
     def add(self, r: Request) -> None:
+        self.admission.ask(r, self.passes + 1)   # the coming pass admits with this answer
         r.short = self._is_short(r)
         bisect.insort(self.waiting, r, key=_order)
 
@@ -86,34 +87,37 @@ class Scheduler:
         out, self.finished = self.finished, []
         return out
 
-    def finish(self, r: Request, status: RequestStatus, reason: str, error: BaseException | None = None) -> None:
-        """End a request in any state: release its lease, leave the queues."""
+    def finish(self, r: Request, status: RequestStatus, reason: str, error: BaseException | None = None) -> Room | None:
+        """End a request in any state: end its turn in the store (the lease), leave the queues. Returns
+        the room after, if it held a lease."""
         if r.status.done:
-            return
-        if r.lease is not None:
-            self.store.add_generated(r.session_id, len(r.output_ids))    # the rest of last_turn: the store's
-            r.lease.__exit__(None, None, None)
-            r.lease = None
+            return None
+        room = None
+        if r.leased:
+            room = self.store.end(r.session_id, len(r.output_ids))    # the rest of last_turn: the store's
+            r.leased = False
         for q in (self.waiting, self.running):
             if r in q:
                 q.remove(r)
         r.status, r.finish_reason, r.error, r.finished_at = status, reason, error, time.monotonic()
         self.finished.append(r)
+        return room
 
     def _fail(self, r: Request, error: CapacityError) -> int:
         """Fail `r` and release what it held; returns the device blocks that made available (its
         session's blocks become an idle session's, which a later admission in this pass may take)."""
-        before = self.store.available_blocks()
-        self.finish(r, RequestStatus.FAILED, "error", error)
-        return max(self.store.available_blocks() - before, 0)
+        before = self.store.room().device_blocks if r.leased else 0
+        room = self.finish(r, RequestStatus.FAILED, "error", error)
+        return 0 if room is None else max(room.device_blocks - before, 0)
 
     def reap_cancelled(self) -> None:
         for r in [r for r in self.running + self.waiting if r.cancel_requested]:
             self.finish(r, RequestStatus.CANCELLED, "cancelled")
+            self.room = None
 
     def _is_short(self, r: Request) -> bool:
         """At most `short_rows` rows before its first token (an estimate when queued: for ordering only)."""
-        return self.config.short_rows > 0 and prefill_rows(self.store, r) <= self.config.short_rows
+        return self.config.short_rows > 0 and r.prefill_rows() <= self.config.short_rows
 
     def _set_aside(self, room: int) -> int:
         """Rows of `room` kept from running long prefills for short turns: the rest of running ones'
@@ -122,18 +126,20 @@ class Scheduler:
             return 0
         busy = {q.session_id for q in self.running}
         rows = sum(len(r.pending) + len(r.missing) for r in self.running if r.short and not r.decoding)
-        rows += sum(prefill_rows(self.store, r) for r in self.waiting if r.short and r.session_id not in busy)
+        rows += sum(r.prefill_rows() for r in self.waiting if r.short and r.session_id not in busy)
         return max(min(rows, room - self.store.block_size), 0)
 
     # ---- one step -------------------------------------------------------------------------------
 
     def schedule(self) -> list[WorkItem]:
+        self.passes += 1
         self.reap_cancelled()
-        budget = self.config.max_batch_tokens
+        budget, bs = self.config.max_batch_tokens, self.store.block_size
         reserve = math.ceil(self.config.reserve_fraction * self.store.device_pool.num_blocks)
-        if self.layerwise is not None:
-            self.layered.project(self.store.available_blocks(), reserve)
-        avail = self.store.available_blocks()
+        room, self.room = self.room or self.store.room(), None      # consumed: a commit or end leaves the next
+        if self.layerwise is not None and self.layered.project(room.device_blocks, reserve):
+            room = self.store.room()                                 # layers were pushed down
+        avail, slots = room.device_blocks, room.device_slots
         host_taken = 0                 # host slots this pass's items fill (push-downs take theirs at once)
         items: list[WorkItem] = []
         starved: list[Request] = []    # running layer-wise requests the host tier had no slot for
@@ -145,11 +151,11 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             r = self.running[i]
             tokens = 1 if r.decoding else budget if r.short else min(prefill_budget, budget)
-            item = next_item(r, tokens, self._length(r), self.store) if tokens > 0 else None
+            item = next_item(r, tokens, r.length, bs) if tokens > 0 else None
             if item is None:
                 i += 1
                 continue
-            need = blocks_needed(self.store, item)
+            need = blocks_needed(item)
             if need > avail and self.layerwise is not None:   # push layers down before suspending anyone
                 for q in reversed(self.running[i + 1:]):
                     if need <= avail:
@@ -158,13 +164,12 @@ class Scheduler:
                 if need > avail and r.factor != 0:
                     avail += self.layered.push_down(r, full=True)
                     item = replace(item, factor=0)
-                    need = blocks_needed(self.store, item)
+                    need = blocks_needed(item)
             while need > avail and self.running[-1] is not r:
                 avail += self._suspend(self.running[-1])
             if need > avail:
                 if i == 0:             # what it held counts for the requests after it in this pass
-                    avail += self._fail(r, no_device_room(r, need, avail, self.store.block_size,
-                                                          self.layerwise is not None, more=True))
+                    avail += self._fail(r, no_device_room(r, need, avail, bs, self.layerwise is not None, more=True))
                 else:
                     avail += self._suspend(r)
                 continue
@@ -174,7 +179,7 @@ class Scheduler:
                     starved.append(r)
                     i += 1
                     continue
-                need = blocks_needed(self.store, item)
+                need = blocks_needed(item)
             avail -= need
             host_taken += self._host_needed(r, item)
             budget -= item.num_tokens
@@ -198,11 +203,12 @@ class Scheduler:
                 break
             if first[r.session_id] is not r:   # one session's turns run in submit order, short or not
                 continue
-            cost = self.slo.prefill_seconds(prefill_rows(self.store, r)) if allowance < math.inf else 0.0
+            cost = self.slo.prefill_seconds(r.prefill_rows()) if allowance < math.inf else 0.0
             if cost > allowance:       # would push a decode past its TPOT SLO: defer, FCFS
                 self.slo.deferred += 1
                 break
-            verdict = self.admission.admit(r, budget, avail, reserve, first=not items, committed=committed,
+            verdict = self.admission.admit(r, budget, avail, reserve, first=not items, pass_=self.passes,
+                                           slots=slots, committed=committed,
                                            host_avail=self._host_left(host_taken) - host_committed)
             avail += verdict.released  # blocks a request failed in admission gave back
             if verdict.item is None:
@@ -214,6 +220,7 @@ class Scheduler:
             bisect.insort(self.running, r, key=_order)
             r.status = RequestStatus.RUNNING
             avail -= verdict.blocks
+            slots = None if slots is None else slots - 1     # its session claims a slot or keeps its own
             host_taken += self._host_needed(r, item)
             if self.layerwise is not None:
                 committed += self.layered.future_blocks(r, item)
@@ -221,6 +228,8 @@ class Scheduler:
             allowance -= cost
             budget -= item.num_tokens
             items.append(item)
+        if not items:                  # nothing runs, so no commit tells what changed: ask next time
+            self.room = None
         return items
 
     def _suspend(self, r: Request) -> int:
@@ -229,7 +238,8 @@ class Scheduler:
         self.running.remove(r)
         r.status = RequestStatus.SUSPENDED
         r.suspensions += 1
-        r.missing = self.store.missing_positions(r.session_id)
+        r.needs = self.store.turn_needs(r.session_id)
+        r.missing, r.missing_ids = list(r.needs.missing), list(r.needs.missing_ids)
         r.short = self._is_short(r)
         bisect.insort(self.waiting, r, key=_order)
         return freed
@@ -240,17 +250,21 @@ class Scheduler:
     def _host_needed(self, r: Request, item: WorkItem) -> int:
         return self.layered.host_needed(r, item) if self.layered is not None else 0
 
-    def _length(self, r: Request) -> int:
-        return self.store.session(r.session_id).num_tokens
-
     # ---- after the forward ----------------------------------------------------------------------
 
-    def complete(self, items: Iterable[WorkItem], sampled: Iterable[int], eos: frozenset[int]) -> None:
-        """Account the rows of a committed step; `sampled` has one token per item with needs_logits."""
+    def complete(self, items: Iterable[WorkItem], sampled: Iterable[int], eos: frozenset[int],
+                 committed: Committed | None = None) -> None:
+        """Account the rows of a committed step; `sampled` has one token per item with needs_logits;
+        `committed`: what the store's commit answered (the room, each stepped session's turn; None:
+        the store did not change, so the requests' `needs` stand and the room is asked again)."""
         now, sampled = time.monotonic(), iter(sampled)
+        self.room = committed.room if committed is not None else None
+        turns = committed.turns if committed is not None else {}
         for item in items:
             r = item.request
-            r.missing = r.missing[len(item.recompute):]
+            r.needs = turns.get(r.session_id, r.needs)
+            n = len(item.recompute)
+            r.missing, r.missing_ids = r.missing[n:], r.missing_ids[n:]
             r.recomputed += len(item.recompute)
             r.pending = r.pending[len(item.new_ids):]
             r.computed += item.num_tokens
@@ -262,15 +276,16 @@ class Scheduler:
             p = r.sampling
             stop_string = r.text.update(r.output_ids) if r.text is not None else False
             if (t in eos and not p.ignore_eos) or t in p.stop_token_ids or stop_string:
-                self.finish(r, RequestStatus.FINISHED, "stop")
-            elif len(r.output_ids) >= p.max_new_tokens or self._length(r) >= self.max_positions:
-                self.finish(r, RequestStatus.FINISHED, "length")
+                self.room = self.finish(r, RequestStatus.FINISHED, "stop") or self.room
+            elif len(r.output_ids) >= p.max_new_tokens or r.length >= self.max_positions:
+                self.room = self.finish(r, RequestStatus.FINISHED, "length") or self.room
             else:
                 r.pending = [t]
 
     def fail(self, requests: Iterable[Request], error: BaseException) -> None:
         for r in list(requests):
             self.finish(r, RequestStatus.FAILED, "error", error)
+        self.room = None
 
 
 def _order(r: Request) -> tuple[float, int]:

@@ -142,15 +142,3 @@ class SloPolicy:
 
     def prefill_seconds(self, rows: int) -> float:
         return self.prefill.predict(rows)
-
-
-def prefill_rows(store, r: Request) -> int:
-    """Rows a queued request computes before its first token: the prompt past the reusable prefix
-    plus dropped history before it (WAITING), or its pending ids plus evicted history (SUSPENDED).
-    Read-only: the same `keep` that `Admission.admit` (admission.py) will compute."""
-    if r.status is RequestStatus.SUSPENDED:
-        return len(r.pending) + len(r.missing)
-    if r.session_id not in store:
-        return len(r.prompt)
-    keep = min(store.match_prefix(r.session_id, r.prompt), len(r.prompt) - 1)
-    return len(r.prompt) - keep + sum(1 for p in store.missing_positions(r.session_id) if p < keep)

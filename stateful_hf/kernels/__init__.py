@@ -1,12 +1,13 @@
 """Attention over paged KV for ragged multi-token queries. Never imports transformers."""
 
 from .batch import Overlay, PagedBatch
-from .dispatch import BACKENDS, paged_attention
 from .kernel_plan import (
+    BACKENDS,
     BackendChoice,
     KernelPlan,
     KernelState,
     available_backends,
+    paged_attention,
     plan,
     resolve_backend,
     select_backend,

@@ -7,6 +7,9 @@ A plan holds what a backend derives from the batch alone (groups and gather indi
 FlashInfer's planned wrapper, run metadata), so layers do no host work and no host-device syncs.
 No globals: the caller owns the plan and a KernelState it keeps across steps (one per store or
 engine: FlashInfer's workspace and wrapper, made on first use and re-planned by each step's plan).
+
+The one entry point: attention of packed ragged queries over a paged KV pool. Writing K/V into
+the pool is the store's (`stateful_hf/cache/step.py`).
 """
 
 from __future__ import annotations
@@ -16,15 +19,16 @@ from dataclasses import dataclass
 
 import torch
 
+from ..options import Layout
 from . import flash_attn_backend, flashinfer_backend, triton_backend
-from .batch import PagedBatch
+from .batch import Overlay, PagedBatch
 from .torch_batched import TorchPlan
 
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "torch", "triton", "flashinfer", "flash_attn")
 PREFERENCE = ("flashinfer", "flash_attn", "triton", "torch")   # auto's order: fixed, not measured
-LAYOUTS = ("paged", "virtual")
+LAYOUTS = tuple(Layout)
 # Each GPU backend module's supports(dtype, head_dim, block_size) -> None or why not; the torch backend
 # serves every device, dtype, head_dim and block size, and alone reads LayerKV's overlays.
 _GPU = {"flashinfer": flashinfer_backend, "flash_attn": flash_attn_backend, "triton": triton_backend}
@@ -43,7 +47,7 @@ class BackendChoice:
 
 def select_backend(name: str, device: torch.device | str, dtype: torch.dtype | None = None,
                    head_dim: int | None = None, block_size: int | None = None, *, layerwise_kv: bool = False,
-                   layout: str = "paged") -> BackendChoice:
+                   layout: Layout | str = Layout.PAGED) -> BackendChoice:
     """The paged-attention backend for `name` serving a store on `device` with this dtype, head_dim,
     block size and features (None: not checked). "auto" walks PREFERENCE and passes over, logging
     one line each, any backend that cannot serve it (triton only on CUDA; the CPU always gets torch).
@@ -53,8 +57,7 @@ def select_backend(name: str, device: torch.device | str, dtype: torch.dtype | N
     layout "virtual" attends through kernels/dense.py, never a paged backend, so it names torch."""
     if name not in BACKENDS:
         raise ValueError(f"unknown paged attention backend {name!r}; choose from {BACKENDS}")
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown layout {layout!r}; choose from {LAYOUTS}")
+    layout = layout if isinstance(layout, Layout) else Layout.of("layout", layout)
     if name != "auto":
         refusal = _refusal(name, device, dtype, head_dim, block_size, layerwise_kv, layout, forced=True)
         if refusal is not None:
@@ -71,7 +74,7 @@ def select_backend(name: str, device: torch.device | str, dtype: torch.dtype | N
 
 
 def _refusal(name: str, device: torch.device | str, dtype: torch.dtype | None, head_dim: int | None,
-             block_size: int | None, layerwise_kv: bool, layout: str, *, forced: bool) -> Exception | None:
+             block_size: int | None, layerwise_kv: bool, layout: Layout, *, forced: bool) -> Exception | None:
     """Why `name` cannot serve this store (None: it can). Checked in order: (auto only) a CUDA device,
     then features, dtype, head_dim and block size (ValueError), then package and device (RuntimeError).
     A forced backend's message names the backend and what it supports; auto's is the bare reason."""
@@ -83,7 +86,7 @@ def _refusal(name: str, device: torch.device | str, dtype: torch.dtype | None, h
     if layerwise_kv:
         why = "layerwise_kv needs attn_backend='torch' (only the torch backend reads LayerKV's host-resident " \
               "layers, its overlays)"
-    elif layout == "virtual":
+    elif layout is Layout.VIRTUAL:
         why = "layout='virtual' attends through kernels/dense.py, never a paged backend (use 'torch' or 'auto')"
     else:
         why = _GPU[name].supports(dtype, head_dim, block_size)
@@ -100,7 +103,7 @@ def available_backends(device: torch.device | str, dtype: torch.dtype | None = N
     flashinfer, flash_attn (fp16/bf16 only), triton (CUDA), torch. Not measured: with small pages
     (e.g. 32 tokens) flash_attn gathers the whole context every layer and may be slower than triton."""
     return [n for n in PREFERENCE
-            if _refusal(n, device, dtype, None, None, False, "paged", forced=False) is None]
+            if _refusal(n, device, dtype, None, None, False, Layout.PAGED, forced=False) is None]
 
 
 def resolve_backend(name: str, device: torch.device | str, dtype: torch.dtype | None = None,
@@ -179,3 +182,84 @@ def plan_for(batch: PagedBatch, block_size: int, backend: str = "auto", dtype: t
     if key not in batch.plans:
         batch.plans[key] = KernelPlan(batch, block_size, backend, dtype, state=state, head_dim=head_dim)
     return batch.plans[key]
+
+
+__all__ = ["BACKENDS", "paged_attention"]
+
+
+def _check(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch: PagedBatch) -> None:
+    if query.dim() != 3 or key_cache.dim() != 4:
+        raise ValueError(f"paged_attention: query must be [T, Hq, D] and caches [blocks, block_size, Hkv, D], "
+                         f"got {tuple(query.shape)} and {tuple(key_cache.shape)}")
+    if key_cache.shape != value_cache.shape:
+        raise ValueError(f"paged_attention: key cache {tuple(key_cache.shape)} "
+                         f"!= value cache {tuple(value_cache.shape)}")
+    if not (query.dtype == key_cache.dtype == value_cache.dtype):
+        raise TypeError(f"paged_attention: dtypes differ: query {query.dtype}, key cache {key_cache.dtype}, "
+                        f"value cache {value_cache.dtype}")
+    hq, d = query.shape[1:]
+    hkv, dk = key_cache.shape[2:]
+    if d != dk or hq % hkv:
+        raise ValueError(f"paged_attention: query has {hq} heads of dim {d}, cache {hkv} heads of dim {dk}; "
+                         "head dims must match and query heads be a multiple of KV heads")
+    if query.shape[0] != batch.num_tokens:
+        raise ValueError(f"paged_attention: query has {query.shape[0]} rows, batch describes {batch.num_tokens}")
+    devices = {query.device, key_cache.device, value_cache.device, batch.cu_q.device, batch.block_table.device}
+    if len(devices) > 1:
+        raise ValueError("paged_attention: query, caches and batch must be on one device, "
+                         f"got {sorted(map(str, devices))}")
+
+
+def paged_attention(
+    query: torch.Tensor,        # [T, Hq, D] packed rows of all sub-requests
+    key_cache: torch.Tensor,    # [num_blocks, block_size, Hkv, D] one layer (strided views are fine)
+    value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    batch: PagedBatch,
+    scale: float | None = None,
+    backend: str = "auto",
+    window: int | None = None,
+    validate: bool = True,
+    plan: KernelPlan | None = None,
+    overlay: Overlay | None = None,
+    softcap: float | None = None,
+    state: KernelState | None = None,
+) -> torch.Tensor:              # [T, Hq, D]
+    """Causal attention by absolute position: row t of sub-request i attends to that sub-request's
+    keys at positions <= q_pos[t] (and > q_pos[t] - window when a sliding window is given).
+    `softcap` c: the scaled logits s become c * tanh(s / c) before masking and softmax (Gemma 2).
+
+    `plan` (kernels.plan(batch, block_size, backend), made once per step) carries the backend's
+    per-batch work; without one, the plan is made on the first call and cached on the batch, so
+    later layers of the same step reuse it. Validation runs once per plan and pool size.
+    `overlay` reads some context blocks of this layer from another tensor (torch backend only).
+    `state` (a KernelState kept by the caller across steps) holds FlashInfer's workspace and wrapper."""
+    _check(query, key_cache, value_cache, batch)
+    if overlay is not None:
+        _check_overlay(overlay, key_cache, batch)
+    if window is not None and window < 1:
+        raise ValueError(f"paged_attention: window must be >= 1 or None, got {window}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"paged_attention: softcap must be > 0 or None, got {softcap}")
+    num_blocks, block_size = key_cache.shape[:2]
+    if plan is None:
+        plan = plan_for(batch, block_size, backend, query.dtype, state, head_dim=query.shape[-1])
+    elif plan.batch is not batch or plan.block_size != block_size:
+        raise ValueError("paged_attention: the plan was made for another batch or block size")
+    elif backend != "auto" and backend != plan.backend:
+        raise ValueError(f"paged_attention: backend {backend!r} but the plan is for {plan.backend!r}")
+    if validate and plan.validated_for != num_blocks:
+        batch.validate(num_blocks, block_size)
+        plan.validated_for = num_blocks
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    return plan.run(query, key_cache, value_cache, scale, window, overlay, softcap)
+
+
+def _check_overlay(overlay: Overlay, key_cache: torch.Tensor, batch: PagedBatch) -> None:
+    if overlay.table.shape != batch.block_table.shape:
+        raise ValueError(f"paged_attention: overlay table {tuple(overlay.table.shape)} must match the block table "
+                         f"{tuple(batch.block_table.shape)}")
+    if overlay.key.shape[1:] != key_cache.shape[1:] or overlay.key.dtype != key_cache.dtype \
+            or overlay.key.device != key_cache.device:
+        raise ValueError(f"paged_attention: overlay blocks {tuple(overlay.key.shape[1:])} {overlay.key.dtype} on "
+                         f"{overlay.key.device} must match the cache's {tuple(key_cache.shape[1:])} "
+                         f"{key_cache.dtype} on {key_cache.device}")

@@ -97,8 +97,8 @@ def parser() -> argparse.ArgumentParser:
                    "(none: the model's max_position_embeddings)")
     p.add_argument("--seed", type=int, help="requests without a `seed` take theirs from a generator seeded with "
                    "this, in the order the server takes them (none: a fresh random seed each)")
-    flags.add_store_flags(p, device_capacity="256MiB", host_capacity=None)
-    p.add_argument("--max-batch-tokens", type=int, default=512, help="rows per forward")
+    flags.add_store_flags(p, device_capacity=flags.SERVER_DEFAULTS["device_capacity"], host_capacity=None)
+    flags.add_engine_flags(p, max_num_seqs=flags.SERVER_DEFAULTS["max_num_seqs"])
     p.add_argument("--default-max-tokens", type=int,
                    help="cap on a chat's max_tokens when the request has none; none: the room left in the context")
     p.add_argument("--session-wait-timeout", type=float, default=30.0,
@@ -140,14 +140,15 @@ def parser() -> argparse.ArgumentParser:
 def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> str | None:
     """The checks that need neither torch nor transformers; returns the chat template's text."""
     for flag, value, least in (("--default-max-tokens", a.default_max_tokens, 1),
-                               ("--max-model-len", a.max_model_len, 2), ("--max-batch-tokens", a.max_batch_tokens, 1),
-                               ("--replicas", a.replicas, 1), ("--seed", a.seed, 0)):
+                               ("--max-model-len", a.max_model_len, 2), ("--replicas", a.replicas, 1),
+                               ("--seed", a.seed, 0)):
         if value is not None and value < least:
             p.error(f"{flag} must be >= {least}, got {value}")
     if not a.session_wait_timeout > 0:
         p.error("--session-wait-timeout must be > 0")
     if not 0 < a.port < 65536:
         p.error(f"--port must be in 1..65535, got {a.port}")
+    flags.engine_options(p, a)
     flags.check_model(p, a.model, (*SOURCES, TINY_MODEL))
     return flags.read_chat_template(p, a.chat_template)
 
@@ -166,12 +167,11 @@ def main(argv=None) -> None:
     if a.dtype == "auto":
         print(f"stateful-hf: --dtype auto loads {dtype}", flush=True)
     flags.check_device(p, a.device)         # imports torch
-    store = flags.store_options(p, a)
+    store, scheduling = flags.store_options(p, a), flags.engine_options(p, a)
     access = _access(p, a)                  # imports the engine (transformers)
     from .server import EngineOptions
-    named = {k: store.pop(k) for k in ("device_capacity", "host_capacity", "disk_dir", "disk_capacity", "chunk_size")}
-    options = EngineOptions(**named, max_batch_tokens=a.max_batch_tokens, session_wait_timeout=a.session_wait_timeout,
-                            tenant_shares=dict(a.tenant_share), store_kwargs=store)
+    options = EngineOptions(**store, **scheduling, session_wait_timeout=a.session_wait_timeout,
+                            tenant_shares=dict(a.tenant_share))
     hub = {"revision": a.revision, "trust_remote_code": a.trust_remote_code}
     if a.ray:
         from .cluster import run_cluster

@@ -181,7 +181,7 @@ def build_app(model_path: str | None, options: EngineOptions, replicas: int, ser
     from ..models import SOURCES, fetch
     if model_path in SOURCES:
         fetch(model_path)                  # once, here, before the replicas load it
-    opts = dataclasses.asdict(options)
+    opts = options.as_dict()
     actor = {"num_cpus": replica_cpus, "num_gpus": replica_gpus, "runtime_env": {"env_vars": logs.env()}}
     engines = [EngineReplica.options(name=f"replica-{i}", ray_actor_options=actor).bind(
         model_path, opts, f"replica-{i}", dtype, device, load)

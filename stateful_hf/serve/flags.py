@@ -8,7 +8,11 @@ Checks run in two passes, each value failing with status 2 and one line (`parser
 2. after torch is imported, before the model loads: `check_device` (the device exists) and
    `store_options` (capacities parse; the policy, hidden-state mode and attention backend are the
    store's own names, `stateful_hf.cache.POLICY_NAMES`, `stateful_hf.cache.hidden.HIDDEN_MODES`,
-   `stateful_hf.kernels.BACKENDS`).
+   `stateful_hf.kernels.BACKENDS`; then the options' own checks).
+
+The store's flags are not written here: they are the options of `SessionStoreOptions` marked `flag`
+(`stateful_hf/options/store.py`), with their help and defaults; the engine's are `SchedulingOptions`'
+(`add_engine_flags`).
 """
 
 from __future__ import annotations
@@ -16,7 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from dataclasses import Field, fields
+from enum import Enum
 from pathlib import Path
+
+from ..options import SchedulingOptions, SessionStoreOptions
 
 # vLLM's --dtype names -> torch's
 DTYPES = {"auto": "auto", "float32": "float32", "fp32": "float32", "float": "float32", "bfloat16": "bfloat16",
@@ -25,7 +33,8 @@ AUTO_DTYPE = "float32"          # what `--dtype auto` loads today, whatever the 
 DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")     # `name` or `org/name`
-CAPACITY = "tokens (digits) or a size such as 2GiB"
+# The server's defaults over Engine's (`EngineOptions`): a 256 MiB device tier, up to 256 running requests.
+SERVER_DEFAULTS = {"device_capacity": "256MiB", "max_num_seqs": 256}
 # the store's names, as `--help` shows them (tests/test_serve_cli.py checks they are the store's)
 POLICIES_HELP = "recency_cost, return_aware, pensieve, lru"
 HIDDEN_HELP = "auto, always, never"
@@ -94,23 +103,36 @@ def add_model_flags(p: argparse.ArgumentParser, default_model: str, named: str) 
                    help="a Jinja chat template file that replaces the tokenizer's")
 
 
+def store_flag_fields() -> list[Field]:
+    """The options of `SessionStoreOptions` that the command lines offer (marked `flag`), in order."""
+    return [f for f in fields(SessionStoreOptions) if f.metadata.get("flag")]
+
+
+def flag_names(f: Field) -> tuple[str, ...]:
+    """An option's flags: `--name-with-dashes`, or the spellings its `flag` lists (the first is its name)."""
+    flag = f.metadata["flag"]
+    return flag if isinstance(flag, tuple) else ("--" + f.name.replace("_", "-"),)
+
+
+def _is_capacity(f: Field) -> bool:
+    return "TokensOrSize" in str(f.type)
+
+
 def add_store_flags(p: argparse.ArgumentParser, device_capacity: str | int, host_capacity: str | int | None) -> None:
-    """The session store's flags (`store_options` turns them into SessionStore's keyword arguments)."""
+    """The session store's flags: every option of `SessionStoreOptions` marked `flag`
+    (`stateful_hf/options/store.py`), with its help and default; `device_capacity` and `host_capacity`
+    are the command line's own defaults. `store_options` turns them into SessionStore's keyword arguments."""
     g = p.add_argument_group("session store (docs/store.md)")
-    g.add_argument("--device-capacity", default=device_capacity, help=f"device KV tier: {CAPACITY}")
-    g.add_argument("--host-capacity", default=host_capacity,
-                   help=f"host KV tier: {CAPACITY}; none or 0: no host tier (memory is taken as it is used)")
-    g.add_argument("--disk-dir", help="disk tier directory (persistent; one process per directory); none: no disk tier")
-    g.add_argument("--disk-capacity", help=f"disk tier: {CAPACITY}; none: 1GiB with --disk-dir")
-    g.add_argument("--chunk-size", type=int, default=32, help="tokens per KV chunk")
-    g.add_argument("--hidden-states", metavar="MODE",
-                   help=f"keep chunks moving down as hidden states (HCache): {HIDDEN_HELP}; none: the store's "
-                   "default (never)")
-    g.add_argument("--hidden-capacity", help=f"hidden-state tier: {CAPACITY}; none: --host-capacity")
-    g.add_argument("--policy", metavar="NAME",
-                   help=f"eviction policy: {POLICIES_HELP}; none: the store's default (recency_cost)")
-    g.add_argument("--attention-backend", "--backend", dest="attention_backend", default="auto", metavar="NAME",
-                   help=f"paged attention backend: {BACKENDS_HELP}")
+    own = {"device_capacity": device_capacity, "host_capacity": host_capacity}
+    choices = {"policy": POLICIES_HELP, "hidden_states": HIDDEN_HELP, "attn_backend": BACKENDS_HELP}
+    for f in store_flag_fields():
+        default = own.get(f.name, f.default)
+        text = f.metadata.get("cli") or f.metadata["help"]
+        if f.name in choices:
+            text += f"; one of {choices[f.name]}"
+        g.add_argument(*flag_names(f), dest=f.name, default=str(default) if isinstance(default, Enum) else default,
+                       type=int if str(f.type) == "int" else None,
+                       metavar=f.metadata.get("metavar") or ("TOKENS|SIZE" if _is_capacity(f) else None), help=text)
 
 
 def check_model(p: argparse.ArgumentParser, model: str, named: tuple[str, ...]) -> None:
@@ -159,33 +181,55 @@ def check_device(p: argparse.ArgumentParser, name: str) -> None:
         p.error(f"--device {name}: there are {count} {dev.type} devices (0..{count - 1})")
 
 
+def add_engine_flags(p: argparse.ArgumentParser, **defaults) -> None:
+    """The engine's scheduling flags: the options of `SchedulingOptions` marked `flag`
+    (`stateful_hf/options/engine.py`), with their help; `defaults` are the command line's own."""
+    for f in fields(SchedulingOptions):
+        if f.metadata.get("flag"):
+            p.add_argument(*flag_names(f), dest=f.name, type=int, default=defaults.get(f.name, f.default),
+                           help=f.metadata["help"])
+
+
+def engine_options(p: argparse.ArgumentParser, a: argparse.Namespace) -> dict:
+    """Engine's scheduling keyword arguments from its flags; a bad value exits with status 2 naming its flag."""
+    out = {f.name: getattr(a, f.name) for f in fields(SchedulingOptions) if f.metadata.get("flag")}
+    try:
+        SchedulingOptions.build(**out)
+    except ValueError as e:
+        name = str(e).split(" ", 1)[0]
+        p.error("--" + name.replace("_", "-") + str(e)[len(name):])
+    return out
+
+
 def store_options(p: argparse.ArgumentParser, a: argparse.Namespace) -> dict:
-    """SessionStore's keyword arguments from the store flags (imports torch); a bad value exits with
-    status 2 naming its flag. Options left unset are absent (the store's defaults apply)."""
+    """SessionStore's keyword arguments from the store flags, one per flag (imports torch); a bad value
+    exits with status 2 naming its flag. Capacities parse (`parse_capacity`; a host capacity of 0 is no
+    host tier); the policy, hidden-state mode and attention backend are the store's own names; then
+    `SessionStoreOptions` checks the whole, as the store will."""
     from ..cache import POLICY_NAMES, parse_capacity
     from ..cache.hidden import HIDDEN_MODES
     from ..kernels import BACKENDS
 
-    def capacity(flag: str, value):
-        try:
-            return None if value is None else parse_capacity(value)
-        except ValueError as e:
-            p.error(f"{flag}: {e}")
-
-    if a.chunk_size < 1:
-        p.error(f"--chunk-size must be >= 1, got {a.chunk_size}")
-    for flag, value, names in (("--policy", a.policy, POLICY_NAMES), ("--hidden-states", a.hidden_states, HIDDEN_MODES),
-                               ("--attention-backend", a.attention_backend, BACKENDS)):
-        if value is not None and value not in names:
-            p.error(f"{flag}: unknown {value!r}; choose from {', '.join(names)}")
-    host = capacity("--host-capacity", a.host_capacity)
-    out = {"device_capacity": capacity("--device-capacity", a.device_capacity),
-           "host_capacity": None if host == 0 else host, "disk_dir": a.disk_dir,
-           "disk_capacity": capacity("--disk-capacity", a.disk_capacity), "chunk_size": a.chunk_size,
-           "attn_backend": a.attention_backend}
-    if out["device_capacity"] == 0:
-        p.error("--device-capacity must be > 0")
-    optional = {"policy": a.policy, "hidden_states": a.hidden_states,
-                "hidden_capacity": capacity("--hidden-capacity", a.hidden_capacity)}
-    out.update({k: v for k, v in optional.items() if v is not None})
+    names = {"policy": POLICY_NAMES, "hidden_states": HIDDEN_MODES, "attn_backend": BACKENDS}
+    out = {}
+    for f in store_flag_fields():
+        flag, value = flag_names(f)[0], getattr(a, f.name)
+        if value is not None and _is_capacity(f):
+            try:
+                value = parse_capacity(value)
+            except ValueError as e:
+                p.error(f"{flag}: {e}")
+            if f.name == "host_capacity" and value == 0:
+                value = None
+        elif value is not None and f.name in names and value not in names[f.name]:
+            p.error(f"{flag}: unknown {value!r}; choose from {', '.join(names[f.name])}")
+        out[f.name] = value
+    try:
+        SessionStoreOptions.build(**out)
+    except ValueError as e:
+        message = str(e)
+        for f in store_flag_fields():
+            if message.startswith(f.name + " "):
+                message = flag_names(f)[0] + message[len(f.name):]
+        p.error(message)
     return out

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import xxhash
 
-from ..cache.prefix.key import PrefixScope
+from ..cache.prefix.index import PrefixScope
 from ..cache.tenant import DEFAULT_TENANT
 
 

@@ -187,19 +187,19 @@ class Replica:
         return session_id in self.store
 
     def session_tokens(self, session_id: str) -> int:
-        return self.store.session(session_id).num_tokens if session_id in self.store else 0
+        return self.store.num_tokens(session_id)
 
     def tenant_usage(self, tenant: str, keys: list[str]) -> dict:
         """The tenant's sessions and tokens here, and the history tokens of those of `keys` held here."""
         u = self.store.tenant_usage().get(tenant)
-        present = {k: self.store.session(k).num_tokens for k in keys if k in self.store}
+        present = {k: self.store.num_tokens(k) for k in keys if k in self.store}
         return {"sessions": u.sessions if u else 0, "history_tokens": u.history_tokens if u else 0,
                 "stored_tokens": u.stored_tokens if u else 0, "present": present}
 
     def session_info(self, session_id: str) -> dict | None:
         """The session's tokens per tier and last activity (None if this replica does not have it)."""
         try:        # each store call is atomic; a turn running meanwhile shows as busy
-            s = self.store.session(session_id)
+            s = self.store.stats(session_id)
             tiers = self.store.residency(session_id)
         except KeyError:                # not here, or deleted meanwhile (UnknownSessionError is a KeyError)
             return None
@@ -221,7 +221,7 @@ class Replica:
         if session_id not in self.store:
             raise APIError(404, f"no session {shown!r}", param="session_id", code="session_not_found",
                            type="not_found_error")
-        tokens = self.store.session(session_id).num_tokens
+        tokens = self.store.num_tokens(session_id)
         try:
             self.store.delete(session_id)
         except SessionBusyError:        # a hint (or a migration) holds it this moment

@@ -5,13 +5,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 
 from ..cache import FairSharePolicy
 from ..engine import Engine
+from ..options import EngineConfig, EngineKwargs, SessionStoreOptions, Unpack, split_engine_options
 from ..session_store import SessionStore
 from .app import ServeConfig, create_app
 from .auth import Access
+from .flags import SERVER_DEFAULTS
 from .local_client import LocalClient
 from .replica import Replica
 from .router import Router
@@ -20,32 +21,48 @@ log = logging.getLogger(__name__)
 TINY_NAME = "stateful-hf/tiny-llama-random"
 
 
-@dataclass
 class EngineOptions:
-    """How each replica's store and engine are made (also crosses to Ray replicas as plain data)."""
+    """How each replica's store and engine are made: `Engine`'s keyword arguments (its options and its
+    store's, declared in `stateful_hf/options/`; `SERVER_DEFAULTS` under them), checked here (TypeError
+    for an unknown one, ValueError for a bad value), and the server's own: `session_wait_timeout`
+    (seconds a turn waits for its session's previous turn; then 409), `fair_share` (tenants above their
+    share of a tier are evicted first) and `tenant_shares` (tenant -> weight, default 1). Plain data:
+    `as_dict()` crosses to Ray replicas and `EngineOptions(**d)` makes it again."""
 
-    device_capacity: int | str = "256MiB"
-    host_capacity: int | str | None = None
-    disk_dir: str | None = None
-    disk_capacity: int | str | None = None
-    chunk_size: int = 32
-    max_batch_tokens: int = 512
-    max_num_seqs: int = 256
-    session_wait_timeout: float = 30.0     # seconds a turn waits for its session's previous turn; then 409
-    store_kwargs: dict = field(default_factory=dict)
-    fair_share: bool = True                  # tenants above their share of a tier are evicted first
-    tenant_shares: dict = field(default_factory=dict)   # tenant -> weight (default 1: equal shares)
+    __slots__ = ("engine", "session_wait_timeout", "fair_share", "tenant_shares")
+
+    def __init__(self, *, session_wait_timeout: float = 30.0, fair_share: bool = True,
+                 tenant_shares: dict | None = None, **engine: Unpack[EngineKwargs]):
+        merged = {**SERVER_DEFAULTS, **engine}
+        engine_options, store_options = split_engine_options(merged)
+        EngineConfig.build(**engine_options)
+        # checked as each replica's store will be; `build` may give each replica its own disk_dir
+        SessionStoreOptions.build(**{"disk_dir": "replica", **store_options})
+        if not (isinstance(session_wait_timeout, (int, float)) and session_wait_timeout > 0):
+            raise ValueError(f"session_wait_timeout must be > 0 seconds, got {session_wait_timeout!r}")
+        self.engine, self.session_wait_timeout = merged, float(session_wait_timeout)
+        self.fair_share, self.tenant_shares = bool(fair_share), dict(tenant_shares or {})
+
+    def as_dict(self) -> dict:
+        return {**self.engine, "session_wait_timeout": self.session_wait_timeout, "fair_share": self.fair_share,
+                "tenant_shares": dict(self.tenant_shares)}
+
+    def __repr__(self) -> str:
+        return f"EngineOptions({', '.join(f'{k}={v!r}' for k, v in self.as_dict().items())})"
 
     def build(self, model, tokenizer, disk_dir: str | None = None) -> Engine:
-        store = SessionStore(model, self.device_capacity, chunk_size=self.chunk_size,
-                             host_capacity=self.host_capacity, disk_dir=disk_dir or self.disk_dir,
-                             disk_capacity=self.disk_capacity, **self.store_kwargs)
+        engine_options, store_options = split_engine_options(self.engine)
+        if disk_dir is not None:
+            store_options["disk_dir"] = disk_dir
+        store = SessionStore(model, store_options.pop("device_capacity"), **store_options)
         if self.fair_share:
             store.policy = FairSharePolicy(store.policy, self.tenant_shares)
         # the replica's SessionQueue already runs a session's turns one at a time; "wait" covers the
         # moment between a turn's output and the end of its lease
-        return Engine(model, tokenizer, store, max_batch_tokens=self.max_batch_tokens,
-                      max_num_seqs=self.max_num_seqs, on_busy="wait")
+        engine_options["on_busy"] = "wait"
+        if store_options.get("layerwise_kv"):
+            engine_options["layerwise_kv"] = True
+        return Engine(model, tokenizer, store, **engine_options)
 
     def replica(self, model, tokenizer, name: str = "0", disk_dir: str | None = None) -> Replica:
         return Replica(self.build(model, tokenizer, disk_dir), name, self.session_wait_timeout)

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import torch
+
 from ..hidden.states import HiddenPool
 from ..pool import BlockPool
+
+
+def _empty(t: torch.Tensor) -> torch.Tensor:
+    """An empty tensor of `t`'s kind in place of a view of a file's mapping."""
+    return t.new_empty((0,) * t.dim())
 
 
 class Quarantined:
@@ -37,10 +44,11 @@ class Quarantined:
         """Let go of the slots' storage (views of a disk file's mapping) when the tier closes, so the
         mapping goes with the file's own views, not at the next garbage collection. The pool cannot
         be read afterwards."""
-        for name in ("data", "hidden", "kv"):
-            t = getattr(self, name, None)
-            if t is not None:
-                setattr(self, name, t.new_empty((0,) * t.dim()))
+        if isinstance(self, HiddenPool):
+            self.hidden, self.kv = _empty(self.hidden), _empty(self.kv)
+            self.data = self.kv
+        else:
+            self.data = _empty(self.data)
 
     def check(self, owned: set[int]) -> None:
         waiting = set(self.limbo)

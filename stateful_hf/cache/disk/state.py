@@ -18,10 +18,9 @@ Every method runs with the store lock held.
 from __future__ import annotations
 
 from ..errors import StoreError
-from ..prefix.key import PrefixScope
+from ..prefix.index import PrefixScope
 from ..prefix.sharing import PrefixSharing
-from ..session import ON_DISK, Chunk, ChunkState, Session
-from ..session_table import SessionTable
+from ..session import ON_DISK, Chunk, ChunkState, Session, SessionTable
 from ..tenant import tenant_of
 from ..transfer import Transfer
 from .file import identity_tags

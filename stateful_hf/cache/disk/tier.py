@@ -48,6 +48,7 @@ from dataclasses import dataclass
 
 from ..hidden.states import HiddenSpec
 from ..spec import KVSpec
+from ..tier import LazyFree
 from .directory import DiskDirectory
 from .file import DiskFile
 from .index import SessionRow, unpack_ids
@@ -70,20 +71,22 @@ class SavedSession:
 class DiskTier:
     """Opens (or creates) the tier in `directory` for `spec` and the model `fingerprint`, with
     `num_blocks` KV slots (`DiskDirectory`: relocating if the saved file has another size). Raises
-    StoreError, leaving nothing behind that it created, when the directory cannot be used.
+    StoreError, leaving nothing behind that it created, when the directory cannot be used. Its pools
+    free through `transfer` (the store's; None outside a store).
 
     Mutates: its pools' free lists, limbo, checksums and proofs (`write_done`, `verify`, `retag`,
     `commit`), the index's rows (`commit`), its failure state (`failing`, the counters)."""
 
-    def __init__(self, spec: KVSpec, directory: str | os.PathLike, num_blocks: int, fingerprint: str = ""):
+    def __init__(self, spec: KVSpec, directory: str | os.PathLike, num_blocks: int, fingerprint: str = "",
+                 transfer: LazyFree | None = None):
         self.directory = DiskDirectory(spec, directory, num_blocks, fingerprint)
-        self.dir, self.spec = self.directory.path, spec
+        self.dir, self.spec, self.transfer = self.directory.path, spec, transfer
         self.files: dict[str, DiskFile] = self.directory.files     # read-only here: the directory's
         self.failing: set[str] = set()          # durability steps whose last try failed: "flush", "commit"
         self.write_failures, self.checksum_failures = 0, 0
         self.hidden_pool: DiskHiddenPool | None = None
         kv = self.directory.kv
-        self.pool = DiskPool(spec, kv.slots, data=kv.parts[0])
+        self.pool = DiskPool(spec, kv.slots, data=kv.parts[0], transfer=transfer)
         self.directory.remove_leftovers()
 
     def open_hidden(self, spec: HiddenSpec, num_blocks: int) -> bool:
@@ -99,7 +102,7 @@ class DiskTier:
                     (spec.kv_layers, n, 2, bs, kv.num_kv_heads, kv.head_dim)]
 
         f = self.directory.open_file("hidden", shapes, num_blocks, {"hidden.geometry": geometry})
-        self.hidden_pool = DiskHiddenPool(spec, f.slots, data=(f.parts[0], f.parts[1]))
+        self.hidden_pool = DiskHiddenPool(spec, f.slots, data=(f.parts[0], f.parts[1]), transfer=self.transfer)
         self.directory.remove_leftovers()
         return same
 

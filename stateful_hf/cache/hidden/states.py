@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kv_writer import write_kv
-from ..pool import BlockPool, block_runs, host_zeros, resident_bytes
+from ..pool import BlockPool, block_runs, host_zeros, resident_bytes, write_kv
 from ..spec import KVSpec
+from ..tier import LazyFree, TierPool
 
 # (layer, hidden [n, D], positions [n]) -> (K, V), each [n, kv_heads, head_dim], on the hidden's device
 Projector = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -68,10 +68,11 @@ class HiddenPool(BlockPool):
     kv:     [kv_layers, num_blocks, 2, block_size, kv_heads, head_dim]  (layer i is model layer L_H + i)
     """
 
-    slice_blocks = False     # a slot is hidden[:, b] and kv[:, b]: copied by copy_slots, never by the transfer
+    slice_blocks = False     # a slot is hidden[:, b] and kv[:, b]: copied slot-wise (`copy_slots`, `store_from`)
 
     def __init__(self, spec: HiddenSpec, num_blocks: int, device: torch.device | str = "cpu", *,
-                 pin_memory: bool = False, data: tuple[torch.Tensor, torch.Tensor] | None = None):
+                 pin_memory: bool = False, data: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 transfer: LazyFree | None = None):
         kv, bs = spec.kv, spec.kv.block_size
         shapes = ((spec.hidden_layers, num_blocks, bs, spec.hidden_size),
                   (spec.kv_layers, num_blocks, 2, bs, kv.num_kv_heads, kv.head_dim))
@@ -86,11 +87,16 @@ class HiddenPool(BlockPool):
         self.spec, self.hidden_spec, self.num_blocks = kv, spec, num_blocks
         self.hidden, self.kv = data
         self.data = self.kv          # BlockPool.device reads it; `bytes` is overridden below
+        self.transfer, self.device_tier = transfer, False
         self._free = list(range(num_blocks - 1, -1, -1))
 
     @property
     def device(self) -> torch.device:
         return self.hidden.device if self.hidden.numel() else self.kv.device
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return self.hidden_spec.bytes_per_block
 
     @property
     def bytes(self) -> int:
@@ -103,8 +109,9 @@ class HiddenPool(BlockPool):
     def layer(self, layer: int):
         raise TypeError("a hidden pool has no K/V view per layer; restore it through HiddenRestore")
 
-    def store_from(self, capture: HiddenCapture, device_pool: BlockPool, blocks: list[int], slots: list[int]) -> None:
-        """Keep device blocks' chunks here: hidden layers from the capture, KV layers from the pool."""
+    def store_from(self, capture: HiddenCapture, device_pool: TierPool, blocks: list[int], slots: list[int]) -> None:
+        """Keep device blocks' chunks here: hidden layers from the capture, KV layers from the pool
+        (issued by `Transfer.store_hidden`). Mutates: slots `slots`."""
         src = torch.tensor(blocks, dtype=torch.long)
         dst = torch.tensor(slots, dtype=torch.long, device=self.device)
         for layer in range(self.hidden_spec.hidden_layers):
@@ -115,7 +122,8 @@ class HiddenPool(BlockPool):
             self.kv[i].index_copy_(0, dst, part.to(self.device))
 
     def copy_slots(self, src_ids: list[int], dst: HiddenPool, dst_ids: list[int]) -> None:
-        """dst[:, dst_ids] = self[:, src_ids] (hidden <-> hidden tiers, e.g. host and disk)."""
+        """dst[:, dst_ids] = self[:, src_ids] (hidden <-> hidden tiers, e.g. host and disk; in a store,
+        issued by `Transfer.copy_hidden`). Mutates: `dst`'s slots `dst_ids`."""
         runs = block_runs(src_ids, dst_ids)      # one slice copy per run of consecutive slots
         for a, b in ((self.hidden, dst.hidden), (self.kv, dst.kv)):
             for s, d, n in runs:
@@ -158,7 +166,7 @@ class HiddenRestore:
 
     `run(layer, device_pool)` is called before that layer runs (`StepBatch.before_layer`, after the
     layer's capture): hidden layers are projected to K/V by the model's modules, KV layers are read
-    from the chunk; both are written through the one K/V writer (`kv_writer.write_kv`). Each layer
+    from the chunk; both are written through the one K/V writer (`pool.write_kv`). Each layer
     runs once; `finish` runs whatever a forward did not reach."""
 
     def __init__(self, capture: HiddenCapture, project: Projector, counters=None):

@@ -18,41 +18,44 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ...options import HiddenStates
 from ..session import HIDDEN_FORMS, ChunkState, Session
 from ..spec import KVSpec, capacity_in_blocks
 from ..stats import Counters
+from ..tier import LazyFree
 from .states import HiddenCapture, HiddenPool, HiddenRestore, HiddenSpec, Projector, StepHidden
 
 if TYPE_CHECKING:
     from ..disk.tier import DiskTier
 
-HIDDEN_MODES = ("auto", "always", "never")
+HIDDEN_MODES = tuple(HiddenStates)
 DEVICE, HIDDEN, DISK, DROPPED = ChunkState.DEVICE, ChunkState.HIDDEN, ChunkState.DISK, ChunkState.DROPPED
 
 
 def open_hidden_tier(mode: str, spec: HiddenSpec | None, project: Projector | None, kv: KVSpec, device_blocks: int,
-                     capacity, host_capacity, disk: DiskTier | None, disk_capacity=None) -> HiddenTier | None:
+                     capacity, host_capacity, disk: DiskTier | None, disk_capacity=None,
+                     transfer: LazyFree | None = None) -> HiddenTier | None:
     """The store's hidden tier, or None when it captures nothing. mode "never": None. "always":
     capture while computing and keep chunks moving down from the device as hidden states. "auto":
     like "always" when a layer's hidden state is smaller than its K+V (MHA), else None (GQA keeps
     KV). With a disk tier, hidden chunks moving down from the host stay hidden states in its hidden
     file, which holds `disk_capacity` (tokens or a size). `capacity`: the hidden pool (default
-    `host_capacity`)."""
-    if mode not in HIDDEN_MODES:
-        raise ValueError(f"hidden_states must be one of {HIDDEN_MODES}, got {mode!r}")
-    if mode == "never":
+    `host_capacity`), which frees through `transfer` (the store's)."""
+    mode = HiddenStates.of("hidden_states", mode)
+    if mode is HiddenStates.NEVER:
         return None
     if spec is None or project is None:
         raise ValueError(f"hidden_states={mode!r} needs a HiddenSpec and a projector (hidden -> K/V)")
     if spec.kv != kv:
         raise ValueError("the HiddenSpec must describe the store's own KV geometry")
-    if mode == "auto" and spec.hidden_size >= 2 * spec.kv.num_kv_heads * spec.kv.head_dim:
+    if mode is HiddenStates.AUTO and spec.hidden_size >= 2 * spec.kv.num_kv_heads * spec.kv.head_dim:
         return None
     capacity = capacity if capacity is not None else host_capacity
     if capacity is None:
         raise ValueError(f"hidden_states={mode!r} needs room for hidden states: give hidden_capacity "
                          "(or host_capacity, which it defaults to)")
-    pool = HiddenPool(spec, capacity_in_blocks(capacity, spec), "cpu", pin_memory=kv.device.type == "cuda")
+    pool = HiddenPool(spec, capacity_in_blocks(capacity, spec), "cpu", pin_memory=kv.device.type == "cuda",
+                      transfer=transfer)
     disk_pool = None
     if disk is not None:
         disk.open_hidden(spec, capacity_in_blocks(disk_capacity or "1GiB", spec))

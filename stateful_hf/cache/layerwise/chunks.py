@@ -11,7 +11,8 @@ down and becomes HOST.
 
 Owns: the staging choice (`stage`). Exists only in a store made with layerwise_kv=True.
 Collaborators: the pools (their residue table: `place_residues` / `free_residue`), placement (slots,
-room, move records), the transfer engine, the counters (written: swapped_out_host).
+room, move records), the transfer engine (every copy: `copy` and, for kept layers, `copy_layers`), the
+counters (written: swapped_out_host).
 Mutates: LAYERED chunks (created by `fill`, pushed down, settled to HOST), a busy session's DEVICE
 chunks (`offload_device`), the host pool and the residue table. Store lock held throughout.
 """
@@ -20,15 +21,14 @@ from __future__ import annotations
 
 import time
 
-import torch
-
-from ..chunk_needs import check_factor
+from ...options import Layout
 from ..errors import CapacityError
 from ..placement import Items, Placement
 from ..session import Chunk, ChunkState, Session
 from ..stats import Counters
 from ..tier_pools import TierPools
 from ..transfer import Transfer
+from ..turn import check_factor
 from .residues import kept_layers
 from .step import LayeredStep
 
@@ -39,7 +39,7 @@ class LayeredChunks:
     """Built only for a store made with layerwise_kv=True (otherwise the store has no layered part)."""
 
     def __init__(self, tiers: TierPools, placement: Placement, transfer: Transfer, counters: Counters, *,
-                 layout: str, attn_backend: str, capturing: bool):
+                 layout: Layout, attn_backend: str, capturing: bool):
         # stage host-resident layers onto the device per layer (None: when the host pool is elsewhere,
         # i.e. on CUDA; True: on the CPU too, which is how tests cover the staging path)
         self.stage: bool | None = None
@@ -49,7 +49,7 @@ class LayeredChunks:
         if tiers.host is None:
             raise ValueError("layerwise_kv needs a host tier (host_capacity): the layers a chunk does not keep on "
                              "the device live there")
-        if layout != "paged":
+        if layout is not Layout.PAGED:
             raise ValueError(f"layerwise_kv works with layout='paged' only, not {layout!r} (the virtual "
                              "layout's dense kernels read one contiguous slot per session)")
         if attn_backend != "torch":
@@ -92,13 +92,12 @@ class LayeredChunks:
         """Copy the kept layers of LAYERED chunks with a residue block to their host slots and give the
         residues back (they then read every layer from the host). Returns device blocks freed."""
         items = [(s, k) for s, k in items if s.chunks[k].state is LAYERED and s.chunks[k].residue_block is not None]
-        device, host = self.tiers.device, self.tiers.host
-        for layer in range(self.num_layers):       # one batched copy per layer
+        moves = []                                 # one batched copy per layer
+        for layer in range(self.num_layers):
             moved = [s.chunks[k] for s, k in items
                      if layer in kept_layers(self.num_layers, *s.chunks[k].residue_block[1:])]
-            if moved:
-                dev = torch.tensor([c.residue_block[0] for c in moved], device=device.device)
-                host.write(layer, torch.tensor([c.loc for c in moved]), device.read(layer, dev).to(host.device))
+            moves.append((layer, [c.residue_block[0] for c in moved], [c.loc for c in moved]))
+        self.transfer.copy_layers(self.tiers.device, self.tiers.host, moves)
         freed = 0
         for s, k in items:
             c = s.chunks[k]

@@ -3,7 +3,7 @@ written and which context blocks attention reads from the host, layer by layer.
 
 Built once per step by the store when any row or context chunk is LAYERED; every layer's attention
 reaches it through `StepBatch.write_rows`, which hands it the layer's rows. Every row it places goes
-through the one K/V writer (`kv_writer.write_kv`): device blocks, the host pool, staged buffers.
+through the one K/V writer (`pool.write_kv`): device blocks, the host pool, staged buffers.
 A chunk's layer l is on the device when the chunk is DEVICE (factor 1) or LAYERED with a share
 (factor f >= 2) and l % f == its residue; otherwise it is in the chunk's host slot. Layers with the
 same on-device pattern share one placement (made once).
@@ -25,8 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ...kernels import Overlay
-from ..kv_writer import write_kv
-from ..pool import BlockPool
+from ..pool import BlockPool, write_kv
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,8 +4,7 @@ feature: it is on by default (`prefix_sharing=None`: wherever the layout allows 
 modules run on every turn; `prefix_sharing=False` turns the index off but the part stays.
 """
 
-from .index import PrefixEntry, PrefixIndex
-from .key import PrefixKeys, PrefixScope, xxh3_128
+from .index import PrefixEntry, PrefixIndex, PrefixKeys, PrefixScope, xxh3_128
 from .sharing import PrefixSharing
 
 __all__ = ["PrefixEntry", "PrefixIndex", "PrefixKeys", "PrefixScope", "PrefixSharing", "xxh3_128"]

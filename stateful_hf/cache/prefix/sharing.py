@@ -13,7 +13,7 @@ What may happen to a shared chunk (the rules; `integrity.check_sharing` asserts 
   the index by `register` (a step committed a full DEVICE chunk whose parent is indexed).
 - It moves between device, host and hidden states in place, once for all holders; it moves only
   when no holder is busy (a running request reads it) and none is excluded, and the policy ranks it
-  by its most valuable holder (`candidates`: the key is the max over holders).
+  by its most valuable holder (`Placement.victims`: the key is the max over holders).
 - It goes to disk (DISK, DISK_HIDDEN) once for all holders and stays shared and indexed there: one
   disk slot, named by a row of each holder in the disk index (same k, same checksum: the identity
   tag chains the prefix's ids, the same for every holder). It comes up in place, proven once (the
@@ -40,8 +40,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from ..session import ON_DISK, Chunk, ChunkState, Session
 from ..tenant import tenant_of
-from .index import PrefixEntry, PrefixIndex
-from .key import PrefixScope
+from .index import PrefixEntry, PrefixIndex, PrefixScope
 
 DEVICE, DROPPED = ChunkState.DEVICE, ChunkState.DROPPED
 
@@ -66,6 +65,8 @@ class PrefixSharing:
     def scope(self, s: Session, cache_salt: str | None = None) -> PrefixScope:
         """The session's sharing scope: its tenant and the `cache_salt` of its first turn. A later
         turn with another salt is refused (ValueError): its history was shared under the first."""
+        if s.scope is not None and s.scope.cache_salt == cache_salt:
+            return s.scope                 # a returning turn: its tenant was checked at the first
         want = PrefixScope(tenant_of(s.session_id), cache_salt)
         if s.scope is None:
             s.scope = want

@@ -33,6 +33,7 @@ import threading
 import torch
 
 from ..spec import KVSpec
+from ..tier import LazyFree
 from .reservation import CudaReservation
 
 PAGE = mmap.PAGESIZE
@@ -43,12 +44,16 @@ class NoSlotError(MemoryError):
 
 
 class VirtualPool:
-    """Same contract as BlockPool (`allocate`/`free`/`layer`/`read`/`write`/`check`), except that
-    `allocate` needs the owner of each block, because a block's id follows from (slot, chunk)."""
+    """The contract of every pool (`tier.TierPool`), except that `allocate` needs the owner of each
+    block, because a block's id follows from (slot, chunk); plus the slots (`slot_of`, `free_slots`,
+    `slots_needed`), deferred reclamation (`reclaim`) and pages mapped ahead (`prefetch`)."""
 
     virtual = True
+    device_tier = True       # always the device tier
+    slice_blocks = False     # block b is not data[:, b]: copies go through read / write
 
-    def __init__(self, spec: KVSpec, capacity_blocks: int, max_context: int, keep_bytes: int = 64 << 20):
+    def __init__(self, spec: KVSpec, capacity_blocks: int, max_context: int, keep_bytes: int = 64 << 20, *,
+                 transfer: LazyFree | None = None):
         bs = spec.block_size
         self.spec = spec
         self.blocks_per_slot = -(-max_context // bs)
@@ -79,7 +84,7 @@ class VirtualPool:
         self.keep_bytes = keep_bytes
         self._cached: dict[int, bool] = {}           # free block with committed pages -> holds stale KV; oldest first
         self._guard = threading.RLock()
-        self.transfer = None    # set by the store: frees go through Transfer.release (transfer.py)
+        self.transfer = transfer    # frees go through Transfer.release (transfer.py); None outside a store
         self.pages_released = 0
         self.blocks_prefetched = 0
 
@@ -96,6 +101,10 @@ class VirtualPool:
     @property
     def free_slots(self) -> int:
         return len(self._free_slots)
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return self.spec.bytes_per_block
 
     @property
     def bytes(self) -> int:
@@ -166,9 +175,13 @@ class VirtualPool:
                 yield rows, start, start + bs * self._row_bytes
 
     def free(self, blocks: list[int]) -> None:
-        """Blocks become free; their pages stay committed (cached) within `keep_bytes`."""
-        if self.transfer is not None and blocks:
-            blocks = self.transfer.release(self, blocks)
+        """Blocks become free once no copy in flight touches them (`Transfer.release` waits for those
+        copies). Mutates: the blocks in use, the slots, the cached pages."""
+        self.give_back(self.transfer.release(self, blocks) if self.transfer is not None and blocks else blocks)
+
+    def give_back(self, blocks: list[int]) -> None:
+        """Blocks no copy touches become free; their pages stay committed (cached) within `keep_bytes`.
+        Mutates: the blocks in use, the slots, the cached pages."""
         with self._guard, torch.inference_mode():
             for block in blocks:
                 sid = self._used.pop(block)

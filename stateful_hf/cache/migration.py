@@ -1,0 +1,141 @@
+"""One session's history and stored KV out of a store and into another (`SessionExport`): KV
+migration between replicas, and filling a store from one prefilled session.
+
+- export (`KVStore.export_session`): the session must be idle (SessionBusyError otherwise: no turn,
+  hint or eviction is touching it). Hidden chunks are first projected back to K/V on the device,
+  best effort; disk chunks are proven before they are read; then every chunk whose K/V is stored
+  (device, host or disk) is copied out through the transfer engine (`Transfer.read_out`). Chunks
+  whose K/V is nowhere are left out: the importer marks them dropped and the next turn recomputes
+  them, as it would have on the holder.
+- import (`KVStore.import_session`): any older copy of the session is deleted; the session is
+  leased, one step is planned over its whole history (device blocks allocated, token ids appended,
+  exactly as for a prefill), the exported blocks are written into those blocks instead of running a
+  forward (`Transfer.write_in`) and the step is committed; left-out chunks then become dropped. The
+  session lands on the device, its fastest tier. A failure deletes the half-imported session.
+
+Both run with the store lock held, through the store's parts; nothing else reads or writes pool data.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from .errors import SessionBusyError
+from .session import HIDDEN_FORMS, ChunkState, Session
+from .spec import KVSpec
+
+if TYPE_CHECKING:
+    from .store_parts import StoreParts
+
+STORED = (ChunkState.DEVICE, ChunkState.HOST, ChunkState.DISK)    # K/V in a block of one of these pools
+
+
+@dataclass(frozen=True)
+class SessionExport:
+    """One session's history and stored KV. `kv[i]` is chunk `chunks[i]`'s block,
+    [layers, 2, block_size, kv_heads, head_dim] on the CPU."""
+
+    session_id: str
+    token_ids: list[int]
+    block_size: int
+    geometry: tuple             # (layers, kv_heads, head_dim, dtype name): `geometry(spec)`
+    chunks: list[int]           # ascending chunk indices whose K/V came along
+    kv: torch.Tensor            # [len(chunks), layers, 2, block_size, kv_heads, head_dim]
+
+    def __post_init__(self) -> None:
+        assert self.kv.shape[0] == len(self.chunks), (self.kv.shape, len(self.chunks))
+        assert self.chunks == sorted(set(self.chunks)), self.chunks
+        assert all(0 <= k < -(-len(self.token_ids) // self.block_size) for k in self.chunks), self.chunks
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def kv_tokens(self) -> int:
+        n, bs = len(self.token_ids), self.block_size
+        return sum(min(bs, n - k * bs) for k in self.chunks)
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+    def save(self, path) -> None:
+        """Write to a file (safetensors): a transfer through a shared directory."""
+        from safetensors.torch import save_file
+        meta = {"session_id": self.session_id, "token_ids": self.token_ids, "block_size": self.block_size,
+                "geometry": list(self.geometry), "chunks": self.chunks}
+        save_file({"kv": self.kv.contiguous()}, str(path), metadata={"export": json.dumps(meta)})
+
+    @classmethod
+    def load(cls, path) -> SessionExport:
+        from safetensors import safe_open
+        with safe_open(str(path), framework="pt") as f:
+            meta = json.loads(f.metadata()["export"])
+            kv = f.get_tensor("kv")
+        return cls(meta["session_id"], meta["token_ids"], meta["block_size"], tuple(meta["geometry"]),
+                   meta["chunks"], kv)
+
+
+def geometry(spec: KVSpec) -> tuple:
+    return (spec.num_layers, spec.num_kv_heads, spec.head_dim, str(spec.dtype).removeprefix("torch."))
+
+
+def export_session(p: StoreParts, spec: KVSpec, s: Session) -> SessionExport:
+    """`KVStore.export_session`. Mutates: hidden chunks' tier (projected to the device, best effort)."""
+    if s.busy:
+        raise SessionBusyError(s.session_id)
+    hidden = [k for k, c in enumerate(s.chunks) if c.state in HIDDEN_FORMS]
+    if hidden:                                 # if not possible: left out below, recomputed by the next turn
+        with contextlib.suppress(Exception), p.placement.moving("explicit"):
+            p.relocation.move(s, hidden, ChunkState.DEVICE)
+    p.history.missing_positions(s, None)       # disk chunks are proven (or dropped) before they are read
+    chunks = [k for k, c in enumerate(s.chunks) if c.state in STORED]
+    kv = torch.empty((len(chunks), spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim),
+                     dtype=spec.dtype)
+    for state in STORED:
+        rows = [i for i, k in enumerate(chunks) if s.chunks[k].state is state]
+        if rows:
+            kv[rows] = p.transfer.read_out(p.tiers.pool(state), [s.chunks[chunks[i]].loc for i in rows])
+    return SessionExport(s.session_id, list(s.token_ids), spec.block_size, geometry(spec), chunks, kv)
+
+
+def import_session(p: StoreParts, spec: KVSpec, exp: SessionExport) -> int:
+    """`KVStore.import_session`: the tokens whose KV was imported. Mutates: the session (replaced)."""
+    if exp.block_size != spec.block_size or tuple(exp.geometry) != geometry(spec):
+        raise ValueError(f"session {exp.session_id!r}: exported KV has geometry {tuple(exp.geometry)} / block "
+                         f"{exp.block_size}, this store {geometry(spec)} / block {spec.block_size}")
+    sid, n = exp.session_id, len(exp.token_ids)
+    old = p.sessions.find(sid)
+    if old is not None:
+        p.history.delete(old, keep_shared=False)        # SessionBusyError while a turn holds it
+    if not n:
+        return 0
+    s = p.sessions.open(sid)
+    p.sessions.acquire(sid)
+    try:
+        step = p.planner.plan([(sid, exp.token_ids, list(range(n)))], None)
+        try:
+            p.transfer.write_in(p.tiers.device, [s.chunks[k].loc for k in exp.chunks], exp.kv)
+            if p.hidden is not None:                      # no hidden states came with the KV
+                for c in s.chunks:
+                    p.hidden.capture.valid[c.loc] = False
+            p.planner.commit(step)
+        except BaseException:
+            p.planner.abort(step)
+            raise
+    except BaseException:
+        p.sessions.release(s)
+        p.history.delete(s, keep_shared=False)
+        raise
+    p.sessions.release(s)
+    absent = sorted(set(range(-(-n // spec.block_size))) - set(exp.chunks))
+    if absent:
+        with p.placement.moving("explicit"):
+            p.relocation.move(s, absent, ChunkState.DROPPED)
+    return exp.kv_tokens
