@@ -160,7 +160,8 @@ def test_the_demo_shares_the_store_and_model_flags():
                                     "--host-capacity", "0", "--hidden-capacity", "2GiB"])
     assert flags.store_options(server_parser(), a) == {
         "device_capacity": "256MiB", "host_capacity": None, "disk_dir": None, "disk_capacity": None, "chunk_size": 32,
-        "attn_backend": "torch", "policy": "lru", "hidden_states": "always", "hidden_capacity": "2GiB"}
+        "attn_backend": "torch", "policy": "lru", "hidden_states": "always", "hidden_capacity": "2GiB",
+        "max_sessions": None, "session_ttl": None}
 
 
 # ---- a real server ----------------------------------------------------------------------------------

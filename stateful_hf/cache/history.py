@@ -11,6 +11,7 @@ index: the facade does after each call. Every method runs with the store lock he
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -37,6 +38,8 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
             break
         n += 1
     return n
+
+log = logging.getLogger("stateful_hf.store")
 
 
 def kept_prefix(history: Sequence[int], prompt: Sequence[int]) -> int:
@@ -74,15 +77,35 @@ class History:
         keep = self.sharing.retainable(s) if keep_shared else 0
         if keep:
             self.truncate(s, keep * self.block_size)
-            s.retained = True
+            self.sessions.retain(s, True)
             return
         for k in range(len(s.chunks)):
             self.tiers.release(s, k)
         self.sessions.remove(s.session_id)
 
+    def forget_idle(self, max_sessions: int | None, ttl: float | None) -> int:
+        """Forget idle sessions whole, least recently released first, while more than `max_sessions`
+        are held or the oldest was last active more than `ttl` seconds ago: what only they hold is
+        freed, what they share with others stays theirs (`delete`). O(sessions forgotten). Counts
+        `forgotten_sessions`."""
+        if max_sessions is None and ttl is None:
+            return 0
+        n, now = 0, self.sessions.clock()
+        while (s := self.sessions.oldest_idle()) is not None:
+            if not ((max_sessions is not None and self.sessions.live > max_sessions)
+                    or (ttl is not None and now - s.last_active > ttl)):
+                break
+            self.delete(s, keep_shared=False)
+            n += 1
+        if n:
+            self.placement.counters.forgotten_sessions += n
+            log.info("forgot %d idle sessions (max_sessions=%s, session_ttl=%s); %d held", n, max_sessions, ttl,
+                     self.sessions.live)
+        return n
+
     def collect_retained(self) -> None:
         """Retained sessions none of whose chunks can be found any more are deleted."""
-        for s in [s for s in self.sessions if s.retained and not s.busy and not self.sharing.findable(s)]:
+        for s in [s for s in self.sessions.retained() if not s.busy and not self.sharing.findable(s)]:
             self.delete(s, keep_shared=False)
 
     def adopt(self, s: Session, token_ids: Sequence[int], cache_salt: str | None) -> int:
@@ -95,7 +118,10 @@ class History:
         if s.busy:
             raise SessionBusyError(s.session_id)
         self._revive(s, cache_salt)
-        return self.sharing.adopt(s, token_ids, cache_salt, self.tiers.release)
+        got = self.sharing.adopt(s, token_ids, cache_salt, self.tiers.release)
+        if got:                                 # a shared chunk it took may be on the device
+            self.sessions.mark_device(s.session_id)
+        return got
 
     def _revive(self, s: Session, cache_salt: str | None) -> None:
         """A turn on the id of a retained session (deleted with `keep_shared`, then used again, e.g. a
@@ -105,7 +131,7 @@ class History:
         Mutates: `s.retained`, and the history of `s` (`truncate`) when the scope differs."""
         if not s.retained:
             return
-        s.retained = False
+        self.sessions.retain(s, False)
         if s.scope is not None and s.scope != PrefixScope(tenant_of(s.session_id), cache_salt):
             self.truncate(s, 0)
 

@@ -1,6 +1,6 @@
 """The store's integrity check: every slot of every tier is free or owned by exactly one chunk, and
-shared chunks agree with their holders and the prefix index. Read-only; the caller holds the store
-lock."""
+shared chunks agree with their holders and the prefix index. Read-only (but for the table's pruning of
+its device sessions); the caller holds the store lock."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ def check_integrity(sessions: SessionTable, tiers: TierPools, block_size: int) -
     (layerwise_kv) is owned per residue by distinct LAYERED chunks, each naming the block's factor,
     and by nothing else. A disk slot is owned by one chunk object; the disk index's rows naming it
     (one per holder of a shared chunk) all name that object, at one chunk index, with one checksum.
-    Shared chunks agree with their holders and the prefix index (`check_sharing`)."""
+    Shared chunks agree with their holders and the prefix index (`check_sharing`). The table's
+    `device_sessions()` are exactly the sessions holding device blocks, its `retained()` the retained ones."""
     owners: dict[ChunkState, dict[int, tuple[str, int]]] = {DEVICE: {}, HOST: {}, HIDDEN: {}, DISK: {}, DISK_HIDDEN: {}}
 
     def own(tier, slot, who):
@@ -30,6 +31,13 @@ def check_integrity(sessions: SessionTable, tiers: TierPools, block_size: int) -
         assert slot not in owners[tier], f"{tier.value} slot {slot} owned by {owners[tier][slot]} and {who}"
         owners[tier][slot] = who
 
+    holding = {s.session_id for s in sessions if s.holds_device}
+    listed = {s.session_id for s in sessions.device_sessions()}
+    assert holding == listed, f"sessions holding device blocks {sorted(holding)} != device_sessions {sorted(listed)}"
+    retained = {s.session_id for s in sessions if s.retained}
+    assert retained == {s.session_id for s in sessions.retained()}, f"retained sessions {sorted(retained)}"
+    idle = [s.session_id for s in sessions if not s.busy and not s.retained]
+    assert sorted(idle) == sorted(sessions.idle_ids()), "the table's idle order lists other sessions"
     held: dict[tuple[int, int], tuple[tuple[str, int], int]] = {}   # (block, residue) -> (who, factor)
     seen: set[int] = set()          # chunk objects counted: a prefix-shared chunk is one object in many tables
     for s in sessions:

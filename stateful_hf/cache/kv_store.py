@@ -346,8 +346,9 @@ class KVStore:
             return self.tiers.device.reclaim() if self.layout is Layout.VIRTUAL else 0
 
     def maintain(self) -> None:
-        """Run ahead-of-time swap-out now (it also runs whenever a lease ends)."""
+        """Forget idle sessions past the bounds, swap out ahead of time (also whenever a lease ends)."""
         with self.lock:
+            self.history.forget_idle(self.config.max_sessions, self.config.session_ttl)
             self.placement.swap_out_ahead()
             self.history.collect_retained()
             self._sync_disk()

@@ -116,7 +116,9 @@ class Placement:
         its value counts every holder). Every choice of what moves down is made here. Reads only."""
         sharing = self.tiers.sharing
         key = self._ranking()
-        found = sharing.unique((s, k) for s in self.sessions if not s.busy and s.session_id not in exclude
+        # a DEVICE chunk or a shadow is held by a session holding device blocks: not the idle ones held below
+        pool = self.sessions.device_sessions() if state is DEVICE or shadowed else self.sessions
+        found = sharing.unique((s, k) for s in pool if not s.busy and s.session_id not in exclude
                                for k, c in enumerate(s.chunks)
                                if c.state is state and (shadowed is None or (c.shadow is not None) == shadowed)
                                and sharing.free_to_move(c, exclude))
@@ -264,8 +266,12 @@ class Placement:
         if (self.tiers.host is None and self.tiers.hidden is None) or self.transfer.swap_in_pending() \
                 or pool.virtual:   # a virtual layout frees slots on demand instead
             return
-        shadows = sum(1 for _, _, c in self.tiers.sharing.physical(self.sessions) if c.shadow is not None)
-        want = math.ceil(self.swap_out_threshold * pool.num_blocks) - pool.num_free - shadows
+        floor = math.ceil(self.swap_out_threshold * pool.num_blocks)
+        if pool.num_free >= floor:
+            return
+        shadows = sum(1 for _, _, c in self.tiers.sharing.physical(self.sessions.device_sessions())
+                      if c.shadow is not None)
+        want = floor - pool.num_free - shadows
         if want <= 0:
             return
         with self.moving("ahead"):

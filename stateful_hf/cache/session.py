@@ -13,8 +13,10 @@ chunks are changed by the other parts (`kv_store.py` lists who may change what),
 from __future__ import annotations
 
 import enum
+import itertools
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -131,6 +133,13 @@ class Session:
     # (epoch, n): as of the sharing's epoch `epoch`, chunks [0, n) are indexed (entries in the index);
     # written only by PrefixSharing (its `register` starts at chunk n while the epoch is unchanged)
     index_cursor: tuple[int, int] = (-1, 0)
+    seq: int = 0                        # the table's order (`SessionTable` numbers sessions as they join)
+
+    @property
+    def holds_device(self) -> bool:
+        """Whether a chunk of it holds a device block: DEVICE, a LAYERED chunk's residue, a cached shadow."""
+        return any(c.state is ChunkState.DEVICE or c.shadow is not None or c.residue_block is not None
+                   for c in self.chunks)
 
     @property
     def num_tokens(self) -> int:
@@ -159,6 +168,13 @@ class SessionTable:
         self.clock = clock
         self.lock = threading.RLock()          # every store method that reads or changes sessions holds it
         self._sessions: dict[str, Session] = {}
+        self._seq = itertools.count()
+        # A superset of the sessions holding device blocks (`device_sessions` prunes it): a turn's and a
+        # step's device work touches these, never the idle sessions held in lower tiers.
+        self._device: set[str] = set()
+        self._retained: set[str] = set()       # exactly the sessions with `retained` set
+        # The idle sessions that are not retained, least recently released first: who a bound forgets.
+        self._idle: OrderedDict[str, None] = OrderedDict()
 
     def get(self, session_id: str) -> Session:
         """The session; UnknownSessionError if there is none."""
@@ -176,16 +192,86 @@ class SessionTable:
             raise ValueError(f"session id must be a non-empty string, got {session_id!r}")
         s = self._sessions.get(session_id)
         if s is None:
-            s = self._sessions[session_id] = Session(session_id, last_active=self.clock())
+            s = self._sessions[session_id] = Session(session_id, last_active=self.clock(), seq=next(self._seq))
+            self._idle[session_id] = None
         return s
 
     def add(self, s: Session) -> None:
-        """Put a session made elsewhere (the disk index's, at startup). Mutates: the map."""
+        """Put a session made elsewhere (the disk index's, at startup). Mutates: the map, `s.seq`."""
+        s.seq = next(self._seq)
         self._sessions[s.session_id] = s
+        if s.retained:
+            self._retained.add(s.session_id)
+        elif not s.busy:
+            self._idle[s.session_id] = None
+        if s.holds_device:
+            self._device.add(s.session_id)
 
     def remove(self, session_id: str) -> None:
         """Forget a session (its chunks must have been released). Mutates: the map."""
         del self._sessions[session_id]
+        self._device.discard(session_id)
+        self._retained.discard(session_id)
+        self._idle.pop(session_id, None)
+
+    # ---- sessions that hold device blocks, retained sessions -------------------------------------
+
+    def mark_device(self, session_id: str) -> None:
+        """The session may hold device blocks from now on: called wherever a session's chunk may gain
+        one, once it has (a step's entries, a move up, adopting a shared chunk, the other holders of a
+        shared device chunk one holder lets go of): making room in between prunes the set. Mutates:
+        the marked set."""
+        self._device.add(session_id)
+
+    def device_sessions(self) -> list[Session]:
+        """Every session holding a device block, in table order: the marked ones and the other holders
+        of their shared device chunks. O(marked sessions and their chunks), whatever the number of
+        sessions held: marked ones that hold no block any more are forgotten here. Mutates: the
+        marked set only (`check_integrity` proves the result is every session holding a block)."""
+        out: dict[str, Session] = {}
+        for sid in list(self._device):
+            s = self._sessions.get(sid)
+            if s is None or not s.holds_device:
+                self._device.discard(sid)
+                continue
+            out[sid] = s
+            for c in s.chunks:
+                if c.entry is not None and len(c.entry.holders) > 1 and (
+                        c.state is ChunkState.DEVICE or c.shadow is not None or c.residue_block is not None):
+                    for h in c.entry.holders:
+                        hs = self._sessions.get(h)
+                        if hs is not None and h not in out:
+                            out[h] = hs
+                            self._device.add(h)
+        return sorted(out.values(), key=lambda s: s.seq)
+
+    def retain(self, s: Session, retained: bool) -> None:
+        """Set `s.retained` (History: deleted but kept for its shared prefix, or revived). Mutates: that flag."""
+        s.retained = retained
+        if retained:
+            self._retained.add(s.session_id)
+            self._idle.pop(s.session_id, None)
+        else:
+            self._retained.discard(s.session_id)
+            if not s.busy:
+                self._idle[s.session_id] = None
+
+    def retained(self) -> list[Session]:
+        """The retained sessions, in table order."""
+        return sorted((self._sessions[sid] for sid in self._retained), key=lambda s: s.seq)
+
+    @property
+    def live(self) -> int:
+        """Sessions held, retained ones aside."""
+        return len(self._sessions) - len(self._retained)
+
+    def idle_ids(self) -> list[str]:
+        """The idle sessions that are not retained, least recently released first."""
+        return list(self._idle)
+
+    def oldest_idle(self) -> Session | None:
+        """The least recently released idle session that is not retained; O(1)."""
+        return self._sessions[next(iter(self._idle))] if self._idle else None
 
     def __contains__(self, session_id: str) -> bool:
         return session_id in self._sessions
@@ -208,12 +294,16 @@ class SessionTable:
             raise SessionBusyError(session_id)
         gap = self.clock() - s.last_active if s.token_ids else None
         s.busy = s.turn_started = True
+        self._idle.pop(session_id, None)
         return s, gap
 
     def release(self, s: Session) -> None:
         """End a lease. Mutates: `busy`, `turn_started`, `in_turn`, `last_active`."""
         s.busy = s.turn_started = s.in_turn = False
         s.last_active = self.clock()
+        if not s.retained:
+            self._idle[s.session_id] = None
+            self._idle.move_to_end(s.session_id)
 
     def touch(self, s: Session, now: float) -> None:
         """The session was active at `now` (a step committed). Mutates: `last_active`."""

@@ -189,6 +189,8 @@ class StepPlanner:
                 if capture is not None:     # every token of it is computed while capturing
                     capture.valid[s.chunks[k].loc] = True
             entries.append(StepEntry(s.session_id, tuple(ids), tuple(pos), old_len, tuple(fill)))
+        for s in sessions:          # their chunks are on the device now (making room above prunes the set)
+            self.sessions.mark_device(s.session_id)
         return self._build(sessions, entries, events, restore)
 
     def _await_rebuilds(self, sessions: list[Session]) -> None:

@@ -45,6 +45,7 @@ class SwapIn:
         by the step) and keep their hidden slot as `source` until `settle`; DISK_HIDDEN chunks to
         HIDDEN are a copy of slots. Chunks still cached on the device (a shadow) take it back, no copy."""
         events, bs, tiers, record = [], self.block_size, self.tiers, self.placement.record
+        movers = [s for s, _ in items]
         items = tiers.sharing.unique(items)    # a chunk shared by sessions of one step moves once
         flips = [(s, k) for s, k in items if target is DEVICE and s.chunks[k].shadow is not None]
         for s, k in flips:
@@ -99,6 +100,9 @@ class SwapIn:
                         self.counters.swapped_in_host += n
                     else:
                         self.counters.swapped_in_disk += n
+        if target is DEVICE:                   # after the blocks are theirs: making room prunes the set
+            for s in movers:
+                self.sessions.mark_device(s.session_id)
         return events
 
     def settle(self, restore: HiddenRestore | None, ok: bool) -> None:

@@ -13,7 +13,7 @@ Every method runs with the store lock held.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from ..options import Layout
@@ -36,12 +36,13 @@ HIDDEN, DISK_HIDDEN, LAYERED = ChunkState.HIDDEN, ChunkState.DISK_HIDDEN, ChunkS
 class TierPools:
     def __init__(self, device: TierPool, host: BlockPool | None, disk: DiskTier | None, hidden: HiddenPool | None,
                  disk_hidden: HiddenPool | None, disk_state: DiskState | None, sharing: PrefixSharing,
-                 residues: ResidueTable | None):
+                 residues: ResidueTable | None, mark_device: Callable[[str], None]):
         self.device, self.host, self.disk = device, host, disk
         self.sharing = sharing
         self.hidden, self.disk_hidden = hidden, disk_hidden
         self.disk_state = disk_state           # None without a disk tier (then no chunk is ON_DISK)
         self.residues = residues               # layerwise_kv only; mutated only through place_residues / free_residue
+        self.mark_device = mark_device         # `SessionTable.mark_device`: who may hold device blocks
         self._by_state = {DEVICE: device, HOST: host, DISK: disk.pool if disk is not None else None,
                           HIDDEN: hidden, DISK_HIDDEN: disk_hidden,
                           LAYERED: host}       # a LAYERED chunk's host slot (its residue block: the table)
@@ -62,7 +63,11 @@ class TierPools:
         """Session `s` lets go of chunk k, which becomes a fresh DROPPED chunk of `s`; what it holds
         (slot, shadow, hidden source, residue) is freed unless other sessions still hold it (a shared
         chunk)."""
-        if self.sharing.detach(s, k):
+        c = s.chunks[k]
+        if self.sharing.detach(s, k):          # others still hold it: they keep its device block, if any
+            if c.state is DEVICE or c.shadow is not None or c.residue_block is not None:
+                for h in c.entry.holders:
+                    self.mark_device(h)
             return
         self.vacate(s.chunks[k])
         s.chunks[k] = Chunk()
@@ -163,8 +168,8 @@ class Capacity:
     def device_blocks(self) -> int:
         """Free device blocks, plus idle sessions' cached shadows and DEVICE chunks (which `plan_step`
         moves down). Busy sessions' blocks do not count."""
-        return self.tiers.device.num_free + count_chunks(self.sessions, DEVICE, self.sharing, shadows=True,
-                                                         idle_only=True)
+        return self.tiers.device.num_free + count_chunks(self.sessions.device_sessions(), DEVICE, self.sharing,
+                                                         shadows=True, idle_only=True)
 
     def host_blocks(self) -> int:
         """Free host slots plus idle sessions' HOST chunks (which move down to make room); 0 without a host tier."""

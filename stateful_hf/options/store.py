@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
-from .declare import Options, TokensOrSize, check_capacity, check_fraction, check_int, option
+from .declare import Options, TokensOrSize, check_capacity, check_fraction, check_int, check_seconds, option
 from .modes import HiddenStates, Layout
 
 CAPACITIES = ("host_capacity", "disk_capacity", "hidden_capacity", "hidden_disk_capacity")   # None: the default
@@ -83,6 +83,11 @@ class StoreOptions(Options):
     emulate_async: bool | None = option(None, "run every copy to or from the device under the CPU async "
                                         "emulator (docs/gpu.md); None: STATEFUL_HF_EMULATE_ASYNC=1 in the "
                                         "environment")
+    max_sessions: int | None = option(None, "sessions held at most: past it the least recently active idle ones "
+                                      "are forgotten whole (their next turn is a new conversation; shared prefixes "
+                                      "stay); None: no bound", flag=True)
+    session_ttl: float | None = option(None, "seconds an idle session is held after its last activity, then "
+                                       "forgotten whole; None: no limit", flag=True)
     prefix_sharing: bool | None = option(None, "full chunks of identical prefixes (same tenant and cache_salt) "
                                          "are held once (docs/prefix-sharing.md); None: on where it can be "
                                          "(the paged layout, no layerwise_kv)")
@@ -95,6 +100,8 @@ class StoreOptions(Options):
         check_capacity("keep_freed", self.keep_freed, zero=True)
         check_fraction("swap_out_threshold", self.swap_out_threshold)
         check_int("max_context", self.max_context, 1, none="the model's")
+        check_int("max_sessions", self.max_sessions, 1, none="no bound")
+        object.__setattr__(self, "session_ttl", check_seconds("session_ttl", self.session_ttl))
         object.__setattr__(self, "hidden_states", HiddenStates.of("hidden_states", self.hidden_states))
         object.__setattr__(self, "layout", Layout.of("layout", self.layout))
         if not isinstance(self.attn_backend, str):
@@ -166,6 +173,8 @@ class StoreKwargs(TypedDict, total=False):
     clock: Callable[[], float]
     layerwise_kv: bool
     emulate_async: bool | None
+    max_sessions: int | None
+    session_ttl: float | None
     prefix_sharing: bool | None
 
 

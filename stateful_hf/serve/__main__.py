@@ -108,6 +108,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ray-address", default="auto", help="with --ray: the cluster (`ray start --head` first)")
     p.add_argument("--replica-cpus", type=float, default=1.0, help="with --ray: CPUs per replica")
     p.add_argument("--replica-gpus", type=float, default=0.0, help="with --ray: GPUs per replica (1 = one device)")
+    p.add_argument("--router-db", metavar="PATH", help="with --ray: the router's session -> replica directory, kept "
+                   "in this SQLite file, so that a restarted router sends each returning turn to its replica")
     p.add_argument("--log-format", choices=("text", "json"), default="text", help="log lines as text or JSON objects")
     p.add_argument("--log-level", type=flags.log_level, default="info", help=f"one of {', '.join(flags.LOG_LEVELS)}")
     p.add_argument("--log-prompts", action="store_true", help="log prompt and completion text (off: never logged)")
@@ -179,7 +181,8 @@ def main(argv=None) -> None:
         run_cluster(a.model, options, a.replicas, host=a.host, port=a.port, address=a.ray_address,
                     served_name=a.served_model_name, default_max_tokens=a.default_max_tokens,
                     replica_cpus=a.replica_cpus, replica_gpus=a.replica_gpus, dtype=dtype, device=a.device,
-                    access=access, load=dict(hub, chat_template=template), max_model_len=a.max_model_len, seed=a.seed)
+                    access=access, load=dict(hub, chat_template=template), max_model_len=a.max_model_len, seed=a.seed,
+                    router_db=a.router_db)
         return
     import uvicorn
 

@@ -22,6 +22,7 @@ from ray import serve
 
 from . import logs
 from .app import ServeConfig, create_app
+from .directory import SessionDirectory
 from .protocol import APIError
 from .router import Router
 from .server import EngineOptions, context_length, load_model
@@ -140,8 +141,10 @@ class Ingress:
     """The HTTP app and the router (one instance: the router's view of sessions is global)."""
 
     def __init__(self, model_path: str | None, served_name: str | None, default_max_tokens: int | None, *replicas,
-                 access=None, load: dict | None = None, max_model_len: int | None = None, seed: int | None = None):
-        """`load`: `load_model`'s keyword arguments (revision, trust_remote_code, chat_template)."""
+                 access=None, load: dict | None = None, max_model_len: int | None = None, seed: int | None = None,
+                 router_db: str | None = None):
+        """`load`: `load_model`'s keyword arguments (revision, trust_remote_code, chat_template).
+        `router_db`: the router's session directory file (SQLite; None: in memory only)."""
         from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
         from ..models import SOURCES, TINY_MODEL, model_dir, use_chat_template
@@ -163,7 +166,8 @@ class Ingress:
                 generation = GenerationConfig.from_model_config(config)
         if load.get("chat_template") is not None:
             use_chat_template(tokenizer, load["chat_template"])
-        self.router = Router([RayClient(h, f"replica-{i}") for i, h in enumerate(replicas)])
+        directory = SessionDirectory(router_db, len(replicas)) if router_db is not None else None
+        self.router = Router([RayClient(h, f"replica-{i}") for i, h in enumerate(replicas)], directory=directory)
         self.config = ServeConfig(served_name or name, tokenizer, context_length(max_len, max_model_len),
                                   default_max_tokens, generation, seed)
         self.access = access        # keys file read here at deploy (SIGHUP reload: single machine only)
@@ -175,7 +179,7 @@ class Ingress:
 def build_app(model_path: str | None, options: EngineOptions, replicas: int, served_name: str | None = None,
               default_max_tokens: int | None = None, replica_cpus: float = 1.0, replica_gpus: float = 0.0,
               dtype: str = "float32", device: str = "cpu", access=None, load: dict | None = None,
-              max_model_len: int | None = None, seed: int | None = None):
+              max_model_len: int | None = None, seed: int | None = None, router_db: str | None = None):
     """The Serve application: `replicas` engine deployments behind the ingress. `load`: `load_model`'s
     keyword arguments; `max_model_len`, `seed`: `build_local`'s."""
     from ..models import SOURCES, fetch
@@ -188,7 +192,8 @@ def build_app(model_path: str | None, options: EngineOptions, replicas: int, ser
         for i in range(replicas)]
     return Ingress.options(ray_actor_options={"num_cpus": 0}).bind(model_path, served_name, default_max_tokens,
                                                                     *engines, access=access, load=load,
-                                                                    max_model_len=max_model_len, seed=seed)
+                                                                    max_model_len=max_model_len, seed=seed,
+                                                                    router_db=router_db)
 
 
 def start(model_path: str | None, options: EngineOptions, replicas: int, *, host: str = "127.0.0.1",

@@ -118,6 +118,12 @@ def _is_capacity(f: Field) -> bool:
     return "TokensOrSize" in str(f.type)
 
 
+def _value_type(f: Field):
+    """What a flag's text converts to: int or float by its option's annotation; capacities and names stay text."""
+    t = str(f.type)
+    return None if _is_capacity(f) else int if t.startswith("int") else float if t.startswith("float") else None
+
+
 def add_store_flags(p: argparse.ArgumentParser, device_capacity: str | int, host_capacity: str | int | None) -> None:
     """The session store's flags: every option of `SessionStoreOptions` marked `flag`
     (`stateful_hf/options/store.py`), with its help and default; `device_capacity` and `host_capacity`
@@ -131,7 +137,7 @@ def add_store_flags(p: argparse.ArgumentParser, device_capacity: str | int, host
         if f.name in choices:
             text += f"; one of {choices[f.name]}"
         g.add_argument(*flag_names(f), dest=f.name, default=str(default) if isinstance(default, Enum) else default,
-                       type=int if str(f.type) == "int" else None,
+                       type=_value_type(f),
                        metavar=f.metadata.get("metavar") or ("TOKENS|SIZE" if _is_capacity(f) else None), help=text)
 
 

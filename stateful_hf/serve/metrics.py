@@ -111,6 +111,7 @@ STORE_COUNTERS = {
     "restored_hidden": ("store_restored_hidden_tokens", "Tokens whose K/V was rebuilt from hidden states"),
     "restored_hidden_disk": ("store_restored_hidden_disk_tokens", "Of those, read from hidden states on disk"),
     "restore_seconds": ("store_hidden_restore_seconds", "Wall time spent rebuilding K/V from hidden states"),
+    "forgotten_sessions": ("store_forgotten_sessions", "Idle sessions forgotten whole past max_sessions / session_ttl"),
 }
 UNEXPORTED_COUNTERS: frozenset[str] = frozenset()      # Counters fields deliberately left out of /metrics
 # Move ledger totals (store.moves): name -> (MoveTotals field, help); labels src, dst, reason

@@ -16,7 +16,9 @@
   the same replica (where the engine's busy rule applies), and a migration waits for it to end.
 
 Replicas are reached through clients with one async interface (`LocalClient` in-process,
-`local_client.py`; `cluster.RayClient` for Ray Serve handles).
+`local_client.py`; `cluster.RayClient` for Ray Serve handles). Where each session is held is the
+router's `location`, a `SessionDirectory` (`directory.py`): kept in SQLite when given a path, so that
+a restarted router routes every returning turn to its holder without asking the replicas.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from collections import Counter
 from collections.abc import AsyncIterator
 
 from ..cache.tenant import DEFAULT_TENANT, split_key
+from .directory import SessionDirectory
 from .exposition import merge, render
 from .prefix_affinity import PrefixAffinity
 from .protocol import APIError
@@ -39,12 +42,13 @@ log = logging.getLogger(__name__)
 
 class Router:
     def __init__(self, clients: list, overload_slack: int = 2, hint_ttl: float = 60.0,
-                 affinity: PrefixAffinity | None = None):
+                 affinity: PrefixAffinity | None = None, directory: SessionDirectory | None = None):
         if not clients:
             raise ValueError("a router needs at least one replica")
         self.clients, self.overload_slack, self.hint_ttl = list(clients), overload_slack, hint_ttl
         n = len(self.clients)
-        self.location: dict[str, int] = {}        # session -> replica holding its KV
+        # session -> replica holding its KV (persistent with a path: `directory.py`)
+        self.location: SessionDirectory = directory if directory is not None else SessionDirectory()
         self.affinity = affinity or PrefixAffinity()   # prompt prefix -> replica that served it
         self.planned: dict[str, int] = {}         # hinted session -> replica its next request goes to
         self._plan_expiry: dict[str, float] = {}  # ... until then (a hint whose request never came)

@@ -1,0 +1,160 @@
+"""A returning turn's cost against the number of idle sessions a store holds (issue: scale).
+
+    python -m benchmarks.bench_scale --sizes 100 1000 10000 --turns 30 --json benchmarks/results/bench_scale.json
+
+One store per size, each holding that many idle conversations of `--tokens` tokens (tiny Llama, one
+torch thread), their KV on the host tier; every store has the same device capacity. Stores are filled
+through the store's own export / import from one prefilled session (each copy its own tenant, so no
+prefix is shared; then moved to the host), so 10^4 sessions take seconds. Then returning turns of
+`--new` new tokens (greedy, one generated token) run on sessions picked at random, round-robin over
+the sizes (interleaved, so load drift hits every size alike), through `model.generate` and through
+`Engine`. Each turn's answer is checked against stateless `generate` on the same ids: a wrong token
+fails the run. Reported per size and path: median and p99 milliseconds, and their ratio to the
+smallest size; the Python heap per idle session (tracemalloc over the fill, KV pools excluded: they
+are preallocated). `gc.freeze()` after filling keeps the collector off the held sessions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import random
+import statistics
+import time
+import tracemalloc
+
+import torch
+
+from stateful_hf import Engine, SamplingParams, SessionStore
+from stateful_hf.cache import session_key
+from stateful_hf.testing import tiny_llama
+
+
+def fill(model, size: int, tokens: int, device_tokens: int,
+         seed_ids: list[int]) -> tuple[SessionStore, list[str], float]:
+    """A store holding `size` idle copies of one prefilled session on the host; (store, ids, heap bytes
+    per session added by the fill)."""
+    store = SessionStore(model, device_tokens, host_capacity=(size + 8) * tokens + 4096)
+    ids = torch.tensor([seed_ids])
+    model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=store.cache("seed"), max_new_tokens=1,
+                   do_sample=False, pad_token_id=0)
+    store.truncate("seed", tokens)
+    exp = store.export_session("seed")
+    store.delete("seed")
+    sids = [session_key(f"t{i}", "c") for i in range(size)]
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    chunks = range(-(-tokens // store.block_size))
+    for sid in sids:
+        store.import_session(dataclasses.replace(exp, session_id=sid))
+        store.move(sid, chunks, "host")
+    after = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    return store, sids, (after - before) / size
+
+
+def turn_generate(model, store, sid: str, prompt: list[int]) -> tuple[float, list[int]]:
+    ids = torch.tensor([prompt])
+    t0 = time.perf_counter()
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=store.cache(sid),
+                         max_new_tokens=1, do_sample=False, pad_token_id=0)
+    return time.perf_counter() - t0, out[0, len(prompt):].tolist()
+
+
+def turn_engine(engine, sid: str, prompt: list[int]) -> tuple[float, list[int]]:
+    t0 = time.perf_counter()
+    out = engine.submit(sid, prompt, SamplingParams(max_new_tokens=1)).result()
+    return time.perf_counter() - t0, list(out.token_ids)
+
+
+def stateless(model, prompt: list[int]) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_scale", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", type=int, nargs="+", default=[100, 1000, 10000], help="idle sessions held per store")
+    ap.add_argument("--turns", type=int, default=30, help="returning turns per size and path")
+    ap.add_argument("--tokens", type=int, default=96, help="tokens per held conversation")
+    ap.add_argument("--new", type=int, default=3, help="new tokens of a returning turn")
+    ap.add_argument("--device-tokens", type=int, default=1024, help="the device tier of every store")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", help="write the figures and the environment here")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    rng = random.Random(a.seed)
+    model = tiny_llama()
+    vocab = model.config.vocab_size
+    seed_ids = [rng.randrange(3, vocab) for _ in range(a.tokens + 1)]
+    stores = {}
+    for size in a.sizes:
+        t0 = time.perf_counter()
+        store, sids, heap = fill(model, size, a.tokens, a.device_tokens, seed_ids)
+        stores[size] = {"store": store, "sids": sids, "heap_per_session": heap, "fill_s": time.perf_counter() - t0,
+                        "engine": Engine(model, store=store, step_threads=None, arrival_window=0)}
+        print(f"{size} sessions held: filled in {stores[size]['fill_s']:.1f} s, {heap:.0f} B of Python heap each",
+              flush=True)
+    gc.collect()
+    gc.freeze()
+    history = seed_ids[:a.tokens]
+    times = {size: {"generate": [], "engine": []} for size in a.sizes}
+    wrong = 0
+    for _ in range(a.turns):
+        for path in ("generate", "engine"):
+            for size in a.sizes:
+                st = stores[size]
+                sid = st["sids"].pop(rng.randrange(len(st["sids"])))
+                prompt = history + [rng.randrange(3, vocab) for _ in range(a.new)]
+                if path == "generate":
+                    t, got = turn_generate(model, st["store"], sid, prompt)
+                else:
+                    t, got = turn_engine(st["engine"], sid, prompt)
+                if got != stateless(model, prompt):
+                    wrong += 1
+                times[size][path].append(t)
+    for st in stores.values():
+        st["store"].check_integrity()
+        st["engine"].stop()
+    base = a.sizes[0]
+    rows = []
+    for size in a.sizes:
+        row = {"sessions": size, "heap_bytes_per_session": round(stores[size]["heap_per_session"], 1),
+               "fill_s": round(stores[size]["fill_s"], 2)}
+        for path in ("generate", "engine"):
+            xs = times[size][path]
+            med, p99 = statistics.median(xs), pct(xs, 0.99)
+            row[f"{path}_median_ms"], row[f"{path}_p99_ms"] = round(1e3 * med, 3), round(1e3 * p99, 3)
+            row[f"{path}_median_x"] = round(med / statistics.median(times[base][path]), 3)
+            row[f"{path}_p99_x"] = round(p99 / pct(times[base][path], 0.99), 3)
+        rows.append(row)
+    print(f"\n{'sessions':>9} {'heap B':>8}  {'gen med ms':>10} {'x':>6} {'gen p99':>8} {'x':>6}  "
+          f"{'eng med ms':>10} {'x':>6} {'eng p99':>8} {'x':>6}")
+    for r in rows:
+        print(f"{r['sessions']:>9} {r['heap_bytes_per_session']:>8.0f}  {r['generate_median_ms']:>10.2f} "
+              f"{r['generate_median_x']:>6.2f} {r['generate_p99_ms']:>8.2f} {r['generate_p99_x']:>6.2f}  "
+              f"{r['engine_median_ms']:>10.2f} {r['engine_median_x']:>6.2f} {r['engine_p99_ms']:>8.2f} "
+              f"{r['engine_p99_x']:>6.2f}")
+    print(f"answers checked against stateless generate: {2 * a.turns * len(a.sizes) - wrong} right, {wrong} wrong")
+    out = {"command": "python -m benchmarks.bench_scale " + " ".join(argv or []), "rows": rows, "wrong": wrong,
+           "turns": a.turns, "tokens": a.tokens, "new": a.new, "device_tokens": a.device_tokens,
+           "torch": torch.__version__, "load": list(__import__("os").getloadavg())}
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+    if wrong:
+        raise SystemExit(f"{wrong} answers differ from stateless generate")
+    return out
+
+
+if __name__ == "__main__":
+    main()
