@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import gc
 import json
+import os
 import random
 import statistics
 import time
@@ -156,7 +157,7 @@ def run(a: argparse.Namespace, argv) -> dict:
     print(f"answers checked against stateless generate: {2 * a.turns * len(a.sizes) - wrong} right, {wrong} wrong")
     out = {"command": "python -m benchmarks.bench_scale " + " ".join(argv or []), "rows": rows, "wrong": wrong,
            "turns": a.turns, "tokens": a.tokens, "new": a.new, "device_tokens": a.device_tokens,
-           "torch": torch.__version__, "load": list(__import__("os").getloadavg())}
+           "torch": torch.__version__, "load": list(os.getloadavg())}
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)

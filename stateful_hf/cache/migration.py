@@ -94,7 +94,7 @@ def export_session(p: StoreParts, spec: KVSpec, s: Session) -> SessionExport:
     if hidden:                                 # if not possible: left out below, recomputed by the next turn
         with contextlib.suppress(Exception), p.placement.moving("explicit"):
             p.relocation.move(s, hidden, ChunkState.DEVICE)
-    p.history.missing_positions(s, None)       # disk chunks are proven (or dropped) before they are read
+    p.placement.prove(s)                       # disk chunks are proven (or dropped) before they are read
     chunks = [k for k, c in enumerate(s.chunks) if c.state in STORED]
     kv = torch.empty((len(chunks), spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim),
                      dtype=spec.dtype)

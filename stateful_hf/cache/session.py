@@ -79,6 +79,11 @@ class Chunk:
         The caller has freed what the old place held."""
         self.state, self.loc, self.shadow, self.source, self.residue_block = state, loc, shadow, source, None
 
+    @property
+    def holds_device(self) -> bool:
+        """Whether it holds a device block: DEVICE, a LAYERED chunk's residue, or a cached shadow."""
+        return self.state is ChunkState.DEVICE or self.shadow is not None or self.residue_block is not None
+
     def on_device(self, layer: int) -> bool:
         """Whether this chunk's KV of `layer` is in a device block (DEVICE, or a kept layer of LAYERED)."""
         if self.state is ChunkState.DEVICE:
@@ -138,8 +143,7 @@ class Session:
     @property
     def holds_device(self) -> bool:
         """Whether a chunk of it holds a device block: DEVICE, a LAYERED chunk's residue, a cached shadow."""
-        return any(c.state is ChunkState.DEVICE or c.shadow is not None or c.residue_block is not None
-                   for c in self.chunks)
+        return any(c.holds_device for c in self.chunks)
 
     @property
     def num_tokens(self) -> int:
@@ -236,8 +240,7 @@ class SessionTable:
                 continue
             out[sid] = s
             for c in s.chunks:
-                if c.entry is not None and len(c.entry.holders) > 1 and (
-                        c.state is ChunkState.DEVICE or c.shadow is not None or c.residue_block is not None):
+                if c.entry is not None and len(c.entry.holders) > 1 and c.holds_device:
                     for h in c.entry.holders:
                         hs = self._sessions.get(h)
                         if hs is not None and h not in out:

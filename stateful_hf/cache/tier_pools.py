@@ -65,7 +65,7 @@ class TierPools:
         chunk)."""
         c = s.chunks[k]
         if self.sharing.detach(s, k):          # others still hold it: they keep its device block, if any
-            if c.state is DEVICE or c.shadow is not None or c.residue_block is not None:
+            if c.holds_device:
                 for h in c.entry.holders:
                     self.mark_device(h)
             return
