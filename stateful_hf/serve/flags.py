@@ -202,8 +202,7 @@ def engine_options(p: argparse.ArgumentParser, a: argparse.Namespace) -> dict:
     try:
         SchedulingOptions.build(**out)
     except ValueError as e:
-        name = str(e).split(" ", 1)[0]
-        p.error("--" + name.replace("_", "-") + str(e)[len(name):])
+        p.error(_as_flag(str(e), SchedulingOptions))
     return out
 
 
@@ -233,9 +232,13 @@ def store_options(p: argparse.ArgumentParser, a: argparse.Namespace) -> dict:
     try:
         SessionStoreOptions.build(**out)
     except ValueError as e:
-        message = str(e)
-        for f in store_flag_fields():
-            if message.startswith(f.name + " "):
-                message = flag_names(f)[0] + message[len(f.name):]
-        p.error(message)
+        p.error(_as_flag(str(e), SessionStoreOptions))
     return out
+
+
+def _as_flag(message: str, options) -> str:
+    """An option's check message ("chunk_size must be >= 1, ...") with the option named as its flag."""
+    for f in fields(options):
+        if f.metadata.get("flag") and message.startswith(f.name + " "):
+            return flag_names(f)[0] + message[len(f.name):]
+    return message
