@@ -21,8 +21,10 @@ import dataclasses
 import gc
 import json
 import os
+import queue
 import random
 import statistics
+import tempfile
 import time
 import tracemalloc
 
@@ -33,11 +35,13 @@ from stateful_hf.cache import session_key
 from stateful_hf.testing import tiny_llama
 
 
-def fill(model, size: int, tokens: int, device_tokens: int,
-         seed_ids: list[int]) -> tuple[SessionStore, list[str], float]:
-    """A store holding `size` idle copies of one prefilled session on the host; (store, ids, heap bytes
-    per session added by the fill)."""
-    store = SessionStore(model, device_tokens, host_capacity=(size + 8) * tokens + 4096)
+def fill(model, size: int, tokens: int, device_tokens: int, seed_ids: list[int], disk: str | None = None,
+         host_tokens: int = 0) -> tuple[SessionStore, list[str], float]:
+    """A store holding `size` idle copies of one prefilled session on the host, or (`disk`: the disk tier's
+    directory) on disk beside a host tier of `host_tokens`; (store, ids, heap bytes per session added by the fill)."""
+    held = (size + 8) * tokens + 4096
+    store = SessionStore(model, device_tokens, host_capacity=held) if disk is None else \
+        SessionStore(model, device_tokens, host_capacity=host_tokens, disk_dir=disk, disk_capacity=held)
     ids = torch.tensor([seed_ids])
     model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=store.cache("seed"), max_new_tokens=1,
                    do_sample=False, pad_token_id=0)
@@ -51,7 +55,7 @@ def fill(model, size: int, tokens: int, device_tokens: int,
     chunks = range(-(-tokens // store.block_size))
     for sid in sids:
         store.import_session(dataclasses.replace(exp, session_id=sid))
-        store.move(sid, chunks, "host")
+        store.move(sid, chunks, "host" if disk is None else "disk")
     after = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
     return store, sids, (after - before) / size
@@ -69,6 +73,37 @@ def turn_engine(engine, sid: str, prompt: list[int]) -> tuple[float, list[int]]:
     t0 = time.perf_counter()
     out = engine.submit(sid, prompt, SamplingParams(max_new_tokens=1)).result()
     return time.perf_counter() - t0, list(out.token_ids)
+
+
+def closed_loop(model, size: int, a: argparse.Namespace, seed_ids: list[int], rng: random.Random) -> dict:
+    """`size` sessions each with one turn queued at all times (a finished turn's session submits its next
+    at once), on one store and engine of the same device tier as every other size; tokens a second over
+    `a.loop_turns` finished turns after a warm-up of `size` turns (so that every session has run once)."""
+    store, sids, _ = fill(model, size, a.tokens, a.device_tokens, seed_ids)
+    engine = Engine(model, store=store, step_threads=None, arrival_window=0).start()
+    vocab, done = model.config.vocab_size, queue.Queue()
+    history = seed_ids[:a.tokens]
+    prompts = {sid: history + [rng.randrange(3, vocab) for _ in range(a.new)] for sid in sids}
+    sampling = SamplingParams(max_new_tokens=4, ignore_eos=True)
+
+    def submit(sid: str) -> None:
+        handle = engine.submit(sid, prompts[sid], sampling)
+        engine.requests.when_finished(handle, lambda out, sid=sid: done.put((sid, out)))
+
+    for sid in sids:
+        submit(sid)
+    t0, tokens, wrong = 0.0, 0, 0
+    for n in range(size + a.loop_turns):
+        sid, out = done.get()
+        if n == size:                          # warm-up over: every session ran a turn
+            t0, tokens = time.perf_counter(), 0
+        tokens += len(out.token_ids)
+        wrong += out.error is not None
+        submit(sid)
+    seconds = time.perf_counter() - t0
+    engine.stop()
+    store.close()
+    return {"sessions": size, "tokens_per_s": round(tokens / seconds, 1), "turns": a.loop_turns, "errors": wrong}
 
 
 def stateless(model, prompt: list[int]) -> list[int]:
@@ -89,6 +124,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--tokens", type=int, default=96, help="tokens per held conversation")
     ap.add_argument("--new", type=int, default=3, help="new tokens of a returning turn")
     ap.add_argument("--device-tokens", type=int, default=1024, help="the device tier of every store")
+    ap.add_argument("--tier", choices=("host", "disk"), default="host",
+                    help="where the held sessions are: host (a host tier holding them all), or disk (beside a host "
+                    "tier of --host-tokens, so that every returning turn makes room in the host tier)")
+    ap.add_argument("--host-tokens", type=int, default=4096, help="the host tier with --tier disk")
+    ap.add_argument("--closed-loop", type=int, nargs="*", default=[],
+                    help="also: engine throughput with this many sessions each with a turn always queued "
+                    "(e.g. 100 10000)")
+    ap.add_argument("--loop-turns", type=int, default=300, help="finished turns timed per closed-loop size")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write the figures and the environment here")
     a = ap.parse_args(argv)
@@ -107,9 +150,11 @@ def run(a: argparse.Namespace, argv) -> dict:
     vocab = model.config.vocab_size
     seed_ids = [rng.randrange(3, vocab) for _ in range(a.tokens + 1)]
     stores = {}
+    tmp = tempfile.TemporaryDirectory(prefix="bench_scale_") if a.tier == "disk" else None
     for size in a.sizes:
         t0 = time.perf_counter()
-        store, sids, heap = fill(model, size, a.tokens, a.device_tokens, seed_ids)
+        disk = None if tmp is None else os.path.join(tmp.name, str(size))
+        store, sids, heap = fill(model, size, a.tokens, a.device_tokens, seed_ids, disk, a.host_tokens)
         stores[size] = {"store": store, "sids": sids, "heap_per_session": heap, "fill_s": time.perf_counter() - t0,
                         "engine": Engine(model, store=store, step_threads=None, arrival_window=0)}
         print(f"{size} sessions held: filled in {stores[size]['fill_s']:.1f} s, {heap:.0f} B of Python heap each",
@@ -135,6 +180,9 @@ def run(a: argparse.Namespace, argv) -> dict:
     for st in stores.values():
         st["store"].check_integrity()
         st["engine"].stop()
+        st["store"].close()
+    if tmp is not None:
+        tmp.cleanup()
     base = a.sizes[0]
     rows = []
     for size in a.sizes:
@@ -155,8 +203,18 @@ def run(a: argparse.Namespace, argv) -> dict:
               f"{r['engine_median_ms']:>10.2f} {r['engine_median_x']:>6.2f} {r['engine_p99_ms']:>8.2f} "
               f"{r['engine_p99_x']:>6.2f}")
     print(f"answers checked against stateless generate: {2 * a.turns * len(a.sizes) - wrong} right, {wrong} wrong")
+    loop = []
+    for size in a.closed_loop:
+        loop.append(closed_loop(model, size, a, seed_ids, rng))
+        base_rate = loop[0]["tokens_per_s"]
+        loop[-1]["vs_first"] = round(base_rate / loop[-1]["tokens_per_s"], 3)   # time per token vs the first size
+        print(f"closed loop, {size} sessions queued: {loop[-1]['tokens_per_s']} tokens/s "
+              f"(x{loop[-1]['vs_first']} the first size's time per token), {loop[-1]['errors']} errors", flush=True)
+        wrong += loop[-1]["errors"]
     out = {"command": "python -m benchmarks.bench_scale " + " ".join(argv or []), "rows": rows, "wrong": wrong,
-           "turns": a.turns, "tokens": a.tokens, "new": a.new, "device_tokens": a.device_tokens,
+           "closed_loop": loop, "turns": a.turns, "tokens": a.tokens, "new": a.new, "device_tokens": a.device_tokens,
+           "tier": a.tier,
+           "host_tokens": a.host_tokens if a.tier == "disk" else None,
            "torch": torch.__version__, "load": list(os.getloadavg())}
     if a.json:
         with open(a.json, "w") as f:

@@ -7,7 +7,8 @@ machine with its own torch, triton and transformers lacks to run the check from 
     bash DIR/run.sh --install-only               # install and verify only (CI does this)
 
 What ships (DIR/wheels, each with its reason in DIR/manifest.json): transformers in pyproject's
-range, and each requirement of a shipped package that the image may not meet. The image is assumed
+range, stateful_hf's own small requirements (OWN: sortedcontainers, xxhash, threadpoolctl), and each
+requirement of a shipped package that the image may not meet. The image is assumed
 to meet its own transformers' requirements (`--image-transformers`, 5.17.0 by default: a CUDA image
 with torch 2.11+cu130, triton 3.6 and transformers 5.17) at the oldest versions they allow: a
 requirement is shipped when its range does not hold every version the image's range allows (a higher
@@ -404,10 +405,30 @@ def git_commit() -> str:
         return "unknown"
 
 
+# stateful_hf's own requirements that a CUDA image need not hold (transformers does not need them)
+OWN = ("sortedcontainers", "xxhash", "threadpoolctl")
+
+
+def ship_own(plan: Plan, pyproject: Path, target: Target, log=print) -> None:
+    """Add OWN, each at the newest wheel in pyproject's range, unless transformers' plan ships it already."""
+    for name in OWN:
+        if name in plan.shipped:
+            continue
+        spec = pyproject_pin(pyproject, name)
+        chosen = resolve(f"{name}{spec}", target)
+        if chosen is None:
+            raise RuntimeError(f"no wheel of {name}{spec} for {target} (stateful_hf imports it)")
+        plan.shipped[name] = Shipped(name, chosen.version, str(spec), "pyproject.toml", None,
+                                     f"stateful_hf imports it ({name}{spec}); a CUDA image need not hold it",
+                                     chosen.sha256)
+        log(f"ship {name} {chosen.version}: {plan.shipped[name].why}")
+
+
 def build(out: Path, target: Target, image_transformers: str, pyproject: Path) -> dict:
     """Plan, download and describe the bundle in `out` (wheels/, manifest.json, run.sh). Returns the manifest."""
     pin = pyproject_pin(pyproject)
     plan = plan_bundle(pin, image_transformers, target)
+    ship_own(plan, pyproject, target)
     files = download(plan, out / "wheels", target)
     manifest = {
         "built": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": git_commit(),

@@ -5,7 +5,7 @@ figures at GPU sizes, in one JSON file.
 
 Runs from a plain checkout (no install of stateful-hf) on a Python with a CUDA build of torch and the
 model stack (transformers in pyproject's range, accelerate, safetensors, tokenizers, xxhash,
-threadpoolctl, pytest, hypothesis); `pip install -e ".[dev,gpu]"` brings them on a networked machine.
+threadpoolctl, sortedcontainers, pytest, hypothesis); `pip install -e ".[dev,gpu]"` brings them on a networked machine.
 Offline: `python -m benchmarks.gpu_bundle DIR` on a networked machine, copy DIR and the checkout,
 then `bash DIR/run.sh` (docs/gpu.md). On a machine without CUDA it says so and exits 0.
 

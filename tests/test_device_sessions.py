@@ -1,14 +1,17 @@
-"""The sessions a turn's device work looks at (`SessionTable.device_sessions`): exactly the sessions
-holding a device block, kept without scanning the idle sessions held below, so that making room,
-counting what a step could get and the ahead-of-time swap-out cost what the device holds, not what
-the store holds. Over random schedules of turns (a shared system prompt among them), moves, deletes
-and cuts: `check_integrity` (which asserts the set is exact), the device room against a count from
-the chunk tables alone, and the eviction order against a full scan of every session (the oracle),
-after every operation; every turn equals stateless greedy generate."""
+"""The sessions a turn's work looks at: exactly the sessions holding a device block
+(`SessionTable.device_sessions`) and, per tier below, its holders least recently active first
+(`SessionTable.holding`, `session.py`: `TierIndex`), kept without scanning the idle sessions held elsewhere, so
+that making room, counting what a step could get and the ahead-of-time swap-out cost what they touch,
+not what the store holds. Over random schedules of turns (a shared system prompt among them, sessions
+of one or two tenants), moves between every tier, deletes, cuts and expected turns (`KVStore.expect`): `check_integrity` (which asserts
+both indexes are exact), the device room against a count from the chunk tables alone, and the
+eviction order of every tier against a full scan of every session (the oracle) under lru,
+recency_cost and fair share, after every operation; every turn equals stateless greedy generate."""
 
 from __future__ import annotations
 
 import contextlib
+import tempfile
 
 import torch
 from conftest import FAMILIES, greedy
@@ -18,10 +21,12 @@ from test_capacity import reference
 
 from stateful_hf import CapacityError, SessionStore
 from stateful_hf.cache import ChunkState
+from stateful_hf.cache.policy import FairSharePolicy, make_policy
 
 BS = 8
 SYSTEM = torch.randint(3, 300, (1, 19), generator=torch.Generator().manual_seed(5))    # 2 full chunks + 3
 IDS = ("a", "b", "c", "d", "e", "f")
+TENANT_IDS = ("a", "b", "c", "@acme/d", "@acme/e", "@acme/f")     # two tenants: fair share ranks every chunk
 MODEL, ORACLE = FAMILIES["llama"](), FAMILIES["llama"]()
 
 
@@ -50,25 +55,37 @@ def full_scan_victims(store, state: ChunkState, shadowed: bool | None) -> list[t
 def check(store) -> None:
     store.check_integrity()                  # device_sessions() == the sessions holding device blocks
     assert store.available_blocks() == store.device_pool.num_free + reference(store, {ChunkState.DEVICE}, True)
-    for state, shadowed in ((ChunkState.DEVICE, None), (ChunkState.HOST, True)):
-        store.clock.now -= 1.0               # victims reads the clock once: the oracle's `now` is that one
-        got = [(s.session_id, k) for s, k in store.placement.victims(state, 10 ** 6, set(), shadowed)]
-        assert got == full_scan_victims(store, state, shadowed), (state, shadowed)
+    for state, shadowed in ((ChunkState.DEVICE, None), (ChunkState.HOST, True), (ChunkState.HOST, None),
+                            (ChunkState.HOST, False), (ChunkState.DISK, None)):
+        want = full_scan_victims(store, state, shadowed)
+        for n in (1, 3, 10 ** 6):            # a walk stops once it has n: its first n are the scan's first n
+            store.clock.now -= 1.0           # victims reads the clock once: the oracle's `now` is that one
+            got = [(s.session_id, k) for s, k in store.placement.victims(state, n, set(), shadowed)]
+            assert got == want[:n], (state, shadowed, n)
 
 
 op = st.one_of(
     st.tuples(st.just("turn"), st.sampled_from(IDS), st.integers(1, 12), st.booleans()),
-    st.tuples(st.just("move"), st.sampled_from(IDS), st.sampled_from(["host", "device", "dropped"])),
+    st.tuples(st.just("move"), st.sampled_from(IDS), st.sampled_from(["host", "device", "disk", "dropped"])),
     st.tuples(st.just("delete"), st.sampled_from(IDS), st.booleans()),
     st.tuples(st.just("cut"), st.sampled_from(IDS), st.integers(0, 30)),
+    st.tuples(st.just("expect"), st.sampled_from(IDS), st.integers(0, 20)),     # a tool pause: ranked later
 )
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(op, min_size=4, max_size=14), st.integers(0, 2), st.sampled_from(["lru", "recency_cost"]))
-def test_device_sessions_are_exact_and_eviction_matches_a_full_scan(ops, tight, policy):
-    store = SessionStore(MODEL, [96, 160, 4096][tight], host_capacity=4096, chunk_size=BS, clock=Clock(),
-                         policy=policy)
+@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(op, min_size=4, max_size=14), st.integers(0, 2), st.sampled_from(["lru", "recency_cost", "fair"]),
+       st.booleans(), st.booleans())
+def test_device_sessions_are_exact_and_eviction_matches_a_full_scan(ops, tight, policy, tenants, small_host):
+    ids = dict(zip(IDS, TENANT_IDS if tenants else IDS))
+    with tempfile.TemporaryDirectory() as disk:
+        store = SessionStore(MODEL, [96, 160, 4096][tight], host_capacity=48 if small_host else 4096,
+                             disk_dir=disk, disk_capacity=4096, chunk_size=BS, clock=Clock(),
+                             policy=FairSharePolicy(make_policy("recency_cost")) if policy == "fair" else policy)
+        run(store, [(o[0], ids[o[1]], *o[2:]) for o in ops])
+
+
+def run(store, ops) -> None:
     convs: dict[str, torch.Tensor] = {}
     for o in ops:
         sid = o[1]
@@ -86,8 +103,33 @@ def test_device_sessions_are_exact_and_eviction_matches_a_full_scan(ops, tight, 
         elif o[0] == "delete" and sid in store.session_ids():
             store.delete(sid, keep_shared=o[2])
             convs.pop(sid, None)
+        elif o[0] == "expect" and sid in store:
+            store.expect(sid, o[2])
         elif o[0] == "cut" and exists:
             store.truncate(sid, min(o[2], store.num_tokens(sid)))
             convs[sid] = torch.tensor([store.token_ids(sid)], dtype=torch.long)
         check(store)
     store.close()
+
+
+def test_a_session_missing_from_a_tier_index_is_caught():
+    """Negative control: a host-tier holder dropped from its tier's order by hand is never chosen by
+    the walk (the full scan still finds it) and `check_integrity` says so."""
+    with tempfile.TemporaryDirectory() as disk:
+        store = SessionStore(MODEL, 4096, host_capacity=4096, disk_dir=disk, chunk_size=BS, clock=Clock())
+        for sid in ("a", "b"):
+            greedy(MODEL, (SYSTEM[:, :12] + ord(sid)) % 300, n=3, cache=store.cache(sid))
+            store.move(sid, range(len(store.places(sid))), "host")
+        host = ChunkState.HOST
+        walked = [(s.session_id, k) for s, k in store.placement.victims(host, 10 ** 6, set())]
+        assert walked == full_scan_victims(store, host, None) and {s for s, _ in walked} == {"a", "b"}
+        store.sessions.tiers.forget("a")
+        assert {s.session_id for s, _ in store.placement.victims(host, 10 ** 6, set())} == {"b"}
+        assert {s.session_id for s, _ in store.placement.victims(host, 10 ** 6, set(), scan=True)} == {"a", "b"}
+        try:
+            store.check_integrity()
+        except AssertionError as e:
+            assert "'a' holds host chunks, unlisted" in str(e)
+        else:
+            raise AssertionError("check_integrity missed a session absent from the host tier's order")
+        store.close()

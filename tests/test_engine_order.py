@@ -223,7 +223,7 @@ def test_a_sessions_turns_run_in_submit_order_even_when_the_later_is_short():
         assert list(out.token_ids) == greedy(oracle, torch.tensor([prompt]), n=3)[0, len(prompt):].tolist()
     first_token = [o.metrics.arrival_time + o.metrics.ttft for o in (o1, o2)]
     assert first_token[0] < first_token[1]
-    assert engine.store.session("a").token_ids == short + list(o2.token_ids[:-1])     # the later turn's
+    assert list(engine.store.session("a").token_ids) == short + list(o2.token_ids[:-1])     # the later turn's
     more = short + list(o2.token_ids) + [7, 8, 9]
     out = engine.submit("a", more, params).result()
     assert list(out.token_ids) == greedy(oracle, torch.tensor([more]), n=3)[0, len(more):].tolist()

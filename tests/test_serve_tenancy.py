@@ -110,7 +110,7 @@ def test_same_session_id_under_two_keys_is_two_sessions(served):
                           {"role": "user", "content": "More."}], "max_tokens": 3, "stream": True}) as r:
         assert r.status_code == 200 and r.headers["x-session-id"] == "shared"     # the caller's id, not the key
         assert list(r.iter_lines())[-2] == "data: [DONE]"
-    assert store.session(key_a).token_ids == history and store.residency(key_a) == residency
+    assert list(store.session(key_a).token_ids) == history and store.residency(key_a) == residency
     assert {key_a, session_key("b", "shared")} <= set(store.session_ids())
     # A's next turn: all of the history is reused
     msgs += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "And?"}]

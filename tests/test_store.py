@@ -46,7 +46,7 @@ def test_step_writes_slots_and_tables():
     store = new_store()
     step = append(store, "a", list(range(10)))
     s = store.session("a")
-    assert s.token_ids == list(range(10)) and len(s.chunks) == 3
+    assert list(s.token_ids) == list(range(10)) and len(s.chunks) == 3
     blocks = [c.block for c in s.chunks]
     assert step.slots.tolist() == [blocks[p // 4] * 4 + p % 4 for p in range(10)]
     assert step.paged.kv_len.tolist() == [10] and step.paged.block_table[0].tolist() == blocks

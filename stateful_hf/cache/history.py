@@ -120,7 +120,7 @@ class History:
         self._revive(s, cache_salt)
         got = self.sharing.adopt(s, token_ids, cache_salt, self.tiers.release)
         if got:                                 # a shared chunk it took may be on the device
-            self.sessions.mark_device(s.session_id)
+            self.sessions.mark(s.session_id)
         return got
 
     def _revive(self, s: Session, cache_salt: str | None) -> None:

@@ -34,6 +34,7 @@ def check_integrity(sessions: SessionTable, tiers: TierPools, block_size: int) -
     holding = {s.session_id for s in sessions if s.holds_device}
     listed = {s.session_id for s in sessions.device_sessions()}
     assert holding == listed, f"sessions holding device blocks {sorted(holding)} != device_sessions {sorted(listed)}"
+    _check_tiers(sessions)
     retained = {s.session_id for s in sessions if s.retained}
     assert retained == {s.session_id for s in sessions.retained()}, f"retained sessions {sorted(retained)}"
     idle = [s.session_id for s in sessions if not s.busy and not s.retained]
@@ -143,3 +144,17 @@ def check_sharing(sessions: Sequence[Session], index: PrefixIndex, block_size: i
             for k in range(n):
                 e = s.chunks[k].entry
                 assert e is not None and e in index, f"{s.session_id!r}: chunk {k} < index cursor {n} is not indexed"
+
+
+def _check_tiers(sessions: SessionTable) -> None:
+    """Every session holding a chunk of an indexed tier is listed there (`TierIndex`): an idle one under
+    (rank_time, id), a busy one (re-keyed when its lease ends) under any key; nothing else is keyed."""
+    index = sessions.tiers
+    for s in sessions:
+        for st, order in index.order.items():
+            if any(c.state is st for c in s.chunks):
+                key = index.key.get(s.session_id)
+                assert key is not None and key in order, f"session {s.session_id!r} holds {st.value} chunks, unlisted"
+                assert s.busy or key == (s.rank_time, s.session_id), f"session {s.session_id!r} listed under {key}"
+    assert all(key[1] == sid and any(key in o for o in index.order.values()) for sid, key in index.key.items())
+    assert all(index.key.get(key[1]) == key for order in index.order.values() for key in order)

@@ -26,9 +26,9 @@ from .integrity import check_integrity
 from .migration import SessionExport, export_session, import_session
 from .policy import EvictionPolicy
 from .relocation import chunk_indices, target_state
-from .session import ChunkState, Session, TurnStats
+from .session import Session
 from .spec import KVSpec
-from .stats import SessionStats, StoreStats, summary
+from .stats import SessionStats, StoreStats, TurnStats, summary
 from .step import StepBatch
 from .store_parts import assemble
 from .store_stats import session_stats, store_stats
@@ -133,9 +133,9 @@ class KVStore:
         device blocks fell under the threshold."""
         with self.lock:
             s = self.sessions.get(session_id)
-            self.sessions.release(s)
-            if self.layered is not None:
+            if self.layered is not None:       # its layered chunks become HOST before the table marks it
                 self.layered.settle(s)
+            self.sessions.release(s)
             self.maintain()
 
     @contextmanager
@@ -198,6 +198,15 @@ class KVStore:
         """A copy of the session's history."""
         with self.lock:
             return list(self.sessions.get(session_id).token_ids)
+
+    def expect(self, session_id: str, seconds: float) -> None:
+        """The session's next turn is expected within `seconds` (clamped to `max_retain`; a tool pause): its
+        KV is ranked for eviction as if active then, a priority that never pins (`policy.py`)."""
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < float("inf"):
+            raise ValueError(f"expected within seconds must be a number >= 0, got {seconds!r}")
+        with self.lock:
+            s = self.sessions.get(session_id)
+            self.sessions.expect(s, self.sessions.clock() + min(seconds, self.config.max_retain))
 
     def is_busy(self, session_id: str) -> bool:
         """Whether a turn holds the session's lease (False for an unknown session)."""
@@ -266,12 +275,9 @@ class KVStore:
         with self.lock:
             self.planner.commit(step)
             room = self.capacity.room()
-            turns = {}
-            for e in step.entries:
-                s = self.sessions.find(e.session_id)
-                if s is not None and e.session_id not in turns:
-                    turns[e.session_id] = self.history.turn_needs(s, None, room, self.capacity.has_slot(s))
-            return Committed(room, turns)
+            held = {e.session_id: s for e in step.entries if (s := self.sessions.find(e.session_id)) is not None}
+            return Committed(room, {sid: self.history.turn_needs(s, None, room, self.capacity.has_slot(s))
+                                    for sid, s in held.items()})
 
     def abort(self, step: StepBatch) -> None:
         """Undo `plan_step` (`StepPlanner.abort`): history and blocks as before the step."""
@@ -296,13 +302,10 @@ class KVStore:
     def held_blocks(self, session_id: str) -> float:
         """Device blocks the session holds: a whole block per DEVICE chunk, 1/f of one per residue block."""
         with self.lock:
-            return sum(1.0 if c.state is ChunkState.DEVICE else
-                       (1.0 / c.residue_block[1] if c.residue_block is not None else 0.0)
-                       for c in self.sessions.get(session_id).chunks)
+            return self.capacity.held_blocks(self.sessions.get(session_id))
 
     def offload_layers(self, session_id: str, full: bool = False) -> int:
-        """LayerKV's push-down for a running request; device blocks freed (`LayeredChunks.offload`; 0
-        without layerwise_kv)."""
+        """LayerKV's push-down for a running request; device blocks freed (0 without layerwise_kv)."""
         with self.lock:
             s = self.sessions.get(session_id)
             return 0 if self.layered is None else self.layered.offload(s, full)
@@ -340,8 +343,8 @@ class KVStore:
             return self.capacity.device_slots()
 
     def reclaim(self) -> int:
-        """Virtual layout: give back the committed pages of free device blocks now (they are kept for
-        reuse up to `keep_freed` otherwise). Returns the bytes given back (0 for a paged pool)."""
+        """Virtual layout: give back the committed pages of free device blocks now (else kept up to
+        `keep_freed`); the bytes given back (0 for a paged pool)."""
         with self.lock:
             return self.tiers.device.reclaim() if self.layout is Layout.VIRTUAL else 0
 
@@ -366,16 +369,14 @@ class KVStore:
             return n
 
     def _sync_disk(self) -> None:
-        """Commit the disk index if the disk state changed (`DiskState.sync`, which never raises); nothing
-        without a disk tier. Lock held."""
+        """Commit the disk index if it changed (`DiskState.sync`: never raises; no disk tier: nothing). Lock held."""
         if self.disk_state is not None:
             self.disk_state.sync()
 
     # ---- integrity and statistics ---------------------------------------------------------------
 
     def check_integrity(self) -> None:
-        """Raise AssertionError unless every slot of every tier is free or owned by exactly one chunk
-        (`integrity.py` has the full list)."""
+        """AssertionError unless every slot of every tier is free or owned by one chunk (`integrity.py`: all)."""
         with self.lock:
             check_integrity(self.sessions, self.tiers, self.block_size)   # slots, disk rows, shared chunks
 
@@ -390,8 +391,7 @@ class KVStore:
         return summary(self.stats())
 
     def close(self) -> None:
-        """Land every copy, write the disk index and release the disk tier's lock and mappings
-        (device and host contents are lost)."""
+        """Land every copy, write the disk index, release the disk tier (device and host contents are lost)."""
         self.transfer.synchronize()
         self.planner.stop_mapping()
         with self.lock:

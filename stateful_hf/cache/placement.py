@@ -108,16 +108,50 @@ class Placement:
         self.policy.prepare(self.sessions, now)
         return lambda s, k: self.policy.key(s, k, bs, now)
 
-    def victims(self, state: ChunkState, n: int, exclude: set[str], shadowed: bool | None = None) -> Items:
+    def victims(self, state: ChunkState, n: int, exclude: set[str], shadowed: bool | None = None,
+                scan: bool = False) -> Items:
         """The n lowest-value chunks (fewer if there are fewer) in `state` of idle sessions outside
         `exclude`, lowest first: (session, chunk) pairs, one per physical chunk; `shadowed` True /
         False: only chunks with / without a device shadow. A shared chunk is a victim only if every
         holder is idle and outside `exclude`, ranked by its most valuable holder (`prefix/sharing.py`:
-        its value counts every holder). Every choice of what moves down is made here. Reads only."""
+        its value counts every holder). Every choice of what moves down is made here. Below the device,
+        a session-ordered policy walks the tier's holders in order (`session.py`: `TierIndex`), another ranks
+        every chunk of them; `scan` (the tests' oracle) ranks every chunk of every session. Reads only."""
+        if state is DEVICE or shadowed:     # held by sessions holding device blocks: not the idle ones below
+            return self._scan(self.sessions.device_sessions(), state, n, exclude, shadowed)
+        if scan:
+            return self._scan(self.sessions, state, n, exclude, shadowed)
+        walker = self.policy.by_session(self.sessions.tenants)
+        if walker is None:
+            return self._scan(list(self.sessions.holding(state)), state, n, exclude, shadowed)
+        now, bs, sharing = self.sessions.clock(), self.block_size, self.tiers.sharing
+        found: Items = []
+        walk = self.sessions.holding(state)
+        try:
+            for s in walk:                   # sessions in key order: a session's chunks rank together
+                if len(found) >= n:
+                    break
+                if s.busy or s.session_id in exclude:
+                    continue
+                mine = []
+                for k, c in enumerate(s.chunks):
+                    if c.state is not state or (shadowed is not None and (c.shadow is not None) != shadowed):
+                        continue
+                    if c.entry is None:
+                        mine.append((walker.key(s, k, bs, now), k))
+                    elif sharing.free_to_move(c, exclude):     # ranked with its most valuable holder
+                        top = max((walker.key(h, k, bs, now), h.session_id) for h in sharing.holders(s, k))
+                        if top[1] == s.session_id:
+                            mine.append((top[0], k))
+                found.extend((s, k) for _, k in sorted(mine))
+        finally:
+            walk.close()
+        return found[:max(n, 0)]
+
+    def _scan(self, pool, state: ChunkState, n: int, exclude: set[str], shadowed: bool | None) -> Items:
+        """`victims` by ranking every chunk in `state` of the sessions in `pool`."""
         sharing = self.tiers.sharing
         key = self._ranking()
-        # a DEVICE chunk or a shadow is held by a session holding device blocks: not the idle ones held below
-        pool = self.sessions.device_sessions() if state is DEVICE or shadowed else self.sessions
         found = sharing.unique((s, k) for s in pool if not s.busy and s.session_id not in exclude
                                for k, c in enumerate(s.chunks)
                                if c.state is state and (shadowed is None or (c.shadow is not None) == shadowed)
@@ -247,6 +281,8 @@ class Placement:
             self.tiers.vacate(s.chunks[k])
             s.chunks[k].assign(target, slot)
             self._count_out(target, s.chunk_len(k, self.block_size))
+        for sid in self.tiers.sharing.holder_ids(items):    # in place: for every holder of a shared chunk
+            self.sessions.mark(sid)
         if target in ON_DISK:
             self.disk_state.mark_changed()
 
@@ -296,3 +332,5 @@ class Placement:
                 for (s, k), slot in zip(group, slots):
                     s.chunks[k].assign(target, slot, shadow=s.chunks[k].loc)
                     self._count_out(target, s.chunk_len(k, self.block_size))
+                for sid in self.tiers.sharing.holder_ids(group):
+                    self.sessions.mark(sid)

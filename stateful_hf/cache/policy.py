@@ -23,6 +23,11 @@ in about half of the settings and fewer in the others, while the default never r
 (it drops as many chunks of the same conversations, by construction) and fewer wherever a partial chunk
 of a returning conversation was dropped. The same order decides device -> host, host -> disk and dropping.
 
+A session whose next turn is expected (`KVStore.expect`: a hint's `expected_arrival`, an agent's tool
+pause) is ranked as if active then: every policy reads its `rank_time`, not its last activity, so its
+chunks go after those of sessions idle since before that time; the priority decays as newer activity
+passes it, and it never pins anything.
+
 `FairSharePolicy` wraps any of them for a store shared by tenants (`session.py`): chunks of tenants
 above their fair share of a tier go first, so one tenant flooding the store cannot push everyone
 else's history down.
@@ -86,6 +91,12 @@ class EvictionPolicy:
     def prepare(self, sessions: Iterable[Session], now: float) -> None:
         """Called with all the store's sessions before the keys of one ranking are taken."""
 
+    def by_session(self, tenants: int) -> EvictionPolicy | None:
+        """A policy ordering every chunk as this one does while `tenants` tenants hold sessions, whose key
+        starts with (rank_time, session id) and needs no `prepare`: victims then walk the sessions in
+        that order (`session.py`: `TierIndex`) instead of ranking every chunk held. None: rank them all."""
+        return None
+
 
 class RetentionPolicy(EvictionPolicy):
     """Pensieve §4.3.1 as published: V = Cost(l) / T, l = (k + 1) * chunk."""
@@ -96,7 +107,7 @@ class RetentionPolicy(EvictionPolicy):
         self.profile = profile or CostProfile()
 
     def key(self, session, k, block_size, now):
-        idle = max(now - session.last_active, 1e-6)
+        idle = max(now - session.rank_time, 1e-6)
         return (self.profile.cost((k + 1) * block_size) / idle, session.session_id, k)
 
 
@@ -105,8 +116,11 @@ class LRUPolicy(EvictionPolicy):
 
     name = "lru"
 
+    def by_session(self, tenants):
+        return self
+
     def key(self, session, k, block_size, now):
-        return (session.last_active, session.session_id, k)
+        return (session.rank_time, session.session_id, k)
 
 
 class RecencyCostPolicy(EvictionPolicy):
@@ -120,9 +134,12 @@ class RecencyCostPolicy(EvictionPolicy):
     def __init__(self, profile: CostProfile | None = None):
         self.profile = profile or CostProfile()
 
+    def by_session(self, tenants):
+        return self
+
     def key(self, session, k, block_size, now):
         cost = self.profile.chunk_cost(k, session.chunk_len(k, block_size), block_size)
-        return (session.last_active, session.session_id, cost, k)
+        return (session.rank_time, session.session_id, cost, k)
 
 
 class ReturnAwarePolicy(EvictionPolicy):
@@ -145,9 +162,9 @@ class ReturnAwarePolicy(EvictionPolicy):
 
     def key(self, session, k, block_size, now):
         cost = self.profile.chunk_cost(k, session.chunk_len(k, block_size), block_size)
-        idle = max(now - session.last_active, 1e-6)
+        idle = max(now - session.rank_time, 1e-6)
         value = cost * self.returns.p_return(idle) if self.returns.fitted else cost / idle
-        return (value, session.last_active, session.session_id, cost, k)
+        return (value, session.rank_time, session.session_id, cost, k)
 
 
 class FairSharePolicy(EvictionPolicy):
@@ -180,6 +197,9 @@ class FairSharePolicy(EvictionPolicy):
 
     def observe_return(self, gap):
         self.inner.observe_return(gap)
+
+    def by_session(self, tenants):     # one tenant: nothing is excess and the order is `inner`'s
+        return self.inner.by_session(tenants) if tenants <= 1 else None
 
     def prepare(self, sessions, now):
         self._sessions, self._now = list(sessions), now

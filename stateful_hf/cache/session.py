@@ -1,7 +1,5 @@
 """Sessions: a conversation's token ids and chunk table (`Session`, `Chunk`) and the table of every
-session (`SessionTable`); whose a session is lives in `tenant.py`.
-
-The session table: every session of a store by id, the store lock, and leases.
+session (`SessionTable`, with who holds what: `TierIndex`); whose a session is lives in `tenant.py`.
 
 Owns: the `{session id: Session}` map, the store's one re-entrant lock and the clock sessions'
 activity is measured with. Mutates only the map (`open`, `add`, `remove`) and a session's lease
@@ -16,12 +14,17 @@ import enum
 import itertools
 import threading
 import time
+from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from sortedcontainers import SortedList
+
 from .errors import SessionBusyError, UnknownSessionError
+from .stats import TurnStats
+from .tenant import tenant_of
 
 if TYPE_CHECKING:     # annotations only: the prefix package's modules import this one
     from .prefix.index import PrefixEntry, PrefixScope
@@ -41,6 +44,8 @@ TIERS = ("device", "host", "hidden", "disk", "dropped")
 SHADOWED = (ChunkState.HOST, ChunkState.HIDDEN)          # states whose chunks may keep a device shadow
 ON_DISK = (ChunkState.DISK, ChunkState.DISK_HIDDEN)      # states whose slot is in the disk tier
 HIDDEN_FORMS = (ChunkState.HIDDEN, ChunkState.DISK_HIDDEN)  # states holding hidden states (HCache)
+# states whose holders `SessionTable.holding` walks in order (the device's: `device_sessions`)
+INDEXED = (ChunkState.HOST, ChunkState.HIDDEN, ChunkState.DISK, ChunkState.DISK_HIDDEN)
 
 
 @dataclass(slots=True)
@@ -59,8 +64,7 @@ class Chunk:
             chunk k of every holder, full and immutable, and its state changes in place (`assign`)
             for all of them. None: private to one session.
     residue_block: LAYERED only: (device block, factor f >= 2, residue r < f) when layers l with
-            l % f == r live in that device block (a residue block: up to f chunks of distinct residues
-            hold one each);
+            l % f == r live in that device block (up to f chunks of distinct residues share one);
             every other layer lives in the host slot `loc`. None: every layer is in the host slot.
             Only a busy session (a running request) has LAYERED chunks: they become HOST when its
             turn ends (`layerwise/chunks.py`).
@@ -105,28 +109,13 @@ class Chunk:
 
 
 @dataclass(slots=True)
-class TurnStats:
-    """What the last turn of a session cost (tokens)."""
-
-    reused_tokens: int = 0         # history served from stored KV (any tier)
-    reused_device: int = 0         #   of which already on the device (or still cached there)
-    swapped_in_host: int = 0       #   of which copied up from the host tier
-    swapped_in_disk: int = 0       #   of which copied up from the disk tier
-    restored_hidden: int = 0       #   of which rebuilt from hidden states (projection per layer)
-    computed_tokens: int = 0       # rows the model ran in the turn's steps (new tokens and recomputed history)
-    recomputed_tokens: int = 0     # history recomputed because its KV had been dropped
-    generated_tokens: int = 0
-    truncated_tokens: int = 0      # history cut because the new prompt diverged from it
-
-
-@dataclass(slots=True)
 class Session:
     """Invariant: len(chunks) == ceil(len(token_ids) / block_size); chunk k holds the KV of
     token_ids[k * block_size : (k + 1) * block_size]. `token_ids` is the raw history whose KV
     (present or dropped) the session stands for; it is what makes recomputation possible."""
 
     session_id: str
-    token_ids: list[int] = field(default_factory=list)
+    token_ids: array = field(default_factory=lambda: array("i"))     # int32: 4 bytes a token (list(...) for a copy)
     chunks: list[Chunk] = field(default_factory=list)
     last_active: float = field(default_factory=time.monotonic)
     busy: bool = False
@@ -139,6 +128,12 @@ class Session:
     # written only by PrefixSharing (its `register` starts at chunk n while the epoch is unchanged)
     index_cursor: tuple[int, int] = (-1, 0)
     seq: int = 0                        # the table's order (`SessionTable` numbers sessions as they join)
+    expected_at: float = 0.0            # clock time its next turn is expected by (a tool pause): `rank_time`
+
+    @property
+    def rank_time(self) -> float:
+        """When eviction takes it to have been active: later than its last activity while a turn is expected."""
+        return max(self.last_active, self.expected_at)
 
     @property
     def holds_device(self) -> bool:
@@ -167,6 +162,62 @@ class Session:
         return out
 
 
+class TierIndex:
+    """Per tier below the device, the sessions that may hold a chunk there, by (rank_time, id): a
+    walk for victims (`Placement.victims`, session-ordered policies) visits only the sessions it takes
+    from and the busy or excluded ones ahead of them, O(those + log held), never every session held.
+    Written only by `SessionTable` (`mark` wherever a session may gain a chunk in a tier, or at a new
+    `rank_time`); a walk drops who holds nothing there any more (each mark pays for one). Read by integrity."""
+
+    __slots__ = ("order", "key")
+
+    def __init__(self, states: tuple[ChunkState, ...]):
+        self.order: dict[ChunkState, SortedList] = {st: SortedList() for st in states}
+        self.key: dict[str, tuple[float, str]] = {}    # (rank_time, id) at its last mark, of each session listed
+
+    def mark(self, s: Session) -> None:
+        """`s` may hold chunks in tiers it is not listed in yet, or has a new `rank_time`. O(its chunks
+        + log held). Mutates: the orders."""
+        sid = s.session_id
+        key = self.key.get(sid)
+        if key is not None and key[0] != s.rank_time:
+            self.forget(sid)
+            key = None
+        states = [st for st in self.order if any(c.state is st for c in s.chunks)]
+        if not states:
+            return
+        if key is None:
+            key = self.key[sid] = (s.rank_time, sid)
+        for st in states:
+            order = self.order[st]
+            if key not in order:
+                order.add(key)
+
+    def forget(self, session_id: str) -> None:
+        """The session leaves every tier's order (it is removed, or re-keyed). Mutates: the orders."""
+        key = self.key.pop(session_id, None)
+        if key is not None:
+            for order in self.order.values():
+                order.discard(key)
+
+    def walk(self, state: ChunkState, sessions: Mapping[str, Session]) -> Iterator[Session]:
+        """The sessions holding a chunk in `state`, least recently active first (ties by id); the orders must
+        not change meanwhile. Those listed holding nothing there are dropped at its end. Mutates: drops only."""
+        order, stale = self.order[state], []
+        try:
+            for key in order:
+                s = sessions.get(key[1])
+                if s is None or not any(c.state is state for c in s.chunks):
+                    stale.append(key)
+                    continue
+                yield s
+        finally:
+            for key in stale:
+                order.remove(key)
+                if not any(key in o for o in self.order.values()):
+                    del self.key[key[1]]
+
+
 class SessionTable:
     def __init__(self, clock: Callable[[], float]):
         self.clock = clock
@@ -179,6 +230,8 @@ class SessionTable:
         self._retained: set[str] = set()       # exactly the sessions with `retained` set
         # The idle sessions that are not retained, least recently released first: who a bound forgets.
         self._idle: OrderedDict[str, None] = OrderedDict()
+        self._tiers = TierIndex(INDEXED)       # who holds chunks below the device, least recently active first
+        self._tenants: dict[str, int] = {}     # sessions per tenant
 
     def get(self, session_id: str) -> Session:
         """The session; UnknownSessionError if there is none."""
@@ -198,6 +251,7 @@ class SessionTable:
         if s is None:
             s = self._sessions[session_id] = Session(session_id, last_active=self.clock(), seq=next(self._seq))
             self._idle[session_id] = None
+            self._count_tenant(session_id, 1)
         return s
 
     def add(self, s: Session) -> None:
@@ -210,22 +264,47 @@ class SessionTable:
             self._idle[s.session_id] = None
         if s.holds_device:
             self._device.add(s.session_id)
+        self._tiers.mark(s)
+        self._count_tenant(s.session_id, 1)
 
     def remove(self, session_id: str) -> None:
         """Forget a session (its chunks must have been released). Mutates: the map."""
         del self._sessions[session_id]
+        self._count_tenant(session_id, -1)
+        self._tiers.forget(session_id)
         self._device.discard(session_id)
         self._retained.discard(session_id)
         self._idle.pop(session_id, None)
 
-    # ---- sessions that hold device blocks, retained sessions -------------------------------------
+    def _count_tenant(self, session_id: str, d: int) -> None:
+        t = tenant_of(session_id)
+        n = self._tenants.get(t, 0) + d
+        if n:
+            self._tenants[t] = n
+        else:
+            del self._tenants[t]
 
-    def mark_device(self, session_id: str) -> None:
-        """The session may hold device blocks from now on: called wherever a session's chunk may gain
-        one, once it has (a step's entries, a move up, adopting a shared chunk, the other holders of a
-        shared device chunk one holder lets go of): making room in between prunes the set. Mutates:
-        the marked set."""
-        self._device.add(session_id)
+    @property
+    def tenants(self) -> int:
+        """How many tenants hold sessions."""
+        return len(self._tenants)
+
+    # ---- who holds what: device blocks, lower tiers, retained sessions ---------------------------
+
+    def mark(self, session_id: str) -> None:
+        """The session may hold device blocks or chunks of other tiers from now on: called wherever a
+        session's chunk may gain a place, once it has (a step's entries, a move up or down, adopting a
+        shared chunk, the other holders of a shared chunk that moved or one holder let go of, the end
+        of a lease): walks prune what no longer holds. O(its chunks + log held). Mutates: the marks."""
+        s = self._sessions.get(session_id)
+        if s is not None:
+            self._device.add(session_id)
+            self._tiers.mark(s)
+
+    def holding(self, state: ChunkState) -> Iterator[Session]:
+        """The sessions holding a chunk in `state` (one of INDEXED), least recently active first (ties by
+        id); the marks must not change while the iteration runs. Mutates: the marks (pruning only)."""
+        return self._tiers.walk(state, self._sessions)
 
     def device_sessions(self) -> list[Session]:
         """Every session holding a device block, in table order: the marked ones and the other holders
@@ -247,6 +326,11 @@ class SessionTable:
                             out[h] = hs
                             self._device.add(h)
         return sorted(out.values(), key=lambda s: s.seq)
+
+    @property
+    def tiers(self) -> TierIndex:
+        """Each lower tier's holders (read by `check_integrity` only)."""
+        return self._tiers
 
     def retain(self, s: Session, retained: bool) -> None:
         """Set `s.retained` (History: deleted but kept for its shared prefix, or revived). Mutates: that flag."""
@@ -285,9 +369,6 @@ class SessionTable:
     def __iter__(self) -> Iterator[Session]:
         return iter(self._sessions.values())
 
-    def ids(self) -> list[str]:
-        return list(self._sessions)
-
     def acquire(self, session_id: str) -> tuple[Session, float | None]:
         """Lease the session for one turn: it becomes busy. Returns it and, when it has history (a
         returning conversation), the idle gap since its last activity. SessionBusyError if leased.
@@ -304,9 +385,15 @@ class SessionTable:
         """End a lease. Mutates: `busy`, `turn_started`, `in_turn`, `last_active`."""
         s.busy = s.turn_started = s.in_turn = False
         s.last_active = self.clock()
+        self.mark(s.session_id)
         if not s.retained:
             self._idle[s.session_id] = None
             self._idle.move_to_end(s.session_id)
+
+    def expect(self, s: Session, at: float) -> None:
+        """The session's next turn is expected by clock time `at` (`Session.rank_time`). Mutates: `expected_at`."""
+        s.expected_at = at
+        self.mark(s.session_id)
 
     def touch(self, s: Session, now: float) -> None:
         """The session was active at `now` (a step committed). Mutates: `last_active`."""

@@ -4,7 +4,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .session import TurnStats
+
+@dataclass(slots=True)
+class TurnStats:
+    """What the last turn of a session cost (tokens)."""
+
+    reused_tokens: int = 0         # history served from stored KV (any tier)
+    reused_device: int = 0         #   of which already on the device (or still cached there)
+    swapped_in_host: int = 0       #   of which copied up from the host tier
+    swapped_in_disk: int = 0       #   of which copied up from the disk tier
+    restored_hidden: int = 0       #   of which rebuilt from hidden states (projection per layer)
+    computed_tokens: int = 0       # rows the model ran in the turn's steps (new tokens and recomputed history)
+    recomputed_tokens: int = 0     # history recomputed because its KV had been dropped
+    generated_tokens: int = 0
+    truncated_tokens: int = 0      # history cut because the new prompt diverged from it
 
 
 @dataclass(slots=True)

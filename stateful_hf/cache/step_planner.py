@@ -190,7 +190,7 @@ class StepPlanner:
                     capture.valid[s.chunks[k].loc] = True
             entries.append(StepEntry(s.session_id, tuple(ids), tuple(pos), old_len, tuple(fill)))
         for s in sessions:          # their chunks are on the device now (making room above prunes the set)
-            self.sessions.mark_device(s.session_id)
+            self.sessions.mark(s.session_id)
         return self._build(sessions, entries, events, restore)
 
     def _await_rebuilds(self, sessions: list[Session]) -> None:

@@ -120,7 +120,7 @@ def assemble(spec: KVSpec, c: StoreConfig) -> StoreParts:
         disk_state = None if disk is None else DiskState(sessions, disk, transfer, spec.block_size)
         tiers = TierPools(device_pool, host_pool, disk, hidden.pool if hidden is not None else None,
                           hidden.disk_pool if hidden is not None else None, disk_state, sharing,
-                          ResidueTable() if c.layerwise_kv else None, sessions.mark_device)
+                          ResidueTable() if c.layerwise_kv else None, sessions.mark)
         placement = Placement(sessions, tiers, transfer, disk_state, hidden, _policy(c),
                               moves, counters, c.swap_out_threshold)
         swap_in = SwapIn(sessions, tiers, placement, transfer, hidden, disk_state, counters)

@@ -100,9 +100,9 @@ class SwapIn:
                         self.counters.swapped_in_host += n
                     else:
                         self.counters.swapped_in_disk += n
-        if target is DEVICE:                   # after the blocks are theirs: making room prunes the set
-            for s in movers:
-                self.sessions.mark_device(s.session_id)
+        # after the chunks are in place (making room above prunes the marks); a shared one moved for every holder
+        for sid in {s.session_id for s in movers} | self.tiers.sharing.holder_ids(items):
+            self.sessions.mark(sid)
         return events
 
     def settle(self, restore: HiddenRestore | None, ok: bool) -> None:
@@ -124,6 +124,8 @@ class SwapIn:
             else:
                 self.tiers.device.free([block])
                 c.assign(state, slot)
+                for h in self.tiers.sharing.holder_ids([(s, k)]):
+                    self.sessions.mark(h)
                 n = s.chunk_len(k, self.block_size)
                 self.counters.restored_hidden -= n
                 self.counters.restored_hidden_disk -= n if state is DISK_HIDDEN else 0

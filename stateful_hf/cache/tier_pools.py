@@ -36,13 +36,13 @@ HIDDEN, DISK_HIDDEN, LAYERED = ChunkState.HIDDEN, ChunkState.DISK_HIDDEN, ChunkS
 class TierPools:
     def __init__(self, device: TierPool, host: BlockPool | None, disk: DiskTier | None, hidden: HiddenPool | None,
                  disk_hidden: HiddenPool | None, disk_state: DiskState | None, sharing: PrefixSharing,
-                 residues: ResidueTable | None, mark_device: Callable[[str], None]):
+                 residues: ResidueTable | None, mark: Callable[[str], None]):
         self.device, self.host, self.disk = device, host, disk
         self.sharing = sharing
         self.hidden, self.disk_hidden = hidden, disk_hidden
         self.disk_state = disk_state           # None without a disk tier (then no chunk is ON_DISK)
         self.residues = residues               # layerwise_kv only; mutated only through place_residues / free_residue
-        self.mark_device = mark_device         # `SessionTable.mark_device`: who may hold device blocks
+        self.mark = mark                       # `SessionTable.mark`: who may hold what
         self._by_state = {DEVICE: device, HOST: host, DISK: disk.pool if disk is not None else None,
                           HIDDEN: hidden, DISK_HIDDEN: disk_hidden,
                           LAYERED: host}       # a LAYERED chunk's host slot (its residue block: the table)
@@ -67,7 +67,7 @@ class TierPools:
         if self.sharing.detach(s, k):          # others still hold it: they keep its device block, if any
             if c.holds_device:
                 for h in c.entry.holders:
-                    self.mark_device(h)
+                    self.mark(h)
             return
         self.vacate(s.chunks[k])
         s.chunks[k] = Chunk()
@@ -149,6 +149,11 @@ class Capacity:
     def chunk_needs(self, s: Session, end: int, length: int | None, factor: int) -> ChunkNeeds:
         """`KVStore.chunk_needs`: per chunk below `end`, what a step of `s` must do (`chunk_needs.needs`)."""
         return needs(places_of(s), end, s.num_tokens if length is None else length, factor, self.block_size)
+
+    def held_blocks(self, s: Session) -> float:
+        """Device blocks `s` holds: a whole block per DEVICE chunk, 1/f of one per residue block."""
+        return sum(1.0 if c.state is ChunkState.DEVICE else (1.0 / c.residue_block[1] if c.residue_block is not None
+                                                             else 0.0) for c in s.chunks)
 
     def blocks_needed(self, s: Session, end: int, length: int | None, factor: int) -> int:
         """Device blocks such a step takes at most: a block per chunk it fills or copies up at factor 1;

@@ -4,12 +4,13 @@ without one, in whichever thread waits on a handle."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import AsyncIterator, Iterator, Sequence
 
 import torch
 
-from ..cache import SessionBusyError
+from ..cache import SessionBusyError, UnknownSessionError
 from ..integration import check_input_ids
 from ..options import EngineConfig, EngineKwargs, GenerationConfigMode, OnBusy, Unpack, split_engine_options
 from ..session_store import SessionStore
@@ -228,8 +229,13 @@ class Engine:
         chunks start moving up to the device in the background (hidden-state chunks are rebuilt there).
         Returns at once with a `Hint` you may `cancel()` or `wait()` for. Harmless if no request
         follows: prefetched chunks stay evictable, and only free device blocks above the admission
-        reserve are used (`hints.py`)."""
-        return self.hints.hint(session_id, expected_arrival, priority)
+        reserve are used (`hints.py`). With `expected_arrival` the store also ranks the session's KV as if
+        active then (`KVStore.expect`, clamped to `max_retain`): kept through a tool pause, never pinned."""
+        h = self.hints.hint(session_id, expected_arrival, priority)     # checks expected_arrival
+        if expected_arrival is not None:
+            with contextlib.suppress(UnknownSessionError):   # the hint says "unknown session"
+                self.store.expect(session_id, expected_arrival)
+        return h
 
     # ---- front-ends (frontends.py) --------------------------------------------------------------
 

@@ -27,6 +27,8 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
+from sortedcontainers import SortedKeyList
+
 from ..cache import CapacityError, Committed, KVStore, Room
 from .admission import Admission, no_device_room, no_host_slots
 from .layer_offload import LayerwisePolicy, LayerwiseScheduling
@@ -63,7 +65,10 @@ class Scheduler:
                              f"({store.block_size}): recomputation goes by whole chunks")
         self.store, self.config, self.max_positions, self.slo = store, config, max_positions, slo
         self.layerwise = layerwise
-        self.waiting: list[Request] = []    # WAITING and SUSPENDED, by arrival
+        # WAITING and SUSPENDED: short turns first, each kind by arrival (`r.short` is fixed while queued)
+        self.waiting = SortedKeyList(key=_admit_order)
+        self._queued: dict[str, list[Request]] = {}   # per session, its queued turns by arrival
+        self._cancels: list[Request] = []   # asked to end, not yet queued here
         self.running: list[Request] = []    # RUNNING, by arrival
         self.finished: list[Request] = []   # ended since the engine last drained them
         self.room: Room | None = None       # the store's room as the last commit or end left it; None: ask
@@ -78,7 +83,18 @@ class Scheduler:
     def add(self, r: Request) -> None:
         self.admission.ask(r, self.passes + 1)   # the coming pass admits with this answer
         r.short = self._is_short(r)
-        bisect.insort(self.waiting, r, key=_order)
+        self._queue(r)
+
+    def _queue(self, r: Request) -> None:
+        self.waiting.add(r)
+        bisect.insort(self._queued.setdefault(r.session_id, []), r, key=_order)
+
+    def _unqueue(self, r: Request) -> None:
+        self.waiting.remove(r)
+        turns = self._queued[r.session_id]
+        turns.remove(r)
+        if not turns:
+            del self._queued[r.session_id]
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -96,9 +112,10 @@ class Scheduler:
         if r.leased:
             room = self.store.end(r.session_id, len(r.output_ids))    # the rest of last_turn: the store's
             r.leased = False
-        for q in (self.waiting, self.running):
-            if r in q:
-                q.remove(r)
+        if r in self.waiting:
+            self._unqueue(r)
+        elif r in self.running:
+            self.running.remove(r)
         r.status, r.finish_reason, r.error, r.finished_at = status, reason, error, time.monotonic()
         self.finished.append(r)
         return room
@@ -110,10 +127,20 @@ class Scheduler:
         room = self.finish(r, RequestStatus.FAILED, "error", error)
         return 0 if room is None else max(room.device_blocks - before, 0)
 
+    def cancel(self, requests: Iterable[Request]) -> None:
+        """These requests were asked to end (`cancel_requested`): they end at the next pass, or once queued."""
+        self._cancels.extend(requests)
+
     def reap_cancelled(self) -> None:
-        for r in [r for r in self.running + self.waiting if r.cancel_requested]:
-            self.finish(r, RequestStatus.CANCELLED, "cancelled")
-            self.room = None
+        """End the requests asked to end that are queued or running; O(those), whatever the queue's length."""
+        later = []
+        for r in self._cancels:
+            if r in self.waiting or r in self.running:
+                self.finish(r, RequestStatus.CANCELLED, "cancelled")
+                self.room = None
+            elif not r.status.done:    # still in the engine's inbox: queued with the next `add`
+                later.append(r)
+        self._cancels = later
 
     def _is_short(self, r: Request) -> bool:
         """At most `short_rows` rows before its first token (an estimate when queued: for ordering only)."""
@@ -124,10 +151,13 @@ class Scheduler:
         and all of queued ones whose sessions are not busy here, leaving the long ones at least one chunk."""
         if not any(not r.decoding and not r.short for r in self.running):
             return 0
-        busy = {q.session_id for q in self.running}
+        busy, cap = {q.session_id for q in self.running}, room - self.store.block_size
         rows = sum(len(r.pending) + len(r.missing) for r in self.running if r.short and not r.decoding)
-        rows += sum(r.prefill_rows() for r in self.waiting if r.short and r.session_id not in busy)
-        return max(min(rows, room - self.store.block_size), 0)
+        for r in self.waiting:         # short ones first: stop at the first long one, or once it is all
+            if not r.short or rows >= cap:
+                break
+            rows += r.prefill_rows() if r.session_id not in busy else 0
+        return max(min(rows, cap), 0)
 
     # ---- one step -------------------------------------------------------------------------------
 
@@ -195,13 +225,13 @@ class Scheduler:
         committed = self.layered.committed(items) if self.layerwise is not None else 0
         host_committed = self.layered.host_committed(items) if self.layerwise is not None else 0
         allowance = self.slo.allowance(self.running) if self.slo is not None else math.inf
-        first = {}                     # per session, its earliest queued turn (`waiting` is in arrival order)
-        for q in self.waiting:
-            first.setdefault(q.session_id, q)
-        for r in sorted(self.waiting, key=lambda q: (not q.short, _order(q))):
+        after = None                   # the queue in admission order: O(what a pass admits or skips + log queued)
+        while (i := 0 if after is None else self.waiting.bisect_key_right(after)) < len(self.waiting):
+            r = self.waiting[i]
+            after = _admit_order(r)    # the next is found again past r, whatever this pass removed
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
-            if first[r.session_id] is not r:   # one session's turns run in submit order, short or not
+            if self._queued[r.session_id][0] is not r:   # one session's turns run in submit order, short or not
                 continue
             cost = self.slo.prefill_seconds(r.prefill_rows()) if allowance < math.inf else 0.0
             if cost > allowance:       # would push a decode past its TPOT SLO: defer, FCFS
@@ -216,7 +246,7 @@ class Scheduler:
                     break
                 continue               # its session is busy with an earlier turn, or it failed: let later ones pass
             item = verdict.item
-            self.waiting.remove(r)
+            self._unqueue(r)
             bisect.insort(self.running, r, key=_order)
             r.status = RequestStatus.RUNNING
             avail -= verdict.blocks
@@ -241,7 +271,7 @@ class Scheduler:
         r.needs = self.store.turn_needs(r.session_id)
         r.missing, r.missing_ids = list(r.needs.missing), list(r.needs.missing_ids)
         r.short = self._is_short(r)
-        bisect.insort(self.waiting, r, key=_order)
+        self._queue(r)
         return freed
 
     def _host_left(self, taken: int) -> int:
@@ -290,3 +320,7 @@ class Scheduler:
 
 def _order(r: Request) -> tuple[float, int]:
     return r.arrival, r.request_id
+
+
+def _admit_order(r: Request) -> tuple[bool, float, int]:
+    return not r.short, r.arrival, r.request_id

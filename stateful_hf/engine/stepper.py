@@ -74,8 +74,10 @@ class Stepper:
     def step(self) -> StepRecord | None:
         """Run one engine iteration (admit, schedule, forward, sample, publish). Returns what ran."""
         with self.lock:
-            for r in self.requests.take_inbox():
+            inbox, cancels = self.requests.take_inbox()
+            for r in inbox:
                 self.scheduler.add(r)
+            self.scheduler.cancel(cancels)
             t0 = time.monotonic()
             items = self.scheduler.schedule()
             record = None
@@ -142,7 +144,7 @@ class Stepper:
     def fail_in_flight(self, error: Exception) -> None:
         """A step raised outside any request's fault (a bug): fail what is in flight, go on."""
         with self.lock:
-            self.scheduler.fail(self.scheduler.running + self.scheduler.waiting, error)
+            self.scheduler.fail([*self.scheduler.running, *self.scheduler.waiting], error)
             self._publish(())
 
 
@@ -150,6 +152,7 @@ class RequestRegistry:
     def __init__(self, loop: StepLoop, on_idle: Callable[[str], None] | None = None):
         self.loop, self.cv, self._on_idle = loop, loop.cv, on_idle
         self._inbox: list[Request] = []
+        self._cancels: list[Request] = []          # asked to end since the loop last took the inbox
         self._handles: dict[int, RequestHandle] = {}
         self._requests: dict[int, Request] = {}
         self._active = Counter()                   # session id -> unfinished requests
@@ -192,10 +195,11 @@ class RequestRegistry:
     def has_inbox(self) -> bool:
         return bool(self._inbox)
 
-    def take_inbox(self) -> list[Request]:
+    def take_inbox(self) -> tuple[list[Request], list[Request]]:
+        """The requests submitted and those asked to end since the last call."""
         with self.cv:
-            out, self._inbox = self._inbox, []
-        return out
+            out, self._inbox, cancels, self._cancels = self._inbox, [], self._cancels, []
+        return out, cancels
 
     def cancel(self, request_id: int) -> None:
         """Ask for a request to end after the current step (no-op if it has ended)."""
@@ -203,12 +207,14 @@ class RequestRegistry:
             r = self._requests.get(request_id)
             if r is not None:
                 r.cancel_requested = True
+                self._cancels.append(r)
                 self.cv.notify_all()
 
     def cancel_all(self) -> None:
         with self.cv:
             for r in list(self._requests.values()):
                 r.cancel_requested = True
+                self._cancels.append(r)
 
     def when_finished(self, handle: RequestHandle, fn: Callable[[RequestOutput], None]) -> None:
         """Call fn(output) once the request has ended (now, if it has); from the stepping thread it is

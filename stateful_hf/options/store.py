@@ -88,6 +88,9 @@ class StoreOptions(Options):
                                       "stay); None: no bound", flag=True)
     session_ttl: float | None = option(None, "seconds an idle session is held after its last activity, then "
                                        "forgotten whole; None: no limit", flag=True)
+    max_retain: float = option(600.0, "the furthest ahead, in seconds, a session's expected next turn (a hint's "
+                               "expected_arrival, an X-Session-Retain header) ranks it for eviction; longer ones "
+                               "are clamped", flag=True)
     prefix_sharing: bool | None = option(None, "full chunks of identical prefixes (same tenant and cache_salt) "
                                          "are held once (docs/prefix-sharing.md); None: on where it can be "
                                          "(the paged layout, no layerwise_kv)")
@@ -102,6 +105,7 @@ class StoreOptions(Options):
         check_int("max_context", self.max_context, 1, none="the model's")
         check_int("max_sessions", self.max_sessions, 1, none="no bound")
         object.__setattr__(self, "session_ttl", check_seconds("session_ttl", self.session_ttl))
+        object.__setattr__(self, "max_retain", check_seconds("max_retain", self.max_retain))
         object.__setattr__(self, "hidden_states", HiddenStates.of("hidden_states", self.hidden_states))
         object.__setattr__(self, "layout", Layout.of("layout", self.layout))
         if not isinstance(self.attn_backend, str):
@@ -175,6 +179,7 @@ class StoreKwargs(TypedDict, total=False):
     emulate_async: bool | None
     max_sessions: int | None
     session_ttl: float | None
+    max_retain: float
     prefix_sharing: bool | None
 
 

@@ -17,6 +17,8 @@ Every method runs with the store lock held.
 
 from __future__ import annotations
 
+from array import array
+
 from ..errors import StoreError
 from ..prefix.index import PrefixScope
 from ..prefix.sharing import PrefixSharing
@@ -124,7 +126,7 @@ class DiskState:
         claimant: dict[tuple[str, int], tuple[Session, int, PrefixScope | None]] = {}   # its first row's
         loaded: list[tuple[Session, PrefixScope | None]] = []
         for sid, saved in self.disk.saved_sessions().items():
-            s = Session(sid, saved.token_ids, last_active=self.sessions.clock(), retained=saved.retained)
+            s = Session(sid, array("i", saved.token_ids), last_active=self.sessions.clock(), retained=saved.retained)
             scope = _scope(sid, saved.tenant, saved.cache_salt)
             s.chunks = [Chunk() for _ in range(-(-len(s.token_ids) // bs))]
             for k, (form, slot, checksum) in sorted(saved.chunks.items()):

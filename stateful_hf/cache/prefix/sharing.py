@@ -319,6 +319,17 @@ class PrefixSharing:
             return [s]
         return [self._session(h) for h in sorted(e.holders)]
 
+    def holder_ids(self, items: Iterable[tuple[Session, int]]) -> set[str]:
+        """Ids of every session holding one of these chunks (a shared chunk: all its holders)."""
+        out = set()
+        for s, k in items:
+            e = s.chunks[k].entry
+            if e is None:
+                out.add(s.session_id)
+            else:
+                out.update(e.holders)
+        return out
+
     # ---- reading --------------------------------------------------------------------------------
 
     def physical(self, sessions: Iterable[Session]) -> Iterable[tuple[Session, int, Chunk]]:
