@@ -40,13 +40,14 @@ def parser() -> argparse.ArgumentParser:
 
 def build_engine(p: argparse.ArgumentParser, args: argparse.Namespace):
     """The engine over the store the flags describe; a bad flag exits with status 2 and one line."""
-    template = flags.read_chat_template(p, args.chat_template)
+    flags.read_chat_template(p, args.chat_template)        # the file, before torch is imported
     flags.check_device(p, args.device)
     store_kwargs, scheduling = flags.store_options(p, args), flags.engine_options(p, args)
 
     import stateful_hf
     from stateful_hf import Engine
-    from stateful_hf.models import ModelUnavailableError, load, use_chat_template
+    from stateful_hf.models import ModelUnavailableError, load
+    from stateful_hf.serve.chat_template import load_chat_template
 
     try:
         model, tokenizer = load(args.model, dtype=flags.torch_dtype(args.dtype), device=args.device,
@@ -54,11 +55,10 @@ def build_engine(p: argparse.ArgumentParser, args: argparse.Namespace):
     except (OSError, ValueError, ImportError, ModelUnavailableError) as e:
         p.error(f"--model {args.model}: {' '.join(str(e).split())} (--model {TINY_MODEL} runs offline on random "
                 "weights)")
-    if template is not None:
-        try:
-            use_chat_template(tokenizer, template)
-        except ValueError as e:
-            p.error(f"--chat-template {args.chat_template}: {e}")
+    try:
+        load_chat_template(args.chat_template, tokenizer)
+    except ValueError as e:
+        p.error(f"--chat-template {args.chat_template}: {e}")
     if getattr(tokenizer, "chat_template", None) is None:
         p.error(f"--model {args.model}: its tokenizer has no chat template; the demo needs one (--chat-template)")
     try:

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -127,6 +128,29 @@ def test_bad_values_found_after_loading_exit_2(tmp_path):
     _exits_2(["--model", "no-such-org/no-such-model"], "--model no-such-org/no-such-model: OSError")   # offline
 
 
+def test_load_chat_template_is_the_one_loader(tmp_path):
+    """`--chat-template`'s file is read and installed by one function (the server, the demo): None keeps
+    the tokenizer's own; a bad file is a ValueError that leaves the tokenizer unchanged."""
+    from stateful_hf.serve.chat_template import load_chat_template
+    from stateful_hf.testing import tiny_tokenizer
+    tok = tiny_tokenizer()
+    own = tok.chat_template
+    assert own and own != TEMPLATE
+    assert load_chat_template(None, tok) is None and tok.chat_template == own
+    bad, empty, good = tmp_path / "bad.jinja", tmp_path / "empty.jinja", tmp_path / "good.jinja"
+    bad.write_text("{% for m in messages %}")                  # unclosed: does not render
+    empty.write_text(" \n")
+    good.write_text(TEMPLATE)
+    for path, says in ((bad, "does not render a one-message chat"), (empty, "the file is empty"),
+                       (tmp_path / "missing.jinja", "No such file")):
+        with pytest.raises(ValueError, match=says):
+            load_chat_template(path, tok)
+        assert tok.chat_template == own
+    assert load_chat_template(good, tok) == TEMPLATE and tok.chat_template == TEMPLATE
+    rendered = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False)
+    assert rendered == "<|user|>Hi\n<|assistant|>"
+
+
 def test_dtype_names_are_vllms_and_auto_keeps_float32():
     for names, torch_name in ((("float32", "fp32", "float", "FP32"), "float32"), (("bfloat16", "bf16"), "bfloat16"),
                               (("float16", "fp16", "half"), "float16")):
@@ -149,13 +173,15 @@ def test_help_names_the_stores_own_choices():
 def test_the_demo_shares_the_store_and_model_flags():
     sys.path.insert(0, str(ROOT))
     from demo.app import parser as demo_parser
+    from stateful_hf.options import SchedulingOptions
     from stateful_hf.serve.__main__ import parser as server_parser
-    shared = {"--model", "--revision", "--trust-remote-code", "--dtype", "--device", "--chat-template",
-              "--device-capacity", "--host-capacity", "--disk-dir", "--disk-capacity", "--chunk-size",
-              "--hidden-states", "--hidden-capacity", "--policy", "--attention-backend", "--backend"}
+    model = {"--model", "--revision", "--trust-remote-code", "--dtype", "--device", "--chat-template"}
+    store = {name for f in flags.store_flag_fields() for name in flags.flag_names(f)}   # the option list's
+    engine = {name for f in fields(SchedulingOptions) if f.metadata.get("flag") for name in flags.flag_names(f)}
+    assert {"--hidden-states", "--policy", "--attention-backend", "--backend", "--host-capacity"} <= store
     for p in (demo_parser(), server_parser()):
-        listed = p.format_help()
-        assert all(f"{flag} " in listed or f"{flag}\n" in listed for flag in shared), listed
+        offered = set(p._option_string_actions)
+        assert model | store | engine <= offered, sorted((model | store | engine) - offered)
     a = server_parser().parse_args(["--hidden-states", "always", "--policy", "lru", "--backend", "torch",
                                     "--host-capacity", "0", "--hidden-capacity", "2GiB"])
     assert flags.store_options(server_parser(), a) == {
@@ -273,10 +299,19 @@ def test_cors_preflight_and_simple_requests(server):
 
 def test_health_answers_while_a_near_limit_body_is_tokenized(server):
     """A 7 MB chat (the limit is 8 MiB) is parsed, rendered and tokenized in a worker thread: /health
-    keeps answering meanwhile (the issue measured 3.6 s; ~10-30 ms here, 50 ms is the target)."""
+    answers within 50 ms meanwhile (the issue measured 3.6 s; max ~11 ms, median ~2 ms here).
+
+    Negative control: with `chat_turn` called on the event loop instead of `run_in_threadpool` (tried
+    once by hand), the one probe sent during the request waited 8.2 s for the whole parse, so the
+    latency check below fails (and so does the count: a blocked loop answers no probe until the body is
+    done). The test cannot pass vacuously: the body must end as a 400 `context_length_exceeded` naming
+    `messages` (so it was parsed, rendered and tokenized to the end, not refused early by size, JSON or
+    schema), and at least 10 probes must have been answered while it was in flight (so the window in
+    which /health was measured is the parse, not the time after it)."""
     url, _, _, model = server
     text = ("The quick brown fox jumps over the lazy dog. " * 160_000)[:7_000_000]
     raw = json.dumps({"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 4}).encode()
+    assert 7_000_000 < len(raw) < 8 * 2**20                 # just under --max-body-bytes' default
     result = {}
 
     def big():
@@ -299,7 +334,11 @@ def test_health_answers_while_a_near_limit_body_is_tokenized(server):
     sender.join()
     assert result["status"] == 400 and result["error"]["code"] == "context_length_exceeded", result
     assert result["error"]["param"] == "messages"
-    assert len(waits) >= 10, f"the big request took only {result['seconds']:.2f} s"
-    print(f"\n/health under a 7 MB body: {len(waits)} answered, max {1e3 * max(waits):.1f} ms, "
-          f"median {1e3 * sorted(waits)[len(waits) // 2]:.1f} ms; the body refused in {result['seconds']:.2f} s")
-    assert max(waits) < 0.5, waits
+    waits.sort()
+    print(f"\n/health under a 7 MB body: {len(waits)} answered, max {1e3 * waits[-1]:.1f} ms, "
+          f"p99 {1e3 * waits[int(0.99 * (len(waits) - 1))]:.1f} ms, median {1e3 * waits[len(waits) // 2]:.1f} ms; "
+          f"the body refused in {result['seconds']:.2f} s")
+    # 50 ms for all but 1% of the probes (a probe of a 2-core machine shared with other work may wait for
+    # a core); none anywhere near the parse's seconds
+    assert waits[int(0.99 * (len(waits) - 1))] < 0.050 and waits[-1] < 0.5, [round(w, 3) for w in waits[-5:]]
+    assert len(waits) >= 10, f"only {len(waits)} probes during the {result['seconds']:.2f} s request"

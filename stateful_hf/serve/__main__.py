@@ -186,17 +186,17 @@ def main(argv=None) -> None:
         return
     import uvicorn
 
-    from ..models import ModelUnavailableError, use_chat_template
+    from ..models import ModelUnavailableError
+    from .chat_template import load_chat_template
     from .server import build_local, load_model
     try:
         model, tokenizer, name = load_model(a.model, dtype, a.device, **hub)
     except (OSError, ValueError, ImportError, ModelUnavailableError) as e:
         p.error(f"--model {a.model}: {_one_line(e)}")
-    if template is not None:
-        try:
-            use_chat_template(tokenizer, template)
-        except ValueError as e:
-            p.error(f"--chat-template {a.chat_template}: {e}")
+    try:
+        load_chat_template(a.chat_template, tokenizer)
+    except ValueError as e:
+        p.error(f"--chat-template {a.chat_template}: {e}")
     try:
         app, router = build_local(model, tokenizer, a.served_model_name or name, options, a.default_max_tokens,
                                   access, max_model_len=a.max_model_len, seed=a.seed)

@@ -25,6 +25,7 @@ from enum import Enum
 from pathlib import Path
 
 from ..options import SchedulingOptions, SessionStoreOptions
+from . import chat_template
 
 # vLLM's --dtype names -> torch's
 DTYPES = {"auto": "auto", "float32": "float32", "fp32": "float32", "float": "float32", "bfloat16": "bfloat16",
@@ -160,16 +161,14 @@ def check_model(p: argparse.ArgumentParser, model: str, named: tuple[str, ...]) 
 
 
 def read_chat_template(p: argparse.ArgumentParser, path: str | None) -> str | None:
-    """The text of `--chat-template PATH` (None: the tokenizer's own template)."""
+    """The text of `--chat-template PATH` (None: the tokenizer's own template), read before torch is
+    imported (`chat_template.read_chat_template`); an unreadable or empty file exits with status 2."""
     if path is None:
         return None
     try:
-        text = Path(path).expanduser().read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
+        return chat_template.read_chat_template(path)
+    except ValueError as e:
         p.error(f"--chat-template {path}: {e}")
-    if not text.strip():
-        p.error(f"--chat-template {path}: the file is empty")
-    return text
 
 
 def check_device(p: argparse.ArgumentParser, name: str) -> None:
