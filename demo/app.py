@@ -19,6 +19,7 @@ if __package__ in (None, ""):           # run as a script: make `demo` and `stat
 
 
 from stateful_hf.models import DEFAULT_MODEL, SOURCES, TINY_MODEL  # noqa: E402
+from stateful_hf.options import SessionStoreOptions  # noqa: E402
 from stateful_hf.serve import flags  # noqa: E402
 
 
@@ -64,7 +65,7 @@ def build_engine(p: argparse.ArgumentParser, args: argparse.Namespace):
     try:
         store = stateful_hf.SessionStore(model, **store_kwargs)
     except (ValueError, RuntimeError) as e:        # the store refused its options (a backend missing, ...)
-        p.error(" ".join(str(e).split()))
+        p.error(flags.as_flags(" ".join(str(e).split()), SessionStoreOptions))
     return Engine(model, tokenizer, store=store, **scheduling)
 
 

@@ -11,6 +11,7 @@ import os
 import signal
 
 from ..models import DEFAULT_MODEL, SOURCES, TINY_MODEL
+from ..options import SchedulingOptions, SessionStoreOptions
 from . import flags
 
 
@@ -201,7 +202,7 @@ def main(argv=None) -> None:
         app, router = build_local(model, tokenizer, a.served_model_name or name, options, a.default_max_tokens,
                                   access, max_model_len=a.max_model_len, seed=a.seed)
     except (ValueError, RuntimeError) as e:     # the store refused its options (a backend missing, ...)
-        p.error(" ".join(str(e).split()))
+        p.error(flags.as_flags(" ".join(str(e).split()), SessionStoreOptions, SchedulingOptions))
     _describe(router.clients[0].replica.store, app.state.config.max_model_len)
     _announce(access, a.host)
     if access.keys is not None and access.keys.keys_file is not None:
