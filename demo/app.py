@@ -78,7 +78,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if args.max_new_tokens < 1 or args.max_batch_tokens < 1:
         p.error("--max-new-tokens and --max-batch-tokens must be >= 1")
-    flags.check_model(p, args.model, (*SOURCES, TINY_MODEL))
+    flags.check_model(p, args.model, (*SOURCES, TINY_MODEL), args.revision)
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
     if args.dtype == "auto":
         print(f"stateful-hf demo: --dtype auto loads {flags.torch_dtype(args.dtype)}", flush=True)

@@ -51,12 +51,12 @@ PROBE = ("import runpy, sys\nsys.argv = ['stateful_hf.serve', *sys.argv[1:]]\ntr
          "    print('exit', e.code, 'torch' in sys.modules, 'transformers' in sys.modules)\n")
 
 
-def _exits_2(args: list[str], says: str, timeout: float = 300) -> tuple[float, str]:
+def _exits_2(args: list[str], says: str, timeout: float = 300, env: dict | None = None) -> tuple[float, str]:
     """Run the server with `args`: exit status 2, its last stderr line names the error, no traceback.
     Returns (seconds from start to exit, stdout)."""
     t0 = time.perf_counter()
     out = subprocess.run([sys.executable, "-m", "stateful_hf.serve", *args], cwd=ROOT, capture_output=True, text=True,
-                         timeout=timeout, env=_env())
+                         timeout=timeout, env={**_env(), **(env or {})})
     took = time.perf_counter() - t0
     last = out.stderr.strip().splitlines()[-1]
     assert out.returncode == 2, (args, out.stderr[-2000:])
@@ -77,7 +77,11 @@ PRE_IMPORT = [
     (["--dtype", "bf17"], "argument --dtype: unknown dtype 'bf17'; choose from auto, float32"),
     (["--device", "cuda:x"], "argument --device: expected one of cpu, cuda, mps, xpu"),
     (["--log-level", "loud"], "argument --log-level: unknown log level 'loud'"),
-    (["--model", "/nonexistent/model"], "--model /nonexistent/model: no such directory, and not a named model"),
+    (["--model", "/nonexistent/model"], "--model /nonexistent/model: no such model path or known model: not a "
+     "directory, not a named model (smollm2-135m-instruct, tiny-random) nor a hub id"),
+    (["--model", "no-such-org/no-such-model"], "no such model path or known model: not a directory, not a named "
+     "model (smollm2-135m-instruct, tiny-random), and as a hub id not in the local cache while the hub is offline"),
+    (["--model", "SmolLM2-135M"], "did you mean smollm2-135m-instruct?"),
     (["--model", "DIR"], "the directory has no config.json"),
     (["--model", "FILE"], "a file, not a model directory"),
     (["--chat-template", "/nonexistent.jinja"], "--chat-template /nonexistent.jinja: [Errno 2]"),
@@ -128,7 +132,16 @@ def test_bad_values_found_after_loading_exit_2(tmp_path):
              "does not render a one-message chat: TemplateSyntaxError")
     _exits_2(["--model", "tiny-random", "--max-model-len", "100000"],
              "--max-model-len 100000 is more than the model's context of 2048 tokens")
-    _exits_2(["--model", "no-such-org/no-such-model"], "--model no-such-org/no-such-model: OSError")   # offline
+    # a hub id the offline cache holds passes the check before torch (the control of the refusal above) and loads
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--test-org--tiny" / "snapshots" / ("0" * 40)
+    from stateful_hf.testing import tiny_llama, tiny_tokenizer
+    tiny_llama().save_pretrained(snapshot)
+    tiny_tokenizer().save_pretrained(snapshot)
+    (cache / "models--test-org--tiny" / "refs").mkdir()
+    (cache / "models--test-org--tiny" / "refs" / "main").write_text("0" * 40)
+    _exits_2(["--model", "test-org/tiny", "--max-model-len", "100000"], "--max-model-len 100000 is more than the "
+             "model's context of 2048 tokens", env={"HF_HUB_CACHE": str(cache)})
     # the store's own check, its options named as flags
     _exits_2(["--model", "tiny-random", "--hidden-states", "always"],
              "--hidden-states 'always' needs room for hidden states: give --hidden-capacity (or --host-capacity")

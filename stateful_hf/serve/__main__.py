@@ -152,7 +152,7 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> str | None:
     if not 0 < a.port < 65536:
         p.error(f"--port must be in 1..65535, got {a.port}")
     flags.engine_options(p, a)
-    flags.check_model(p, a.model, (*SOURCES, TINY_MODEL))
+    flags.check_model(p, a.model, (*SOURCES, TINY_MODEL), a.revision)
     return flags.read_chat_template(p, a.chat_template)
 
 

@@ -4,7 +4,8 @@ the model's (`add_model_flags`) and the session store's (`add_store_flags`), in 
 Checks run in two passes, each value failing with status 2 and one line (`parser.error`, as argparse's own):
 1. before torch or transformers is imported (milliseconds): argparse's types (`--dtype`, the form of
    `--device`, `--log-level`, the policy, hidden-state mode and attention backend: `STORE_NAMES`),
-   `check_model` (a named model, a model directory, or a hub id) and `read_chat_template` (the file);
+   `check_model` (a named model, a model directory, or a hub id: offline, one the cache holds) and
+   `read_chat_template` (the file);
 2. after torch is imported, before the model loads: `check_device` (the device exists) and
    `store_options` (capacities parse; the names are the store's own, `stateful_hf.cache.POLICY_NAMES`,
    `stateful_hf.cache.hidden.HIDDEN_MODES`, `stateful_hf.kernels.BACKENDS`; then the options' own checks).
@@ -17,6 +18,7 @@ The store's flags are not written here: they are the options of `SessionStoreOpt
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import re
 from dataclasses import Field, fields
@@ -150,9 +152,10 @@ def _one_of(names: tuple[str, ...]):
     return name
 
 
-def check_model(p: argparse.ArgumentParser, model: str, named: tuple[str, ...]) -> None:
+def check_model(p: argparse.ArgumentParser, model: str, named: tuple[str, ...], revision: str | None = None) -> None:
     """`--model` is a named model, a directory with a config.json, or a hub id (ORG/NAME, loaded
-    by from_pretrained); a path that does not exist is refused here, before anything loads."""
+    by from_pretrained); a path that does not exist is refused here, before anything loads, and so is a
+    hub id while the hub is offline (HF_HUB_OFFLINE) when the local cache does not hold it."""
     if model in named:
         return
     path = Path(model).expanduser()
@@ -163,9 +166,17 @@ def check_model(p: argparse.ArgumentParser, model: str, named: tuple[str, ...]) 
         return
     if path.exists():
         p.error(f"--model {model}: a file, not a model directory")
+    close = [n for n in named if n.startswith(model.lower())] or difflib.get_close_matches(model.lower(), named, n=1)
+    hint = f"; did you mean {close[0]}?" if close else ""
     if not HUB_ID.fullmatch(model):
-        p.error(f"--model {model}: no such directory, and not a named model ({', '.join(named)}) nor a hub id "
-                "(ORG/NAME)")
+        p.error(f"--model {model}: no such model path or known model: not a directory, not a named model "
+                f"({', '.join(named)}) nor a hub id (ORG/NAME){hint}")
+    from huggingface_hub import constants, try_to_load_from_cache  # no torch; ~0.2 s
+    if constants.HF_HUB_OFFLINE and not isinstance(try_to_load_from_cache(model, "config.json", revision=revision),
+                                                    str):
+        p.error(f"--model {model}: no such model path or known model: not a directory, not a named model "
+                f"({', '.join(named)}), and as a hub id not in the local cache while the hub is offline "
+                f"(HF_HUB_OFFLINE){hint}")
 
 
 def read_chat_template(p: argparse.ArgumentParser, path: str | None) -> str | None:
