@@ -109,6 +109,7 @@ POST_TORCH = [
     (["--device-capacity", "12XB"], "--device-capacity: cannot parse capacity '12XB'"),
     (["--disk-capacity", "1GiB"], "--disk-capacity needs a --disk-dir"),        # the options' check, as flags
     (["--chunk-size", "0"], "--chunk-size must be >= 1, got 0"),
+    (["--max-body-bytes", "-1"], "--max-body-bytes must be a positive int"),            # the limits', as flags
 ]
 
 

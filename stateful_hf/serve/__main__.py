@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
+import re
 import signal
 
 from ..models import DEFAULT_MODEL, SOURCES, TINY_MODEL
@@ -53,8 +54,8 @@ def _access(p: argparse.ArgumentParser, a: argparse.Namespace):
     try:
         limits = Limits(a.max_body_bytes, a.max_prompt_tokens, a.max_sessions_per_tenant,
                         a.max_stored_tokens_per_tenant)
-    except ValueError as e:
-        p.error(str(e))
+    except ValueError as e:                 # Limits names its fields: say the flags
+        p.error(re.sub(r"\b(max_[a-z_]+)\b", lambda m: "--" + m.group(1).replace("_", "-"), str(e)))
     cors = CorsPolicy(tuple(a.allowed_origins), tuple(a.allowed_methods), tuple(a.allowed_headers), a.allow_credentials)
     return Access(keys, a.metrics_key, limits, cors)
 
