@@ -3,9 +3,11 @@ chat-template messages, a reply's pieces (`tool_parse.ReplyParser`) built into o
 streamed events those items make, and the response object with its usage.
 
 Input: a string (one user message) or a list of items — messages (`role` user, system, developer or
-assistant; content a string or text parts), `function_call` (merged into the assistant message before
-it, as the model wrote them together), `function_call_output` (a tool message; it must answer a call
-made earlier in the chain or the input), `reasoning` (skipped). Anything else is a 400 naming the item.
+assistant; content a string or text parts), `function_call`, `function_call_output` (a tool message; it
+must answer a call made earlier in the chain or the input), `reasoning` (skipped). Consecutive
+assistant messages and function calls are one assistant turn (its text, then its calls), as
+`reply_message` stores a response's output: a chain sent back as items renders as the stored one.
+Anything else is a 400 naming the item.
 """
 
 from __future__ import annotations
@@ -43,7 +45,11 @@ def input_messages(value, earlier: list[dict], param: str = "input") -> list[dic
             if role is None:
                 raise _bad(f"{at}.role must be user, system, developer or assistant; got {item.get('role')!r}",
                            f"{at}.role")
-            out.append({"role": role, "content": _text(item.get("content"), f"{at}.content")})
+            text = _text(item.get("content"), f"{at}.content")
+            if role == "assistant" and out and out[-1]["role"] == "assistant":     # one turn of the model
+                out[-1]["content"] = (out[-1]["content"] or "") + text
+            else:
+                out.append({"role": role, "content": text})
         elif kind == "function_call":
             name, args, cid = item.get("name"), item.get("arguments", "{}"), item.get("call_id")
             if not isinstance(name, str) or not name:
