@@ -85,7 +85,7 @@ class ToolPlan:
     "required" or a function's name. `prefill`: text appended to the prompt (forcing a call).
     `json_schema`: the JSON schema the forced call object (`{"name", "arguments"}`) must match — the
     seam for constrained decoding (today only the prefill forces the call). `stop`: extra stop strings
-    (one call when parallel_tool_calls is false)."""
+    (the end of the first call when parallel_tool_calls is false or a named function is forced)."""
 
     tools: list[dict]
     choice: str
@@ -205,7 +205,7 @@ def plan(tok, tools: list[dict], choice: str, parallel: bool) -> ToolPlan:
     if fmt.error is not None:
         raise APIError(400, fmt.error, param="tools", code="unsupported_parameter")
     p = ToolPlan(tools, choice, parallel, fmt, names=[t["function"]["name"] for t in tools])
-    if not parallel and p.parses:
+    if p.parses and (not parallel or choice not in ("auto", "required")):    # one call, or one named call
         p.stop = (CALL_CLOSE,)
     if choice in ("auto", "none"):
         return p
