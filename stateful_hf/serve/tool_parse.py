@@ -107,9 +107,11 @@ def finish_reason(reason: str | None, calls: int) -> str | None:
 
 
 class ChatReply:
-    """A chat completion's reply with tools: deltas while streaming, the message at the end."""
+    """A chat completion's reply with tools: deltas while streaming, the message at the end. `plan`:
+    the turn's `ToolPlan` (its `json_schema`: what constrained decoding would hold a forced call to)."""
 
     def __init__(self, plan: ToolPlan, prompt: str):
+        self.plan = plan
         self.parser = ReplyParser(plan, prompt)
 
     def deltas(self, text: str) -> list[dict]:
