@@ -157,7 +157,7 @@ def test_every_400_names_its_param(server):
     chat = {"model": MODEL, "messages": user, "max_tokens": 2}
     for body, param in (({**chat, "top_p": 0}, "top_p"), ({**chat, "top_k": -2}, "top_k"),
                         ({**chat, "stop": ""}, "stop"), ({**chat, "stop": ["a", ""]}, "stop"),
-                        ({**chat, "tools": [{"type": "function"}]}, "tools"),
+                        ({**chat, "tools": [{"type": "function"}]}, "tools.0.function"),
                         ({**chat, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
                         ({**chat, "messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
                         ({**chat, "top_logprobs": 3}, "top_logprobs"), ({**chat, "cache_salt": ""}, "cache_salt"),

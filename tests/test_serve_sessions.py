@@ -106,8 +106,6 @@ def test_turn_waiting_past_the_timeout_gets_409_with_retry_after(served):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
-    ("tool_choice", "auto"),
     ("response_format", {"type": "json_object"}),
     ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
     ("logit_bias", {"5": 10}),

@@ -1,7 +1,8 @@
 """The HTTP app (FastAPI): OpenAI-compatible completions over a `Router` of engine replicas.
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions (both stream with server-sent events when
-`"stream": true`), POST /v1/hints, GET and DELETE /v1/sessions/{id}, GET /v1/models, GET /metrics,
+`"stream": true`; chat's tools: tools.py, tool_parse.py), POST /v1/responses, GET and DELETE
+/v1/responses/{id} (responses.py), POST /v1/hints, GET and DELETE /v1/sessions/{id}, GET /v1/models, GET /metrics,
 GET /health. docs/server-api.md describes them.
 
 The session of a request is, first found: the `X-Session-Id` header, the body's `session_id`. The
@@ -25,6 +26,7 @@ import random
 import re
 import time
 from collections.abc import AsyncIterator, Iterator
+from types import SimpleNamespace
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -48,6 +50,8 @@ from .protocol import (
     new_id,
     usage,
 )
+from .responses import install as install_responses
+from .tool_parse import chat_prompt
 
 SESSION_HEADER = "x-session-id"
 MAX_SESSION_ID = 128
@@ -207,7 +211,7 @@ def create_app(router, config: ServeConfig, access: Access | None = None) -> Fas
             return sampling
         return dataclasses.replace(sampling, seed=next(seeds))
 
-    async def run(request: Request, body, ids, sampling, kind: str):
+    async def run(request: Request, body, ids, sampling, kind: str, reply=None):
         sid = header_session(request)
         if sid is None and body.session_id:
             sid = session_id_of(request, body.session_id)
@@ -231,6 +235,9 @@ def create_app(router, config: ServeConfig, access: Access | None = None) -> Fas
             if final["type"] == "error":
                 raise _as_chat(APIError.from_dict(final["error"]), kind)
             body = (chat_response if kind == "chat" else completion_response)(rid, model, final, token_ids, tok)
+            if reply is not None:                          # tools: the message's content and tool_calls
+                choice = body["choices"][0]
+                choice["message"], choice["finish_reason"] = reply.message(final["text"], final["finish_reason"])
             return JSONResponse(body, headers={"X-Replica": str(final.get("replica", ""))})
         if kind == "chat":
             piece = lambda text, reason=None, use=None, choices=True: chat_chunk(
@@ -245,13 +252,21 @@ def create_app(router, config: ServeConfig, access: Access | None = None) -> Fas
                     yield _sse(chat_chunk(rid, model, created, {"role": "assistant", "content": ""}))
                 ev = first
                 while ev is not None:
-                    if ev["type"] == "delta" and ev["text"]:
+                    if ev["type"] == "delta" and ev["text"] and reply is not None:
+                        for delta in reply.deltas(ev["text"]):
+                            yield _sse(chat_chunk(rid, model, created, delta))
+                    elif ev["type"] == "delta" and ev["text"]:
                         yield _sse(piece(ev["text"]))
                     elif ev["type"] == "error":
                         yield _sse(_as_chat(APIError.from_dict(ev["error"]), kind).body())
                         break
                     elif ev["type"] == "done":
-                        yield _sse(piece("", ev["finish_reason"]))
+                        reason = ev["finish_reason"]
+                        if reply is not None:
+                            deltas, reason = reply.close(reason)
+                            for delta in deltas:
+                                yield _sse(chat_chunk(rid, model, created, delta))
+                        yield _sse(piece("", reason))
                         if include_usage:
                             yield _sse(piece("", use=usage(ev), choices=False))
                     ev = await anext(events, None)
@@ -273,18 +288,12 @@ def create_app(router, config: ServeConfig, access: Access | None = None) -> Fas
                            param="logprobs", code="unsupported_parameter")
         budget = "max_completion_tokens" if body.max_tokens is None and body.max_completion_tokens else "max_tokens"
         requested = body.requested_max_tokens()
-        try:
-            text = tok.apply_chat_template(body.chat(), add_generation_prompt=True, tokenize=False)
-        except APIError:
-            raise
-        except Exception as e:
-            raise APIError(400, f"the chat template failed on these messages: {e}", param="messages",
-                           code="invalid_messages") from None
+        text, reply, stops = chat_prompt(tok, body)         # tools: tools.py, tool_parse.py
         n, ids = encode(tok, text, config.max_model_len)     # = apply_chat_template(tokenize=True)
         sampling = body.sampling(max_tokens_for(requested, n, config.max_model_len, config.default_max_tokens,
                                                 "messages", budget), config.generation_config)
         limits.check_prompt(n, config.max_model_len, "messages")
-        return body, ids, sampling
+        return body, ids, dataclasses.replace(sampling, stop=sampling.stop + stops), reply
 
     def completion_turn(raw: bytes):
         """(body, prompt ids, sampling) of a completion request (in a worker thread, as `chat_turn`)."""
@@ -306,8 +315,8 @@ def create_app(router, config: ServeConfig, access: Access | None = None) -> Fas
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         header_session(request)                          # a bad header is refused before any work
-        body, ids, sampling = await run_in_threadpool(chat_turn, await request.body())
-        return await run(request, body, ids, sampling, "chat")
+        body, ids, sampling, reply = await run_in_threadpool(chat_turn, await request.body())
+        return await run(request, body, ids, sampling, "chat", reply)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -329,6 +338,10 @@ def create_app(router, config: ServeConfig, access: Access | None = None) -> Fas
     @app.delete("/v1/sessions/{session_id}")
     async def delete_session(request: Request, session_id: str):
         return JSONResponse(await router.delete_session(session_id_of(request, session_id)))
+
+    install_responses(app, router, config, SimpleNamespace(       # /v1/responses: responses.py
+        parse=_parse, encode=encode, max_tokens_for=max_tokens_for, check_model=check_model, seeded=seeded,
+        check_session_id=check_session_id, header_session=header_session, limits=limits))
 
     @app.get("/v1/models")
     async def models():

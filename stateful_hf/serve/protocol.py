@@ -142,7 +142,7 @@ _UNSUPPORTED = {
 }
 
 
-_SUPPORTED_BY = {"ChatCompletionRequest": ("logprobs",)}    # implemented there (see its fields)
+_SUPPORTED_BY = {"ChatCompletionRequest": ("logprobs", "tools", "tool_choice")}    # implemented there (its fields)
 
 
 def _asks_for(name: str, value) -> bool:
@@ -181,6 +181,9 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: Any = None                             # checked by tools.check_tools (400s name the field)
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
