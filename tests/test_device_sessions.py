@@ -1,12 +1,13 @@
 """The sessions a turn's work looks at: exactly the sessions holding a device block
 (`SessionTable.device_sessions`) and, per tier below, its holders least recently active first
-(`SessionTable.holding`, `session.py`: `TierIndex`), kept without scanning the idle sessions held elsewhere, so
-that making room, counting what a step could get and the ahead-of-time swap-out cost what they touch,
-not what the store holds. Over random schedules of turns (a shared system prompt among them, sessions
-of one or two tenants), moves between every tier, deletes, cuts and expected turns (`KVStore.expect`): `check_integrity` (which asserts
-both indexes are exact), the device room against a count from the chunk tables alone, and the
-eviction order of every tier against a full scan of every session (the oracle) under lru,
-recency_cost and fair share, after every operation; every turn equals stateless greedy generate."""
+(`SessionTable.holding`, `session.py`: `TierIndex`), kept without scanning the idle sessions held
+elsewhere, so that making room, counting what a step could get and the ahead-of-time swap-out cost
+what they touch, not what the store holds. Over random schedules of turns (a shared system prompt
+among them, sessions of one or two tenants), moves between every tier, deletes, cuts and expected
+turns (`KVStore.expect`): `check_integrity` (which asserts both indexes are exact), the device room
+against a count from the chunk tables alone, and the eviction order of every tier against a full
+scan of every session (the oracle) under lru, recency_cost and fair share, after every operation;
+every turn equals stateless greedy generate."""
 
 from __future__ import annotations
 

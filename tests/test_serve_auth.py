@@ -73,7 +73,7 @@ def test_non_loopback_host_without_a_key_exits_2(monkeypatch, capsys):
     monkeypatch.delenv("STATEFUL_HF_API_KEY", raising=False)
     for args, says in ((["--host", "0.0.0.0"], "--allow-unauthenticated"), (["--host", "example.org"], "--api-key"),
                        (["--api-keys-file", "/nonexistent/keys"], "API keys"),
-                       (["--max-body-bytes", "0"], "max_body_bytes"), (["--tenant-share", "a=0"], "TENANT=WEIGHT")):
+                       (["--max-body-bytes", "0"], "--max-body-bytes"), (["--tenant-share", "a=0"], "TENANT=WEIGHT")):
         with pytest.raises(SystemExit) as e:
             main(args)
         assert e.value.code == 2, args

@@ -40,7 +40,8 @@ SMOLLM2_TEMPLATE = (  # SmolLM2-135M-Instruct's own chat template (it renders no
 
 @pytest.fixture(scope="module")
 def url(tmp_path_factory):
-    with serve(tmp_path_factory.mktemp("tools"), "--model", MODEL, "--served-model-name", MODEL) as u:
+    with serve(tmp_path_factory.mktemp("tools"), "--model", MODEL, "--served-model-name", MODEL,
+               "--max-retain", "120") as u:
         yield u
 
 
@@ -189,3 +190,29 @@ def test_bad_tool_input_is_a_400_naming_the_field_and_the_session_is_kept(url):
     assert httpx.get(f"{url}/v1/sessions/{sid}").json()["tokens"] == held
     follow = _post(url, {"messages": [*ASK, {"role": "assistant", "content": "ok"}, *ASK]}, sid)
     assert follow.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_x_session_retain_keeps_a_session_through_a_tool_pause(url):
+    """`X-Session-Retain: seconds` (retain.py): once the turn ends its session is ranked as if active that
+    much later (clamped to --max-retain); a bad value is a 400 naming the header and changes nothing."""
+    msgs = {"messages": [{"role": "user", "content": "Weather in Paris?"}]}
+
+    def info(sid):
+        return httpx.get(f"{url}/v1/sessions/{sid}", timeout=30).json()
+
+    assert _post(url, msgs, "plain").status_code == 200
+    assert info("plain")["retained_seconds"] == 0                # negative control: no header, no retention
+    r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "max_tokens": 4, **msgs},
+                   headers={"X-Session-Id": "paused", "X-Session-Retain": "30"}, timeout=120)
+    assert r.status_code == 200 and 20 < info("paused")["retained_seconds"] <= 30
+    tokens = info("paused")["tokens"]
+    for bad in ("soon", "-1", "nan", "inf"):
+        r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "max_tokens": 4, **msgs},
+                       headers={"X-Session-Id": "paused", "X-Session-Retain": bad}, timeout=120)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "X-Session-Retain", (bad, r.text)
+    assert info("paused")["tokens"] == tokens
+    with httpx.stream("POST", url + "/v1/chat/completions", timeout=120,
+                      json={"model": MODEL, "max_tokens": 4, "stream": True, **msgs},
+                      headers={"X-Session-Id": "streamed", "X-Session-Retain": "100000"}) as r:
+        assert r.status_code == 200 and "[DONE]" in "".join(r.iter_text())
+    assert 100 < info("streamed")["retained_seconds"] <= 120     # clamped to --max-retain

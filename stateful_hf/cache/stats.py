@@ -111,6 +111,7 @@ class SessionStats:
     hidden_tokens: int = 0        # of host_tokens, kept as hidden states
     disk_hidden_tokens: int = 0   # of disk_tokens, kept as hidden states
     last_active: float = 0.0      # the store clock's time of its last activity
+    expected_at: float = 0.0      # the store clock's time its next turn is expected by (`KVStore.expect`), or 0
 
 
 def _mib(n: int) -> str:

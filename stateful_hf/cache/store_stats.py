@@ -14,7 +14,8 @@ def session_stats(s: Session, block_size: int) -> SessionStats:
     r = s.residency(block_size)
     return SessionStats(s.session_id, s.num_tokens, r["device"], r["host"] + r["hidden"],
                         r["disk"] + r["disk_hidden"], r["dropped"], s.busy, s.last_turn,
-                        hidden_tokens=r["hidden"], disk_hidden_tokens=r["disk_hidden"], last_active=s.last_active)
+                        hidden_tokens=r["hidden"], disk_hidden_tokens=r["disk_hidden"], last_active=s.last_active,
+                        expected_at=s.expected_at)
 
 
 def store_stats(sessions: SessionTable, tiers: TierPools, counters: Counters) -> StoreStats:

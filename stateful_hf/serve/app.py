@@ -51,6 +51,7 @@ from .protocol import (
     usage,
 )
 from .responses import install as install_responses
+from .retain import retain_of
 from .tool_parse import chat_prompt
 
 SESSION_HEADER = "x-session-id"
@@ -212,9 +213,10 @@ def create_app(router, config: ServeConfig, access: Access | None = None) -> Fas
         return dataclasses.replace(sampling, seed=next(seeds))
 
     async def run(request: Request, body, ids, sampling, kind: str, reply=None):
-        sid = header_session(request)
+        sid, retain = header_session(request), retain_of(request)
         if sid is None and body.session_id:
             sid = session_id_of(request, body.session_id)
+        kept = router.retain if sid is not None and retain is not None else None     # after the turn ends
         sampling = seeded(body, sampling)
         stream, token_ids = body.stream, body.return_token_ids
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -234,6 +236,8 @@ def create_app(router, config: ServeConfig, access: Access | None = None) -> Fas
                     final = ev
             if final["type"] == "error":
                 raise _as_chat(APIError.from_dict(final["error"]), kind)
+            if kept is not None:
+                await kept(sid, retain)
             body = (chat_response if kind == "chat" else completion_response)(rid, model, final, token_ids, tok)
             if reply is not None:                          # tools: the message's content and tool_calls
                 choice = body["choices"][0]
@@ -269,6 +273,8 @@ def create_app(router, config: ServeConfig, access: Access | None = None) -> Fas
                         yield _sse(piece("", reason))
                         if include_usage:
                             yield _sse(piece("", use=usage(ev), choices=False))
+                        if kept is not None:
+                            await kept(sid, retain)
                     ev = await anext(events, None)
                 yield "data: [DONE]\n\n"
 

@@ -203,11 +203,12 @@ class Replica:
             tiers = self.store.residency(session_id)
         except KeyError:                # not here, or deleted meanwhile (UnknownSessionError is a KeyError)
             return None
-        idle = max(self.store.clock() - s.last_active, 0.0)
+        now = self.store.clock()
+        idle = max(now - s.last_active, 0.0)
         return {"id": split_key(session_id)[1], "object": "session", "replica": self.name, "tokens": s.num_tokens,
                 "tiers": tiers, "busy": s.busy or self.turns.busy(session_id),
                 "queued_turns": self.turns.waiting(session_id), "idle_seconds": idle,
-                "last_active_at": time.time() - idle}
+                "last_active_at": time.time() - idle, "retained_seconds": max(s.expected_at - now, 0.0)}
 
     def delete_session(self, session_id: str) -> dict:
         """`session_id` is the store key (tenant-qualified); replies name the caller's own id.

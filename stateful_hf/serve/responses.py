@@ -32,6 +32,7 @@ from .auth import request_tenant
 from .protocol import APIError
 from .response_items import OutputBuilder, input_messages, item_id, reply_message, response_usage
 from .response_store import ResponseStore, StoredResponse
+from .retain import retain_of
 from .tool_parse import ReplyParser, prompt_for
 from .tools import ToolPlan, check_tool_choice, check_tools
 
@@ -153,7 +154,7 @@ def install(app, router, config, kit) -> ResponseStore:
 
     @app.post("/v1/responses")
     async def create_response(request: Request):
-        named = kit.header_session(request)
+        named, retain = kit.header_session(request), retain_of(request)
         tenant = request_tenant(request)
         turn = await run_in_threadpool(prepare, await request.body(), tenant, named)
         rid, created = item_id("resp"), int(time.time())
@@ -180,6 +181,8 @@ def install(app, router, config, kit) -> ResponseStore:
                 raise _as_input(APIError.from_dict(final["error"]))
             builder.add(pieces(final["text"]) + (parser.close() if parser else []))
             builder.close()
+            if retain is not None and turn.sid is not None:      # X-Session-Retain: after the turn (retain.py)
+                await router.retain(turn.sid, retain)
             return JSONResponse(finish(turn, rid, created, builder, final))
 
         async def sse() -> AsyncIterator[str]:
@@ -207,6 +210,8 @@ def install(app, router, config, kit) -> ResponseStore:
                         for e in builder.add(parser.close() if parser else []) + builder.close():
                             yield emit(e)
                         obj = finish(turn, rid, created, builder, ev)
+                        if retain is not None and turn.sid is not None:
+                            await router.retain(turn.sid, retain)
                         yield emit({"type": f"response.{obj['status']}", "response": obj})
                     ev = await anext(events, None)
 

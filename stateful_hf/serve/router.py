@@ -218,6 +218,13 @@ class Router:
             await self.clients[i].hint(session_id, expected_arrival, priority)
         return {"session_id": session_id, "replica": self.clients[i].name, "migrating": migrating}
 
+    async def retain(self, session_id: str, seconds: float) -> None:
+        """The session's next turn is expected within `seconds` (`X-Session-Retain`): its holder ranks its KV
+        to stay (a hint's expected_arrival there, clamped to `--max-retain`); nothing is planned or moved."""
+        holder = self._running[session_id][0] if session_id in self._running else self.location.get(session_id)
+        if holder is not None:       # a stream's turn may still be running there
+            await self.clients[holder].hint(session_id, seconds, None)
+
     def _start_migration(self, sid: str, dst: int) -> asyncio.Task:
         """Start moving the session's KV to `dst`; registered at once, so a request arriving from now
         on waits for it. One migration per session at a time (a new one runs after the previous)."""
