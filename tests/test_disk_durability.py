@@ -147,7 +147,7 @@ def test_failed_flush_or_commit_never_fails_a_turn(point, tmp_path, monkeypatch)
     snapshot = open_store(model, tmp_path / "copy", 96)
     snapshot.check_integrity()
     for sid in snapshot.session_ids():
-        ids = torch.tensor([snapshot.session(sid).token_ids + [7, 8, 9]])
+        ids = torch.tensor([list(snapshot.session(sid).token_ids) + [7, 8, 9]])
         assert torch.equal(greedy(model, ids, n=4, cache=snapshot.cache(sid)), greedy(oracle, ids, n=4))
     snapshot.close()
     # space is back: the next move retries, the tier recovers, every later turn is exact

@@ -1,8 +1,9 @@
-"""Retention through tool pauses (`KVStore.expect`, a hint's `expected_arrival`): a session whose next
-turn is expected is ranked for eviction as if active then (`Session.rank_time`), in every tier, by
-every policy. A soft priority: it decays as newer activity passes it, it is clamped to `max_retain`,
-and it never pins (room is still made from it when nothing else is left). Every turn equals stateless
-greedy generate; `check_integrity` after every operation."""
+"""Retention through tool pauses (`KVStore.expect`, a hint's `expected_arrival`): every policy ranks a
+session by its estimated next use (`Session.next_use`): its expected turn while that is ahead, else as
+far from now as its last activity is; the furthest goes down first (Belady's rule on an estimate), in
+every tier. A priority: it lapses when its time passes, it is clamped to `max_retain`, and it never
+pins (room is still made from it when nothing else is left). Every turn equals stateless greedy
+generate; `check_integrity` after every operation."""
 
 from __future__ import annotations
 
@@ -51,26 +52,33 @@ def order(store) -> list[str]:
 
 
 @pytest.mark.parametrize("policy", ["lru", "recency_cost", "pensieve", "return_aware"])
-def test_an_expected_session_goes_down_last_then_decays(policy):
+def test_the_furthest_next_use_goes_first_and_an_expectation_lapses(policy):
     store, clock = held_on_host(policy)
     clock.now = 4.0
     assert order(store) == ["a", "b", "c"]               # negative control: least recently active first
-    store.expect("a", 5.0)                               # back within 5 s: ranked as if active at t = 9
+    store.expect("a", 0.5)                               # back at 4.5: before b (guessed 6) and c (5)
     store.check_integrity()
     assert order(store) == ["b", "c", "a"]
-    clock.now = 12.0                                     # its time passed; c is active again at t = 12
-    greedy(MODEL, prompt(2), n=2, cache=store.cache("c"))
-    store.move("c", range(len(store.places("c"))), "host")
+    store.expect("b", 0.2)                               # b back at 4.2, a at 4.5: the later goes first
+    assert order(store) == ["c", "a", "b"]
+    store.expect("c", 60.0)                              # a long tool call: c goes first
+    assert order(store) == ["c", "a", "b"] and store.session("c").expected_at == 64.0
     store.check_integrity()
-    assert order(store)[-1] == "c" and order(store).index("a") < order(store).index("c")
+    clock.now = 12.0                                     # a's and b's times passed: they lapse
+    greedy(MODEL, prompt(2), n=2, cache=store.cache("c"))     # c came back at 12 (its expectation is met)
+    store.move("c", range(len(store.places("c"))), "host")
+    assert order(store) == ["a", "b", "c"] and store.session("a").expected_at == 0.0
+    assert store.session("c").expected_at == 0.0
+    store.check_integrity()
     store.close()
 
 
 def test_retention_is_clamped_and_never_pins():
     store, clock = held_on_host(max_retain=2.0)
-    store.expect("a", 10 ** 6)                           # clamped: as if active at t = 3 + 2
+    store.expect("a", 10 ** 6)                           # clamped: back at t = 3 + 2
     assert store.session("a").expected_at == 5.0
-    assert order(store) == ["b", "c", "a"]
+    store.expect("a", 0.5)                               # back at 3.5: after b (guessed 4), before c (3)
+    assert order(store) == ["b", "a", "c"]
     store.move("b", range(len(store.places("b"))), "dropped")
     store.move("c", range(len(store.places("c"))), "dropped")
     host = store.host_pool

@@ -81,6 +81,7 @@ def check_integrity(sessions: SessionTable, tiers: TierPools, block_size: int) -
     assert listed == set(held), f"residues not in the table: {sorted(set(held) - listed)[:4]}"
     if tiers.disk is not None:
         _check_disk_rows(sessions, tiers)
+        tiers.disk_state.check()
     check_sharing(list(sessions), tiers.sharing.index, block_size, tiers.sharing.epoch)
     for tier, owned in owners.items():
         pool = tiers.pool(tier)
@@ -147,14 +148,15 @@ def check_sharing(sessions: Sequence[Session], index: PrefixIndex, block_size: i
 
 
 def _check_tiers(sessions: SessionTable) -> None:
-    """Every session holding a chunk of an indexed tier is listed there (`TierIndex`): an idle one under
-    (rank_time, id), a busy one (re-keyed when its lease ends) under any key; nothing else is keyed."""
+    """Every session holding a chunk of an indexed tier is listed there (`policy.TierOrder`): an idle one
+    under its current entry, a busy one (re-keyed when its lease ends) under any; every entry is keyed."""
     index = sessions.tiers
     for s in sessions:
-        for st, order in index.order.items():
+        kept = index.key.get(s.session_id)
+        for st in index.order:
             if any(c.state is st for c in s.chunks):
-                key = index.key.get(s.session_id)
-                assert key is not None and key in order, f"session {s.session_id!r} holds {st.value} chunks, unlisted"
-                assert s.busy or key == (s.rank_time, s.session_id), f"session {s.session_id!r} listed under {key}"
-    assert all(key[1] == sid and any(key in o for o in index.order.values()) for sid, key in index.key.items())
-    assert all(index.key.get(key[1]) == key for order in index.order.values() for key in order)
+                assert kept is not None and kept[1] in (index.ahead if kept[0] else index.order)[st], (
+                    f"session {s.session_id!r} holds {st.value} chunks, unlisted")
+        assert s.busy or kept is None or kept == index.entry(s), f"session {s.session_id!r} listed under {kept}"
+    for lists, expected in ((index.order, False), (index.ahead, True)):
+        assert all(index.key.get(e[1]) == (expected, e) for lst in lists.values() for e in lst)

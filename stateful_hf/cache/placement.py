@@ -101,10 +101,10 @@ class Placement:
 
     # ---- making room ---------------------------------------------------------------------------
 
-    def _ranking(self):
-        """The policy's key of (session, chunk) for one ranking, smaller first (the policy is
-        prepared with every session first). The one place `policy.key` is asked."""
-        now, bs = self.sessions.clock(), self.block_size
+    def _ranking(self, now: float | None = None):
+        """The policy's key of (session, chunk) for one ranking at `now` (None: the clock's), smaller first
+        (the policy is prepared with every session first). The one place `policy.key` is asked."""
+        now, bs = self.sessions.clock() if now is None else now, self.block_size
         self.policy.prepare(self.sessions, now)
         return lambda s, k: self.policy.key(s, k, bs, now)
 
@@ -115,18 +115,18 @@ class Placement:
         False: only chunks with / without a device shadow. A shared chunk is a victim only if every
         holder is idle and outside `exclude`, ranked by its most valuable holder (`prefix/sharing.py`:
         its value counts every holder). Every choice of what moves down is made here. Below the device,
-        a session-ordered policy walks the tier's holders in order (`session.py`: `TierIndex`), another ranks
+        a session-ordered policy walks the tier's holders in order (`policy.py`: `TierOrder`), another ranks
         every chunk of them; `scan` (the tests' oracle) ranks every chunk of every session. Reads only."""
         if state is DEVICE or shadowed:     # held by sessions holding device blocks: not the idle ones below
             return self._scan(self.sessions.device_sessions(), state, n, exclude, shadowed)
         if scan:
             return self._scan(self.sessions, state, n, exclude, shadowed)
-        walker = self.policy.by_session(self.sessions.tenants)
+        walker, now = self.policy.by_session(self.sessions.tenants), self.sessions.clock()
         if walker is None:
-            return self._scan(list(self.sessions.holding(state)), state, n, exclude, shadowed)
-        now, bs, sharing = self.sessions.clock(), self.block_size, self.tiers.sharing
+            return self._scan(list(self.sessions.holding(state, now)), state, n, exclude, shadowed, now)
+        bs, sharing = self.block_size, self.tiers.sharing
         found: Items = []
-        walk = self.sessions.holding(state)
+        walk = self.sessions.holding(state, now)
         try:
             for s in walk:                   # sessions in key order: a session's chunks rank together
                 if len(found) >= n:
@@ -138,20 +138,22 @@ class Placement:
                     if c.state is not state or (shadowed is not None and (c.shadow is not None) != shadowed):
                         continue
                     if c.entry is None:
-                        mine.append((walker.key(s, k, bs, now), k))
+                        mine.append((walker.key(s, k, bs, now), k, s))
                     elif sharing.free_to_move(c, exclude):     # ranked with its most valuable holder
-                        top = max((walker.key(h, k, bs, now), h.session_id) for h in sharing.holders(s, k))
-                        if top[1] == s.session_id:
-                            mine.append((top[0], k))
-                found.extend((s, k) for _, k in sorted(mine))
+                        holders = sharing.holders(s, k)
+                        top = max((walker.key(h, k, bs, now), h.session_id) for h in holders)
+                        if top[1] == s.session_id:     # named by its first holder in table order, as `_scan`
+                            mine.append((top[0], k, min(holders, key=lambda h: h.seq)))
+                found.extend((h, k) for _, k, h in sorted(mine, key=lambda e: e[0]))
         finally:
             walk.close()
         return found[:max(n, 0)]
 
-    def _scan(self, pool, state: ChunkState, n: int, exclude: set[str], shadowed: bool | None) -> Items:
-        """`victims` by ranking every chunk in `state` of the sessions in `pool`."""
+    def _scan(self, pool, state: ChunkState, n: int, exclude: set[str], shadowed: bool | None,
+              now: float | None = None) -> Items:
+        """`victims` by ranking every chunk in `state` of the sessions in `pool` (at `now`: the clock's)."""
         sharing = self.tiers.sharing
-        key = self._ranking()
+        key = self._ranking(now)
         found = sharing.unique((s, k) for s in pool if not s.busy and s.session_id not in exclude
                                for k, c in enumerate(s.chunks)
                                if c.state is state and (shadowed is None or (c.shadow is not None) == shadowed)
@@ -281,10 +283,8 @@ class Placement:
             self.tiers.vacate(s.chunks[k])
             s.chunks[k].assign(target, slot)
             self._count_out(target, s.chunk_len(k, self.block_size))
-        for sid in self.tiers.sharing.holder_ids(items):    # in place: for every holder of a shared chunk
+        for sid in self.tiers.sharing.holder_ids(items):    # in place: for every holder (the disk index's too)
             self.sessions.mark(sid)
-        if target in ON_DISK:
-            self.disk_state.mark_changed()
 
     def _count_out(self, target: ChunkState, n: int) -> None:
         if target is HIDDEN:

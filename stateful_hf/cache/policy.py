@@ -23,10 +23,11 @@ in about half of the settings and fewer in the others, while the default never r
 (it drops as many chunks of the same conversations, by construction) and fewer wherever a partial chunk
 of a returning conversation was dropped. The same order decides device -> host, host -> disk and dropping.
 
-A session whose next turn is expected (`KVStore.expect`: a hint's `expected_arrival`, an agent's tool
-pause) is ranked as if active then: every policy reads its `rank_time`, not its last activity, so its
-chunks go after those of sessions idle since before that time; the priority decays as newer activity
-passes it, and it never pins anything.
+Every policy reads a conversation's estimated next use (`Session.next_use`) where it would read its
+idleness: for most, as far from now as its last activity is; for one whose next turn is expected
+(`KVStore.expect`: a hint's `expected_arrival`, an agent's tool pause), that time, until it passes.
+The furthest next use goes first (Belady's rule on an estimate): an agent back in 2 s keeps its KV
+before one back in 30 s, and both before a conversation idle for a minute. A priority, never a pin.
 
 `FairSharePolicy` wraps any of them for a store shared by tenants (`session.py`): chunks of tenants
 above their fair share of a tier go first, so one tenant flooding the store cannot push everyone
@@ -36,8 +37,10 @@ else's history down.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+
+from sortedcontainers import SortedList
 
 from .returns import ReturnEstimator
 from .session import ChunkState, Session
@@ -93,8 +96,8 @@ class EvictionPolicy:
 
     def by_session(self, tenants: int) -> EvictionPolicy | None:
         """A policy ordering every chunk as this one does while `tenants` tenants hold sessions, whose key
-        starts with (rank_time, session id) and needs no `prepare`: victims then walk the sessions in
-        that order (`session.py`: `TierIndex`) instead of ranking every chunk held. None: rank them all."""
+        starts with (now - next use, session id) and needs no `prepare`: victims then walk the sessions in
+        that order (`TierOrder`) instead of ranking every chunk held. None: rank them all."""
         return None
 
 
@@ -107,7 +110,7 @@ class RetentionPolicy(EvictionPolicy):
         self.profile = profile or CostProfile()
 
     def key(self, session, k, block_size, now):
-        idle = max(now - session.rank_time, 1e-6)
+        idle = max(session.next_use(now) - now, 1e-6)
         return (self.profile.cost((k + 1) * block_size) / idle, session.session_id, k)
 
 
@@ -120,7 +123,7 @@ class LRUPolicy(EvictionPolicy):
         return self
 
     def key(self, session, k, block_size, now):
-        return (session.rank_time, session.session_id, k)
+        return (now - session.next_use(now), session.session_id, k)
 
 
 class RecencyCostPolicy(EvictionPolicy):
@@ -139,7 +142,7 @@ class RecencyCostPolicy(EvictionPolicy):
 
     def key(self, session, k, block_size, now):
         cost = self.profile.chunk_cost(k, session.chunk_len(k, block_size), block_size)
-        return (session.rank_time, session.session_id, cost, k)
+        return (now - session.next_use(now), session.session_id, cost, k)
 
 
 class ReturnAwarePolicy(EvictionPolicy):
@@ -162,9 +165,9 @@ class ReturnAwarePolicy(EvictionPolicy):
 
     def key(self, session, k, block_size, now):
         cost = self.profile.chunk_cost(k, session.chunk_len(k, block_size), block_size)
-        idle = max(now - session.rank_time, 1e-6)
+        idle = max(session.next_use(now) - now, 1e-6)
         value = cost * self.returns.p_return(idle) if self.returns.fitted else cost / idle
-        return (value, session.rank_time, session.session_id, cost, k)
+        return (value, now - session.next_use(now), session.session_id, cost, k)
 
 
 class FairSharePolicy(EvictionPolicy):
@@ -251,3 +254,81 @@ def make_policy(name: str, profile: CostProfile | None = None) -> EvictionPolicy
     if name == "lru":
         return LRUPolicy()
     raise ValueError(f"unknown policy {name!r}; choose from {POLICY_NAMES} or pass an EvictionPolicy")
+
+
+class TierOrder:
+    """Per tier below the device, the sessions that may hold a chunk there, in the session-ordered
+    policies' order (`by_session`: furthest `Session.next_use` first, ties by id), so that a walk for
+    victims (`Placement.victims`) visits only the sessions it takes from and the busy or excluded ones
+    ahead of them: O(those + log held), never every session held. Two sorted lists a tier, merged by a
+    walk: sessions with no turn expected by last activity (their order never changes), and sessions
+    with one by expected time (lapsed when it passes, at the next walk). Written only by `SessionTable`
+    (`mark`: wherever a session may gain a chunk in a tier, or change its last activity or expected
+    time); a walk drops who holds nothing there any more (each mark pays for one). Read by integrity."""
+
+    __slots__ = ("order", "ahead", "key")
+
+    def __init__(self, states: tuple[ChunkState, ...]):
+        self.order = {st: SortedList() for st in states}   # (last_active, id): no turn expected
+        self.ahead = {st: SortedList() for st in states}   # (-expected_at, id): latest expected first
+        self.key: dict[str, tuple[bool, tuple[float, str]]] = {}   # id -> (expected?, its entry in those lists)
+
+    @staticmethod
+    def entry(s: Session) -> tuple[bool, tuple[float, str]]:
+        if s.expected_at > s.last_active:
+            return True, (-s.expected_at, s.session_id)
+        return False, (s.last_active, s.session_id)
+
+    def mark(self, s: Session) -> None:
+        """`s` may hold chunks in tiers it is not listed in yet, or has a new key. O(its chunks + log held)."""
+        want = self.entry(s)
+        if self.key.get(s.session_id, want) != want:
+            self.forget(s.session_id)
+        states = [st for st in self.order if any(c.state is st for c in s.chunks)]
+        if not states:
+            return
+        self.key[s.session_id] = want
+        lists = self.ahead if want[0] else self.order
+        for st in states:
+            if want[1] not in lists[st]:
+                lists[st].add(want[1])
+
+    def forget(self, session_id: str) -> None:
+        """The session leaves every tier's order (it is removed, or re-keyed)."""
+        kept = self.key.pop(session_id, None)
+        if kept is not None:
+            for lst in (self.ahead if kept[0] else self.order).values():
+                lst.discard(kept[1])
+
+    def walk(self, state: ChunkState, sessions: Mapping[str, Session], now: float) -> Iterator[Session]:
+        """The sessions holding a chunk in `state`, in `by_session` order at `now`; the lists must not change
+        meanwhile. First, expected times that passed lapse (`expected_at` = 0: no turn expected now)."""
+        for lst in self.ahead.values():
+            while lst and -lst[-1][0] <= now:
+                e = lst[-1]
+                s = sessions.get(e[1])
+                if s is None:
+                    self.forget(e[1])
+                else:
+                    s.expected_at = 0.0
+                    self.mark(s)
+                lst.discard(e)
+        order, ahead, stale = self.order[state], self.ahead[state], []
+        a, b = iter(ahead), iter(order)
+        ea, eb = next(a, None), next(b, None)
+        try:
+            while ea is not None or eb is not None:    # by (now - next use, id), as the policies' keys
+                if eb is None or (ea is not None and (now + ea[0], ea[1]) <= (now - (2 * now - eb[0]), eb[1])):
+                    entry, lst, ea = ea, ahead, next(a, None)
+                else:
+                    entry, lst, eb = eb, order, next(b, None)
+                s = sessions.get(entry[1])
+                if s is None or not any(c.state is state for c in s.chunks):
+                    stale.append((lst, entry))
+                    continue
+                yield s
+        finally:
+            for lst, entry in stale:
+                lst.remove(entry)
+                if not any(entry in x for x in (*self.order.values(), *self.ahead.values())):
+                    self.key.pop(entry[1], None)

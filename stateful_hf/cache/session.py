@@ -1,5 +1,5 @@
 """Sessions: a conversation's token ids and chunk table (`Session`, `Chunk`) and the table of every
-session (`SessionTable`, with who holds what: `TierIndex`); whose a session is lives in `tenant.py`.
+session (`SessionTable`, with who holds what, ordered by `policy.TierOrder`); whose a session is lives in `tenant.py`.
 
 Owns: the `{session id: Session}` map, the store's one re-entrant lock and the clock sessions'
 activity is measured with. Mutates only the map (`open`, `add`, `remove`) and a session's lease
@@ -15,12 +15,10 @@ import itertools
 import threading
 import time
 from array import array
-from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-from sortedcontainers import SortedList
+from typing import TYPE_CHECKING, Any
 
 from .errors import SessionBusyError, UnknownSessionError
 from .stats import TurnStats
@@ -128,12 +126,12 @@ class Session:
     # written only by PrefixSharing (its `register` starts at chunk n while the epoch is unchanged)
     index_cursor: tuple[int, int] = (-1, 0)
     seq: int = 0                        # the table's order (`SessionTable` numbers sessions as they join)
-    expected_at: float = 0.0            # clock time its next turn is expected by (a tool pause): `rank_time`
+    expected_at: float = 0.0            # clock time its next turn is expected by (a tool pause); 0: none
 
-    @property
-    def rank_time(self) -> float:
-        """When eviction takes it to have been active: later than its last activity while a turn is expected."""
-        return max(self.last_active, self.expected_at)
+    def next_use(self, now: float) -> float:
+        """When its next turn is estimated: the expected time while that is ahead, else as far from now as
+        its last activity is (LRU's guess). Eviction takes the furthest first (`policy.py`)."""
+        return self.expected_at if self.expected_at > now else 2 * now - self.last_active
 
     @property
     def holds_device(self) -> bool:
@@ -162,64 +160,8 @@ class Session:
         return out
 
 
-class TierIndex:
-    """Per tier below the device, the sessions that may hold a chunk there, by (rank_time, id): a
-    walk for victims (`Placement.victims`, session-ordered policies) visits only the sessions it takes
-    from and the busy or excluded ones ahead of them, O(those + log held), never every session held.
-    Written only by `SessionTable` (`mark` wherever a session may gain a chunk in a tier, or at a new
-    `rank_time`); a walk drops who holds nothing there any more (each mark pays for one). Read by integrity."""
-
-    __slots__ = ("order", "key")
-
-    def __init__(self, states: tuple[ChunkState, ...]):
-        self.order: dict[ChunkState, SortedList] = {st: SortedList() for st in states}
-        self.key: dict[str, tuple[float, str]] = {}    # (rank_time, id) at its last mark, of each session listed
-
-    def mark(self, s: Session) -> None:
-        """`s` may hold chunks in tiers it is not listed in yet, or has a new `rank_time`. O(its chunks
-        + log held). Mutates: the orders."""
-        sid = s.session_id
-        key = self.key.get(sid)
-        if key is not None and key[0] != s.rank_time:
-            self.forget(sid)
-            key = None
-        states = [st for st in self.order if any(c.state is st for c in s.chunks)]
-        if not states:
-            return
-        if key is None:
-            key = self.key[sid] = (s.rank_time, sid)
-        for st in states:
-            order = self.order[st]
-            if key not in order:
-                order.add(key)
-
-    def forget(self, session_id: str) -> None:
-        """The session leaves every tier's order (it is removed, or re-keyed). Mutates: the orders."""
-        key = self.key.pop(session_id, None)
-        if key is not None:
-            for order in self.order.values():
-                order.discard(key)
-
-    def walk(self, state: ChunkState, sessions: Mapping[str, Session]) -> Iterator[Session]:
-        """The sessions holding a chunk in `state`, least recently active first (ties by id); the orders must
-        not change meanwhile. Those listed holding nothing there are dropped at its end. Mutates: drops only."""
-        order, stale = self.order[state], []
-        try:
-            for key in order:
-                s = sessions.get(key[1])
-                if s is None or not any(c.state is state for c in s.chunks):
-                    stale.append(key)
-                    continue
-                yield s
-        finally:
-            for key in stale:
-                order.remove(key)
-                if not any(key in o for o in self.order.values()):
-                    del self.key[key[1]]
-
-
 class SessionTable:
-    def __init__(self, clock: Callable[[], float]):
+    def __init__(self, clock: Callable[[], float], tiers: Any):
         self.clock = clock
         self.lock = threading.RLock()          # every store method that reads or changes sessions holds it
         self._sessions: dict[str, Session] = {}
@@ -228,10 +170,10 @@ class SessionTable:
         # step's device work touches these, never the idle sessions held in lower tiers.
         self._device: set[str] = set()
         self._retained: set[str] = set()       # exactly the sessions with `retained` set
-        # The idle sessions that are not retained, least recently released first: who a bound forgets.
-        self._idle: OrderedDict[str, None] = OrderedDict()
-        self._tiers = TierIndex(INDEXED)       # who holds chunks below the device, least recently active first
-        self._tenants: dict[str, int] = {}     # sessions per tenant
+        self._idle: OrderedDict[str, None] = OrderedDict()   # idle, not retained, least recently released first
+        self._tiers = tiers                    # `policy.TierOrder`: who holds chunks below the device, in order
+        self._tenants: Counter[str] = Counter()     # sessions per tenant
+        self.on_change: Callable[[Iterable[str]], None] = lambda ids: None   # marked, removed: the disk index's
 
     def get(self, session_id: str) -> Session:
         """The session; UnknownSessionError if there is none."""
@@ -272,16 +214,15 @@ class SessionTable:
         del self._sessions[session_id]
         self._count_tenant(session_id, -1)
         self._tiers.forget(session_id)
+        self.on_change((session_id,))
         self._device.discard(session_id)
         self._retained.discard(session_id)
         self._idle.pop(session_id, None)
 
     def _count_tenant(self, session_id: str, d: int) -> None:
         t = tenant_of(session_id)
-        n = self._tenants.get(t, 0) + d
-        if n:
-            self._tenants[t] = n
-        else:
+        self._tenants[t] += d
+        if not self._tenants[t]:
             del self._tenants[t]
 
     @property
@@ -292,19 +233,19 @@ class SessionTable:
     # ---- who holds what: device blocks, lower tiers, retained sessions ---------------------------
 
     def mark(self, session_id: str) -> None:
-        """The session may hold device blocks or chunks of other tiers from now on: called wherever a
-        session's chunk may gain a place, once it has (a step's entries, a move up or down, adopting a
-        shared chunk, the other holders of a shared chunk that moved or one holder let go of, the end
-        of a lease): walks prune what no longer holds. O(its chunks + log held). Mutates: the marks."""
+        """The session's chunks may be in new places: called once they are (a step's entries, a move up or
+        down, adopting a shared chunk, the other holders of a shared chunk that moved or one holder let go
+        of, the end of a lease); walks prune what no longer holds. O(its chunks + log held). Mutates: marks."""
         s = self._sessions.get(session_id)
         if s is not None:
             self._device.add(session_id)
             self._tiers.mark(s)
+        self.on_change((session_id,))
 
-    def holding(self, state: ChunkState) -> Iterator[Session]:
-        """The sessions holding a chunk in `state` (one of INDEXED), least recently active first (ties by
-        id); the marks must not change while the iteration runs. Mutates: the marks (pruning only)."""
-        return self._tiers.walk(state, self._sessions)
+    def holding(self, state: ChunkState, now: float) -> Iterator[Session]:
+        """The sessions holding a chunk in `state` (one of INDEXED), furthest next use first (ties by id);
+        the marks must not change while it runs. Mutates: the marks (pruning), lapsed `expected_at`s."""
+        return self._tiers.walk(state, self._sessions, now)
 
     def device_sessions(self) -> list[Session]:
         """Every session holding a device block, in table order: the marked ones and the other holders
@@ -328,13 +269,14 @@ class SessionTable:
         return sorted(out.values(), key=lambda s: s.seq)
 
     @property
-    def tiers(self) -> TierIndex:
+    def tiers(self) -> Any:
         """Each lower tier's holders (read by `check_integrity` only)."""
         return self._tiers
 
     def retain(self, s: Session, retained: bool) -> None:
         """Set `s.retained` (History: deleted but kept for its shared prefix, or revived). Mutates: that flag."""
         s.retained = retained
+        self.on_change((s.session_id,))
         if retained:
             self._retained.add(s.session_id)
             self._idle.pop(s.session_id, None)
@@ -378,6 +320,7 @@ class SessionTable:
             raise SessionBusyError(session_id)
         gap = self.clock() - s.last_active if s.token_ids else None
         s.busy = s.turn_started = True
+        s.expected_at = 0.0                    # it came back
         self._idle.pop(session_id, None)
         return s, gap
 
@@ -391,7 +334,7 @@ class SessionTable:
             self._idle.move_to_end(s.session_id)
 
     def expect(self, s: Session, at: float) -> None:
-        """The session's next turn is expected by clock time `at` (`Session.rank_time`). Mutates: `expected_at`."""
+        """The session's next turn is expected by clock time `at` (`Session.next_use`). Mutates: `expected_at`."""
         s.expected_at = at
         self.mark(s.session_id)
 

@@ -29,11 +29,11 @@ from .layerwise.chunks import LayeredChunks
 from .layerwise.residues import ResidueTable
 from .moves import MoveLedger
 from .placement import Placement
-from .policy import DEFAULT_POLICY, EvictionPolicy, make_policy
+from .policy import DEFAULT_POLICY, EvictionPolicy, TierOrder, make_policy
 from .pool import BlockPool
 from .prefix.sharing import PrefixSharing
 from .relocation import Relocation
-from .session import SessionTable
+from .session import INDEXED, SessionTable
 from .spec import KVSpec, capacity_in_blocks
 from .stats import Counters
 from .step_planner import StepPlanner
@@ -109,7 +109,7 @@ def assemble(spec: KVSpec, c: StoreConfig) -> StoreParts:
     device_pool, host_pool, disk = open_pools(spec, transfer, c.device_capacity, c.host_capacity, c.disk_dir,
                                               c.disk_capacity, c.layout, c.max_context, c.keep_freed,
                                               c.disk_fingerprint)
-    counters, moves, sessions = Counters(), MoveLedger(), SessionTable(c.clock)
+    counters, moves, sessions = Counters(), MoveLedger(), SessionTable(c.clock, TierOrder(INDEXED))
     sharing = PrefixSharing(spec.block_size, sessions.find,
                             c.prefix_sharing is not False and c.layout is Layout.PAGED and not c.layerwise_kv)
     try:
@@ -140,6 +140,7 @@ def assemble(spec: KVSpec, c: StoreConfig) -> StoreParts:
             disk.close()
         raise
     if disk_state is not None:
+        sessions.on_change = disk_state.mark_changed     # who the table marks or removes: rows to commit
         disk_state.load(sharing)
     return StoreParts(kernels, transfer, counters, moves, sessions, sharing, hidden, disk_state, tiers, placement,
                       swap_in, layered, relocation, planner, history, capacity)

@@ -117,7 +117,7 @@ class SwapIn:
                 continue       # the chunk was released meanwhile (its slots went with it)
             state, slot = source
             if state is DISK_HIDDEN:
-                self.disk_state.mark_changed()
+                self.disk_state.mark_changed(self.tiers.sharing.holder_ids([(s, k)]))
             if ok:
                 self.tiers.pool(state).free([slot])
                 c.source = None

@@ -64,6 +64,8 @@ class TierPools:
         (slot, shadow, hidden source, residue) is freed unless other sessions still hold it (a shared
         chunk)."""
         c = s.chunks[k]
+        if self.disk_state is not None and (c.state in ON_DISK or (c.source is not None and c.source[0] in ON_DISK)):
+            self.disk_state.mark_changed((s.session_id,))     # its disk rows change; vacate's callers mark theirs
         if self.sharing.detach(s, k):          # others still hold it: they keep its device block, if any
             if c.holds_device:
                 for h in c.entry.holders:
@@ -81,12 +83,8 @@ class TierPools:
             self.device.free([c.shadow])
         if c.source is not None:
             self._by_state[c.source[0]].free([c.source[1]])
-            if c.source[0] is DISK_HIDDEN:
-                self.disk_state.mark_changed()
         if c.residue_block is not None:
             self.free_residue(c)
-        if c.state in ON_DISK:
-            self.disk_state.mark_changed()
 
     def place_residues(self, factor: int, owners: list[tuple[str, int]],
                        new_blocks: list[int]) -> list[tuple[int, int]]:

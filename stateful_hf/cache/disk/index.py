@@ -88,6 +88,9 @@ class DiskIndex:
             for sid, k, form, slot, checksum in self.conn.execute("SELECT * FROM chunks"):
                 if isinstance(k, int) and form in FORMS and isinstance(slot, int) and isinstance(checksum, int):
                     self.rows[sid, k] = (form, slot, checksum)       # malformed rows are left out: recomputed
+            self.ks: dict[str, set[int]] = {}      # per session, the k of its rows (what `commit_changes` replaces)
+            for sid, k in self.rows:
+                self.ks.setdefault(sid, set()).add(k)
         except (sqlite3.Error, TypeError, ValueError) as e:
             self.conn.close()
             raise StoreError(f"disk tier index {str(path)!r} is unreadable: {e}") from e
@@ -134,6 +137,42 @@ class DiskIndex:
             raise
         self.meta = {**self.meta, **meta}
         self.sessions, self.rows = dict(sessions), dict(rows)
+        self.ks = {}
+        for sid, k in self.rows:
+            self.ks.setdefault(sid, set()).add(k)
+
+    def commit_changes(self, changes: Mapping[str, tuple[SessionRow | None, Mapping[int, Row]]]) -> None:
+        """`commit`, for the sessions in `changes` only: each one's row (None: it has none) and its chunk
+        rows by k replace what the index holds of it; O(the changed sessions' rows). Raises as `commit`."""
+        c = self.conn
+        c.execute("BEGIN IMMEDIATE")
+        try:
+            for sid, (row, rows) in changes.items():
+                old = self.ks.get(sid, ())
+                if row is None and sid in self.sessions:
+                    c.execute("DELETE FROM sessions WHERE id = ?", (sid,))
+                elif row is not None and self.sessions.get(sid) != row:
+                    c.execute("INSERT OR REPLACE INTO sessions VALUES (?, ?, ?, ?, ?)", (sid, *row))
+                c.executemany("DELETE FROM chunks WHERE session = ? AND k = ?",
+                              [(sid, k) for k in old if k not in rows])
+                c.executemany("INSERT OR REPLACE INTO chunks VALUES (?, ?, ?, ?, ?)",
+                              [(sid, k, *r) for k, r in rows.items() if self.rows.get((sid, k)) != r])
+            durability_point("index-commit")
+            c.execute("COMMIT")
+        except BaseException:
+            if c.in_transaction:
+                c.execute("ROLLBACK")
+            raise
+        for sid, (row, rows) in changes.items():
+            if row is None:
+                self.sessions.pop(sid, None)
+            else:
+                self.sessions[sid] = row
+            for k in self.ks.pop(sid, ()):
+                del self.rows[sid, k]
+            self.rows.update(((sid, k), r) for k, r in rows.items())
+            if rows:
+                self.ks[sid] = set(rows)
 
     def close(self) -> None:
         self.conn.close()

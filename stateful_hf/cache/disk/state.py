@@ -18,6 +18,7 @@ Every method runs with the store lock held.
 from __future__ import annotations
 
 from array import array
+from collections.abc import Iterable
 
 from ..errors import StoreError
 from ..prefix.index import PrefixScope
@@ -38,43 +39,68 @@ class DiskState:
 
     def __init__(self, sessions: SessionTable, disk: DiskTier, transfer: Transfer, block_size: int):
         self.sessions, self.disk, self.transfer, self.block_size = sessions, disk, transfer, block_size
-        self._changed = False
+        self._changed = False                  # rows of sessions not in `_dirty` may have changed: commit them all
+        self._dirty: set[str] = set()          # sessions whose rows may have changed since the last commit
 
-    def mark_changed(self) -> None:
-        """A disk slot was filled or freed, or a session's ids up to a disk chunk changed."""
-        self._changed = True
+    def mark_changed(self, session_ids: Iterable[str] | None = None) -> None:
+        """A disk slot was filled or freed, or a session's ids up to a disk chunk changed: of these
+        sessions (None: of any). `SessionTable.mark` calls it for every session it marks."""
+        if session_ids is None:
+            self._changed = True
+        else:
+            self._dirty.update(session_ids)
 
-    def rows(self) -> tuple[dict[str, SessionRow], dict[tuple[str, int], tuple[str, int, int]]]:
-        """The index of the current state: per session with chunks on disk, its ids up to its last
-        one, its scope and whether it is retained, and (form, slot, checksum) per such chunk (chunks
+    def session_rows(self, s: Session) -> tuple[SessionRow | None, dict[int, tuple[str, int, int]]]:
+        """The index of one session now: its ids up to its last disk chunk, its scope and whether it is
+        retained (None without a disk chunk), and (form, slot, checksum) per such chunk (chunks
         rebuilding from a disk hidden slot name that slot: a crash before the step commits finds
         them there). A chunk shared by several sessions is a row of each, naming one slot."""
+        rows, last = {}, -1
+        for k, c in enumerate(s.chunks):
+            at = (c.state, c.loc) if c.state in ON_DISK else c.source
+            if at is not None and at[0] in ON_DISK:
+                form = FORM[at[0]]
+                rows[k] = (form, at[1], self.disk.pool_of(form).checksums[at[1]])
+                last = k
+        if last < 0:
+            return None, rows
+        tenant, salt = (s.scope.tenant, s.scope.cache_salt) if s.scope is not None else (None, None)
+        return (pack_ids(s.token_ids[: (last + 1) * self.block_size]), tenant, salt, s.retained), rows
+
+    def rows(self) -> tuple[dict[str, SessionRow], dict[tuple[str, int], tuple[str, int, int]]]:
+        """The index of the current state, every session's `session_rows`."""
         sessions, rows = {}, {}
         for s in self.sessions:
-            last = -1
-            for k, c in enumerate(s.chunks):
-                at = (c.state, c.loc) if c.state in ON_DISK else c.source
-                if at is not None and at[0] not in ON_DISK:
-                    at = None
-                if at is not None:
-                    form = FORM[at[0]]
-                    rows[s.session_id, k] = (form, at[1], self.disk.pool_of(form).checksums[at[1]])
-                    last = k
-            if last >= 0:
-                tenant, salt = (s.scope.tenant, s.scope.cache_salt) if s.scope is not None else (None, None)
-                sessions[s.session_id] = (pack_ids(s.token_ids[: (last + 1) * self.block_size]), tenant, salt,
-                                          s.retained)
+            row, chunks = self.session_rows(s)
+            if row is not None:
+                sessions[s.session_id] = row
+                rows.update(((s.session_id, k), r) for k, r in chunks.items())
         return sessions, rows
 
     def sync(self, force: bool = False) -> bool:
-        """Commit the index if the disk state changed (or `force`). False if the commit failed."""
-        if not (self._changed or force):
+        """Commit the index if the disk state changed (or `force`): the changed sessions' rows, O(theirs),
+        or every row after a change of unknown sessions. False if the commit failed."""
+        if not (self._changed or self._dirty or force):
             return True
-        if not self.disk.commit(*self.rows()):
-            self._changed = True
-            return False
-        self._changed = False
-        return True
+        if self._changed:
+            ok = self.disk.commit(*self.rows())
+        else:
+            index = self.disk.directory.index
+            changes = {sid: self.session_rows(s) if (s := self.sessions.find(sid)) is not None else (None, {})
+                       for sid in self._dirty}
+            changes = {sid: (row, rows) for sid, (row, rows) in changes.items()          # what the index lacks
+                       if index.sessions.get(sid) != row or index.ks.get(sid, set()) != set(rows)
+                       or any(index.rows[sid, k] != r for k, r in rows.items())}
+            ok = self.disk.commit(None, changes) if changes or force else True
+        if ok:
+            self._changed, self._dirty = False, set()
+        return ok
+
+    def check(self) -> None:
+        """Integrity: with nothing left to commit, the committed index is the state's (`rows`)."""
+        index = self.disk.directory.index          # None once the tier is closed
+        if not (self._changed or self._dirty) and not self.disk.degraded and index is not None:
+            assert (index.sessions, index.rows) == self.rows(), "the disk index differs from the sessions' state"
 
     def usable(self, strict: bool) -> bool:
         """Before a move to disk: a degraded tier retries its commit first. If it still fails, the
@@ -110,7 +136,7 @@ class DiskState:
         old end): checksum it under its new identity tag. False if it does not hold what it should (the
         caller drops it)."""
         c = s.chunks[k]
-        self._changed = True
+        self._dirty.update(c.entry.holders if c.entry is not None else (s.session_id,))
         old_tag = identity_tags(old_ids, self.block_size)[k]
         return self.disk.retag(FORM[c.state], c.loc, old_tag, identity_tags(s.token_ids, self.block_size)[k])
 

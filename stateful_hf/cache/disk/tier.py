@@ -157,10 +157,14 @@ class DiskTier:
         self.pool_of(form).checksums[slot] = self.files[form].checksum(new, slot)
         return True
 
-    def commit(self, sessions: dict[str, SessionRow], rows: dict[tuple[str, int], tuple[str, int, int]]) -> bool:
-        """Make this the durable index; then slots in limbo are free. False (degraded) if it fails."""
+    def commit(self, sessions: dict[str, SessionRow] | None, rows) -> bool:
+        """Make this the durable index (`sessions` None: `rows` are the changed sessions' only, as
+        `DiskIndex.commit_changes` takes them); then slots in limbo are free. False (degraded) if it fails."""
         try:
-            self.directory.index.commit({}, sessions, rows)
+            if sessions is None:
+                self.directory.index.commit_changes(rows)
+            else:
+                self.directory.index.commit({}, sessions, rows)
         except (OSError, sqlite3.Error):
             self._failed("commit")
             return False
