@@ -50,11 +50,12 @@ COMPILE_THREADS = 2            # the compile pool: a slow compile does not hold 
 
 class GrammarError(ValueError):
     """A constraint that cannot be used: an invalid or unsupported schema, a compile over the time limit,
-    no tokenizer, or xgrammar missing. `param`: the request field it came from (for a server's 400)."""
+    no tokenizer, or xgrammar missing. `param`: the request field it came from, `code`: why (for a
+    server's 400: invalid_schema, schema_too_complex, or structured_output_unavailable)."""
 
-    def __init__(self, message: str, param: str = "response_format"):
+    def __init__(self, message: str, param: str = "response_format", code: str = "invalid_schema"):
         super().__init__(message)
-        self.param = param
+        self.param, self.code = param, code
 
 
 def _xgrammar():
@@ -62,7 +63,7 @@ def _xgrammar():
         import xgrammar
     except ImportError as e:
         raise GrammarError(f"structured output needs xgrammar ({e}); install it: pip install "
-                           "'stateful-hf[structured]'") from None
+                           "'stateful-hf[structured]'", code="structured_output_unavailable") from None
     return xgrammar
 
 
@@ -102,7 +103,8 @@ class Compilers:
                     param: str = "response_format") -> tuple[object, _Compiler]:
         """`compile`, and the tokenizer's compiler (its vocabulary size and EOS id)."""
         if tokenizer is None:
-            raise GrammarError("structured output needs a tokenizer: Engine(model, tokenizer=...)", param)
+            raise GrammarError("structured output needs a tokenizer: Engine(model, tokenizer=...)", param,
+                               "structured_output_unavailable")
         c = self._compiler(tokenizer)
         fut = c.future(constraint, self._pool)
         try:
@@ -110,9 +112,9 @@ class Compilers:
         except FutureTimeout:
             raise GrammarError(f"compiling {constraint.describe()} took longer than the limit of {timeout:g} s; "
                                "simplify the schema (long maxLength / maxItems bounds and deep nesting compile "
-                               "slowly)", param) from None
+                               "slowly)", param, "schema_too_complex") from None
         except GrammarError as e:
-            raise GrammarError(str(e), param) from None
+            raise GrammarError(str(e), param, e.code) from None
 
     def cached(self, tokenizer) -> int:
         """Compiled grammars kept for `tokenizer` (tests, stats)."""
@@ -173,7 +175,7 @@ def constrain(r: Request, tokenizer, eos: frozenset[int], timeout: float = COMPI
         stops = {int(c.eos)}
     if not stops:
         raise GrammarError("structured output needs a stop token: the model has no EOS id and the request "
-                           "no stop_token_ids")
+                           "no stop_token_ids", code="structured_output_unavailable")
     stop_ids = tuple(sorted(stops))
     r.grammar = Grammar(compiled, stop_ids, c.vocab)
     extra = tuple(t for t in stop_ids if t not in r.sampling.stop_token_ids)
@@ -212,22 +214,29 @@ def mask_logits(logits: torch.Tensor, requests) -> None:
     apply_bitmask(logits, mask, rows)
 
 
-_SHIFTS = torch.arange(32, dtype=torch.int32)
-
-
 def apply_bitmask(logits: torch.Tensor, mask: torch.Tensor, rows: list[int]) -> None:
-    """logits[rows[i], t] = -inf where bit t of mask[i] (int32 words, little-endian bit order: xgrammar's
-    and llguidance's layout) is 0, and for every t past the mask's 32 * words tokens."""
+    """logits[rows[i], t] = -inf where bit t of mask[i] is 0 (int32 words, bit t % 32 of word t // 32:
+    xgrammar's layout), and for every t past the mask's 32 * words tokens (ids the tokenizer lacks).
+    On a GPU, xgrammar's kernel. On the CPU, without branches (masked_fill / where on a mask this
+    irregular cost ~3x more here): unpack the bits and take their log in numpy (single-threaded: no
+    OpenMP team to stall on a busy host), then one add: log 1 = +0 leaves an allowed logit as it is,
+    bit for bit; log 0 = -inf."""
     width, covered = logits.shape[1], 32 * mask.shape[1]
     n = min(width, covered)
-    index = torch.tensor(rows, device=logits.device)
-    bits = mask.to(logits.device, non_blocking=True)
-    allowed = ((bits.unsqueeze(-1) >> _SHIFTS.to(logits.device)) & 1).view(len(rows), covered)[:, :n].bool()
-    sub = logits.index_select(0, index)
-    sub[:, :n].masked_fill_(~allowed, float("-inf"))
-    if width > covered:                  # ids the tokenizer does not have
-        sub[:, covered:] = float("-inf")
-    logits.index_copy_(0, index, sub)
+    if not logits.is_cpu:
+        mask = mask.to(logits.device, non_blocking=True)
+        _xgrammar().apply_token_bitmask_inplace(logits, mask, vocab_size=n, indices=rows)
+    else:
+        import numpy as np
+        bits = np.unpackbits(mask.numpy().view(np.uint8), axis=-1, count=n, bitorder="little")
+        with np.errstate(divide="ignore"):
+            bias = torch.from_numpy(np.log(bits, dtype=np.float32)).to(logits.dtype)
+        if len(rows) == logits.shape[0]:
+            logits[:, :n].add_(bias)
+        else:
+            logits[:, :n].index_add_(0, torch.tensor(rows), bias)
+    if width > covered:
+        logits[rows, covered:] = float("-inf")
 
 
 def accept_tokens(requests, tokens) -> None:

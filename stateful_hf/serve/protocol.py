@@ -142,7 +142,7 @@ _UNSUPPORTED = {
 }
 
 
-_SUPPORTED_BY = {"ChatCompletionRequest": ("logprobs",)}    # implemented there (see its fields)
+_SUPPORTED_BY = {"ChatCompletionRequest": ("logprobs", "response_format")}    # implemented there (see its fields)
 
 
 def _asks_for(name: str, value) -> bool:
@@ -189,7 +189,12 @@ class ChatCompletionRequest(_Sampling):
 
     def sampling(self, max_tokens: int, generation_config=None) -> SamplingParams:
         p = super().sampling(max_tokens, generation_config)
-        return dataclasses.replace(p, logprobs=self.top_logprobs or 0) if self.logprobs else p
+        p = dataclasses.replace(p, logprobs=self.top_logprobs or 0) if self.logprobs else p
+        response_format = (self.model_extra or {}).get("response_format")
+        if _asks_for("response_format", response_format):     # structured output (structured.py)
+            from .structured import response_format_constraint
+            p = dataclasses.replace(p, constraint=response_format_constraint(response_format))
+        return p
 
     def requested_max_tokens(self) -> int | None:
         if self.max_tokens is None and self.max_completion_tokens is not None:

@@ -31,6 +31,8 @@ def api_error(e: BaseException) -> APIError:
     if isinstance(e, SessionBusyError):
         return APIError(409, f"session {split_key(e.session_id)[1]!r} has a turn in flight; retry when it has "
                         "finished", param="session_id", code="session_busy", retry_after=1)
+    if isinstance(e, ValueError) and getattr(e, "param", None):   # a constraint's GrammarError names its field
+        return APIError(400, str(e), param=e.param, code=getattr(e, "code", None) or "invalid_value")
     if isinstance(e, CapacityError):              # the prompt and max_tokens do not fit the pools
         return APIError(400, str(e), param="prompt", code="capacity_exceeded")
     if isinstance(e, (ValueError, TypeError)):    # a bad prompt, or a turn under another cache_salt
