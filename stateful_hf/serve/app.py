@@ -286,9 +286,10 @@ def create_app(router, config: ServeConfig, access: Access | None = None) -> Fas
         sampling = body.sampling(max_tokens_for(requested, n, config.max_model_len, config.default_max_tokens,
                                                 "messages", budget), config.generation_config)
         limits.check_prompt(n, config.max_model_len, "messages")
-        if sampling.constraint is not None:              # compiled here, off the event loop (structured.py)
-            from .structured import check_constraint
-            check_constraint(sampling.constraint, tok, config.grammar_compile_timeout)
+        response_format = (body.model_extra or {}).get("response_format")
+        if response_format is not None:                  # structured output, compiled here: off the event loop
+            from .structured import constrain
+            sampling = constrain(sampling, response_format, tok, config.grammar_compile_timeout)
         return body, ids, sampling
 
     def completion_turn(raw: bytes):

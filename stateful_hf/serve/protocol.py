@@ -142,7 +142,8 @@ _UNSUPPORTED = {
 }
 
 
-_SUPPORTED_BY = {"ChatCompletionRequest": ("logprobs", "response_format")}    # implemented there (see its fields)
+# implemented there (see its fields; response_format: structured.py, from the app's chat_turn)
+_SUPPORTED_BY = {"ChatCompletionRequest": ("logprobs", "response_format")}
 
 
 def _asks_for(name: str, value) -> bool:
@@ -189,12 +190,7 @@ class ChatCompletionRequest(_Sampling):
 
     def sampling(self, max_tokens: int, generation_config=None) -> SamplingParams:
         p = super().sampling(max_tokens, generation_config)
-        p = dataclasses.replace(p, logprobs=self.top_logprobs or 0) if self.logprobs else p
-        response_format = (self.model_extra or {}).get("response_format")
-        if _asks_for("response_format", response_format):     # structured output (structured.py)
-            from .structured import response_format_constraint
-            p = dataclasses.replace(p, constraint=response_format_constraint(response_format))
-        return p
+        return dataclasses.replace(p, logprobs=self.top_logprobs or 0) if self.logprobs else p
 
     def requested_max_tokens(self) -> int | None:
         if self.max_tokens is None and self.max_completion_tokens is not None:

@@ -1,19 +1,21 @@
 """Structured output over HTTP: a chat request's `response_format` as its `SamplingParams.constraint`.
 
 OpenAI's shapes: `{"type": "text"}` (free), `{"type": "json_object"}` (any JSON object) and
-`{"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}}`. The constraint is
-checked before the turn is queued (`check_constraint`, in the request's worker thread, never on the
-event loop): the grammar is compiled, with the server's time limit, into the cache the engine then
-finds it in, so an invalid schema, or one that compiles too slowly, is a 400 naming the field (the
-engine's own failure, `GrammarError`, says why). Imported only by a request that asks for a format.
-A caller that constrains a request for another field (tool calls: `tool_choice`) uses the same
-`check_constraint` with its own `param`.
+`{"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}}`. The constraint
+is checked before the turn is queued (`constrain`, called by the app's `chat_turn` in the request's
+worker thread, never on the event loop): the grammar is compiled, with the server's time limit, into
+the cache the engine then finds it in, so an invalid schema, or one that compiles too slowly, is a 400
+naming the field (the engine's own failure, `GrammarError`, says why). Imported only by a request that
+asks for a format. A caller that constrains a request for another field (tool calls: `tool_choice`)
+uses `check_constraint` with its own `param`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
+from ..engine import SamplingParams
 from ..engine.constraint import JsonConstraint, json_constraint
 from .protocol import APIError
 
@@ -57,6 +59,15 @@ def response_format_constraint(value) -> JsonConstraint | None:
         return json_constraint(schema, strict=bool(strict), name=name)
     except ValueError as e:
         raise _bad(f"json_schema.schema: {e}", "invalid_schema") from None
+
+
+def constrain(sampling: SamplingParams, response_format, tokenizer, timeout: float | None) -> SamplingParams:
+    """`sampling` constrained as `response_format` asks (as it is for None or text), its grammar compiled."""
+    constraint = response_format_constraint(response_format)
+    if constraint is None:
+        return sampling
+    check_constraint(constraint, tokenizer, timeout)
+    return dataclasses.replace(sampling, constraint=constraint)
 
 
 def check_constraint(constraint: JsonConstraint, tokenizer, timeout: float | None, param: str = PARAM) -> None:
