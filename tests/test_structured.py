@@ -175,6 +175,19 @@ def test_a_compile_over_the_time_limit_fails_the_request(tok):
     engine.stop()
 
 
+def test_literal_text_around_the_json(engine):
+    """prefix / suffix (a tool call's tags): the output is the prefix, JSON that validates, the suffix."""
+    c = json_constraint(SCHEMA, prefix='<tool_call>\n{"name": "weather", "arguments": ', suffix="}\n</tool_call>")
+    out = engine.submit(None, ASK, SamplingParams(max_new_tokens=200, constraint=c)).result()
+    assert out.finish_reason == "stop", out
+    assert out.text.startswith(c.prefix) and out.text.endswith(c.suffix), out.text
+    call = json.loads(out.text.removeprefix("<tool_call>\n").removesuffix("\n</tool_call>"))
+    assert call["name"] == "weather"
+    jsonschema.validate(call["arguments"], SCHEMA)
+    suffix_only = json_constraint("json_object", suffix="\nDONE")
+    assert suffix_only.key != json_constraint("json_object").key
+
+
 def test_constraint_values():
     assert json_constraint("json_object") == JsonConstraint(None, strict=False)
     a = json_constraint({"type": "object", "properties": {"b": {}, "a": {}}})

@@ -23,6 +23,7 @@ docs/structured-output.md).
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import threading
@@ -145,9 +146,15 @@ class _Compiler:
 
     def _compile(self, c: JsonConstraint):
         schema = '{"type": "object"}' if c.schema is None else c.schema
+        options = {"strict_mode": c.strict, "any_whitespace": True, "max_whitespace_cnt": MAX_WHITESPACE}
         try:
-            return self.compiler.compile_json_schema(schema, strict_mode=c.strict, any_whitespace=True,
-                                                     max_whitespace_cnt=MAX_WHITESPACE)
+            if not (c.prefix or c.suffix):
+                return self.compiler.compile_json_schema(schema, **options)
+            xgr = _xgrammar()
+            literal = lambda text: [xgr.Grammar.from_ebnf(f"root ::= {json.dumps(text, ensure_ascii=False)}")] \
+                if text else []
+            parts = [*literal(c.prefix), xgr.Grammar.from_json_schema(schema, **options), *literal(c.suffix)]
+            return self.compiler.compile_grammar(xgr.Grammar.concat(*parts))
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError and its own types: all mean "cannot"
             raise GrammarError(f"{c.describe()} cannot be compiled: {_reason(e)}") from None
 
