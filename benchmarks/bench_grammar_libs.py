@@ -6,9 +6,11 @@ For xgrammar, llguidance and outlines-core (whichever are installed), on SmolLM2
 tokenizer (49152 tokens; `stateful_hf.models`, fetched once): the time to prepare the tokenizer, to
 compile a JSON schema and the generic JSON grammar (`json_object`), then, walking the tokens of a
 valid document, the time per token to fill one request's bitmask and to accept the token, and the
-time to fill the masks of a batch of 24 requests (each library's batched call where it has one) and to
-apply them to [24, V] float32 logits. Rounds alternate the libraries; medians are reported. This is how
-stateful_hf/engine/grammar.py's library was chosen (docs/structured-output.md). Not run by CI.
+time to fill the masks of a batch of 24 requests (each library's batched call where it has one) and
+to apply them to [24, V] float32 logits, with the library's own function and with the engine's
+(`stateful_hf.engine.grammar.apply_bitmask`: the three share one bitmask layout). Rounds alternate the
+libraries; medians are reported. This is how stateful_hf/engine/grammar.py's library was chosen
+(docs/structured-output.md). Not run by CI.
 """
 
 from __future__ import annotations
@@ -172,20 +174,27 @@ def walk(lib, compiled, ids: list[int]) -> tuple[list[float], list[float]]:
     return fills, accepts
 
 
-def walk_batch(lib, compiled, ids: list[int], logits: torch.Tensor) -> tuple[list[float], list[float]]:
-    """(batched fill seconds, apply seconds) per step for BATCH matchers walking `ids` together."""
+def walk_batch(lib, compiled, ids: list[int], logits: torch.Tensor) -> tuple[list[float], list[float], list[float]]:
+    """(batched fill seconds, the library's apply seconds, the engine's apply seconds) per step for BATCH
+    matchers walking `ids` together. The engine's: `grammar.apply_bitmask` (the same bitmask layout)."""
+    from stateful_hf.engine.grammar import apply_bitmask
     ms, mask = [lib.matcher(compiled) for _ in range(BATCH)], lib.bitmask(BATCH)
-    fills, applies = [], []
+    fills, applies, ours = [], [], []
+    rows = list(range(BATCH))
     for t in ids:
         t0 = _now()
         lib.fill_batch(ms, mask)
         t1 = _now()
         lib.apply(logits.clone(), mask)
         applies.append(_now() - t1)
+        x = logits.clone()
+        t2 = _now()
+        apply_bitmask(x, mask, rows)
+        ours.append(_now() - t2)
         fills.append(t1 - t0)
         for m in ms:
             lib.accept(m, t)
-    return fills, applies
+    return fills, applies, ours
 
 
 def run(args) -> dict:
@@ -205,7 +214,7 @@ def run(args) -> dict:
         except ImportError as e:
             print(f"{cls.name}: not installed ({e})")
     logits = torch.randn(BATCH, vocab)
-    samples: dict = {lib.name: {k: {"fill": [], "accept": [], "batch_fill": [], "apply": []} for k in docs}
+    samples: dict = {lib.name: {k: {"fill": [], "accept": [], "batch_fill": [], "apply": [], "ours": []} for k in docs}
                      for lib in libs}
     compiled: dict = {}
     for lib in libs:
@@ -224,12 +233,13 @@ def run(args) -> dict:
                     continue
                 ids = tok(json.dumps(doc), add_special_tokens=False)["input_ids"] + [eos]
                 f, a = walk(lib, compiled[lib.name, kind], ids)
-                bf, ap = walk_batch(lib, compiled[lib.name, kind], ids, logits)
+                bf, ap, ours = walk_batch(lib, compiled[lib.name, kind], ids, logits)
                 s = samples[lib.name][kind]
                 s["fill"] += f
                 s["accept"] += a
                 s["batch_fill"] += bf
                 s["apply"] += ap
+                s["ours"] += ours
     for lib in libs:
         for kind, s in samples[lib.name].items():
             if not s["fill"]:
@@ -239,6 +249,7 @@ def run(args) -> dict:
                 "accept_us_median": 1e6 * statistics.median(s["accept"]),
                 "batch24_fill_us_median": 1e6 * statistics.median(s["batch_fill"]),
                 "batch24_apply_us_median": 1e6 * statistics.median(s["apply"]),
+                "batch24_engine_apply_us_median": 1e6 * statistics.median(s["ours"]),
                 "tokens": len(s["fill"]) // args.rounds}
     return out
 
@@ -254,7 +265,7 @@ def main() -> None:
     args = p.parse_args()
     res = run(args)
     print(f"{'library':<14} {'kind':<12} {'setup s':>8} {'compile s':>10} {'fill us':>8} {'p90':>8} {'accept us':>9} "
-          f"{'24 fill us':>10} {'24 apply us':>11}")
+          f"{'24 fill us':>10} {'24 apply us':>11} {'engine apply':>12}")
     for name, r in res["libraries"].items():
         for kind in ("json_schema", "json_object"):
             c = r["compile_s"].get(kind)
@@ -264,7 +275,7 @@ def main() -> None:
             k = r[kind]
             print(f"{name:<14} {kind:<12} {r['tokenizer_setup_s']:>8.2f} {c:>10.3f} {k['fill_us_median']:>8.1f} "
                   f"{k['fill_us_p90']:>8.1f} {k['accept_us_median']:>9.1f} {k['batch24_fill_us_median']:>10.1f} "
-                  f"{k['batch24_apply_us_median']:>11.1f}")
+                  f"{k['batch24_apply_us_median']:>11.1f} {k['batch24_engine_apply_us_median']:>12.1f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

@@ -164,6 +164,14 @@ def test_bad_schemas_fail_the_request_with_a_reason(engine):
     assert engine.submit(None, ASK, SamplingParams(max_new_tokens=4)).result().finish_reason == "length"
 
 
+def test_without_a_tokenizer_a_constrained_request_fails_and_says_why():
+    engine = Engine(tiny_llama())
+    out = engine.submit(None, list(range(5, 20)), SamplingParams(max_new_tokens=4, constraint="json_object")).output()
+    assert isinstance(out.error, GrammarError) and "needs a tokenizer" in str(out.error)
+    assert out.error.code == "structured_output_unavailable"
+    engine.stop()
+
+
 def test_a_compile_over_the_time_limit_fails_the_request(tok):
     engine = Engine(tiny_llama(), tok, grammar_compile_timeout=0.001)
     slow = {"type": "object", "properties": {"slow": {"type": "string", "maxLength": 30}}}

@@ -89,7 +89,14 @@ class Compilers:
         with self._lock:
             c = self._by_tokenizer.get(tokenizer)
             if c is None:
-                c = self._by_tokenizer[tokenizer] = _Compiler(tokenizer)
+                try:
+                    c = _Compiler(tokenizer)
+                except GrammarError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - a tokenizer xgrammar cannot read: the request fails, says why
+                    raise GrammarError(f"structured output cannot use this tokenizer ({type(e).__name__}: "
+                                       f"{_reason(e)})", code="structured_output_unavailable") from None
+                self._by_tokenizer[tokenizer] = c
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar-compile")
             return c
@@ -106,7 +113,10 @@ class Compilers:
         if tokenizer is None:
             raise GrammarError("structured output needs a tokenizer: Engine(model, tokenizer=...)", param,
                                "structured_output_unavailable")
-        c = self._compiler(tokenizer)
+        try:
+            c = self._compiler(tokenizer)
+        except GrammarError as e:
+            raise GrammarError(str(e), param, e.code) from None
         fut = c.future(constraint, self._pool)
         try:
             return fut.result(timeout), c
