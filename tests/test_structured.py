@@ -214,11 +214,11 @@ def test_apply_bitmask_matches_a_reference():
     g = torch.Generator().manual_seed(0)
     for rows_total, rows, width, words in ((5, [0, 1, 2, 3, 4], 64, 2), (6, [1, 4], 90, 2), (3, [2], 60, 2)):
         logits = torch.randn(rows_total, width, generator=g)
-        mask = torch.randint(-2**31, 2**31 - 1, (len(rows), words), dtype=torch.int32, generator=g)
+        mask = torch.randint(-2**31, 2**31 - 1, (rows_total, words), dtype=torch.int32, generator=g)
         want = logits.clone()
-        for i, r in enumerate(rows):
+        for r in rows:
             for t in range(width):
-                if t >= 32 * words or not (int(mask[i, t // 32]) >> (t % 32)) & 1:
+                if t >= 32 * words or not (int(mask[r, t // 32]) >> (t % 32)) & 1:
                     want[r, t] = float("-inf")
         got = logits.clone()
         apply_bitmask(got, mask, rows)

@@ -226,14 +226,16 @@ def mask_logits(logits: torch.Tensor, requests) -> None:
     if not rows:
         return
     vocab = requests[rows[0]].grammar.vocab
-    mask = _bitmask(len(rows), vocab)
-    _batch_matcher().batch_fill_next_token_bitmask([requests[j].grammar.matcher for j in rows], mask)
+    mask = _bitmask(len(requests), vocab)            # row j is logits row j's (only `rows` are filled)
+    _batch_matcher().batch_fill_next_token_bitmask([requests[j].grammar.matcher for j in rows], mask,
+                                                   indices=rows)
     apply_bitmask(logits, mask, rows)
 
 
 def apply_bitmask(logits: torch.Tensor, mask: torch.Tensor, rows: list[int]) -> None:
-    """logits[rows[i], t] = -inf where bit t of mask[i] is 0 (int32 words, bit t % 32 of word t // 32:
-    xgrammar's layout), and for every t past the mask's 32 * words tokens (ids the tokenizer lacks).
+    """logits[r, t] = -inf for each r in `rows` where bit t of mask[r] is 0 (int32 words, bit t % 32 of
+    word t // 32: xgrammar's layout; mask has a row per logits row, those not in `rows` unused), and
+    for every t past the mask's 32 * words tokens (ids the tokenizer lacks).
 
     On a GPU, xgrammar's kernel. On the CPU, without branches (masked_fill / where on a mask this
     irregular cost ~3x more) and without torch's thread team (a parallel elementwise op stalls on a
@@ -252,8 +254,8 @@ def apply_bitmask(logits: torch.Tensor, mask: torch.Tensor, rows: list[int]) -> 
         a = logits.numpy() if numpy_rows else None
         bias = np.empty(n, dtype=np.float32)
         with np.errstate(divide="ignore"):
-            for i, r in enumerate(rows):
-                np.log(np.unpackbits(words[i], count=n, bitorder="little"), out=bias, dtype=np.float32)
+            for r in rows:
+                np.log(np.unpackbits(words[r], count=n, bitorder="little"), out=bias, dtype=np.float32)
                 if numpy_rows:
                     row = a[r, :n]
                     row += bias

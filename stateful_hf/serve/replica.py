@@ -83,7 +83,11 @@ class Replica:
             baseline = dict(self._restored.setdefault(sid, {}))
         account = lambda out: self._account(out, sid, None if ephemeral else sid, baseline, prompt)
         try:
-            handle, done = self.engine.submit(sid, prompt, sampling, cache_salt=cache_salt), False
+            submit = lambda: self.engine.submit(sid, prompt, sampling, cache_salt=cache_salt)
+            # a constrained turn may compile its grammar in submit (a replica that has not seen the
+            # schema: the app compiled it in another process): off the event loop
+            handle = await asyncio.to_thread(submit) if sampling.constraint is not None else submit()
+            done = False
         except BaseException:
             self.inflight -= 1
             self._untrack(sid)
