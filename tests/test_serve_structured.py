@@ -175,3 +175,29 @@ def test_a_compile_over_the_time_limit_is_a_400():
     finally:
         for client in router.clients:
             client.replica.shutdown()
+
+
+def test_a_replica_compiles_a_grammar_it_has_not_seen_and_reports_a_bad_one():
+    """In a cluster the app compiles in another process: the replica compiles (off its event loop)
+    before the turn takes anything, and a schema it cannot compile is an error event naming the field."""
+    import asyncio
+
+    from stateful_hf import SamplingParams
+    from stateful_hf.serve.server import EngineOptions
+    from stateful_hf.testing import tiny_llama, tiny_tokenizer
+    tok = tiny_tokenizer()
+    replica = EngineOptions().replica(tiny_llama(), tok)
+    ids = tok.apply_chat_template(ASK, add_generation_prompt=True, tokenize=True)["input_ids"]
+
+    async def events(constraint) -> list[dict]:
+        return [ev async for ev in replica.stream(None, ids, SamplingParams(max_new_tokens=200, constraint=constraint))]
+    try:
+        bad = asyncio.run(events({"type": "strin"}))
+        assert [ev["type"] for ev in bad] == ["error"]
+        assert bad[0]["error"]["status"] == 400 and bad[0]["error"]["param"] == "response_format"
+        assert bad[0]["error"]["code"] == "invalid_schema" and "Unsupported type" in bad[0]["error"]["message"]
+        good = asyncio.run(events(SCHEMA))
+        assert good[-1]["type"] == "done" and good[-1]["finish_reason"] == "stop"
+        jsonschema.validate(json.loads(good[-1]["text"]), SCHEMA)
+    finally:
+        replica.shutdown()

@@ -66,6 +66,11 @@ class Replica:
         turn ends (`Engine.throwaway_session`). `cache_salt`: scopes prefix sharing (`Engine.submit`)."""
         if isinstance(sampling, dict):
             sampling = SamplingParams(**sampling)
+        if sampling.constraint is not None:     # compile off the event loop, before the turn takes anything
+            error = await self._compile(sampling)
+            if error is not None:
+                yield {"type": "error", "error": api_error(error).to_dict()}
+                return
         ephemeral = session_id is None
         sid = self.engine.throwaway_session(tenant) if ephemeral else session_id
         gate = self._gates.get(sid)
@@ -83,11 +88,7 @@ class Replica:
             baseline = dict(self._restored.setdefault(sid, {}))
         account = lambda out: self._account(out, sid, None if ephemeral else sid, baseline, prompt)
         try:
-            submit = lambda: self.engine.submit(sid, prompt, sampling, cache_salt=cache_salt)
-            # a constrained turn may compile its grammar in submit (a replica that has not seen the
-            # schema: the app compiled it in another process): off the event loop
-            handle = await asyncio.to_thread(submit) if sampling.constraint is not None else submit()
-            done = False
+            handle, done = self.engine.submit(sid, prompt, sampling, cache_salt=cache_salt), False
         except BaseException:
             self.inflight -= 1
             self._untrack(sid)
@@ -125,6 +126,18 @@ class Replica:
                 self._when_done(handle, lambda out: self._after(out, sid, ephemeral, account))
             elif not ephemeral:               # the engine has ended the request: the next turn may go
                 self.turns.release(sid)
+
+    async def _compile(self, sampling: SamplingParams) -> Exception | None:
+        """Compile a constrained turn's grammar into the engine's cache in a worker thread (in a cluster
+        the app compiled it in another process; `Engine.submit` then finds it). Returns why it cannot
+        be compiled (a `GrammarError`), or None."""
+        from ..engine.grammar import COMPILERS, GrammarError
+        timeout = self.engine.config.grammar_compile_timeout
+        try:
+            await asyncio.to_thread(COMPILERS.compile, self.engine.tokenizer, sampling.constraint, timeout)
+        except GrammarError as e:
+            return e
+        return None
 
     def _final(self, out) -> dict:
         m = out.metrics
