@@ -142,6 +142,9 @@ class Engine:
             r.generator = make_generator(sampling, self.store.spec.device)
             r.text = OutputText(self.tokenizer, sampling.stop, sampling.skip_special_tokens) \
                 if self.tokenizer is not None or sampling.stop else None
+            if sampling.constraint is not None:      # structured output (grammar.py: imported only here)
+                from .grammar import constrain
+                constrain(r, self.tokenizer, self.eos, self.config.grammar_compile_timeout)
         except (ValueError, TypeError) as e:
             return self.requests.reject(handle, r, e, self.stepper.output)
         never = refusal(self.store, self.layerwise, r)      # before it takes anything (admission.py)

@@ -112,6 +112,9 @@ class Request:
     # Set by the scheduler when it queues the request: at most `short_prefill_tokens` rows before its first
     # token (an estimate, for the order of service only: short turns are served before long prefills).
     short: bool = False
+    # Structured output: the matcher of the request's grammar (`grammar.Grammar`, set by `Engine.submit`
+    # when sampling has a constraint), advanced by each emitted token. None: free decoding.
+    grammar: object | None = None
 
     @property
     def length(self) -> int:

@@ -54,19 +54,27 @@ class ModelRunner:
         try:
             last = step.last_rows()                            # [S] last packed row of each entry
             want = [i for i, it in enumerate(items) if it.needs_logits]
+            requests = [items[i].request for i in want]
+            constrained = any(r.grammar is not None for r in requests)
             tokens: list[int] = []
             with torch.inference_mode():
                 if want:
                     logits = run_step(self.model, step, last[want])          # [len(want), V]
-                    tokens = sample(logits, [items[i].request.sampling for i in want],
-                                    [items[i].request.generator for i in want])
-                    _keep_logprobs([items[i].request for i in want], logits, tokens)
+                    if constrained:      # structured output: only a step with a constrained request imports it
+                        from .grammar import mask_logits
+                        mask_logits(logits, requests)
+                    tokens = sample(logits, [r.sampling for r in requests], [r.generator for r in requests])
+                    _keep_logprobs(requests, logits, tokens)
                 else:                                                  # prefill/recompute chunks only
                     run_step(self.model, step)
         except BaseException:
             self.store.abort(step)
             raise
-        return step, tokens, self.store.commit(step)
+        committed = self.store.commit(step)
+        if constrained:                  # the tokens are the sessions' now: advance the grammars
+            from .grammar import accept_tokens
+            accept_tokens(requests, tokens)
+        return step, tokens, committed
 
     def record(self, index: int, items: Sequence[WorkItem], seconds: float) -> StepRecord:
         pool = self.store.device_pool

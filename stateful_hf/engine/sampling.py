@@ -5,8 +5,12 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .constraint import JsonConstraint
 
 MAX_LOGPROBS = 20          # OpenAI's bound on top_logprobs
 
@@ -33,8 +37,14 @@ class SamplingParams:
     # log-probabilities of the chosen tokens (the model's distribution: before temperature / top-p /
     # top-k) with this many most likely alternatives each (0..20); None: not computed
     logprobs: int | None = None
+    # structured output: decode only JSON, any object ("json_object") or matching a JSON schema (a dict,
+    # JSON text or pydantic model class); made a `constraint.JsonConstraint` here. None: free decoding
+    constraint: JsonConstraint | None = None
 
     def __post_init__(self) -> None:
+        if self.constraint is not None:         # only a constrained request imports constraint.py
+            from .constraint import json_constraint
+            object.__setattr__(self, "constraint", json_constraint(self.constraint))
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))

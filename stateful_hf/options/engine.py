@@ -60,6 +60,9 @@ class EngineConfig(SchedulingOptions):
     generation_config: GenerationConfigMode = option(
         GenerationConfigMode.AUTO, "where a request's unset sampling fields come from: auto (the model's "
         "generation config, then SamplingParams' defaults) or library (SamplingParams' defaults)")
+    grammar_compile_timeout: float = option(
+        5.0, "seconds a constrained request (SamplingParams.constraint) waits for its grammar to compile; "
+        "longer fails the request (grammar.py); None: no limit")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -70,6 +73,8 @@ class EngineConfig(SchedulingOptions):
         check_int("keep_step_records", self.keep_step_records, 0)
         object.__setattr__(self, "ttft_slo", check_seconds("ttft_slo", self.ttft_slo))
         object.__setattr__(self, "tpot_slo", check_seconds("tpot_slo", self.tpot_slo))
+        object.__setattr__(self, "grammar_compile_timeout",
+                           check_seconds("grammar_compile_timeout", self.grammar_compile_timeout))
         check_int("min_kept_layers", self.min_kept_layers, 0, none="derived")
         t = self.step_threads
         if not (t is None or t in STEP_THREADS or (isinstance(t, int) and not isinstance(t, bool) and t >= 1)):
@@ -92,6 +97,7 @@ class EngineConfigKwargs(TypedDict, total=False):
     release_openmp_pool: bool
     step_threads: int | str | None
     generation_config: GenerationConfigMode | str
+    grammar_compile_timeout: float
 
 
 class EngineKwargs(EngineConfigKwargs, SessionStoreKwargs, total=False):

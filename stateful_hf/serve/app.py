@@ -52,6 +52,7 @@ from .protocol import (
 )
 from .responses import install as install_responses
 from .retain import retain_of
+from .structured import constrain
 from .tool_parse import chat_prompt
 
 SESSION_HEADER = "x-session-id"
@@ -63,12 +64,14 @@ class ServeConfig:
     """What the app needs besides the router: the model's name, its tokenizer (prompts are
     tokenized here, once), its context length (`--max-model-len`, at most the model's), the cap on a
     chat's default max_tokens (None: no cap, the room left in the context, as vLLM does), the model's
-    generation config (where a request's unset sampling fields come from; None: library defaults) and
-    the seed of unseeded requests' seeds (`request_seeds`; None: each draws a fresh one)."""
+    generation config (where a request's unset sampling fields come from; None: library defaults),
+    the seed of unseeded requests' seeds (`request_seeds`; None: each draws a fresh one) and the seconds
+    a `response_format`'s grammar may take to compile (`structured.py`; None: no limit)."""
 
     def __init__(self, model_name: str, tokenizer, max_model_len: int, default_max_tokens: int | None = None,
-                 generation_config=None, seed: int | None = None):
+                 generation_config=None, seed: int | None = None, grammar_compile_timeout: float | None = 5.0):
         self.generation_config = generation_config
+        self.grammar_compile_timeout = grammar_compile_timeout   # a response_format's compile, at most (s)
         if default_max_tokens is not None and default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be >= 1 or None, got {default_max_tokens}")
         if not isinstance(max_model_len, int) or max_model_len < 2:
@@ -299,7 +302,9 @@ def create_app(router, config: ServeConfig, access: Access | None = None) -> Fas
         sampling = body.sampling(max_tokens_for(requested, n, config.max_model_len, config.default_max_tokens,
                                                 "messages", budget), config.generation_config)
         limits.check_prompt(n, config.max_model_len, "messages")
-        return body, ids, dataclasses.replace(sampling, stop=sampling.stop + stops), reply
+        sampling = constrain(dataclasses.replace(sampling, stop=sampling.stop + stops),   # its grammar compiled here
+                             (body.model_extra or {}).get("response_format"), tok, config.grammar_compile_timeout)
+        return body, ids, sampling, reply
 
     def completion_turn(raw: bytes):
         """(body, prompt ids, sampling) of a completion request (in a worker thread, as `chat_turn`)."""

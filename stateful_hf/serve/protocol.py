@@ -142,7 +142,8 @@ _UNSUPPORTED = {
 }
 
 
-_SUPPORTED_BY = {"ChatCompletionRequest": ("logprobs", "tools", "tool_choice")}    # implemented there (its fields)
+# implemented there (see its fields; response_format: structured.py, from the app's chat_turn)
+_SUPPORTED_BY = {"ChatCompletionRequest": ("logprobs", "tools", "tool_choice", "response_format")}
 
 
 def _asks_for(name: str, value) -> bool:

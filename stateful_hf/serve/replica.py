@@ -31,6 +31,8 @@ def api_error(e: BaseException) -> APIError:
     if isinstance(e, SessionBusyError):
         return APIError(409, f"session {split_key(e.session_id)[1]!r} has a turn in flight; retry when it has "
                         "finished", param="session_id", code="session_busy", retry_after=1)
+    if isinstance(e, ValueError) and getattr(e, "param", None):   # a constraint's GrammarError names its field
+        return APIError(400, str(e), param=e.param, code=getattr(e, "code", None) or "invalid_value")
     if isinstance(e, CapacityError):              # the prompt and max_tokens do not fit the pools
         return APIError(400, str(e), param="prompt", code="capacity_exceeded")
     if isinstance(e, (ValueError, TypeError)):    # a bad prompt, or a turn under another cache_salt
@@ -64,6 +66,11 @@ class Replica:
         turn ends (`Engine.throwaway_session`). `cache_salt`: scopes prefix sharing (`Engine.submit`)."""
         if isinstance(sampling, dict):
             sampling = SamplingParams(**sampling)
+        if sampling.constraint is not None:     # compile off the event loop, before the turn takes anything
+            error = await self._compile(sampling)
+            if error is not None:
+                yield {"type": "error", "error": api_error(error).to_dict()}
+                return
         ephemeral = session_id is None
         sid = self.engine.throwaway_session(tenant) if ephemeral else session_id
         gate = self._gates.get(sid)
@@ -119,6 +126,18 @@ class Replica:
                 self._when_done(handle, lambda out: self._after(out, sid, ephemeral, account))
             elif not ephemeral:               # the engine has ended the request: the next turn may go
                 self.turns.release(sid)
+
+    async def _compile(self, sampling: SamplingParams) -> Exception | None:
+        """Compile a constrained turn's grammar into the engine's cache in a worker thread (in a cluster
+        the app compiled it in another process; `Engine.submit` then finds it). Returns why it cannot
+        be compiled (a `GrammarError`), or None."""
+        from ..engine.grammar import COMPILERS, GrammarError
+        timeout = self.engine.config.grammar_compile_timeout
+        try:
+            await asyncio.to_thread(COMPILERS.compile, self.engine.tokenizer, sampling.constraint, timeout)
+        except GrammarError as e:
+            return e
+        return None
 
     def _final(self, out) -> dict:
         m = out.metrics

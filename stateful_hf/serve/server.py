@@ -109,7 +109,8 @@ def build_local(model, tokenizer, name: str, options: EngineOptions | None = Non
         replica.shutdown()
         raise
     router = Router([LocalClient(replica)])
-    config = ServeConfig(name, tokenizer, context, default_max_tokens, replica.engine.generation_config, seed)
+    config = ServeConfig(name, tokenizer, context, default_max_tokens, replica.engine.generation_config, seed,
+                         replica.engine.config.grammar_compile_timeout)
     return create_app(router, config, access), router
 
 
