@@ -19,6 +19,7 @@ if __package__ in (None, ""):           # run as a script: make `demo` and `stat
 
 
 from stateful_hf.models import DEFAULT_MODEL, SOURCES, TINY_MODEL  # noqa: E402
+from stateful_hf.options import SessionStoreOptions  # noqa: E402
 from stateful_hf.serve import flags  # noqa: E402
 
 
@@ -40,13 +41,14 @@ def parser() -> argparse.ArgumentParser:
 
 def build_engine(p: argparse.ArgumentParser, args: argparse.Namespace):
     """The engine over the store the flags describe; a bad flag exits with status 2 and one line."""
-    template = flags.read_chat_template(p, args.chat_template)
+    flags.read_chat_template(p, args.chat_template)        # the file, before torch is imported
     flags.check_device(p, args.device)
     store_kwargs, scheduling = flags.store_options(p, args), flags.engine_options(p, args)
 
     import stateful_hf
     from stateful_hf import Engine
-    from stateful_hf.models import ModelUnavailableError, load, use_chat_template
+    from stateful_hf.models import ModelUnavailableError, load
+    from stateful_hf.serve.chat_template import load_chat_template
 
     try:
         model, tokenizer = load(args.model, dtype=flags.torch_dtype(args.dtype), device=args.device,
@@ -54,17 +56,16 @@ def build_engine(p: argparse.ArgumentParser, args: argparse.Namespace):
     except (OSError, ValueError, ImportError, ModelUnavailableError) as e:
         p.error(f"--model {args.model}: {' '.join(str(e).split())} (--model {TINY_MODEL} runs offline on random "
                 "weights)")
-    if template is not None:
-        try:
-            use_chat_template(tokenizer, template)
-        except ValueError as e:
-            p.error(f"--chat-template {args.chat_template}: {e}")
+    try:
+        load_chat_template(args.chat_template, tokenizer)
+    except ValueError as e:
+        p.error(f"--chat-template {args.chat_template}: {e}")
     if getattr(tokenizer, "chat_template", None) is None:
         p.error(f"--model {args.model}: its tokenizer has no chat template; the demo needs one (--chat-template)")
     try:
         store = stateful_hf.SessionStore(model, **store_kwargs)
     except (ValueError, RuntimeError) as e:        # the store refused its options (a backend missing, ...)
-        p.error(" ".join(str(e).split()))
+        p.error(flags.as_flags(" ".join(str(e).split()), SessionStoreOptions))
     return Engine(model, tokenizer, store=store, **scheduling)
 
 
@@ -77,7 +78,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if args.max_new_tokens < 1 or args.max_batch_tokens < 1:
         p.error("--max-new-tokens and --max-batch-tokens must be >= 1")
-    flags.check_model(p, args.model, (*SOURCES, TINY_MODEL))
+    flags.check_model(p, args.model, (*SOURCES, TINY_MODEL), args.revision)
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
     if args.dtype == "auto":
         print(f"stateful-hf demo: --dtype auto loads {flags.torch_dtype(args.dtype)}", flush=True)

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -50,12 +51,12 @@ PROBE = ("import runpy, sys\nsys.argv = ['stateful_hf.serve', *sys.argv[1:]]\ntr
          "    print('exit', e.code, 'torch' in sys.modules, 'transformers' in sys.modules)\n")
 
 
-def _exits_2(args: list[str], says: str, timeout: float = 300) -> tuple[float, str]:
+def _exits_2(args: list[str], says: str, timeout: float = 300, env: dict | None = None) -> tuple[float, str]:
     """Run the server with `args`: exit status 2, its last stderr line names the error, no traceback.
     Returns (seconds from start to exit, stdout)."""
     t0 = time.perf_counter()
     out = subprocess.run([sys.executable, "-m", "stateful_hf.serve", *args], cwd=ROOT, capture_output=True, text=True,
-                         timeout=timeout, env=_env())
+                         timeout=timeout, env={**_env(), **(env or {})})
     took = time.perf_counter() - t0
     last = out.stderr.strip().splitlines()[-1]
     assert out.returncode == 2, (args, out.stderr[-2000:])
@@ -76,12 +77,20 @@ PRE_IMPORT = [
     (["--dtype", "bf17"], "argument --dtype: unknown dtype 'bf17'; choose from auto, float32"),
     (["--device", "cuda:x"], "argument --device: expected one of cpu, cuda, mps, xpu"),
     (["--log-level", "loud"], "argument --log-level: unknown log level 'loud'"),
-    (["--model", "/nonexistent/model"], "--model /nonexistent/model: no such directory, and not a named model"),
+    (["--model", "/nonexistent/model"], "--model /nonexistent/model: no such model path or known model: not a "
+     "directory, not a named model (smollm2-135m-instruct, tiny-random) nor a hub id"),
+    (["--model", "no-such-org/no-such-model"], "no such model path or known model: not a directory, not a named "
+     "model (smollm2-135m-instruct, tiny-random), and as a hub id not in the local cache while the hub is offline"),
+    (["--model", "SmolLM2-135M"], "did you mean smollm2-135m-instruct?"),
     (["--model", "DIR"], "the directory has no config.json"),
     (["--model", "FILE"], "a file, not a model directory"),
     (["--chat-template", "/nonexistent.jinja"], "--chat-template /nonexistent.jinja: [Errno 2]"),
     (["--max-model-len", "1"], "--max-model-len must be >= 2, got 1"),
     (["--seed", "-1"], "--seed must be >= 0, got -1"),
+    (["--policy", "nope"], "argument --policy: unknown 'nope'; choose from recency_cost, return_aware, pensieve, lru"),
+    (["--hidden-states", "sometimes"], "argument --hidden-states: unknown 'sometimes'; choose from auto, always, "
+     "never"),
+    (["--backend", "nope"], "argument --attention-backend/--backend: unknown 'nope'; choose from auto, torch"),
     (["--allowed-origins", "[1]"], "argument --allowed-origins: expected a JSON list of non-empty strings"),
 ]
 
@@ -90,17 +99,17 @@ PRE_IMPORT = [
 def test_bad_flag_exits_2_before_torch_is_imported(args, says, not_a_model):
     args = [{"DIR": not_a_model[0], "FILE": not_a_model[1]}.get(a, a) for a in args]
     took, _ = _exits_2(args, says)
-    assert took < 5.0, f"{took:.2f} s"           # ~0.08 s measured (the checks run before torch is imported)
+    assert took < 5.0, f"{took:.2f} s"           # ~0.1 s measured (the checks run before torch is imported)
     probe = subprocess.run([sys.executable, "-c", PROBE, *args], cwd=ROOT, capture_output=True, text=True,
                            timeout=60, env=_env())
     assert probe.stdout.split() == ["exit", "2", "False", "False"], probe.stdout + probe.stderr
 
 
 POST_TORCH = [
-    (["--policy", "nope"], "--policy: unknown 'nope'; choose from recency_cost, return_aware, pensieve, lru"),
-    (["--hidden-states", "sometimes"], "--hidden-states: unknown 'sometimes'; choose from auto, always, never"),
-    (["--attention-backend", "nope"], "--attention-backend: unknown 'nope'; choose from auto, torch"),
     (["--device-capacity", "12XB"], "--device-capacity: cannot parse capacity '12XB'"),
+    (["--disk-capacity", "1GiB"], "--disk-capacity needs a --disk-dir"),        # the options' check, as flags
+    (["--chunk-size", "0"], "--chunk-size must be >= 1, got 0"),
+    (["--max-body-bytes", "-1"], "--max-body-bytes must be a positive int"),            # the limits', as flags
 ]
 
 
@@ -124,7 +133,42 @@ def test_bad_values_found_after_loading_exit_2(tmp_path):
              "does not render a one-message chat: TemplateSyntaxError")
     _exits_2(["--model", "tiny-random", "--max-model-len", "100000"],
              "--max-model-len 100000 is more than the model's context of 2048 tokens")
-    _exits_2(["--model", "no-such-org/no-such-model"], "--model no-such-org/no-such-model: OSError")   # offline
+    # a hub id the offline cache holds passes the check before torch (the control of the refusal above) and loads
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--test-org--tiny" / "snapshots" / ("0" * 40)
+    from stateful_hf.testing import tiny_llama, tiny_tokenizer
+    tiny_llama().save_pretrained(snapshot)
+    tiny_tokenizer().save_pretrained(snapshot)
+    (cache / "models--test-org--tiny" / "refs").mkdir()
+    (cache / "models--test-org--tiny" / "refs" / "main").write_text("0" * 40)
+    _exits_2(["--model", "test-org/tiny", "--max-model-len", "100000"], "--max-model-len 100000 is more than the "
+             "model's context of 2048 tokens", env={"HF_HUB_CACHE": str(cache)})
+    # the store's own check, its options named as flags
+    _exits_2(["--model", "tiny-random", "--hidden-states", "always"],
+             "--hidden-states 'always' needs room for hidden states: give --hidden-capacity (or --host-capacity")
+
+
+def test_load_chat_template_is_the_one_loader(tmp_path):
+    """`--chat-template`'s file is read and installed by one function (the server, the demo): None keeps
+    the tokenizer's own; a bad file is a ValueError that leaves the tokenizer unchanged."""
+    from stateful_hf.serve.chat_template import load_chat_template
+    from stateful_hf.testing import tiny_tokenizer
+    tok = tiny_tokenizer()
+    own = tok.chat_template
+    assert own and own != TEMPLATE
+    assert load_chat_template(None, tok) is None and tok.chat_template == own
+    bad, empty, good = tmp_path / "bad.jinja", tmp_path / "empty.jinja", tmp_path / "good.jinja"
+    bad.write_text("{% for m in messages %}")                  # unclosed: does not render
+    empty.write_text(" \n")
+    good.write_text(TEMPLATE)
+    for path, says in ((bad, "does not render a one-message chat"), (empty, "the file is empty"),
+                       (tmp_path / "missing.jinja", "No such file")):
+        with pytest.raises(ValueError, match=says):
+            load_chat_template(path, tok)
+        assert tok.chat_template == own
+    assert load_chat_template(good, tok) == TEMPLATE and tok.chat_template == TEMPLATE
+    rendered = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False)
+    assert rendered == "<|user|>Hi\n<|assistant|>"
 
 
 def test_dtype_names_are_vllms_and_auto_keeps_float32():
@@ -141,21 +185,22 @@ def test_help_names_the_stores_own_choices():
     from stateful_hf.cache import POLICY_NAMES
     from stateful_hf.cache.hidden import HIDDEN_MODES
     from stateful_hf.kernels import BACKENDS
-    assert ", ".join(POLICY_NAMES) == flags.POLICIES_HELP
-    assert ", ".join(HIDDEN_MODES) == flags.HIDDEN_HELP
-    assert ", ".join(BACKENDS) == flags.BACKENDS_HELP
+    stores = {"policy": tuple(POLICY_NAMES), "hidden_states": tuple(HIDDEN_MODES), "attn_backend": tuple(BACKENDS)}
+    assert stores == flags.STORE_NAMES
 
 
 def test_the_demo_shares_the_store_and_model_flags():
     sys.path.insert(0, str(ROOT))
     from demo.app import parser as demo_parser
+    from stateful_hf.options import SchedulingOptions
     from stateful_hf.serve.__main__ import parser as server_parser
-    shared = {"--model", "--revision", "--trust-remote-code", "--dtype", "--device", "--chat-template",
-              "--device-capacity", "--host-capacity", "--disk-dir", "--disk-capacity", "--chunk-size",
-              "--hidden-states", "--hidden-capacity", "--policy", "--attention-backend", "--backend"}
+    model = {"--model", "--revision", "--trust-remote-code", "--dtype", "--device", "--chat-template"}
+    store = {name for f in flags.store_flag_fields() for name in flags.flag_names(f)}   # the option list's
+    engine = {name for f in fields(SchedulingOptions) if f.metadata.get("flag") for name in flags.flag_names(f)}
+    assert {"--hidden-states", "--policy", "--attention-backend", "--backend", "--host-capacity"} <= store
     for p in (demo_parser(), server_parser()):
-        listed = p.format_help()
-        assert all(f"{flag} " in listed or f"{flag}\n" in listed for flag in shared), listed
+        offered = set(p._option_string_actions)
+        assert model | store | engine <= offered, sorted((model | store | engine) - offered)
     a = server_parser().parse_args(["--hidden-states", "always", "--policy", "lru", "--backend", "torch",
                                     "--host-capacity", "0", "--hidden-capacity", "2GiB"])
     assert flags.store_options(server_parser(), a) == {
@@ -273,10 +318,19 @@ def test_cors_preflight_and_simple_requests(server):
 
 def test_health_answers_while_a_near_limit_body_is_tokenized(server):
     """A 7 MB chat (the limit is 8 MiB) is parsed, rendered and tokenized in a worker thread: /health
-    keeps answering meanwhile (the issue measured 3.6 s; ~10-30 ms here, 50 ms is the target)."""
+    answers within 50 ms meanwhile (the issue measured 3.6 s; max ~11 ms, median ~2 ms here).
+
+    Negative control: with `chat_turn` called on the event loop instead of `run_in_threadpool` (tried
+    once by hand), the one probe sent during the request waited 8.2 s for the whole parse, so the
+    latency check below fails (and so does the count: a blocked loop answers no probe until the body is
+    done). The test cannot pass vacuously: the body must end as a 400 `context_length_exceeded` naming
+    `messages` (so it was parsed, rendered and tokenized to the end, not refused early by size, JSON or
+    schema), and at least 10 probes must have been answered while it was in flight (so the window in
+    which /health was measured is the parse, not the time after it)."""
     url, _, _, model = server
     text = ("The quick brown fox jumps over the lazy dog. " * 160_000)[:7_000_000]
     raw = json.dumps({"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 4}).encode()
+    assert 7_000_000 < len(raw) < 8 * 2**20                 # just under --max-body-bytes' default
     result = {}
 
     def big():
@@ -299,7 +353,11 @@ def test_health_answers_while_a_near_limit_body_is_tokenized(server):
     sender.join()
     assert result["status"] == 400 and result["error"]["code"] == "context_length_exceeded", result
     assert result["error"]["param"] == "messages"
-    assert len(waits) >= 10, f"the big request took only {result['seconds']:.2f} s"
-    print(f"\n/health under a 7 MB body: {len(waits)} answered, max {1e3 * max(waits):.1f} ms, "
-          f"median {1e3 * sorted(waits)[len(waits) // 2]:.1f} ms; the body refused in {result['seconds']:.2f} s")
-    assert max(waits) < 0.5, waits
+    waits.sort()
+    print(f"\n/health under a 7 MB body: {len(waits)} answered, max {1e3 * waits[-1]:.1f} ms, "
+          f"p99 {1e3 * waits[int(0.99 * (len(waits) - 1))]:.1f} ms, median {1e3 * waits[len(waits) // 2]:.1f} ms; "
+          f"the body refused in {result['seconds']:.2f} s")
+    # 50 ms for all but 1% of the probes (a probe of a 2-core machine shared with other work may wait for
+    # a core); none anywhere near the parse's seconds
+    assert waits[int(0.99 * (len(waits) - 1))] < 0.050 and waits[-1] < 0.5, [round(w, 3) for w in waits[-5:]]
+    assert len(waits) >= 10, f"only {len(waits)} probes during the {result['seconds']:.2f} s request"

@@ -8,9 +8,11 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
+import re
 import signal
 
 from ..models import DEFAULT_MODEL, SOURCES, TINY_MODEL
+from ..options import SchedulingOptions, SessionStoreOptions
 from . import flags
 
 
@@ -52,8 +54,8 @@ def _access(p: argparse.ArgumentParser, a: argparse.Namespace):
     try:
         limits = Limits(a.max_body_bytes, a.max_prompt_tokens, a.max_sessions_per_tenant,
                         a.max_stored_tokens_per_tenant)
-    except ValueError as e:
-        p.error(str(e))
+    except ValueError as e:                 # Limits names its fields: say the flags
+        p.error(re.sub(r"\b(max_[a-z_]+)\b", lambda m: "--" + m.group(1).replace("_", "-"), str(e)))
     cors = CorsPolicy(tuple(a.allowed_origins), tuple(a.allowed_methods), tuple(a.allowed_headers), a.allow_credentials)
     return Access(keys, a.metrics_key, limits, cors)
 
@@ -151,7 +153,7 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> str | None:
     if not 0 < a.port < 65536:
         p.error(f"--port must be in 1..65535, got {a.port}")
     flags.engine_options(p, a)
-    flags.check_model(p, a.model, (*SOURCES, TINY_MODEL))
+    flags.check_model(p, a.model, (*SOURCES, TINY_MODEL), a.revision)
     return flags.read_chat_template(p, a.chat_template)
 
 
@@ -186,22 +188,22 @@ def main(argv=None) -> None:
         return
     import uvicorn
 
-    from ..models import ModelUnavailableError, use_chat_template
+    from ..models import ModelUnavailableError
+    from .chat_template import load_chat_template
     from .server import build_local, load_model
     try:
         model, tokenizer, name = load_model(a.model, dtype, a.device, **hub)
     except (OSError, ValueError, ImportError, ModelUnavailableError) as e:
         p.error(f"--model {a.model}: {_one_line(e)}")
-    if template is not None:
-        try:
-            use_chat_template(tokenizer, template)
-        except ValueError as e:
-            p.error(f"--chat-template {a.chat_template}: {e}")
+    try:
+        load_chat_template(a.chat_template, tokenizer)
+    except ValueError as e:
+        p.error(f"--chat-template {a.chat_template}: {e}")
     try:
         app, router = build_local(model, tokenizer, a.served_model_name or name, options, a.default_max_tokens,
                                   access, max_model_len=a.max_model_len, seed=a.seed)
     except (ValueError, RuntimeError) as e:     # the store refused its options (a backend missing, ...)
-        p.error(" ".join(str(e).split()))
+        p.error(flags.as_flags(" ".join(str(e).split()), SessionStoreOptions, SchedulingOptions))
     _describe(router.clients[0].replica.store, app.state.config.max_model_len)
     _announce(access, a.host)
     if access.keys is not None and access.keys.keys_file is not None:

@@ -3,12 +3,12 @@ the model's (`add_model_flags`) and the session store's (`add_store_flags`), in 
 
 Checks run in two passes, each value failing with status 2 and one line (`parser.error`, as argparse's own):
 1. before torch or transformers is imported (milliseconds): argparse's types (`--dtype`, the form of
-   `--device`, `--log-level`), `check_model` (a named model, a model directory, or a hub id) and
+   `--device`, `--log-level`, the policy, hidden-state mode and attention backend: `STORE_NAMES`),
+   `check_model` (a named model, a model directory, or a hub id: offline, one the cache holds) and
    `read_chat_template` (the file);
 2. after torch is imported, before the model loads: `check_device` (the device exists) and
-   `store_options` (capacities parse; the policy, hidden-state mode and attention backend are the
-   store's own names, `stateful_hf.cache.POLICY_NAMES`, `stateful_hf.cache.hidden.HIDDEN_MODES`,
-   `stateful_hf.kernels.BACKENDS`; then the options' own checks).
+   `store_options` (capacities parse; the names are the store's own, `stateful_hf.cache.POLICY_NAMES`,
+   `stateful_hf.cache.hidden.HIDDEN_MODES`, `stateful_hf.kernels.BACKENDS`; then the options' own checks).
 
 The store's flags are not written here: they are the options of `SessionStoreOptions` marked `flag`
 (`stateful_hf/options/store.py`), with their help and defaults; the engine's are `SchedulingOptions`'
@@ -18,6 +18,7 @@ The store's flags are not written here: they are the options of `SessionStoreOpt
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import re
 from dataclasses import Field, fields
@@ -25,6 +26,7 @@ from enum import Enum
 from pathlib import Path
 
 from ..options import SchedulingOptions, SessionStoreOptions
+from . import chat_template
 
 # vLLM's --dtype names -> torch's
 DTYPES = {"auto": "auto", "float32": "float32", "fp32": "float32", "float": "float32", "bfloat16": "bfloat16",
@@ -35,10 +37,11 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")     # `name` or `org/name`
 # The server's defaults over Engine's (`EngineOptions`): a 256 MiB device tier, up to 256 running requests.
 SERVER_DEFAULTS = {"device_capacity": "256MiB", "max_num_seqs": 256}
-# the store's names, as `--help` shows them (tests/test_serve_cli.py checks they are the store's)
-POLICIES_HELP = "recency_cost, return_aware, pensieve, lru"
-HIDDEN_HELP = "auto, always, never"
-BACKENDS_HELP = "auto, torch, triton, flashinfer, flash_attn"
+# The store's names, known before torch is imported (tests/test_serve_cli.py checks they are the store's:
+# `stateful_hf.cache.POLICY_NAMES`, `stateful_hf.cache.hidden.HIDDEN_MODES`, `stateful_hf.kernels.BACKENDS`).
+STORE_NAMES = {"policy": ("recency_cost", "return_aware", "pensieve", "lru"),
+               "hidden_states": ("auto", "always", "never"),
+               "attn_backend": ("auto", "torch", "triton", "flashinfer", "flash_attn")}
 
 
 def dtype(text: str) -> str:
@@ -130,20 +133,29 @@ def add_store_flags(p: argparse.ArgumentParser, device_capacity: str | int, host
     are the command line's own defaults. `store_options` turns them into SessionStore's keyword arguments."""
     g = p.add_argument_group("session store (docs/store.md)")
     own = {"device_capacity": device_capacity, "host_capacity": host_capacity}
-    choices = {"policy": POLICIES_HELP, "hidden_states": HIDDEN_HELP, "attn_backend": BACKENDS_HELP}
     for f in store_flag_fields():
         default = own.get(f.name, f.default)
         text = f.metadata.get("cli") or f.metadata["help"]
-        if f.name in choices:
-            text += f"; one of {choices[f.name]}"
+        if f.name in STORE_NAMES:
+            text += f"; one of {', '.join(STORE_NAMES[f.name])}"
         g.add_argument(*flag_names(f), dest=f.name, default=str(default) if isinstance(default, Enum) else default,
-                       type=_value_type(f),
+                       type=_one_of(STORE_NAMES[f.name]) if f.name in STORE_NAMES else _value_type(f),
                        metavar=f.metadata.get("metavar") or ("TOKENS|SIZE" if _is_capacity(f) else None), help=text)
 
 
-def check_model(p: argparse.ArgumentParser, model: str, named: tuple[str, ...]) -> None:
+def _one_of(names: tuple[str, ...]):
+    """A flag's type that takes one of `names` (checked before torch is imported, as argparse's own)."""
+    def name(text: str) -> str:
+        if text not in names:
+            raise argparse.ArgumentTypeError(f"unknown {text!r}; choose from {', '.join(names)}")
+        return text
+    return name
+
+
+def check_model(p: argparse.ArgumentParser, model: str, named: tuple[str, ...], revision: str | None = None) -> None:
     """`--model` is a named model, a directory with a config.json, or a hub id (ORG/NAME, loaded
-    by from_pretrained); a path that does not exist is refused here, before anything loads."""
+    by from_pretrained); a path that does not exist is refused here, before anything loads, and so is a
+    hub id while the hub is offline (HF_HUB_OFFLINE) when the local cache does not hold it."""
     if model in named:
         return
     path = Path(model).expanduser()
@@ -154,22 +166,28 @@ def check_model(p: argparse.ArgumentParser, model: str, named: tuple[str, ...]) 
         return
     if path.exists():
         p.error(f"--model {model}: a file, not a model directory")
+    close = [n for n in named if n.startswith(model.lower())] or difflib.get_close_matches(model.lower(), named, n=1)
+    hint = f"; did you mean {close[0]}?" if close else ""
     if not HUB_ID.fullmatch(model):
-        p.error(f"--model {model}: no such directory, and not a named model ({', '.join(named)}) nor a hub id "
-                "(ORG/NAME)")
+        p.error(f"--model {model}: no such model path or known model: not a directory, not a named model "
+                f"({', '.join(named)}) nor a hub id (ORG/NAME){hint}")
+    from huggingface_hub import constants, try_to_load_from_cache  # no torch; ~0.2 s
+    if constants.HF_HUB_OFFLINE and not isinstance(try_to_load_from_cache(model, "config.json", revision=revision),
+                                                    str):
+        p.error(f"--model {model}: no such model path or known model: not a directory, not a named model "
+                f"({', '.join(named)}), and as a hub id not in the local cache while the hub is offline "
+                f"(HF_HUB_OFFLINE){hint}")
 
 
 def read_chat_template(p: argparse.ArgumentParser, path: str | None) -> str | None:
-    """The text of `--chat-template PATH` (None: the tokenizer's own template)."""
+    """The text of `--chat-template PATH` (None: the tokenizer's own template), read before torch is
+    imported (`chat_template.read_chat_template`); an unreadable or empty file exits with status 2."""
     if path is None:
         return None
     try:
-        text = Path(path).expanduser().read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
+        return chat_template.read_chat_template(path)
+    except ValueError as e:
         p.error(f"--chat-template {path}: {e}")
-    if not text.strip():
-        p.error(f"--chat-template {path}: the file is empty")
-    return text
 
 
 def check_device(p: argparse.ArgumentParser, name: str) -> None:
@@ -202,7 +220,7 @@ def engine_options(p: argparse.ArgumentParser, a: argparse.Namespace) -> dict:
     try:
         SchedulingOptions.build(**out)
     except ValueError as e:
-        p.error(_as_flag(str(e), SchedulingOptions))
+        p.error(as_flags(str(e), SchedulingOptions))
     return out
 
 
@@ -232,13 +250,17 @@ def store_options(p: argparse.ArgumentParser, a: argparse.Namespace) -> dict:
     try:
         SessionStoreOptions.build(**out)
     except ValueError as e:
-        p.error(_as_flag(str(e), SessionStoreOptions))
+        p.error(as_flags(str(e), SessionStoreOptions))
     return out
 
 
-def _as_flag(message: str, options) -> str:
-    """An option's check message ("chunk_size must be >= 1, ...") with the option named as its flag."""
-    for f in fields(options):
-        if f.metadata.get("flag") and message.startswith(f.name + " "):
-            return flag_names(f)[0] + message[len(f.name):]
+def as_flags(message: str, *options) -> str:
+    """A check message of the options ("chunk_size must be >= 1, ...", "hidden_states='always' needs ...
+    hidden_capacity") with each option that is a flag named as its flag (`--chunk-size must be ...`,
+    `--hidden-states 'always' needs ... --hidden-capacity`). A name without an underscore (`policy`) is
+    replaced only where the message starts with it: elsewhere it may be a plain word."""
+    for f in (f for o in options for f in fields(o) if f.metadata.get("flag")):
+        flag = flag_names(f)[0]
+        at = "" if "_" in f.name else "^"
+        message = re.sub(rf"{at}\b{f.name}\b(=?)", lambda m, flag=flag: flag + (" " if m.group(1) else ""), message)
     return message
