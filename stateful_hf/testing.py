@@ -7,6 +7,7 @@ winners: float32 results of different but equivalent computation orders then pic
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import torch
 
@@ -155,3 +156,62 @@ def tiny_tokenizer():
     )
     tok.chat_template = CHAT_TEMPLATE
     return tok
+
+
+# ---- a tiny Qwen3 with Qwen3's chat template, for reasoning (`<think>`) -------------------------------
+
+QWEN3_ADDED = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
+               "Hmm,", " let me think.")
+QWEN3_VOCAB = VOCAB_SIZE + len(QWEN3_ADDED)
+QWEN3_TEMPLATE_PATH = Path(__file__).parent / "serve" / "templates" / "qwen3.jinja"
+
+
+def qwen3_tokenizer():
+    """`tiny_tokenizer`'s BPE with Qwen3's chat template (`serve/templates/qwen3.jinja`, Apache-2.0) and
+    Qwen3's added tokens `<think>`, `</think>`, `<tool_call>`, `</tool_call>`, `<tool_response>`,
+    `</tool_response>` (not special, as in Qwen3's tokenizer: they stay in the decoded text), plus the
+    two words of `tiny_qwen3_thinker`'s scripted reasoning ("Hmm,", " let me think.")."""
+    tok = tiny_tokenizer()
+    tok.add_tokens(list(QWEN3_ADDED), special_tokens=False)
+    tok.chat_template = QWEN3_TEMPLATE_PATH.read_text()
+    return tok
+
+
+def tiny_qwen3_thinker(seed: int = 0, scale: float = 0.15) -> torch.nn.Module:
+    """`tiny_qwen3` (vocabulary QWEN3_VOCAB, EOS `<|im_end|>`) that thinks before it answers: after the
+    generation prompt's last token (`\\n`) it writes `<think>Hmm, let me think.</think>`, then its answer
+    is the random model's own (context-dependent) tokens until `<|im_end|>` or max_tokens.
+
+    How: the last 8 dims of the residual stream are a channel no layer reads or writes (those columns
+    of every input projection and rows of every output projection are zero), so the final hidden state
+    there is the current token's embedding: a bigram table `\\n` -> `<think>` -> `Hmm,` -> ` let me think.`
+    -> `</think>`, strong enough to beat the random logits. The scripted tokens' random logits are zero,
+    so the answer never writes them (a `\\n` in the answer would open another think block: its random
+    logit is zero too). Everything else is the seeded random model: the answer depends on the whole
+    context, so a reused turn that computed anything wrong answers differently."""
+    tok = qwen3_tokenizer()
+    model = tiny_qwen3(seed=seed, scale=scale, vocab_size=QWEN3_VOCAB, bos_token_id=0, eos_token_id=2,
+                       pad_token_id=3)
+    ids = [tok.convert_tokens_to_ids(t) for t in ("<think>", "Hmm,", " let me think.", "</think>")]
+    newline = tok.encode("\n", add_special_tokens=False)
+    assert len(newline) == 1, newline
+    chain = [newline[0], *ids]
+    hidden, width = model.config.hidden_size, 8
+    script = slice(hidden - width, hidden)
+    with torch.no_grad():
+        for name, p in model.model.layers.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight",
+                              "up_proj.weight")):
+                p[:, script] = 0.0
+            elif name.endswith(("o_proj.weight", "down_proj.weight")):
+                p[script, :] = 0.0
+        emb, head = model.model.embed_tokens.weight, model.lm_head.weight
+        emb[:, script] = 0.0
+        head[:, script] = 0.0
+        for slot, (src, dst) in enumerate(zip(chain, chain[1:])):
+            emb[src, hidden - width + slot] = 4.0
+            head[dst, hidden - width + slot] = 3.0
+        for t in chain:                        # the script's tokens come from the script alone
+            head[t, : hidden - width] = 0.0
+    model.generation_config.eos_token_id = 2
+    return model

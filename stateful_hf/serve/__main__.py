@@ -11,7 +11,7 @@ import os
 import re
 import signal
 
-from ..models import DEFAULT_MODEL, SOURCES, TINY_MODEL
+from ..models import DEFAULT_MODEL, SOURCES, TINY_MODEL, TINY_MODELS, TINY_QWEN3
 from ..options import SchedulingOptions, SessionStoreOptions
 from . import flags
 
@@ -90,7 +90,8 @@ def parser() -> argparse.ArgumentParser:
                                 usage="%(prog)s [options]   (--help lists them)",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     flags.add_model_flags(p, DEFAULT_MODEL, f"{DEFAULT_MODEL}, fetched once into $STATEFUL_HF_MODELS; {TINY_MODEL}: "
-                          "the offline fixture with RANDOM weights")
+                          f"the offline fixture with RANDOM weights; {TINY_QWEN3}: a random Qwen3 with Qwen3's "
+                          "chat template that thinks (<think>) first")
     p.add_argument("--served-model-name", help="the `model` clients send (none: --model)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port")
@@ -153,7 +154,7 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> str | None:
     if not 0 < a.port < 65536:
         p.error(f"--port must be in 1..65535, got {a.port}")
     flags.engine_options(p, a)
-    flags.check_model(p, a.model, (*SOURCES, TINY_MODEL), a.revision)
+    flags.check_model(p, a.model, (*SOURCES, *TINY_MODELS), a.revision)
     return flags.read_chat_template(p, a.chat_template)
 
 

@@ -147,14 +147,14 @@ class Ingress:
         `router_db`: the router's session directory file (SQLite; None: in memory only)."""
         from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-        from ..models import SOURCES, TINY_MODEL, model_dir, use_chat_template
+        from ..models import SOURCES, TINY_MODEL, TINY_MODELS, load_tiny, model_dir, use_chat_template
         load = load or {}
         hub = {k: load[k] for k in ("revision", "trust_remote_code") if k in load}
-        if model_path is None or model_path == TINY_MODEL:
-            from ..testing import tiny_llama, tiny_tokenizer
+        if model_path is None or model_path in TINY_MODELS:
             from .server import TINY_NAME
-            tiny = tiny_llama()
-            tokenizer, max_len, name = tiny_tokenizer(), tiny.config.max_position_embeddings, TINY_NAME
+            tiny, tokenizer = load_tiny(model_path or TINY_MODEL)
+            max_len = tiny.config.max_position_embeddings
+            name = TINY_NAME if (model_path or TINY_MODEL) == TINY_MODEL else f"stateful-hf/{model_path}"
             generation = tiny.generation_config
         else:
             path = str(model_dir(model_path)) if model_path in SOURCES else model_path   # fetched by build_app

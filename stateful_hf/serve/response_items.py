@@ -4,9 +4,12 @@ streamed events those items make, and the response object with its usage.
 
 Input: a string (one user message) or a list of items — messages (`role` user, system, developer or
 assistant; content a string or text parts), `function_call`, `function_call_output` (a tool message; it
-must answer a call made earlier in the chain or the input), `reasoning` (skipped). Consecutive
-assistant messages and function calls are one assistant turn (its text, then its calls), as
-`reply_message` stores a response's output: a chain sent back as items renders as the stored one.
+must answer a call made earlier in the chain or the input), `reasoning` (its text is the next
+assistant turn's `reasoning_content`; a reasoning template renders it only where it keeps reasoning).
+Consecutive assistant messages and function calls are one assistant turn (its reasoning, text, then its
+calls), as `reply_message` stores a response's output: a chain sent back as items renders as the
+stored one. Output: a `reasoning` item (`content`: one `reasoning_text` part; `summary` empty), then
+the message and function calls.
 Anything else is a 400 naming the item.
 """
 
@@ -35,6 +38,7 @@ def input_messages(value, earlier: list[dict], param: str = "input") -> list[dic
         raise _bad(f"{param} must be a string or a list of items", param)
     calls = {c["id"] for m in earlier for c in m.get("tool_calls") or []}
     out: list[dict] = []
+    thought: str | None = None                   # a reasoning item's text, for the next assistant turn
     for i, item in enumerate(value):
         at = f"{param}.{i}"
         if not isinstance(item, dict):
@@ -50,6 +54,8 @@ def input_messages(value, earlier: list[dict], param: str = "input") -> list[dic
                 out[-1]["content"] = (out[-1]["content"] or "") + text
             else:
                 out.append({"role": role, "content": text})
+            if role == "assistant" and thought is not None:
+                out[-1]["reasoning_content"], thought = thought, None
         elif kind == "function_call":
             name, args, cid = item.get("name"), item.get("arguments", "{}"), item.get("call_id")
             if not isinstance(name, str) or not name:
@@ -63,6 +69,8 @@ def input_messages(value, earlier: list[dict], param: str = "input") -> list[dic
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            if thought is not None:
+                out[-1]["reasoning_content"], thought = thought, None
             calls.add(cid)
         elif kind == "function_call_output":
             cid = item.get("call_id")
@@ -72,10 +80,20 @@ def input_messages(value, earlier: list[dict], param: str = "input") -> list[dic
             output = item.get("output")
             out.append({"role": "tool", "tool_call_id": cid,
                         "content": output if isinstance(output, str) else _text(output, f"{at}.output")})
-        elif kind != "reasoning":
+        elif kind == "reasoning":
+            thought = _reasoning(item, at)
+        else:
             raise APIError(400, f"{at}.type: input items of type {kind!r} are not supported (messages, "
                            "function_call, function_call_output)", param=f"{at}.type", code="unsupported_parameter")
     return out
+
+
+def _reasoning(item: dict, at: str) -> str:
+    """The text of a reasoning input item: its `content` parts' (`reasoning_text`), else its summary's."""
+    parts = item.get("content") or item.get("summary") or []
+    if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in parts):
+        raise _bad(f"{at}.content must be a list of reasoning_text parts", f"{at}.content")
+    return "".join(p["text"] for p in parts)
 
 
 def _text(content, param: str) -> str:
@@ -96,9 +114,12 @@ def _text(content, param: str) -> str:
 def reply_message(items: list[dict]) -> dict:
     """The assistant message of a response's output items (what the next turn renders)."""
     text = "".join(c["text"] for it in items if it["type"] == "message" for c in it["content"])
+    thought = "".join(c["text"] for it in items if it["type"] == "reasoning" for c in it["content"])
     calls = [{"id": it["call_id"], "type": "function", "function": {"name": it["name"], "arguments": it["arguments"]}}
              for it in items if it["type"] == "function_call"]
     msg = {"role": "assistant", "content": text if text or not calls else None}
+    if thought:
+        msg["reasoning_content"] = thought
     if calls:
         msg["tool_calls"] = calls
     return msg
@@ -110,13 +131,13 @@ class OutputBuilder:
 
     def __init__(self):
         self.items: list[dict] = []
-        self.message: dict | None = None           # the message item being written
+        self.message: dict | None = None           # the message or reasoning item being written
 
     def add(self, pieces) -> list[dict]:
         events: list[dict] = []
         for kind, p in pieces:
-            if kind == "text":
-                events += self._text(p)
+            if kind in ("text", "reasoning"):
+                events += self._text(p, kind)
             else:
                 events += self._close_message() + self._call(p)
         return events
@@ -124,28 +145,40 @@ class OutputBuilder:
     def close(self) -> list[dict]:
         return self._close_message()
 
-    def _text(self, delta: str) -> list[dict]:
+    def _text(self, delta: str, kind: str = "text") -> list[dict]:
         events = []
+        if self.message is not None and (self.message["type"] == "reasoning") != (kind == "reasoning"):
+            events += self._close_message()
         if self.message is None:
-            self.message = {"id": item_id("msg"), "type": "message", "status": "in_progress", "role": "assistant",
-                            "content": []}
+            if kind == "reasoning":
+                self.message = {"id": item_id("rs"), "type": "reasoning", "status": "in_progress", "summary": [],
+                                "content": []}
+                part = {"type": "reasoning_text", "text": ""}
+            else:
+                self.message = {"id": item_id("msg"), "type": "message", "status": "in_progress",
+                                "role": "assistant", "content": []}
+                part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
             self.items.append(self.message)
             events.append({"type": "response.output_item.added", "output_index": len(self.items) - 1,
                            "item": {**self.message, "content": []}})
-            self.message["content"].append({"type": "output_text", "text": "", "annotations": [], "logprobs": []})
+            self.message["content"].append(part)
             events.append({**self._at(), "type": "response.content_part.added", "content_index": 0,
-                           "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}})
+                           "part": dict(part)})
         self.message["content"][0]["text"] += delta
-        events.append({**self._at(), "type": "response.output_text.delta", "content_index": 0, "delta": delta,
-                       "logprobs": []})
+        events.append({**self._at(), "type": f"response.{self._kind()}.delta", "content_index": 0, "delta": delta,
+                       **({} if kind == "reasoning" else {"logprobs": []})})
         return events
+
+    def _kind(self) -> str:
+        return "reasoning_text" if self.message["type"] == "reasoning" else "output_text"
 
     def _close_message(self) -> list[dict]:
         if self.message is None:
             return []
         part = self.message["content"][0]
-        events = [{**self._at(), "type": "response.output_text.done", "content_index": 0, "text": part["text"],
-                   "logprobs": []},
+        extra = {} if self.message["type"] == "reasoning" else {"logprobs": []}
+        events = [{**self._at(), "type": f"response.{self._kind()}.done", "content_index": 0, "text": part["text"],
+                   **extra},
                   {**self._at(), "type": "response.content_part.done", "content_index": 0, "part": dict(part)}]
         self.message["status"] = "completed"
         events.append({"type": "response.output_item.done", "output_index": self.items.index(self.message),

@@ -30,6 +30,7 @@ from ..cache.tenant import session_key
 from ..engine import SamplingParams
 from .auth import request_tenant
 from .protocol import APIError
+from .reasoning import reply_template
 from .response_items import OutputBuilder, input_messages, item_id, reply_message, response_usage
 from .response_store import ResponseStore, StoredResponse
 from .retain import retain_of
@@ -166,7 +167,9 @@ def install(app, router, config, kit) -> ResponseStore:
             if first is None:
                 raise APIError(500, "no output", type="server_error")
             raise _as_input(APIError.from_dict(first["error"]))
-        parser = ReplyParser(turn.plan, turn.prompt) if turn.plan is not None and turn.plan.parses else None
+        template = reply_template(tok, turn.plan.format.response_template if turn.plan else None,
+                                  turn.plan is not None and turn.plan.parses)     # calls, reasoning
+        parser = ReplyParser(turn.plan, turn.prompt, template) if template is not None else None
         builder = OutputBuilder()
 
         def pieces(text: str) -> list:

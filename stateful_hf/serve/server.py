@@ -71,13 +71,14 @@ class EngineOptions:
 def load_model(path: str | None, dtype: str = "float32", device: str = "cpu", *, revision: str | None = None,
                trust_remote_code: bool = False, chat_template: str | None = None):
     """(model, tokenizer, name). `path`: a named model of stateful_hf.models (fetched once), a checkpoint
-    directory or hub id; None or "tiny-random": the offline tiny fixture, whose weights are random.
-    The keyword arguments are `stateful_hf.models.load`'s."""
-    from ..models import TINY_MODEL, load
-    if path is None or path == TINY_MODEL:
-        log.warning("serving the offline tiny Llama fixture; its weights are RANDOM, its replies are gibberish "
+    directory or hub id; None, "tiny-random" or "tiny-qwen3": an offline tiny fixture, whose weights are
+    random. The keyword arguments are `stateful_hf.models.load`'s."""
+    from ..models import TINY_MODEL, TINY_MODELS, load
+    if path is None or path in TINY_MODELS:
+        log.warning("serving an offline tiny fixture; its weights are RANDOM, its replies are gibberish "
                     "(useful for trying the API, not for chatting)")
-        path, name = TINY_MODEL, TINY_NAME
+        path = path or TINY_MODEL
+        name = TINY_NAME if path == TINY_MODEL else f"stateful-hf/{path}"
     else:
         name = path.rstrip("/")
     model, tokenizer = load(path, dtype=dtype, device=device, revision=revision, trust_remote_code=trust_remote_code,

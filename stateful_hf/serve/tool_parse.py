@@ -2,11 +2,12 @@
 `transformers.utils.chat_parsing`, driven by a response template: `tools.ToolFormat`).
 
 `ReplyParser` feeds the generated text as it streams and turns the parser's events into pieces: text
-of the reply (`("text", str)`) and finished calls (`("call", ToolCall)`); a call is emitted whole when
-its region closes. A call region whose JSON does not parse, or that names no function, is given back
-as text (the model wrote it; nothing is dropped). The non-streaming reply is the same pieces from one
-feed of the whole text, so streamed deltas reassemble to it. `ChatReply` shapes the pieces as chat
-completion deltas and messages (OpenAI's `tool_calls`, finish_reason "tool_calls").
+of the reply (`("text", str)`), of its reasoning (`("reasoning", str)`: a `<think>` block, reasoning.py)
+and finished calls (`("call", ToolCall)`); a call is emitted whole when its region closes. A call
+region whose JSON does not parse, or that names no function, is given back as text (the model wrote
+it; nothing is dropped). The non-streaming reply is the same pieces from one feed of the whole text,
+so streamed deltas reassemble to it. `ChatReply` shapes the pieces as chat completion deltas and
+messages (OpenAI's `tool_calls`, finish_reason "tool_calls"; vLLM's `reasoning_content`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from transformers.utils.chat_parsing import ResponseParser
 
 from .protocol import APIError
+from .reasoning import REASONING, reasons, reply_template, template_kwargs
 from .tools import (
     CALL_CLOSE,
     CALL_OPEN,
@@ -44,10 +46,13 @@ def new_call_id() -> str:
 
 class ReplyParser:
     """Pieces of a reply as its text arrives (see the module's docstring). `prompt`: the rendered
-    prompt, prefill included (the parser starts in the state the prefill left it in)."""
+    prompt, prefill included (the parser starts in the state the prefill left it in). `template`: the
+    response template (None: the plan's tool format's); `plan` None: a reply without tools."""
 
-    def __init__(self, plan: ToolPlan, prompt: str):
-        self.parser = ResponseParser(plan.format.response_template, prefix=prompt, tools=plan.tools)
+    def __init__(self, plan: ToolPlan | None, prompt: str, template: dict | None = None):
+        template = template if template is not None else plan.format.response_template
+        self.parser = ResponseParser(template, prefix=prompt, tools=plan.tools if plan is not None else None)
+        self.reasoning = ""              # the reasoning read so far
         self.calls = 0
         self.done = False
         self.early = self._pieces(self.parser.initial_events)    # a call the prefill wrote whole
@@ -69,6 +74,9 @@ class ReplyParser:
         for ev in events:
             if ev["type"] == "region_chunk" and ev["field"] == "content" and ev["text"]:
                 out.append(("text", ev["text"]))
+            elif ev["type"] == "region_chunk" and ev["field"] == REASONING and ev["text"]:
+                self.reasoning += ev["text"]
+                out.append(("reasoning", ev["text"]))
             elif ev["type"] == "region_close" and ev["field"] == "tool_calls":
                 call = _call(ev["value"])
                 if call is None:
@@ -107,12 +115,14 @@ def finish_reason(reason: str | None, calls: int) -> str | None:
 
 
 class ChatReply:
-    """A chat completion's reply with tools: deltas while streaming, the message at the end. `plan`:
-    the turn's `ToolPlan` (its `json_schema`: what constrained decoding would hold a forced call to)."""
+    """A chat completion's reply with tools or reasoning: deltas while streaming, the message at the
+    end. `plan`: the turn's `ToolPlan` (None: no tools; its `json_schema`: what constrained decoding
+    would hold a forced call to); `template`: the response template (`reasoning.reply_template`);
+    `reasoning`: the message carries `reasoning_content` (None when the reply had no think block)."""
 
-    def __init__(self, plan: ToolPlan, prompt: str):
-        self.plan = plan
-        self.parser = ReplyParser(plan, prompt)
+    def __init__(self, plan: ToolPlan | None, prompt: str, template: dict | None = None, reasoning: bool = False):
+        self.plan, self.reasons = plan, reasoning
+        self.parser = ReplyParser(plan, prompt, template)
 
     def deltas(self, text: str) -> list[dict]:
         return self._deltas(self.parser.feed(text))
@@ -124,8 +134,8 @@ class ChatReply:
     def _deltas(self, pieces) -> list[dict]:
         out, index = [], self.parser.calls - sum(k == "call" for k, _ in pieces)
         for kind, p in pieces:
-            if kind == "text":
-                out.append({"content": p})
+            if kind in ("text", "reasoning"):
+                out.append({"content" if kind == "text" else REASONING: p})
                 continue
             out.append({"tool_calls": [{"index": index, "id": p.id, "type": "function",
                                         "function": {"name": p.name, "arguments": ""}}]})
@@ -136,6 +146,8 @@ class ChatReply:
     def message(self, text: str, reason: str | None) -> tuple[dict, str | None]:
         content, calls = self.parser.parse(text)
         msg = {"role": "assistant", "content": content if content or not calls else None}
+        if self.reasons:
+            msg[REASONING] = self.parser.reasoning or None
         if calls:
             msg["tool_calls"] = [{"id": c.id, "type": "function",
                                   "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
@@ -144,26 +156,37 @@ class ChatReply:
 
 def chat_prompt(tok, body) -> tuple[str, ChatReply | None, tuple[str, ...]]:
     """(prompt text, reply reader or None, extra stop strings) of a chat request. Without tools or tool
-    turns: the tokenizer's template on the messages, as before tools existed (no reader)."""
+    turns: the tokenizer's template on the messages, as before tools existed (a reader only when the
+    template reasons)."""
     tools = check_tools(body.tools)
     choice = check_tool_choice(body.tool_choice, tools)
+    kwargs = template_kwargs((body.model_extra or {}).get("chat_template_kwargs"))
     chat = [{**(m.model_extra or {}), "role": "system" if m.role == "developer" else m.role,
              "content": None if m.content is None else m.text()} for m in body.messages]
     messages = check_history(chat)
-    text, p = prompt_for(tok, messages, tools, choice, body.parallel_tool_calls is not False)
-    return text, None if p is None or not p.parses else ChatReply(p, text), () if p is None else p.stop
+    text, p = prompt_for(tok, messages, tools, choice, body.parallel_tool_calls is not False, kwargs)
+    return text, reply_reader(tok, p, text), () if p is None else p.stop
 
 
-def prompt_for(tok, messages: list[dict], tools: list[dict], choice: str, parallel: bool
-               ) -> tuple[str, ToolPlan | None]:
-    """(prompt text, tool plan) of checked template messages. Without tools or tool turns: the
-    tokenizer's template, as before tools existed (no plan)."""
+def reply_reader(tok, p: ToolPlan | None, prompt: str) -> ChatReply | None:
+    """The reader of a chat turn's reply: calls (when the plan parses them) and reasoning (when the
+    template reasons); None: the reply is plain text."""
+    template = reply_template(tok, None if p is None else p.format.response_template, p is not None and p.parses)
+    return None if template is None else ChatReply(p, prompt, template, reasons(tok))
+
+
+def prompt_for(tok, messages: list[dict], tools: list[dict], choice: str, parallel: bool,
+               kwargs: dict | None = None) -> tuple[str, ToolPlan | None]:
+    """(prompt text, tool plan) of checked template messages; `kwargs`: template variables
+    (`chat_template_kwargs`). Without tools or tool turns: the tokenizer's template, as before tools
+    existed (no plan)."""
     if not needs_tools(messages, tools):
         try:
-            plain = [{"role": m["role"], "content": m["content"] or ""} for m in messages]
-            return tok.apply_chat_template(plain, add_generation_prompt=True, tokenize=False), None
+            plain = [{"role": m["role"], "content": m["content"] or "",
+                      **({REASONING: m[REASONING]} if isinstance(m.get(REASONING), str) else {})} for m in messages]
+            return tok.apply_chat_template(plain, add_generation_prompt=True, tokenize=False, **(kwargs or {})), None
         except Exception as e:  # noqa: BLE001 - Jinja's errors have no common base beyond Exception
             raise APIError(400, f"the chat template failed on these messages: {e}", param="messages",
                            code="invalid_messages") from None
     p = plan(tok, tools, choice, parallel)
-    return render(tok, messages, p), p
+    return render(tok, messages, p, kwargs), p

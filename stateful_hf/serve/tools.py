@@ -163,12 +163,14 @@ def check_tool_choice(choice, tools: list[dict], param: str = "tool_choice", fla
 
 
 def check_history(messages: list[dict], param: str = "messages") -> list[dict]:
-    """Template messages (role, content, tool_calls, tool_call_id) from the request's: an assistant's
+    """Template messages (role, content, reasoning_content, tool_calls, tool_call_id) from the request's: an assistant's
     `tool_calls` checked, and every tool message answering a call made earlier (a 400 naming the field)."""
     out, calls = [], set()
     for i, m in enumerate(messages):
         role = m["role"]
         msg = {"role": role, "content": m.get("content")}
+        if role == "assistant" and isinstance(m.get("reasoning_content"), str):   # a reasoning model's
+            msg["reasoning_content"] = m["reasoning_content"]
         if role == "assistant" and m.get("tool_calls"):
             msg["tool_calls"] = []
             for j, c in enumerate(m["tool_calls"] or []):
@@ -226,9 +228,10 @@ def plan(tok, tools: list[dict], choice: str, parallel: bool) -> ToolPlan:
     return p
 
 
-def render(tok, messages: list[dict], p: ToolPlan) -> str:
-    """The prompt text of a turn with tools: the template's, plus the plan's prefill."""
-    kwargs = dict(p.format.kwargs)
+def render(tok, messages: list[dict], p: ToolPlan, variables: dict | None = None) -> str:
+    """The prompt text of a turn with tools: the template's, plus the plan's prefill. `variables`:
+    the request's template variables (`chat_template_kwargs`)."""
+    kwargs = {**(variables or {}), **p.format.kwargs}
     if p.format.template is not None:
         kwargs["chat_template"] = p.format.template
     try:
