@@ -41,10 +41,13 @@ drift on a shared machine hits them alike), on the same trace and the same store
 Every turn's generated tokens are checked against stateless `model.generate` on the same ids
 (greedy; the trace's conversations are built from those answers): a wrong token fails the run.
 Admission stalls are counted, not assumed: every scheduler pass that leaves a queued turn waiting
-for device blocks (the admission's "wait" verdict, the token budget's waits excluded), every request
-failed for capacity and every suspension; a stall is caused by retention if a session holding a
-retention hint held device blocks then and the turn would have fit had every idle session given its
-device blocks up.
+for device blocks (the admission's "wait" verdict, the token budget's waits excluded; a turn with one
+or more is a delayed turn), every request failed for capacity and every suspension. At each wait the
+device blocks idle sessions hold are counted from the chunk tables (free blocks + every idle
+session's DEVICE chunks and shadows, shared chunks once) and compared with what the store offered
+admission (`store.room()`): blocks withheld there are summed, and a wait is caused by retention if a
+session with a retention hint pending held device blocks, some blocks were withheld, and the turn
+would have fit with the withheld blocks of retained sessions.
 """
 
 from __future__ import annotations
@@ -122,6 +125,25 @@ def make_trace(a: argparse.Namespace, vocab: int, seed: int) -> tuple[list[int],
     starts = [rng.uniform(0.0, a.gap_median) if i < a.concurrency else lognormal(rng, 1.0, 0.5, 0.1, 5.0)
               for i in range(a.agents)]
     return system, agents, starts
+
+
+def live_kv(agents: list[Agent], starts: list[float], concurrency: int) -> float:
+    """The time-average of the live agents' KV tokens over the trace, its turns taken as instant (steps
+    take milliseconds, tool pauses seconds): what the store is sized against (the replay measures it)."""
+    slots = [(starts[i], i) for i in range(min(concurrency, len(agents)))]
+    queue, area, end = list(range(concurrency, len(agents))), 0.0, 0.0
+    while slots:
+        t, i = slots.pop(0)
+        ag = agents[i]
+        for g, p in zip(ag.gaps, ag.prompts[1:]):
+            area += g * len(p)             # after turn k, until turn k + 1: its context is the next prompt's
+            t += g
+        end = max(end, t)
+        if queue:
+            j = queue.pop(0)
+            slots.append((t + starts[j], j))
+            slots.sort()
+    return area / max(end, 1e-9)
 
 
 def stateless(model, prompt: list[int], n: int) -> list[int]:
@@ -238,7 +260,7 @@ def replay(name: str, model, a: argparse.Namespace, system, agents: list[Agent],
                          policy=policy)
     engine = Engine(model, store=store, step_threads=None, arrival_window=0, max_batch_tokens=a.batch_tokens)
     retain = name in ("retain", "arrival")
-    stalls = {"capacity_waits": 0, "turns_delayed": set(), "waits_with_retained_kv": 0,
+    stalls = {"capacity_waits": 0, "turns_delayed": set(), "waits_with_retained_kv": 0, "withheld_blocks": 0,
               "caused_by_retention": 0}
     adm, bs = engine.scheduler.admission, store.block_size
     original = adm.admit
@@ -246,17 +268,18 @@ def replay(name: str, model, a: argparse.Namespace, system, agents: list[Agent],
     def admit(r, budget, avail, reserve, first, *args, **kw):
         v = original(r, budget, avail, reserve, first, *args, **kw)
         if v.item is None and not v.skip and r.needs is not None:
-            keep = r.needs.keep
-            item = next_item(r, budget, keep, bs)
+            item = next_item(r, budget, r.needs.keep, bs)
             if item is not None:           # not the token budget: device blocks
                 need = blocks_needed(item) + (r.needs.held if r.status is RequestStatus.WAITING else 0)
                 could, retained = device_blocks_of_idle(store)
+                withheld = max(could - store.room().device_blocks, 0)   # idle blocks admission was not offered
                 stalls["capacity_waits"] += 1
                 stalls["turns_delayed"].add(r.request_id)
+                stalls["withheld_blocks"] += withheld
                 if retained:
                     stalls["waits_with_retained_kv"] += 1
                     alone = first and not engine.scheduler.running
-                    if need <= could - (0 if alone else reserve):
+                    if withheld and need <= avail + min(withheld, retained) - (0 if alone else reserve):
                         stalls["caused_by_retention"] += 1
         return v
 
@@ -395,21 +418,21 @@ def build_model(name: str):
 def parse(argv) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_agents", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="tiny", help="tiny (2 layers), small (4 layers, hidden 256) or a model name")
-    ap.add_argument("--agents", type=int, default=64, help="agents in all")
+    ap.add_argument("--agents", type=int, default=40, help="agents in all")
     ap.add_argument("--concurrency", type=int, default=24, help="agents running at once")
     ap.add_argument("--min-turns", type=int, default=8)
     ap.add_argument("--max-turns", type=int, default=20)
-    ap.add_argument("--system-tokens", type=int, default=160, help="the shared system prompt")
+    ap.add_argument("--system-tokens", type=int, default=320, help="the shared system prompt")
     ap.add_argument("--task-tokens", type=int, default=64, help="an agent's task (median)")
-    ap.add_argument("--tool-tokens", type=float, default=60.0, help="a tool result's median tokens (lognormal)")
-    ap.add_argument("--tool-sigma", type=float, default=0.8)
-    ap.add_argument("--min-out", type=int, default=4, help="tokens a turn generates, at least")
-    ap.add_argument("--max-out", type=int, default=12)
+    ap.add_argument("--tool-tokens", type=float, default=32.0, help="a tool result's median tokens (lognormal)")
+    ap.add_argument("--tool-sigma", type=float, default=0.7)
+    ap.add_argument("--min-out", type=int, default=2, help="tokens a turn generates, at least")
+    ap.add_argument("--max-out", type=int, default=8)
     ap.add_argument("--gap-median", type=float, default=4.0, help="a tool call's median seconds (lognormal)")
     ap.add_argument("--gap-sigma", type=float, default=0.6)
-    ap.add_argument("--max-context", type=int, default=1900)
+    ap.add_argument("--max-context", type=int, default=1400)
     ap.add_argument("--oversubscription", type=float, default=4.0,
-                    help="live agents' KV (time average, estimated from the trace) / (device + host tiers)")
+                    help="live agents' KV (time average over the trace, turns taken as instant) / (device + host)")
     ap.add_argument("--device-share", type=float, default=0.5, help="of the device + host tokens, on the device")
     ap.add_argument("--chunk", type=int, default=32)
     ap.add_argument("--batch-tokens", type=int, default=512, help="the engine's max_batch_tokens")
@@ -449,11 +472,7 @@ def run(a: argparse.Namespace, argv) -> dict:
         t0 = time.perf_counter()
         reference(model, system, agents)
         shape = trace_shape(system, agents, a.chunk)
-        # live KV, estimated: each running agent's mean context over its turns (time-weighted by its gaps)
-        mean_ctx = statistics.mean(
-            sum(len(p) * g for p, g in zip(ag.prompts, ag.gaps)) / sum(ag.gaps) if ag.gaps else len(ag.prompts[0])
-            for ag in agents)
-        capacity = a.concurrency * mean_ctx / a.oversubscription
+        capacity = live_kv(agents, starts, a.concurrency) / a.oversubscription
         device = max(int(capacity * a.device_share), shape["final_context_max"] + 4 * a.chunk)
         host = max(int(capacity) - device, a.chunk)
         print(f"seed {seed}: {shape['agents']} agents, {shape['turns']} turns "
@@ -515,6 +534,9 @@ def pooled(rounds: list[dict], configs) -> dict:
                   "ttft_ms_p50": round(statistics.median(r["configs"][c]["ttft_ms_p50"] for r in rounds), 3),
                   "ttft_ms_p90": round(statistics.median(r["configs"][c]["ttft_ms_p90"] for r in rounds), 3),
                   "admission_stalls": sum(r["configs"][c]["stalls"]["turns_delayed"] for r in rounds),
+                  "capacity_waits": sum(r["configs"][c]["stalls"]["capacity_waits"] for r in rounds),
+                  "waits_with_retained_kv": sum(r["configs"][c]["stalls"]["waits_with_retained_kv"] for r in rounds),
+                  "withheld_blocks": sum(r["configs"][c]["stalls"]["withheld_blocks"] for r in rounds),
                   "stalls_caused_by_retention": sum(r["configs"][c]["stalls"]["caused_by_retention"] for r in rounds),
                   "failed": sum(r["configs"][c]["failed"] for r in rounds),
                   "suspensions": sum(r["configs"][c]["suspensions"] for r in rounds)}
