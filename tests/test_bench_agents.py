@@ -1,6 +1,6 @@
 """benchmarks/bench_agents.py at a tiny size: every answer exact, the JSON's fields, and two controls
-(Belady's oracle reuses at least as much as no retention, and about as much as retention at the least; retention with an expected gap of 0 is
-no retention, turn for turn)."""
+(Belady's oracle reuses at least as much as no retention and about as much as retention at the least;
+retention with an expected gap of 0 is no retention)."""
 
 import json
 
