@@ -25,18 +25,17 @@ it would wait with the engine stepping back to back; tool pauses excluded).
 Configurations, replayed side by side in one process, one engine step of each in turn (so load
 drift on a shared machine hits them alike), on the same trace and the same store sizes:
 - `none`: no retention (the store's default policy, recency_cost).
-- `retain`: each turn that ends in a tool call sends its expected gap (the trace's tool duration,
-  times `--retain-scale`) through `store.expect(sid, gap)` once it has ended: what
-  `X-Session-Retain` / `engine.hint(expected_arrival=)` set.
+- `retain` (the shipped mechanism): each turn that ends in a tool call sends its expected gap (the
+  trace's tool duration, times `--retain-scale`) through `store.expect(sid, gap)` once it has ended:
+  what `X-Session-Retain` / `engine.hint(expected_arrival=)` set. The default policy then ranks the
+  session by `Session.next_use` (the expected time while ahead, else as far from now as its last
+  activity), furthest first.
 - `belady`: an offline oracle, an `EvictionPolicy` that reads a next-use table (each idle session's
   next turn's arrival, known from the trace; a finished agent's: never): when room is needed, the
   chunks of the session whose next turn is farthest in the future go first. Same engine, same store,
   same tiers; only the ranking differs, so it bounds what any ranking can reach here (farthest-next-use
   is optimal for unit-size pages: every chunk is one block, and a turn needs all its session's chunks
   at once). It is not an absolute bound: the engine's own admission and ahead-of-time swap-out stay.
-- `arrival` (a candidate ranking, not the shipped mechanism): the retention hint ranked by time to
-  the expected arrival (a session expected back in d seconds ranks as if last active d seconds ago;
-  once its arrival passes, as today); docs/agents.md ("Retention through tool pauses: measured").
 
 Every turn's generated tokens are checked against stateless `model.generate` on the same ids
 (greedy; the trace's conversations are built from those answers): a wrong token fails the run.
@@ -73,7 +72,7 @@ from stateful_hf.cache.policy import RecencyCostPolicy
 from stateful_hf.engine.request import RequestStatus, blocks_needed, next_item
 from stateful_hf.testing import tiny_llama
 
-CONFIGS = ("none", "retain", "belady", "arrival")
+CONFIGS = ("none", "retain", "belady")
 
 
 # ---- the trace ------------------------------------------------------------------------------------
@@ -190,7 +189,9 @@ def trace_shape(system: list[int], agents: list[Agent], chunk: int) -> dict:
 
 class Belady(RecencyCostPolicy):
     """Farthest next use first: the oracle. `next_use[sid]`: when the session's next turn arrives
-    (the trace's), inf once it has none. Inside a session, the cheapest chunk first (as the default)."""
+    (the trace's), inf once it has none. The key has the shipped policies' shape with the true next use
+    for the estimate (smaller first: `now - next use`, so the farthest first; a finished agent's, -inf,
+    before any); inside a session, the cheapest chunk first (as the default)."""
 
     name = "belady"
 
@@ -199,28 +200,11 @@ class Belady(RecencyCostPolicy):
         self.next_use = next_use
 
     def by_session(self, tenants):
-        return None                     # not ordered by rank_time: rank every chunk
+        return None                     # its order is not `Session.next_use`'s (`TierOrder`): rank every chunk
 
     def key(self, session, k, block_size, now):
         cost = self.profile.chunk_cost(k, session.chunk_len(k, block_size), block_size)
-        return (-self.next_use.get(session.session_id, math.inf), session.session_id, cost, k)
-
-
-class ByArrival(RecencyCostPolicy):
-    """Candidate: a session whose next turn is expected d seconds from now ranks as if last active d
-    seconds ago (sooner back: kept longer; the ordering among hinted sessions is Belady's on the
-    hints); once the expected time passed, `rank_time` as the shipped mechanism."""
-
-    name = "arrival"
-
-    def by_session(self, tenants):
-        return None
-
-    def key(self, session, k, block_size, now):
-        cost = self.profile.chunk_cost(k, session.chunk_len(k, block_size), block_size)
-        e = session.expected_at
-        t = 2 * now - e if e > now else session.rank_time
-        return (t, session.session_id, cost, k)
+        return (now - self.next_use.get(session.session_id, math.inf), session.session_id, cost, k)
 
 
 # ---- one configuration's replay -------------------------------------------------------------------
@@ -255,11 +239,11 @@ def replay(name: str, model, a: argparse.Namespace, system, agents: list[Agent],
     """A generator: one engine step per `next()`; fills `result` when exhausted."""
     clock = Clock()
     next_use: dict[str, float] = {}
-    policy = Belady(next_use) if name == "belady" else ByArrival() if name == "arrival" else None
+    policy = Belady(next_use) if name == "belady" else None
     store = SessionStore(model, device_tokens, chunk_size=a.chunk, host_capacity=host_tokens, clock=clock,
                          policy=policy)
     engine = Engine(model, store=store, step_threads=None, arrival_window=0, max_batch_tokens=a.batch_tokens)
-    retain = name in ("retain", "arrival")
+    retain = name == "retain"
     stalls = {"capacity_waits": 0, "turns_delayed": set(), "waits_with_retained_kv": 0, "withheld_blocks": 0,
               "caused_by_retention": 0}
     adm, bs = engine.scheduler.admission, store.block_size

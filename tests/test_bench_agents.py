@@ -1,6 +1,6 @@
 """benchmarks/bench_agents.py at a tiny size: every answer exact, the JSON's fields, and two controls
 (Belady's oracle reuses at least as much as no retention and about as much as retention at the least;
-retention with an expected gap of 0 is no retention)."""
+retention with an expected gap of 0 is no retention), and the oracle's ranking."""
 
 import json
 
@@ -44,3 +44,18 @@ def test_retention_of_zero_seconds_is_no_retention():
     assert out["wrong"] == 0
     for key in ("reused_tokens", "recomputed_tokens", "swapped_in_tokens", "computed_tokens"):
         assert per["retain"][key] == per["none"][key], key
+
+
+def test_belady_ranks_farthest_next_use_first():
+    """The oracle's key has the shipped policies' shape (smaller first; `now - next use`): a finished agent
+    (no next turn) before one back in 30 s, before one back in 2 s; inside a session, chunk order by cost."""
+    from stateful_hf.cache.session import Session
+
+    now = 100.0
+    oracle = bench_agents.Belady({"soon": now + 2, "later": now + 30})
+    sessions = {sid: Session(sid, last_active=now - 1) for sid in ("soon", "later", "done")}
+    for s in sessions.values():
+        s.token_ids.extend(range(64))
+    order = sorted(sessions, key=lambda sid: oracle.key(sessions[sid], 0, 32, now))
+    assert order == ["done", "later", "soon"]
+    assert oracle.by_session(1) is None       # not `Session.next_use`'s order: every chunk is ranked
