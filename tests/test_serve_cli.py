@@ -78,9 +78,10 @@ PRE_IMPORT = [
     (["--device", "cuda:x"], "argument --device: expected one of cpu, cuda, mps, xpu"),
     (["--log-level", "loud"], "argument --log-level: unknown log level 'loud'"),
     (["--model", "/nonexistent/model"], "--model /nonexistent/model: no such model path or known model: not a "
-     "directory, not a named model (smollm2-135m-instruct, tiny-random) nor a hub id"),
+     "directory, not a named model (smollm2-135m-instruct, tiny-random, tiny-qwen3) nor a hub id"),
     (["--model", "no-such-org/no-such-model"], "no such model path or known model: not a directory, not a named "
-     "model (smollm2-135m-instruct, tiny-random), and as a hub id not in the local cache while the hub is offline"),
+     "model (smollm2-135m-instruct, tiny-random, tiny-qwen3), and as a hub id not in the local cache while the hub "
+     "is offline"),
     (["--model", "SmolLM2-135M"], "did you mean smollm2-135m-instruct?"),
     (["--model", "DIR"], "the directory has no config.json"),
     (["--model", "FILE"], "a file, not a model directory"),
@@ -206,7 +207,7 @@ def test_the_demo_shares_the_store_and_model_flags():
     assert flags.store_options(server_parser(), a) == {
         "device_capacity": "256MiB", "host_capacity": None, "disk_dir": None, "disk_capacity": None, "chunk_size": 32,
         "attn_backend": "torch", "policy": "lru", "hidden_states": "always", "hidden_capacity": "2GiB",
-        "max_sessions": None, "session_ttl": None}
+        "max_sessions": None, "session_ttl": None, "max_retain": 600.0}
 
 
 # ---- a real server ----------------------------------------------------------------------------------
