@@ -120,6 +120,28 @@ def test_forced_calls_come_back_as_tool_calls(client):
         assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
 
 
+def test_forced_calls_follow_the_functions_schema(client):
+    """A forced call's generated rest is held to its function's JSON schema by the grammar (structured.py):
+    the tiny random model's arguments parse and validate, for a named function and for "required" among two."""
+    jsonschema = pytest.importorskip("jsonschema")
+    where = {"type": "function", "function": {"name": "where", "parameters": {       # bounded: the call closes
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+        "additionalProperties": False}}}
+    for tools, choice in (([where], {"type": "function", "function": {"name": "where"}}),
+                          ([where, PING], "required")):
+        r = client.chat.completions.create(model=MODEL, messages=ASK, tools=tools, tool_choice=choice,
+                                           max_tokens=400, temperature=0)     # up to 16 blanks a gap
+        calls = r.choices[0].message.tool_calls
+        assert calls and r.choices[0].finish_reason == "tool_calls", r.choices[0].message.content
+        fn = next(t["function"] for t in tools if t["function"]["name"] == calls[0].function.name)
+        jsonschema.validate(json.loads(calls[0].function.arguments), fn["parameters"])
+    # negative control: a response_format beside a forced call is refused, naming the field
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required",
+                                       response_format={"type": "json_object"}, max_tokens=4)
+    assert e.value.body["param"] == "response_format"
+
+
 def test_streamed_tool_calls_reassemble_to_the_reply(client):
     kw = dict(model=MODEL, messages=ASK, tools=[PING, WEATHER], tool_choice={"type": "function",
               "function": {"name": "ping"}}, max_tokens=5, temperature=0)

@@ -303,7 +303,8 @@ def create_app(router, config: ServeConfig, access: Access | None = None) -> Fas
                                                 "messages", budget), config.generation_config)
         limits.check_prompt(n, config.max_model_len, "messages")
         sampling = constrain(dataclasses.replace(sampling, stop=sampling.stop + stops),   # its grammar compiled here
-                             (body.model_extra or {}).get("response_format"), tok, config.grammar_compile_timeout)
+                             (body.model_extra or {}).get("response_format"), tok, config.grammar_compile_timeout,
+                             getattr(reply, "plan", None))
         return body, ids, sampling, reply
 
     def completion_turn(raw: bytes):

@@ -34,6 +34,7 @@ from .reasoning import reply_template
 from .response_items import OutputBuilder, input_messages, item_id, reply_message, response_usage
 from .response_store import ResponseStore, StoredResponse
 from .retain import retain_of
+from .structured import constrain
 from .tool_parse import ReplyParser, prompt_for
 from .tools import ToolPlan, check_tool_choice, check_tools
 
@@ -127,8 +128,9 @@ def install(app, router, config, kit) -> ResponseStore:
         max_tokens = kit.max_tokens_for(body.max_output_tokens, n, config.max_model_len, config.default_max_tokens,
                                         "input", "max_output_tokens")
         kit.limits.check_prompt(n, config.max_model_len, "input")
-        sampling = kit.seeded(body, body.sampling(max_tokens, config.generation_config,
-                                                  () if plan is None else plan.stop))
+        sampling = constrain(kit.seeded(body, body.sampling(max_tokens, config.generation_config,   # forced calls
+                                                            () if plan is None else plan.stop)),
+                             None, tok, config.grammar_compile_timeout, plan)
         if body.session_id and named is None:
             named = session_key(tenant, body.session_id)
         sid, owns = named, False

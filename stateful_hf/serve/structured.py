@@ -61,8 +61,20 @@ def response_format_constraint(value) -> JsonConstraint | None:
         raise _bad(f"json_schema.schema: {e}", "invalid_schema") from None
 
 
-def constrain(sampling: SamplingParams, response_format, tokenizer, timeout: float | None) -> SamplingParams:
-    """`sampling` constrained as `response_format` asks (as it is for None or text), its grammar compiled."""
+def constrain(sampling: SamplingParams, response_format, tokenizer, timeout: float | None,
+              plan=None) -> SamplingParams:
+    """`sampling` constrained as `response_format` asks (as it is for None or text), or, for a forced tool
+    call (`plan`: a `tools.ToolPlan` with `forced`), to the rest of that call: the function's JSON schema,
+    then the call's closing text. Its grammar compiled here (a 400 naming the field that says why)."""
+    forced = getattr(plan, "forced", None)
+    if forced is not None:
+        if response_format_constraint(response_format) is not None:
+            raise APIError(400, "response_format cannot be combined with a forced tool call (tool_choice "
+                           "'required' or a named function): the call's arguments follow the function's schema",
+                           param="response_format", code="invalid_value")
+        constraint = json_constraint(forced[0], strict=True, suffix=forced[1])
+        check_constraint(constraint, tokenizer, timeout, param="tool_choice")
+        return dataclasses.replace(sampling, constraint=constraint)
     constraint = response_format_constraint(response_format)
     if constraint is None:
         return sampling

@@ -83,8 +83,8 @@ def _probe(tok) -> ToolFormat:
 class ToolPlan:
     """A turn with tools: what to render and how to read the reply. `choice`: "auto", "none",
     "required" or a function's name. `prefill`: text appended to the prompt (forcing a call).
-    `json_schema`: the JSON schema the forced call object (`{"name", "arguments"}`) must match — the
-    seam for constrained decoding (today only the prefill forces the call). `stop`: extra stop strings
+    `json_schema`: the JSON schema the forced call object (`{"name", "arguments"}`) must match; `forced`:
+    what the generated rest of a forced call is held to (structured.py: its grammar). `stop`: extra stop strings
     (the end of the first call when parallel_tool_calls is false or a named function is forced)."""
 
     tools: list[dict]
@@ -93,6 +93,7 @@ class ToolPlan:
     format: ToolFormat
     prefill: str = ""
     json_schema: dict | None = None
+    forced: tuple[dict, str] | None = None       # (schema, text after it) the generated rest of a forced call obeys
     stop: tuple[str, ...] = ()
     names: list[str] = field(default_factory=list)
 
@@ -220,11 +221,14 @@ def plan(tok, tools: list[dict], choice: str, parallel: bool) -> ToolPlan:
         raise APIError(400, "tool_choice: this chat template's tool-call format cannot be forced (only the "
                        "<tool_call> JSON format can)", param="tool_choice", code="unsupported_parameter")
     p.prefill = CALL_OPEN
+    p.forced = (p.json_schema, "\n" + CALL_CLOSE)
     if len(chosen) == 1:      # one function to choose from: name it, so the model writes its arguments
         fn = chosen[0]["function"]
         p.prefill += f'{{"name": {json.dumps(fn["name"])}, "arguments": '
+        p.forced = (fn["parameters"], "}\n" + CALL_CLOSE)
         if not fn["parameters"].get("properties"):     # and no arguments to write: the call is whole
             p.prefill += "{}}\n" + CALL_CLOSE
+            p.forced = None
     return p
 
 
