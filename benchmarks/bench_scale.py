@@ -24,6 +24,7 @@ import os
 import queue
 import random
 import statistics
+import sys
 import tempfile
 import time
 import tracemalloc
@@ -36,10 +37,10 @@ from stateful_hf.testing import tiny_llama
 
 
 def fill(model, size: int, tokens: int, device_tokens: int, seed_ids: list[int], disk: str | None = None,
-         host_tokens: int = 0) -> tuple[SessionStore, list[str], float]:
+         host_tokens: int = 0, grow: int = 0) -> tuple[SessionStore, list[str], float]:
     """A store holding `size` idle copies of one prefilled session on the host, or (`disk`: the disk tier's
     directory) on disk beside a host tier of `host_tokens`; (store, ids, heap bytes per session added by the fill)."""
-    held = (size + 8) * tokens + 4096
+    held = (size + 8) * (tokens + grow) + 4096       # `grow`: room for what later turns add to each
     store = SessionStore(model, device_tokens, host_capacity=held) if disk is None else \
         SessionStore(model, device_tokens, host_capacity=host_tokens, disk_dir=disk, disk_capacity=held)
     ids = torch.tensor([seed_ids])
@@ -79,7 +80,7 @@ def closed_loop(model, size: int, a: argparse.Namespace, seed_ids: list[int], rn
     """`size` sessions each with one turn queued at all times (a finished turn's session submits its next
     at once), on one store and engine of the same device tier as every other size; tokens a second over
     `a.loop_turns` finished turns after a warm-up of `size` turns (so that every session has run once)."""
-    store, sids, _ = fill(model, size, a.tokens, a.device_tokens, seed_ids)
+    store, sids, _ = fill(model, size, a.tokens, a.device_tokens, seed_ids, grow=64)   # every turn's KV stays held
     engine = Engine(model, store=store, step_threads=None, arrival_window=0).start()
     vocab, done = model.config.vocab_size, queue.Queue()
     history = seed_ids[:a.tokens]
@@ -96,14 +97,16 @@ def closed_loop(model, size: int, a: argparse.Namespace, seed_ids: list[int], rn
     for n in range(size + a.loop_turns):
         sid, out = done.get()
         if n == size:                          # warm-up over: every session ran a turn
-            t0, tokens = time.perf_counter(), 0
+            t0, tokens, before = time.perf_counter(), 0, store.stats().counters
         tokens += len(out.token_ids)
         wrong += out.error is not None
         submit(sid)
-    seconds = time.perf_counter() - t0
+    seconds, after = time.perf_counter() - t0, store.stats().counters
     engine.stop()
     store.close()
-    return {"sessions": size, "tokens_per_s": round(tokens / seconds, 1), "turns": a.loop_turns, "errors": wrong}
+    moved = {f: getattr(after, f) - getattr(before, f) for f in ("device_hits", "swapped_in_host")}
+    return {"sessions": size, "tokens_per_s": round(tokens / seconds, 1), "turns": a.loop_turns, "errors": wrong,
+            **moved}     # history tokens found on the device vs copied up from the host over the timed turns
 
 
 def stateless(model, prompt: list[int]) -> list[int]:
@@ -209,9 +212,12 @@ def run(a: argparse.Namespace, argv) -> dict:
         base_rate = loop[0]["tokens_per_s"]
         loop[-1]["vs_first"] = round(base_rate / loop[-1]["tokens_per_s"], 3)   # time per token vs the first size
         print(f"closed loop, {size} sessions queued: {loop[-1]['tokens_per_s']} tokens/s "
-              f"(x{loop[-1]['vs_first']} the first size's time per token), {loop[-1]['errors']} errors", flush=True)
+              f"(x{loop[-1]['vs_first']} the first size's time per token), {loop[-1]['errors']} errors; history "
+              f"tokens on the device {loop[-1]['device_hits']}, copied up from the host {loop[-1]['swapped_in_host']}",
+              flush=True)
         wrong += loop[-1]["errors"]
-    out = {"command": "python -m benchmarks.bench_scale " + " ".join(argv or []), "rows": rows, "wrong": wrong,
+    command = "python -m benchmarks.bench_scale " + " ".join(sys.argv[1:] if argv is None else argv)
+    out = {"command": command, "rows": rows, "wrong": wrong,
            "closed_loop": loop, "turns": a.turns, "tokens": a.tokens, "new": a.new, "device_tokens": a.device_tokens,
            "tier": a.tier,
            "host_tokens": a.host_tokens if a.tier == "disk" else None,
