@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
-from conftest import wait_healthy
+from conftest import stop_server, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 KEYS = {"key-acme": "acme", "key-globex": "globex"}
@@ -42,9 +41,4 @@ def serve(tmp: Path, *args: str, keys: bool = False):
         wait_healthy(proc, url, log)
         yield url
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=15)
+        stop_server(proc)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import time
 import zlib
 from pathlib import Path
@@ -122,3 +124,13 @@ def wait_healthy(proc, url: str, log_path, timeout: float = 300) -> None:
             pass
         assert time.monotonic() < deadline, "the server did not start"
         time.sleep(0.2)
+
+
+def stop_server(proc) -> None:
+    """Stop server subprocess `proc` as Ctrl-C would (its graceful shutdown), killing it after 30 s."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=15)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -21,7 +20,7 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from conftest import wait_healthy  # noqa: E402
+from conftest import stop_server, wait_healthy  # noqa: E402
 
 from stateful_hf.serve import flags  # noqa: E402
 from stateful_hf.serve.app import request_seeds  # noqa: E402
@@ -237,12 +236,7 @@ def server(tmp_path_factory):
         tok.chat_template = TEMPLATE
         yield url, log, tok, str(model_dir).rstrip("/")
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=15)
+        stop_server(proc)
 
 
 def _chat(url: str, body: dict, headers: dict | None = None) -> httpx.Response:

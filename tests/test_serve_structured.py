@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -23,7 +22,7 @@ openai = pytest.importorskip("openai")
 pydantic = pytest.importorskip("pydantic")
 jsonschema = pytest.importorskip("jsonschema")
 
-from conftest import wait_healthy  # noqa: E402
+from conftest import stop_server, wait_healthy  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "n", "color"],
@@ -66,12 +65,7 @@ def server(tmp_path_factory):
         wait_healthy(proc, url, log)
         yield url, str(model_dir).rstrip("/")
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=15)
+        stop_server(proc)
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import sqlite3
 from array import array
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import StoreError
@@ -88,37 +89,42 @@ class DiskIndex:
             for sid, k, form, slot, checksum in self.conn.execute("SELECT * FROM chunks"):
                 if isinstance(k, int) and form in FORMS and isinstance(slot, int) and isinstance(checksum, int):
                     self.rows[sid, k] = (form, slot, checksum)       # malformed rows are left out: recomputed
-            self.ks: dict[str, set[int]] = {}      # per session, the k of its rows (what `commit_changes` replaces)
-            for sid, k in self.rows:
-                self.ks.setdefault(sid, set()).add(k)
+            self.ks = _ks(self.rows)          # per session, the k of its rows (what `commit_changes` replaces)
         except (sqlite3.Error, TypeError, ValueError) as e:
             self.conn.close()
             raise StoreError(f"disk tier index {str(path)!r} is unreadable: {e}") from e
 
     def _upgrade(self) -> None:
         """Format 2 -> 3: the sessions' new columns and the header's format, in one transaction."""
-        c = self.conn
-        c.execute("BEGIN IMMEDIATE")
-        try:
+        with self._transaction() as c:
             have = {row[1] for row in c.execute("PRAGMA table_info(sessions)")}
             for column in ("tenant TEXT", "cache_salt TEXT", "retained INTEGER NOT NULL DEFAULT 0"):
                 if column.split()[0] not in have:
                     c.execute(f"ALTER TABLE sessions ADD COLUMN {column}")
             c.execute("UPDATE meta SET value = ? WHERE key = 'format'", (FORMAT,))
+        self.meta["format"] = FORMAT
+
+    @contextmanager
+    def _transaction(self, point: str | None = None) -> Iterator[sqlite3.Connection]:
+        """One write transaction: committed when the block ends (after the durability point `point`, if
+        any), rolled back and re-raised when it raises."""
+        c = self.conn
+        c.execute("BEGIN IMMEDIATE")
+        try:
+            yield c
+            if point is not None:
+                durability_point(point)
             c.execute("COMMIT")
         except BaseException:
             if c.in_transaction:
                 c.execute("ROLLBACK")
             raise
-        self.meta["format"] = FORMAT
 
     def commit(self, meta: Mapping[str, str], sessions: Mapping[str, SessionRow],
                rows: Mapping[tuple[str, int], Row]) -> None:
         """Make (meta, sessions, rows) the durable state in one transaction. Raises OSError or
         sqlite3.Error with nothing changed (on disk or in this object) when it cannot."""
-        c = self.conn
-        c.execute("BEGIN IMMEDIATE")
-        try:
+        with self._transaction("index-commit") as c:
             for key, value in meta.items():
                 if self.meta.get(key) != value:
                     c.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
@@ -129,24 +135,14 @@ class DiskIndex:
                           [key for key in self.rows if key not in rows])
             c.executemany("INSERT OR REPLACE INTO chunks VALUES (?, ?, ?, ?, ?)",
                           [(*key, *row) for key, row in rows.items() if self.rows.get(key) != row])
-            durability_point("index-commit")
-            c.execute("COMMIT")
-        except BaseException:
-            if c.in_transaction:
-                c.execute("ROLLBACK")
-            raise
         self.meta = {**self.meta, **meta}
         self.sessions, self.rows = dict(sessions), dict(rows)
-        self.ks = {}
-        for sid, k in self.rows:
-            self.ks.setdefault(sid, set()).add(k)
+        self.ks = _ks(self.rows)
 
     def commit_changes(self, changes: Mapping[str, tuple[SessionRow | None, Mapping[int, Row]]]) -> None:
         """`commit`, for the sessions in `changes` only: each one's row (None: it has none) and its chunk
         rows by k replace what the index holds of it; O(the changed sessions' rows). Raises as `commit`."""
-        c = self.conn
-        c.execute("BEGIN IMMEDIATE")
-        try:
+        with self._transaction("index-commit") as c:
             for sid, (row, rows) in changes.items():
                 old = self.ks.get(sid, ())
                 if row is None and sid in self.sessions:
@@ -157,12 +153,6 @@ class DiskIndex:
                               [(sid, k) for k in old if k not in rows])
                 c.executemany("INSERT OR REPLACE INTO chunks VALUES (?, ?, ?, ?, ?)",
                               [(sid, k, *r) for k, r in rows.items() if self.rows.get((sid, k)) != r])
-            durability_point("index-commit")
-            c.execute("COMMIT")
-        except BaseException:
-            if c.in_transaction:
-                c.execute("ROLLBACK")
-            raise
         for sid, (row, rows) in changes.items():
             if row is None:
                 self.sessions.pop(sid, None)
@@ -176,6 +166,13 @@ class DiskIndex:
 
     def close(self) -> None:
         self.conn.close()
+
+
+def _ks(rows: Mapping[tuple[str, int], Row]) -> dict[str, set[int]]:
+    out: dict[str, set[int]] = {}
+    for sid, k in rows:
+        out.setdefault(sid, set()).add(k)
+    return out
 
 
 def read_meta(directory: Path) -> tuple[dict[str, str], int]:
