@@ -21,7 +21,7 @@ from .hints import Hint, Prefetcher
 from .layer_offload import measured_policy
 from .openmp import release_thread_pool
 from .request import Request, RequestHandle, RequestOutput
-from .runner import EngineStats, ModelRunner, StepRecord
+from .runner import EngineStats, ModelRunner, StepRecord, packed_weights
 from .sampling import SamplingParams, eos_ids, make_generator
 from .scheduler import Scheduler, SchedulerConfig
 from .slo import SloPolicy
@@ -75,7 +75,7 @@ class Engine:
         self.scheduler = Scheduler(self.store, SchedulerConfig(c.max_batch_tokens, c.max_num_seqs, c.reserve_fraction,
                                                                c.short_prefill_tokens),
                                    self.adapter.max_positions, self.slo, self.layerwise)
-        self.runner = ModelRunner(model, self.store)
+        self.runner = ModelRunner(model, self.store, packed_weights(model, c.prepack_weights, c.max_batch_tokens))
         self.thread_sizer = ThreadSizer.for_option(c.step_threads)
         self.loop = StepLoop(self.step, self.has_work, self._fail_in_flight,
                              release_thread_pool if c.release_openmp_pool else None,

@@ -12,12 +12,17 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 
 from ..cache import Committed, StepBatch
 from ..integration import run_step
+from ..kernels.cpu_features import CpuFeatures
+from ..kernels.linear import LinearKernel, choose
+from ..options import PrepackWeights
+from ..packed_weights import PackedWeights
 from .request import RequestOutput, WorkItem
 from .sampling import sample, token_logprobs
 
@@ -40,9 +45,19 @@ class StepRecord:
         return sum(1 for _, rec, new, s in self.entries if rec == 0 and new == 1 and s)
 
 
+def packed_weights(model: torch.nn.Module, mode: PrepackWeights, rows: int) -> PackedWeights | None:
+    """The model's packed linear weights for the engine's steps (option prepack_weights), or None."""
+    if mode is PrepackWeights.OFF:
+        return None
+    p = next(model.parameters())
+    kernel = choose(p.dtype, p.device, CpuFeatures.detect(), required=mode is PrepackWeights.ON)
+    return None if kernel is LinearKernel.STOCK else PackedWeights.install(model, kernel, rows)
+
+
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, store):
+    def __init__(self, model: torch.nn.Module, store, packed: PackedWeights | None = None):
         self.model, self.store = model, store
+        self.packed = packed          # None: F.linear on the model's weights
 
     def execute(self, items: Sequence[WorkItem]) -> tuple[StepBatch, list[int], Committed]:
         """Plan, run and commit one step; returns the step, one sampled token per item that needs
@@ -57,7 +72,7 @@ class ModelRunner:
             requests = [items[i].request for i in want]
             constrained = any(r.grammar is not None for r in requests)
             tokens: list[int] = []
-            with torch.inference_mode():
+            with torch.inference_mode(), (self.packed.active() if self.packed is not None else nullcontext()):
                 if want:
                     logits = run_step(self.model, step, last[want])          # [len(want), V]
                     if constrained:      # structured output: only a step with a constrained request imports it

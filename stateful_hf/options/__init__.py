@@ -5,16 +5,17 @@ layer uses it, and the server and the demo build and check their flags from it b
 
     StoreOptions, SessionStoreOptions, StoreConfig    the stores' (store.py)
     SchedulingOptions, EngineConfig                    the engine's (engine.py)
-    Layout, HiddenStates, OnBusy, GenerationConfigMode the modes (modes.py: string enums)
+    Layout, HiddenStates, OnBusy, GenerationConfigMode, PrepackWeights the modes (modes.py: string enums)
 """
 
 from .declare import TokensOrSize, Unpack, check_known, option
 from .engine import EngineConfig, EngineConfigKwargs, EngineKwargs, SchedulingOptions, split_engine_options
-from .modes import GenerationConfigMode, HiddenStates, Layout, Mode, OnBusy
+from .modes import GenerationConfigMode, HiddenStates, Layout, Mode, OnBusy, PrepackWeights
 from .store import KVStoreKwargs, SessionStoreKwargs, SessionStoreOptions, StoreConfig, StoreKwargs, StoreOptions
 
 __all__ = [
     "EngineConfig", "EngineConfigKwargs", "EngineKwargs", "GenerationConfigMode", "HiddenStates", "KVStoreKwargs",
-    "Layout", "Mode", "OnBusy", "SchedulingOptions", "SessionStoreKwargs", "SessionStoreOptions", "StoreConfig",
-    "StoreKwargs", "StoreOptions", "TokensOrSize", "Unpack", "check_known", "option", "split_engine_options",
+    "Layout", "Mode", "OnBusy", "PrepackWeights", "SchedulingOptions", "SessionStoreKwargs", "SessionStoreOptions",
+    "StoreConfig", "StoreKwargs", "StoreOptions", "TokensOrSize", "Unpack", "check_known", "option",
+    "split_engine_options",
 ]

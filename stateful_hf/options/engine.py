@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, TypedDict
 
 from .declare import Options, TokensOrSize, check_fraction, check_int, check_known, check_seconds, option
-from .modes import GenerationConfigMode, OnBusy
+from .modes import GenerationConfigMode, OnBusy, PrepackWeights
 from .store import SessionStoreKwargs, SessionStoreOptions
 
 STEP_THREADS = ("auto", "shrink")
@@ -63,12 +63,17 @@ class EngineConfig(SchedulingOptions):
     grammar_compile_timeout: float = option(
         5.0, "seconds a constrained request (SamplingParams.constraint) waits for its grammar to compile; "
         "longer fails the request (grammar.py); None: no limit")
+    prepack_weights: PrepackWeights = option(
+        PrepackWeights.AUTO, "the steps multiply by MKL's (float32) or oneDNN's (bfloat16) packed copies of the "
+        "linear weights, made once (extra memory about the weights' size): auto (where this CPU has a packed "
+        "kernel for the model's dtype), on (an error where none), off (F.linear)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         object.__setattr__(self, "on_busy", OnBusy.of("on_busy", self.on_busy))
         object.__setattr__(self, "generation_config",
                            GenerationConfigMode.of("generation_config", self.generation_config))
+        object.__setattr__(self, "prepack_weights", PrepackWeights.of("prepack_weights", self.prepack_weights))
         check_fraction("arrival_window", self.arrival_window, " seconds")
         check_int("keep_step_records", self.keep_step_records, 0)
         object.__setattr__(self, "ttft_slo", check_seconds("ttft_slo", self.ttft_slo))
@@ -98,6 +103,7 @@ class EngineConfigKwargs(TypedDict, total=False):
     step_threads: int | str | None
     generation_config: GenerationConfigMode | str
     grammar_compile_timeout: float
+    prepack_weights: PrepackWeights | str
 
 
 class EngineKwargs(EngineConfigKwargs, SessionStoreKwargs, total=False):

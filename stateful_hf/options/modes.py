@@ -60,3 +60,11 @@ class GenerationConfigMode(Mode):
 
     AUTO = "auto"          # the model's generation config, then SamplingParams' defaults
     LIBRARY = "library"    # SamplingParams' defaults only
+
+
+class PrepackWeights(Mode):
+    """Whether the engine's steps multiply by packed copies of the linear weights (`kernels/linear.py`)."""
+
+    AUTO = "auto"          # where this CPU has a packed kernel for the model's dtype
+    ON = "on"              # always; an error where there is none
+    OFF = "off"            # F.linear on the model's own weights
