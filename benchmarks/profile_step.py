@@ -2,6 +2,14 @@
 
     python -m benchmarks.profile_step                       # 8 new 360-token prompts, then 23 decode steps
     python -m benchmarks.profile_step --prompts 8 --prompt-len 360 --decode 23 --threads 2
+    python -m benchmarks.profile_step --model smollm2-135m-instruct --dtype bfloat16 --prompts 24 --prompt-len 64
+
+The roofline (`roofline`, run first, without the profiler): the engine's steps one at a time, each
+followed by its floor, interleaved in the same process and neighbour condition. A step's floor is its
+own linear layers (every decoder layer's projections at the step's row count, in step order, plus the
+LM head on the sampled rows), run on the model's weights with the kernel the engine uses (packed where
+it packs), plus the K/V the step's attention reads (every entry's context, every layer) at the read
+bandwidth measured here. Reported: sum of steps / sum of floors over the run and per row-count bucket.
 
 Both systems serve the same round on the same random ~100M Llama (bench_engine's model) with the same
 max batch tokens, each stepping on its own background thread (the engine: its loop, released caller
@@ -16,8 +24,10 @@ so "linear at the GEMM rate" is what the linear layers would take if every matmu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import sys
 import threading
 import time
 
@@ -77,6 +87,84 @@ def linear_flop(model, rows: int, logit_rows: int) -> int:
             n = logit_rows if name.endswith("lm_head") else rows
             total += 2 * n * mod.in_features * mod.out_features
     return total
+
+
+BUCKETS = (1, 8, 32, 64, 128, 256, 1 << 30)       # row-count buckets: <= each bound
+
+
+def read_bandwidth(nbytes: int = 256 << 20) -> float:
+    """Bytes per second of a streaming read (a sum over a tensor larger than the caches), best of 5."""
+    x = torch.ones(nbytes // 4)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best
+
+
+def roofline(model, prompts, decode: int, max_batch_tokens: int, **engine_options) -> dict:
+    """Σ step / Σ floor of the engine's steps on one thread, each step followed by its floor."""
+    from stateful_hf import Engine, SamplingParams, SessionStore
+    from stateful_hf.adapter import decoder_layers
+
+    store = SessionStore(model, len(prompts) * 1024, max_context=1024)
+    engine = Engine(model, store=store, max_batch_tokens=max_batch_tokens, max_num_seqs=len(prompts),
+                    **engine_options)
+    packed = engine.runner.packed
+    layers = decoder_layers(model)
+    linears = [m for layer in layers for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+    head = model.get_output_embeddings()
+    a = store.adapter
+    kv_bytes_per_token = 2 * a.num_layers * a.num_kv_heads * a.head_dim * next(model.parameters()).element_size()
+    bandwidth = read_bandwidth()
+    dtype = next(model.parameters()).dtype
+    xs = {}
+
+    def floor(rows: int, sampled: int, context_tokens: int) -> float:
+        if rows not in xs:
+            xs[rows] = {m.in_features: torch.randn(rows, m.in_features, dtype=dtype) for m in linears}
+        x = xs[rows]
+        with torch.inference_mode(), (packed.active() if packed is not None else contextlib.nullcontext()):
+            t0 = time.perf_counter()
+            for m in linears:
+                m(x[m.in_features])
+            if sampled:
+                head(x[head.in_features][:sampled] if rows >= sampled else torch.randn(sampled, head.in_features,
+                                                                                         dtype=dtype))
+            t = time.perf_counter() - t0
+        return t + context_tokens * kv_bytes_per_token / bandwidth
+
+    engine.submit("warm-up", prompts[0][:48], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    while engine.has_work():                       # first touch of the pool and workspaces
+        engine.step()
+    floor(8, 1, 0)
+    handles = [engine.submit(f"s{i}", p, SamplingParams(max_new_tokens=decode + 1, ignore_eos=True))
+               for i, p in enumerate(prompts)]
+    rows_out: list[tuple[int, float, float]] = []
+    while engine.has_work():
+        t0 = time.perf_counter()
+        record = engine.step()
+        step_s = time.perf_counter() - t0
+        if record is None:
+            continue
+        sampled = sum(1 for e in record.entries if e[3])
+        context = sum(len(store.token_ids(e[0])) for e in record.entries)
+        rows_out.append((record.num_tokens, step_s, floor(record.num_tokens, sampled, context)))
+    assert all(h.done for h in handles)
+    per_bucket = {}
+    lo = 0
+    for hi in BUCKETS:
+        sel = [(s, f) for n, s, f in rows_out if lo < n <= hi]
+        if sel:
+            per_bucket[f"{lo + 1}-{hi}" if hi < 1 << 30 else f">{lo}"] = {
+                "steps": len(sel), "step_s": sum(s for s, _ in sel), "floor_s": sum(f for _, f in sel),
+                "ratio": sum(s for s, _ in sel) / sum(f for _, f in sel)}
+        lo = hi
+    total_s, total_f = sum(s for _, s, _ in rows_out), sum(f for _, _, f in rows_out)
+    return {"steps": len(rows_out), "step_s": total_s, "floor_s": total_f, "ratio": total_s / total_f,
+            "read_bandwidth_gbs": bandwidth / 1e9, "kernel": str(packed.kernel) if packed else "stock",
+            "buckets": per_bucket}
 
 
 def profile_engine(model, prompts, decode: int, max_batch_tokens: int, step_threads) -> tuple[dict, dict]:
@@ -159,6 +247,9 @@ def profile_cb(model, prompts, decode: int, max_batch_tokens: int) -> tuple[dict
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="a named model (smollm2-135m-instruct) or a directory; default: a random "
+                    "~100M Llama of --layers layers")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=360)
     ap.add_argument("--decode", type=int, default=23, help="decode steps after the prompts' first token")
@@ -166,38 +257,62 @@ def main() -> None:
     ap.add_argument("--max-batch-tokens", type=int, default=256)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--engine-threads", type=engine_threads, default="auto")
+    ap.add_argument("--prepack", nargs="+", default=["auto", "off"], choices=("auto", "on", "off"),
+                    help="the roofline once per engine prepack_weights mode, in this order")
+    ap.add_argument("--no-profile", action="store_true", help="the roofline only (no profiler run, no CB)")
     ap.add_argument("--neighbour", default="quiet")
     ap.add_argument("--json")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = build_model(args.layers)
+    dtype = getattr(torch, args.dtype)
+    if args.model:
+        from stateful_hf.models import load
+        model = load(args.model, dtype=dtype)[0]
+    else:
+        model = build_model(args.layers, dtype=dtype)
+    vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 16000, (args.prompt_len,), generator=g).tolist() for _ in range(args.prompts)]
+    prompts = [torch.randint(3, min(vocab, 16000), (args.prompt_len,), generator=g).tolist()
+               for _ in range(args.prompts)]
     rows = args.prompts * args.prompt_len + args.prompts * args.decode
     flop = linear_flop(model, rows, args.prompts * (args.decode + 1))
     cfg = model.config
     shapes = [(args.max_batch_tokens, cfg.hidden_size, n) for n in
               (cfg.hidden_size, 2 * 256, cfg.intermediate_size * 2)] + [(args.max_batch_tokens, cfg.intermediate_size,
                                                                           cfg.hidden_size)]
+    out = {"command": "python -m benchmarks.profile_step " + " ".join(sys.argv[1:]), "model": args.model or "random",
+           "dtype": args.dtype}
     with torch.inference_mode(), Neighbours(args.neighbour):
-        load = os.getloadavg()
-        rate = gemm_rate(shapes)
-        print(f"{torch.get_num_threads()} torch threads, neighbours {args.neighbour}, load {load[0]:.1f}; "
-              f"GEMM rate at [{args.max_batch_tokens}, 768] x [768, n]: {rate:.1f} GFLOP/s; "
-              f"linear work of the round {flop / 1e9:.1f} GFLOP = {flop / 1e9 / rate:.2f} s at that rate")
+        out["load_start"] = os.getloadavg()
         model.generate(torch.tensor([prompts[0][:16]]), max_new_tokens=2, do_sample=False, pad_token_id=0)
-        out = {"gemm_gflops": rate, "linear_gflop": flop / 1e9, "load_start": load}
-        for name, fn in (("cb", lambda: profile_cb(model, prompts, args.decode, args.max_batch_tokens)),
-                         ("engine", lambda: profile_engine(model, prompts, args.decode, args.max_batch_tokens,
-                                                           args.engine_threads))):
-            b, timing = fn()
-            out[name] = {"buckets_s": b, **timing}
-            print(f"{name:>7}: wall {timing['wall']:.2f} s, all first tokens after {timing['first_round_s']:.2f} s"
-                  + (f", {timing['steps']} steps {timing.get('steps_by_threads', '')}" if "steps" in timing else "")
-                  + "; profiled thread s: " + ", ".join(f"{k} {v:.2f}" for k, v in b.items()), flush=True)
+        for mode in args.prepack:
+            r = roofline(model, prompts, args.decode, args.max_batch_tokens, prepack_weights=mode,
+                         step_threads=args.engine_threads)
+            out.setdefault("roofline", {})[mode] = r
+            print(f"roofline, prepack_weights={mode} ({r['kernel']}): {r['steps']} steps, sum of steps "
+                  f"{r['step_s']:.2f} s, sum of floors {r['floor_s']:.2f} s: step / floor {r['ratio']:.2f} "
+                  f"(K/V read at {r['read_bandwidth_gbs']:.1f} GB/s)", flush=True)
+            for name, b in r["buckets"].items():
+                print(f"    rows {name:>9}: {b['steps']:>4} steps, {b['step_s']:.2f} s / floor {b['floor_s']:.2f} s = "
+                      f"{b['ratio']:.2f}", flush=True)
+        if not args.no_profile:
+            rate = gemm_rate([(m, k, n) for m, k, n in shapes])
+            print(f"{torch.get_num_threads()} torch threads, neighbours {args.neighbour}; GEMM rate at "
+                  f"[{args.max_batch_tokens}, {cfg.hidden_size}] x [{cfg.hidden_size}, n]: {rate:.1f} GFLOP/s; "
+                  f"linear work of the round {flop / 1e9:.1f} GFLOP = {flop / 1e9 / rate:.2f} s at that rate")
+            out.update(gemm_gflops=rate, linear_gflop=flop / 1e9)
+            for name, fn in (("cb", lambda: profile_cb(model, prompts, args.decode, args.max_batch_tokens)),
+                             ("engine", lambda: profile_engine(model, prompts, args.decode, args.max_batch_tokens,
+                                                               args.engine_threads))):
+                b, timing = fn()
+                out[name] = {"buckets_s": b, **timing}
+                print(f"{name:>7}: wall {timing['wall']:.2f} s, all first tokens after {timing['first_round_s']:.2f} "
+                      "s" + (f", {timing['steps']} steps {timing.get('steps_by_threads', '')}" if "steps" in timing
+                             else "") + "; profiled thread s: " + ", ".join(f"{k} {v:.2f}" for k, v in b.items()),
+                      flush=True)
         out["load_end"] = os.getloadavg()
-        print(f"load at end {out['load_end'][0]:.1f}")
+        print(f"load at start {out['load_start'][0]:.1f}, at end {out['load_end'][0]:.1f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -20,9 +20,8 @@ import torch
 from ..cache import Committed, StepBatch
 from ..integration import run_step
 from ..kernels.cpu_features import CpuFeatures
-from ..kernels.linear import LinearKernel, choose
+from ..kernels.linear import LinearKernel, PackedWeights, choose
 from ..options import PrepackWeights
-from ..packed_weights import PackedWeights
 from .request import RequestOutput, WorkItem
 from .sampling import sample, token_logprobs
 

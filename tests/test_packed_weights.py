@@ -1,0 +1,95 @@
+"""Packed linear weights (kernels/linear.py): the kernel is chosen by what the CPU
+has, the engine's steps use it and stay exact against stateless generate, every other call of the model
+is untouched, and a weight changed after packing is never read from a stale copy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import FAMILIES, Conversation, greedy
+
+from stateful_hf import Engine, SamplingParams
+from stateful_hf.kernels.cpu_features import CpuFeatures
+from stateful_hf.kernels.linear import LinearKernel, PackedWeights, choose
+
+CPU = torch.device("cpu")
+AMX = CpuFeatures(avx512=True, avx512_bf16=True, amx_bf16=True, mkl=True, onednn=True)      # Sapphire Rapids
+ZEN4 = CpuFeatures(avx512=True, avx512_bf16=True, amx_bf16=False, mkl=True, onednn=True)    # AVX512-BF16, no AMX
+PLAIN = CpuFeatures(avx512=True, avx512_bf16=False, amx_bf16=False, mkl=True, onednn=True)  # no bf16 units
+NO_MKL = CpuFeatures(avx512=False, avx512_bf16=False, amx_bf16=False, mkl=False, onednn=True)
+
+
+def test_kernel_chosen_by_capability_not_vendor():
+    assert choose(torch.float32, CPU, PLAIN) is LinearKernel.MKL_PACKED
+    assert choose(torch.bfloat16, CPU, AMX) is LinearKernel.ONEDNN_PACKED
+    assert choose(torch.bfloat16, CPU, ZEN4) is LinearKernel.ONEDNN_PACKED
+    assert choose(torch.bfloat16, CPU, PLAIN) is LinearKernel.STOCK          # emulated bf16: packing does not pay
+    assert choose(torch.float32, CPU, NO_MKL) is LinearKernel.STOCK
+    assert choose(torch.float16, CPU, AMX) is LinearKernel.STOCK
+    assert choose(torch.float32, torch.device("cuda"), AMX) is LinearKernel.STOCK
+    with pytest.raises(ValueError, match="prepack_weights=True: bfloat16 packing needs .* bf16 units"):
+        choose(torch.bfloat16, CPU, PLAIN, required=True)
+    with pytest.raises(ValueError, match="prepack_weights=True: prepacked weights are a CPU kernel"):
+        choose(torch.float32, torch.device("cuda"), AMX, required=True)
+
+
+def test_engine_option_on_without_a_kernel_names_it(monkeypatch):
+    monkeypatch.setattr(CpuFeatures, "detect", staticmethod(lambda: PLAIN))
+    model = FAMILIES["llama"]().to(torch.bfloat16)
+    with pytest.raises(ValueError, match="prepack_weights"):
+        Engine(model, device_capacity=256, prepack_weights="on")
+    with pytest.raises(ValueError, match="prepack_weights must be one of auto, on, off"):
+        Engine(FAMILIES["llama"](), device_capacity=256, prepack_weights="yes")
+    assert Engine(model, device_capacity=256).runner.packed is None          # auto: stock on this CPU
+
+
+@pytest.mark.parametrize("kernel", [LinearKernel.MKL_PACKED, LinearKernel.ONEDNN_PACKED])
+def test_packed_only_inside_active_and_follows_the_weight(kernel):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 96).to(kernel.dtype)
+    holder = torch.nn.Sequential(lin)
+    x = torch.randn(24, 64).to(kernel.dtype)
+    packed = PackedWeights.install(holder, kernel, rows=32)
+    assert PackedWeights.install(holder, kernel, rows=32) is packed                # idempotent
+    assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))                  # outside: F.linear itself
+    with packed.active():
+        got = lin(x)
+    torch.testing.assert_close(got, F.linear(x, lin.weight, lin.bias))
+    stale = packed.forwards[0].packed
+    with torch.no_grad():
+        lin.weight.mul_(2)                                                         # in place: a new version
+    with packed.active():
+        got = lin(x)
+    assert packed.forwards[0].packed is not stale
+    torch.testing.assert_close(got, F.linear(x, lin.weight, lin.bias))
+    lin.weight = torch.nn.Parameter(torch.randn(96, 64).to(kernel.dtype))          # replaced
+    with packed.active():
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias))
+    # negative control: the stale copy would have answered differently
+    from stateful_hf.kernels.linear import apply
+    assert not torch.allclose(apply(x, stale, lin.weight, lin.bias, kernel), F.linear(x, lin.weight, lin.bias))
+
+
+@pytest.mark.parametrize("family", ["llama", "opt"])
+def test_engine_on_packed_weights_exact(family):
+    model, oracle = FAMILIES[family](), FAMILIES[family]()
+    engine = Engine(model, device_capacity=512, chunk_size=16, max_batch_tokens=64, prepack_weights="on")
+    assert engine.runner.packed is not None and engine.runner.packed.kernel is LinearKernel.MKL_PACKED
+    convs = [Conversation(seed=300 + i, first=12 + 3 * i) for i in range(6)]
+    for _ in range(2):                                                             # a first and a returning turn
+        prompts = [c.ids[0].tolist() for c in convs]
+        handles = [engine.submit(f"s{i}", ids, SamplingParams(max_new_tokens=5)) for i, ids in enumerate(prompts)]
+        while engine.has_work():
+            engine.step()
+        for conv, ids, h in zip(convs, prompts, handles):
+            got = list(h.result().token_ids)
+            x = torch.tensor([ids])
+            want = greedy(oracle, x, 5, attention_mask=torch.ones_like(x))[0, len(ids):].tolist()
+            assert got == want
+            conv.reply(torch.tensor([ids + got]))
+        engine.store.check_integrity()
+    # the model's other calls are untouched: a stateless generate on the packed model equals the oracle's
+    x = convs[0].ids
+    assert torch.equal(greedy(model, x, 4, attention_mask=torch.ones_like(x)),
+                       greedy(oracle, x, 4, attention_mask=torch.ones_like(x)))
