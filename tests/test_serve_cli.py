@@ -171,14 +171,39 @@ def test_load_chat_template_is_the_one_loader(tmp_path):
     assert rendered == "<|user|>Hi\n<|assistant|>"
 
 
-def test_dtype_names_are_vllms_and_auto_keeps_float32():
+def test_dtype_names_are_vllms_and_the_default_is_float32():
     for names, torch_name in ((("float32", "fp32", "float", "FP32"), "float32"), (("bfloat16", "bf16"), "bfloat16"),
-                              (("float16", "fp16", "half"), "float16")):
+                              (("float16", "fp16", "half"), "float16"), (("auto", "AUTO"), "auto")):
         assert {flags.dtype(n) for n in names} == {torch_name}
-    assert flags.torch_dtype(flags.dtype("auto")) == "float32"      # today's default (bf16 lands later)
     assert flags.log_level("WARNING") == "warning" and flags.device("cuda:1") == "cuda:1"
     assert flags.name_list('["http://a", "http://b"]') == flags.name_list("http://a, http://b") == ["http://a",
                                                                                                       "http://b"]
+    sys.path.insert(0, str(ROOT))
+    from demo.app import parser as demo_parser
+    from stateful_hf.serve.__main__ import parser as server_parser
+    for p in (server_parser(), demo_parser()):       # float32 until batch invariance lands, then auto
+        assert p.parse_args([]).dtype == "float32" and p.parse_args(["--dtype", "auto"]).dtype == "auto"
+    assert flags.resolve_dtype("float32", "cpu") == ("float32", None)       # a named dtype: no start-up line
+    from stateful_hf.dtypes import resolve_dtype
+    chosen, reason = resolve_dtype("auto", "cpu")
+    assert flags.resolve_dtype("auto", "cpu") == (str(chosen).removeprefix("torch."),
+                                                  f"--dtype auto loads {str(chosen).removeprefix('torch.')} ({reason})")
+
+
+def test_dtype_auto_parses_before_torch_is_imported():
+    probe = subprocess.run([sys.executable, "-c", PROBE, "--dtype", "auto", "--help"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=60, env=_env())
+    assert "The default, float32, becomes auto with batch invariance" in " ".join(probe.stdout.split()), probe.stdout
+    assert probe.stdout.splitlines()[-1].split() == ["exit", "0", "False", "False"], probe.stdout + probe.stderr
+
+
+def test_dtype_auto_says_what_it_chose_at_start():
+    """The start-up line comes once torch is imported, before the store's flags are checked."""
+    from stateful_hf.dtypes import resolve_dtype
+    chosen, reason = resolve_dtype("auto", "cpu")
+    _, stdout = _exits_2(["--model", "tiny-random", "--dtype", "auto", "--chunk-size", "0"],
+                         "--chunk-size must be >= 1")
+    assert f"stateful-hf: --dtype auto loads {str(chosen).removeprefix('torch.')} ({reason})" in stdout, stdout
 
 
 def test_help_names_the_stores_own_choices():

@@ -168,10 +168,10 @@ def main(argv=None) -> None:
     template = _check(p, a)
     from .logs import configure
     configure(a.log_format, a.log_level.upper(), a.log_prompts)
-    dtype = flags.torch_dtype(a.dtype)
-    if a.dtype == "auto":
-        print(f"stateful-hf: --dtype auto loads {dtype}", flush=True)
     flags.check_device(p, a.device)         # imports torch
+    dtype, line = flags.resolve_dtype(a.dtype, a.device)
+    if line:
+        print(f"stateful-hf: {line}", flush=True)
     store, scheduling = flags.store_options(p, a), flags.engine_options(p, a)
     access = _access(p, a)                  # imports the engine (transformers)
     from .server import EngineOptions

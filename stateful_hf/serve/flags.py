@@ -6,9 +6,10 @@ Checks run in two passes, each value failing with status 2 and one line (`parser
    `--device`, `--log-level`, the policy, hidden-state mode and attention backend: `STORE_NAMES`),
    `check_model` (a named model, a model directory, or a hub id: offline, one the cache holds) and
    `read_chat_template` (the file);
-2. after torch is imported, before the model loads: `check_device` (the device exists) and
-   `store_options` (capacities parse; the names are the store's own, `stateful_hf.cache.POLICY_NAMES`,
-   `stateful_hf.cache.hidden.HIDDEN_MODES`, `stateful_hf.kernels.BACKENDS`; then the options' own checks).
+2. after torch is imported, before the model loads: `check_device` (the device exists), `resolve_dtype`
+   (what `--dtype` loads there: `auto` by the device's capability) and `store_options` (capacities parse;
+   the names are the store's own, `stateful_hf.cache.POLICY_NAMES`, `stateful_hf.cache.hidden.HIDDEN_MODES`,
+   `stateful_hf.kernels.BACKENDS`; then the options' own checks).
 
 The store's flags are not written here: they are the options of `SessionStoreOptions` marked `flag`
 (`stateful_hf/options/store.py`), with their help and defaults; the engine's are `SchedulingOptions`'
@@ -25,13 +26,12 @@ from dataclasses import Field, fields
 from enum import Enum
 from pathlib import Path
 
+from ..dtypes import NAMES as DTYPES  # vLLM's --dtype names -> torch's (no torch imported)
 from ..options import SchedulingOptions, SessionStoreOptions
 from . import chat_template
 
-# vLLM's --dtype names -> torch's
-DTYPES = {"auto": "auto", "float32": "float32", "fp32": "float32", "float": "float32", "bfloat16": "bfloat16",
-          "bf16": "bfloat16", "float16": "float16", "fp16": "float16", "half": "float16"}
-AUTO_DTYPE = "float32"          # what `--dtype auto` loads today, whatever the checkpoint's dtype
+# `--dtype`'s default: float32 until batch invariance lands, then auto (issue 37; docs/server-api.md)
+DEFAULT_DTYPE = "float32"
 DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")     # `name` or `org/name`
@@ -45,16 +45,23 @@ STORE_NAMES = {"policy": ("recency_cost", "return_aware", "pensieve", "lru"),
 
 
 def dtype(text: str) -> str:
-    """`--dtype`: a name of DTYPES, as torch's name ("auto" stays "auto": `torch_dtype`)."""
+    """`--dtype`: a name of DTYPES, as torch's name ("auto" stays "auto": `resolve_dtype`)."""
     name = DTYPES.get(text.lower())
     if name is None:
         raise argparse.ArgumentTypeError(f"unknown dtype {text!r}; choose from {', '.join(DTYPES)}")
     return name
 
 
-def torch_dtype(name: str) -> str:
-    """The torch dtype `--dtype name` loads."""
-    return AUTO_DTYPE if name == "auto" else name
+def resolve_dtype(name: str, device: str) -> tuple[str, str | None]:
+    """(the torch name of the dtype `--dtype name` loads on `device`, the start-up line that states what
+    auto chose and why, or None when a dtype was named): `stateful_hf.dtypes.resolve_dtype` (imports
+    torch; call it after `check_device`). The name, not a torch.dtype, is what travels to Ray replicas,
+    so that every replica loads what the line stated."""
+    from ..dtypes import name_of
+    from ..dtypes import resolve_dtype as resolve
+    chosen, reason = resolve(name, device)
+    line = f"--dtype auto loads {name_of(chosen)} ({reason})" if name == "auto" else None
+    return name_of(chosen), line
 
 
 def device(text: str) -> str:
@@ -98,9 +105,11 @@ def add_model_flags(p: argparse.ArgumentParser, default_model: str, named: str) 
                    "a local directory or a named model ignores it)")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="run the Python code of the model's repository (from_pretrained's trust_remote_code)")
-    p.add_argument("--dtype", type=dtype, default="auto",
-                   help=f"dtype of the model and its KV: auto ({AUTO_DTYPE} for now), float32/fp32/float, "
-                   "bfloat16/bf16, float16/fp16/half")
+    p.add_argument("--dtype", type=dtype, default=DEFAULT_DTYPE,
+                   help="dtype of the model and its KV: float32/fp32/float; auto (bfloat16 on a CPU with bf16 "
+                   "units, AMX-BF16 or AVX512-BF16, or on a CUDA GPU with native bf16; float32 elsewhere; said at "
+                   "start); bfloat16/bf16 (on a CPU without bf16 units: emulated, slower than float32, a warning); "
+                   f"float16/fp16/half. The default, {DEFAULT_DTYPE}, becomes auto with batch invariance")
     p.add_argument("--device", type=device, default="cpu", help="torch device of the model and the device KV tier")
     p.add_argument("--chat-template", metavar="PATH",
                    help="a Jinja chat template file that replaces the tokenizer's")
