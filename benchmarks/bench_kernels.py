@@ -12,6 +12,8 @@ Side by side in one run, for each context length (times are the median of --reps
   torch paged  kernels.paged_attention(backend="torch") with the step's plan (made once, as a step does
                for all its layers; the plan's own one-off cost is printed separately)
   loop         the per-sub-request reference loop (torch_backend.torch_paged_attention)
+  cpu          on the CPU, kernels.paged_attention(backend="cpu"): the C++ kernel reading blocks in place
+               with a fixed split (kernels/cpu_backend.py; built on first use, not timed)
   on CUDA also triton / flashinfer / flash_attn when installed (fp16 there, as those kernels need).
 The pool is a strided [1, blocks, 2, block_size, Hkv, D] tensor and
 block tables are a random permutation, as in the store.
@@ -27,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from stateful_hf import kernels
-from stateful_hf.kernels import PagedBatch, paged_attention
+from stateful_hf.kernels import PagedBatch, cpu_backend, paged_attention
 from stateful_hf.kernels.torch_backend import torch_paged_attention
 
 
@@ -96,6 +98,10 @@ def measure(ctx: int, args, device: torch.device, gpu: list[str]) -> tuple[dict[
     expect = contiguous().transpose(1, 2).reshape(s * q, hq, d)
     torch.testing.assert_close(fns["torch paged"](), expect, atol=1e-5, rtol=0)
     torch.testing.assert_close(contiguous_folded().view(s, hq, q, d), contiguous(), atol=1e-5, rtol=0)
+    if device.type == "cpu" and cpu_backend.available(device):
+        cpu_plan = kernels.plan(batch, args.block_size, backend="cpu")
+        fns["cpu"] = lambda: paged_attention(query, kc, vc, batch, plan=cpu_plan)
+        torch.testing.assert_close(fns["cpu"](), expect, atol=1e-5, rtol=0)
     times = {n: timed(fn, args.reps, device) for n, fn in fns.items()}
     if gpu:
         kh, vh, bh, qh = case(ctx, args, device, torch.float16)
@@ -112,7 +118,8 @@ def run(args) -> None:
           f"threads {torch.get_num_threads()}, median of {args.reps}; ratios vs contiguous SDPA")
     gpu = [b for b in ("triton", "flashinfer", "flash_attn")
            if device.type == "cuda" and b in kernels.available_backends(device, torch.float16)]
-    names = ["contig fold", "torch paged", "gather+sdpa", "loop"] + gpu
+    cpu = ["cpu"] if device.type == "cpu" and cpu_backend.available(device) else []
+    names = ["contig fold", "torch paged", "gather+sdpa", "loop"] + cpu + gpu
     print(f"{'context':>8} {'contiguous ms':>14} " + " ".join(f"{n:>12}" for n in names)
           + "   paged/fold   plan+1st ms")
     for ctx in args.contexts:

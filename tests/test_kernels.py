@@ -235,7 +235,7 @@ def test_auto_falls_back_past_backends_that_cannot_serve_with_a_logged_reason(fa
         "flashinfer skipped", "flash_attn skipped", "triton skipped"]
     assert "triton skipped: head_dim 16 not in (64, 80" in choice.skipped[2]
     assert [r.getMessage().split(": ", 1)[1] for r in caplog.records] == list(choice.skipped)   # one line each
-    assert kernels.select_backend("auto", "cpu", fp16, 64, 32).name == "torch"   # the CPU: always torch
+    assert kernels.select_backend("auto", "cpu", fp16, 64, 32).name == "torch"   # the CPU: torch (cpu by name)
     assert kernels.available_backends("cuda", fp16) == ["flashinfer", "flash_attn", "triton", "torch"]
     assert kernels.available_backends("cuda", fp32) == ["triton", "torch"]
 

@@ -20,20 +20,25 @@ from dataclasses import dataclass
 import torch
 
 from ..options import Layout
-from . import flash_attn_backend, flashinfer_backend, triton_backend
+from . import cpu_backend, flash_attn_backend, flashinfer_backend, triton_backend
 from .batch import Overlay, PagedBatch
 from .torch_batched import TorchPlan
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "torch", "triton", "flashinfer", "flash_attn")
+BACKENDS = ("auto", "torch", "cpu", "triton", "flashinfer", "flash_attn")
 PREFERENCE = ("flashinfer", "flash_attn", "triton", "torch")   # auto's order: fixed, not measured
+# "cpu" (cpu_backend.py) is chosen by name only: its fixed-split kernel is slower than torch's SDPA here
+# (benchmarks/bench_kernels.py), and is what batch invariance builds on.
 LAYOUTS = tuple(Layout)
-# Each GPU backend module's supports(dtype, head_dim, block_size) -> None or why not; the torch backend
-# serves every device, dtype, head_dim and block size, and alone reads LayerKV's overlays.
-_GPU = {"flashinfer": flashinfer_backend, "flash_attn": flash_attn_backend, "triton": triton_backend}
+# Each compiled backend module's supports(dtype, head_dim, block_size) -> None or why not, and
+# available(device); the torch backend serves every device, dtype, head_dim and block size, and alone
+# reads LayerKV's overlays.
+_COMPILED = {"flashinfer": flashinfer_backend, "flash_attn": flash_attn_backend, "triton": triton_backend,
+             "cpu": cpu_backend}
 _NEEDS = {"flashinfer": "CUDA and flashinfer-python", "flash_attn": "CUDA (sm80+) and flash-attn",
-          "triton": "the triton package and CUDA, or TRITON_INTERPRET=1 set before first use"}
+          "triton": "the triton package and CUDA, or TRITON_INTERPRET=1 set before first use",
+          "cpu": "the CPU and a C++ compiler (built once from stateful_hf/kernels/csrc)"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +55,8 @@ def select_backend(name: str, device: torch.device | str, dtype: torch.dtype | N
                    layout: Layout | str = Layout.PAGED) -> BackendChoice:
     """The paged-attention backend for `name` serving a store on `device` with this dtype, head_dim,
     block size and features (None: not checked). "auto" walks PREFERENCE and passes over, logging
-    one line each, any backend that cannot serve it (triton only on CUDA; the CPU always gets torch).
+    one line each, any backend that cannot serve it (the GPU backends only on CUDA; the CPU gets torch:
+    the C++ kernel of cpu_backend.py is chosen by name only).
     A backend forced by name raises: ValueError for an unknown name or one that cannot serve the dtype,
     head_dim, block size or features (naming what it supports), RuntimeError for a missing package or
     device. Features: `layerwise_kv` (LayerKV's host-resident layers are overlays only torch reads);
@@ -80,7 +86,10 @@ def _refusal(name: str, device: torch.device | str, dtype: torch.dtype | None, h
     A forced backend's message names the backend and what it supports; auto's is the bare reason."""
     if name == "torch":
         return None
-    if not forced and torch.device(device).type != "cuda":
+    device_type = torch.device(device).type
+    if not forced and name == "cpu" and device_type != "cpu":
+        return RuntimeError("needs the CPU")
+    if not forced and name != "cpu" and device_type != "cuda":
         return RuntimeError("needs CUDA" + (" (the CPU runs it interpreted only when forced)" if name == "triton"
                                             else ""))
     if layerwise_kv:
@@ -89,13 +98,13 @@ def _refusal(name: str, device: torch.device | str, dtype: torch.dtype | None, h
     elif layout is Layout.VIRTUAL:
         why = "layout='virtual' attends through kernels/dense.py, never a paged backend (use 'torch' or 'auto')"
     else:
-        why = _GPU[name].supports(dtype, head_dim, block_size)
+        why = _COMPILED[name].supports(dtype, head_dim, block_size)
     if why is not None:
         return ValueError(f"attn_backend={name!r} unsupported here: {why}" if forced else why)
-    if _GPU[name].available(device):
+    if _COMPILED[name].available(device):
         return None
-    return RuntimeError(f"{name} backend unavailable on {device}: needs {_NEEDS[name]}" if forced
-                        else f"needs {_NEEDS[name]}")
+    needs = _NEEDS[name] + (f"; {cpu_backend.unavailable_reason()}" if name == "cpu" and device_type == "cpu" else "")
+    return RuntimeError(f"{name} backend unavailable on {device}: needs {needs}" if forced else f"needs {needs}")
 
 
 def available_backends(device: torch.device | str, dtype: torch.dtype | None = None) -> list[str]:
@@ -147,6 +156,8 @@ class KernelPlan:
         self.backend = resolve_backend(backend, batch.cu_q.device, dtype, head_dim, block_size)
         if self.backend == "torch":
             self.impl = TorchPlan(batch, block_size)
+        elif self.backend == "cpu":
+            self.impl = cpu_backend.CpuPlan(batch, block_size)
         elif self.backend == "triton":
             self.impl = TritonPlan(batch, block_size)
         elif self.backend == "flashinfer":

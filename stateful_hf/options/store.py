@@ -48,8 +48,9 @@ class StoreOptions(Options):
     cost_profile: Any = option(None, "Pensieve's Cost(l), a CostProfile, for a named policy; None: SessionStore "
                                "measures it on the model (once per geometry and device) if the policy uses it")
     attn_backend: str = option(
-        "auto", "paged attention backend: auto, torch, triton, flashinfer, flash_attn; auto takes the first of "
-        "flashinfer, flash_attn, triton, torch that serves the store (not measured: docs/gpu.md); resolved when "
+        "auto", "paged attention backend: auto, torch, cpu, triton, flashinfer, flash_attn; auto takes the first of "
+        "flashinfer, flash_attn, triton, torch that serves the store (not measured: docs/gpu.md; cpu, the C++ "
+        "fixed-split kernel, by name only); resolved when "
         "the store is made (a forced one that cannot serve it raises then); KVStore's default: torch",
         flag=("--attention-backend", "--backend"), metavar="NAME", cli="paged attention backend; auto takes the "
         "first of flashinfer, flash_attn, triton, torch that serves the store (docs/gpu.md)")
