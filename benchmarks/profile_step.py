@@ -4,7 +4,8 @@
     python -m benchmarks.profile_step --prompts 8 --prompt-len 360 --decode 23 --threads 2
     python -m benchmarks.profile_step --model smollm2-135m-instruct --dtype bfloat16 --prompts 24 --prompt-len 64
 
-The roofline (`roofline`, run first, without the profiler): the engine's steps one at a time, each
+The roofline (`roofline`, after the profiled runs, without the profiler; CB needs the model before the
+engine switches its attention): the engine's steps one at a time, each
 followed by its floor, interleaved in the same process and neighbour condition. A step's floor is its
 own linear layers (every decoder layer's projections at the step's row count, in step order, plus the
 LM head on the sampled rows), run on the model's weights with the kernel the engine uses (packed where
@@ -57,9 +58,9 @@ def buckets(prof, wall: float) -> dict:
     return out
 
 
-def gemm_rate(shapes: list[tuple[int, int, int]], seconds: float = 2.0) -> float:
-    """GFLOP/s of back-to-back matmuls of these (rows, in, out) shapes on a fresh thread."""
-    xs = [(torch.randn(m, k), torch.randn(n, k)) for m, k, n in shapes]
+def gemm_rate(shapes: list[tuple[int, int, int]], seconds: float = 2.0, dtype: torch.dtype = torch.float32) -> float:
+    """GFLOP/s of back-to-back `F.linear`s of these (rows, in, out) shapes in `dtype` on a fresh thread."""
+    xs = [(torch.randn(m, k, dtype=dtype), torch.randn(n, k, dtype=dtype)) for m, k, n in shapes]
     result = {}
 
     def run():
@@ -286,18 +287,8 @@ def main() -> None:
     with torch.inference_mode(), Neighbours(args.neighbour):
         out["load_start"] = os.getloadavg()
         model.generate(torch.tensor([prompts[0][:16]]), max_new_tokens=2, do_sample=False, pad_token_id=0)
-        for mode in args.prepack:
-            r = roofline(model, prompts, args.decode, args.max_batch_tokens, prepack_weights=mode,
-                         step_threads=args.engine_threads)
-            out.setdefault("roofline", {})[mode] = r
-            print(f"roofline, prepack_weights={mode} ({r['kernel']}): {r['steps']} steps, sum of steps "
-                  f"{r['step_s']:.2f} s, sum of floors {r['floor_s']:.2f} s: step / floor {r['ratio']:.2f} "
-                  f"(K/V read at {r['read_bandwidth_gbs']:.1f} GB/s)", flush=True)
-            for name, b in r["buckets"].items():
-                print(f"    rows {name:>9}: {b['steps']:>4} steps, {b['step_s']:.2f} s / floor {b['floor_s']:.2f} s = "
-                      f"{b['ratio']:.2f}", flush=True)
         if not args.no_profile:
-            rate = gemm_rate([(m, k, n) for m, k, n in shapes])
+            rate = gemm_rate([(m, k, n) for m, k, n in shapes], dtype=dtype)
             print(f"{torch.get_num_threads()} torch threads, neighbours {args.neighbour}; GEMM rate at "
                   f"[{args.max_batch_tokens}, {cfg.hidden_size}] x [{cfg.hidden_size}, n]: {rate:.1f} GFLOP/s; "
                   f"linear work of the round {flop / 1e9:.1f} GFLOP = {flop / 1e9 / rate:.2f} s at that rate")
@@ -311,6 +302,16 @@ def main() -> None:
                       "s" + (f", {timing['steps']} steps {timing.get('steps_by_threads', '')}" if "steps" in timing
                              else "") + "; profiled thread s: " + ", ".join(f"{k} {v:.2f}" for k, v in b.items()),
                       flush=True)
+        for mode in args.prepack:
+            r = roofline(model, prompts, args.decode, args.max_batch_tokens, prepack_weights=mode,
+                         step_threads=args.engine_threads)
+            out.setdefault("roofline", {})[mode] = r
+            print(f"roofline, prepack_weights={mode} ({r['kernel']}): {r['steps']} steps, sum of steps "
+                  f"{r['step_s']:.2f} s, sum of floors {r['floor_s']:.2f} s: step / floor {r['ratio']:.2f} "
+                  f"(K/V read at {r['read_bandwidth_gbs']:.1f} GB/s)", flush=True)
+            for name, b in r["buckets"].items():
+                print(f"    rows {name:>9}: {b['steps']:>4} steps, {b['step_s']:.2f} s / floor {b['floor_s']:.2f} s = "
+                      f"{b['ratio']:.2f}", flush=True)
         out["load_end"] = os.getloadavg()
         print(f"load at start {out['load_start'][0]:.1f}, at end {out['load_end'][0]:.1f}")
     if args.json:
