@@ -219,9 +219,10 @@ def run_transformers_cb(model, wl: Workload, max_batch_tokens: int, page_size: i
 
 def run_engine(model, wl: Workload, max_batch_tokens: int, layout: str = "paged",
                release_openmp_pool: bool = True, step_threads: int | str | None = "auto",
-               **engine_options) -> tuple[Result, Engine]:
+               batch_invariant: bool = False, **engine_options) -> tuple[Result, Engine]:
     capacity = wl.sessions * (-(-(wl.max_context + 64) // 32) * 32)   # whole 32-token blocks (and slots)
-    store = SessionStore(model, capacity, layout=layout, max_context=wl.max_context + 64)
+    store = SessionStore(model, capacity, layout=layout, max_context=wl.max_context + 64,
+                         batch_invariant=batch_invariant)
     engine = Engine(model, store=store, max_batch_tokens=max_batch_tokens, max_num_seqs=wl.sessions,
                     release_openmp_pool=release_openmp_pool, step_threads=step_threads, **engine_options)
     params = SamplingParams(max_new_tokens=wl.new, ignore_eos=True)
@@ -251,7 +252,8 @@ def run_engine(model, wl: Workload, max_batch_tokens: int, layout: str = "paged"
     if errors:
         raise errors[0]
     engine.store.check_integrity()
-    return Result("(c) stateful_hf.Engine", wall, sum(map(len, outputs.values())), ttft, outputs, queue), engine
+    name = "(c') Engine, batch-invariant" if batch_invariant else "(c) stateful_hf.Engine"
+    return Result(name, wall, sum(map(len, outputs.values())), ttft, outputs, queue), engine
 
 
 def engine_threads(value: str) -> int | str | None:
@@ -280,7 +282,9 @@ def main() -> None:
     ap.add_argument("--short-prefill", type=int, default=-1,
                     help="Engine(short_prefill_tokens=...): turns this short are served first; -1: the engine's "
                          "default, 0: plain arrival order")
-    ap.add_argument("--skip", default="", help="comma-separated systems to skip: a,b,b+,c")
+    ap.add_argument("--skip", default="", help="comma-separated systems to skip: a,b,b+,c,c'")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="also run (c'), the engine with batch_invariant=True, beside (c): its cost in one run")
     ap.add_argument("--layout", choices=("paged", "virtual"), default="paged",
                     help="the engine's device layout: paged blocks, or vAttention's contiguous slots")
     ap.add_argument("--neighbour", default="quiet",
@@ -298,7 +302,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     skip = set(filter(None, args.skip.split(",")))
-    systems = [x for x in ("b", "b+", "c") if x not in skip]
+    systems = [x for x in ("b", "b+", "c'", "c") if x not in skip and (x != "c'" or args.batch_invariant)]
     if args.model:
         from .multiturn.workload import text_ids
         loaded = {x: load_named(args.model, dtype) for x in ["a", *systems]}  # identical weights, one per system
@@ -343,10 +347,12 @@ def run_condition(args, models, systems, skip, wl) -> dict:
     for r in range(args.repeats):
         for system in systems[r % len(systems):] + systems[:r % len(systems)]:   # rotate: load drift hits all
             hold_main_pool()
-            if system == "c":
-                res, engine = run_engine(models[system], wl, args.max_batch_tokens, args.layout,
-                                         step_threads=args.engine_threads, arrival_window=args.arrival_window,
-                                         short_prefill_tokens=None if args.short_prefill < 0 else args.short_prefill)
+            if system in ("c", "c'"):
+                res, eng = run_engine(models[system], wl, args.max_batch_tokens, args.layout,
+                                      step_threads=args.engine_threads, arrival_window=args.arrival_window,
+                                      short_prefill_tokens=None if args.short_prefill < 0 else args.short_prefill,
+                                      batch_invariant=system == "c'")
+                engine = eng if system == "c" else engine
             else:
                 res = run_transformers_cb(models[system], wl, args.max_batch_tokens, release_pool=system == "b+")
             runs[system].append(res)
@@ -360,6 +366,11 @@ def run_condition(args, models, systems, skip, wl) -> dict:
             ratios[base] = [c.throughput / b.throughput for b, c in zip(runs[base], runs["c"], strict=True)]
             print(f"per-round engine/({base}) throughput: " + ", ".join(f"x{x:.2f}" for x in ratios[base])
                   + f"; median x{statistics.median(ratios[base]):.2f}")
+    if "c'" in runs and "c" in runs:
+        cost = [c.throughput / ci.throughput for ci, c in zip(runs["c'"], runs["c"], strict=True)]
+        ratios["c'"] = cost
+        print("batch invariance's cost, per round (c) / (c') throughput: " + ", ".join(f"x{x:.2f}" for x in cost)
+              + f"; median x{statistics.median(cost):.2f}")
     # Systems run one after another: on a shared machine, other processes change the CPU they get.
     load_end = os.getloadavg()
     print("load average at end (1/5/15 min): {:.1f} {:.1f} {:.1f}".format(*load_end))

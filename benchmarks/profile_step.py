@@ -40,7 +40,7 @@ from .neighbours import Neighbours
 
 ATTENTION = ("scaled_dot_product", "flash_attention", "index_select", "aten::index", "index_put", "index_copy",
              "_index_put_impl_")
-LINEAR = ("aten::mm", "aten::addmm")
+LINEAR = ("aten::mm", "aten::addmm", "mkl::_mkl_linear", "mkldnn::_linear_pointwise")
 
 
 def buckets(prof, wall: float) -> dict:

@@ -17,6 +17,7 @@ if TYPE_CHECKING:   # the same names, for type checkers and IDEs
     from .engine import Engine, RequestOutput, SamplingParams
     from .engine.hints import Hint
     from .integration import enable
+    from .invariance import batch_invariant
     from .pipeline import StatefulTextGenerationPipeline, pipeline
     from .session_store import SessionStore
     from .stateful_cache import StatefulCache
@@ -26,7 +27,7 @@ __all__ = [
     "UnsupportedModelError", "enable",
 ]
 __all__ += ["Engine", "RequestOutput", "SamplingParams"]
-__all__ += ["Hint", "StatefulTextGenerationPipeline", "pipeline"]
+__all__ += ["Hint", "StatefulTextGenerationPipeline", "batch_invariant", "pipeline"]
 __version__ = "0.1.0"
 
 
@@ -37,10 +38,12 @@ def _facade() -> dict:
     from .engine import Engine, RequestOutput, SamplingParams
     from .engine.hints import Hint
     from .integration import enable
+    from .invariance import batch_invariant
     from .pipeline import StatefulTextGenerationPipeline, pipeline
     from .session_store import SessionStore
     from .stateful_cache import StatefulCache
-    return {"CapacityError": CapacityError, "SessionBusyError": SessionBusyError, "SessionStore": SessionStore,
+    return {"batch_invariant": batch_invariant, "CapacityError": CapacityError,
+            "SessionBusyError": SessionBusyError, "SessionStore": SessionStore,
             "StatefulCache": StatefulCache, "StoreError": StoreError, "UnknownSessionError": UnknownSessionError,
             "UnsupportedModelError": UnsupportedModelError, "enable": enable, "Engine": Engine,
             "RequestOutput": RequestOutput, "SamplingParams": SamplingParams, "Hint": Hint,

@@ -29,7 +29,7 @@ from __future__ import annotations
 import copy
 import functools
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
 
 import torch
@@ -252,7 +252,7 @@ def _generate(model, original_generate, *args, cache=None, past_key_values=None,
     input_ids = torch.tensor([ids], dtype=torch.long, device=model.device)
     kwargs.pop("attention_mask", None)
     store = cache.store
-    with store.lease(cache.session_id):
+    with store.lease(cache.session_id), invariant(store):
         try:
             prepare_turn(model, cache, ids)
             out = original_generate(input_ids, past_key_values=cache, **kwargs)
@@ -264,6 +264,16 @@ def _generate(model, original_generate, *args, cache=None, past_key_values=None,
         seqs = out if isinstance(out, torch.Tensor) else out.sequences
         store.add_generated(cache.session_id, seqs.shape[1] - len(ids))
         return out
+
+
+def invariant(store):
+    """The context a store's forwards run under: `batch_invariant(chunk_size)` for a store made with
+    batch_invariant=True (`SessionStore.invariant_split`), else nothing."""
+    split = getattr(store, "invariant_split", None)
+    if split is None:
+        return nullcontext()
+    from .invariance import batch_invariant
+    return batch_invariant(split)
 
 
 # ---- the attention implementation and the step context ---------------------------------------------

@@ -36,8 +36,10 @@ class SessionStore(KVStore):
         param = next(model.parameters())
         spec = KVSpec(adapter.num_layers, adapter.num_kv_heads, adapter.head_dim, dtype=param.dtype,
                       device=param.device, block_size=o.chunk_size, windows=adapter.layer_windows)
-        attn_backend = select_backend(o.attn_backend, spec.device, spec.dtype, spec.head_dim, spec.block_size,
-                                      layerwise_kv=o.layerwise_kv, layout=o.layout).name
+        if o.batch_invariant:
+            check_invariant(adapter, spec)
+        attn_backend = select_backend("cpu" if o.batch_invariant else o.attn_backend, spec.device, spec.dtype,
+                                      spec.head_dim, spec.block_size, layerwise_kv=o.layerwise_kv, layout=o.layout).name
         policy = DEFAULT_POLICY if o.policy is None else o.policy
         if isinstance(policy, str) and policy in POLICY_NAMES:
             profile = None if policy == "lru" else o.cost_profile or measure_cost_profile(model, spec)
@@ -72,8 +74,20 @@ class SessionStore(KVStore):
         self.options = o
         self.model = model
         self.adapter = adapter
+        # the split of batch_invariant() every forward of this store's turns runs under; None: not invariant
+        self.invariant_split: int | None = o.chunk_size if o.batch_invariant else None
 
     def cache(self, session_id: str) -> StatefulCache:
         """A transformers Cache over the session (created empty if new), for generate/forward."""
         self.open(session_id)
         return StatefulCache(self, session_id)
+
+
+def check_invariant(adapter, spec: KVSpec) -> None:
+    """batch_invariant=True: ValueError naming what is supported where the store could not keep it."""
+    if spec.device.type != "cpu":
+        raise ValueError(f"batch_invariant=True is implemented on the CPU (invariant GEMM, norms and attention); "
+                         f"the model is on {spec.device}")
+    if any(w is not None for w in adapter.layer_windows) or adapter.final_softcap is not None:
+        raise ValueError("batch_invariant=True supports full causal attention without softcaps (Llama, Qwen, "
+                         "Phi-3, OPT...); this model has sliding windows or attention softcaps")

@@ -479,6 +479,10 @@ THIRD_PARTY_PRIVATE: dict[tuple[str, str], str] = {
         "torch's packed-weight GEMM ops (MKL's packed sgemm, oneDNN's packed matmul) have no public name; they are "
         "the ops inductor's own weight prepacking emits, and the engine falls back to F.linear (prepack_weights=off)"
     ),
+    ("stateful_hf/invariance.py", "_destroy"): (
+        "torch.library.Library has no public way to drop the kernels it registered; batch_invariant() must restore "
+        "the stock kernels when the last context exits (torch's own scoped library uses the same call)"
+    ),
     ("stateful_hf/kernels/linear.py", "_version"): (
         "a tensor's in-place version counter has no public accessor; a packed copy is made again when it changes"
     ),

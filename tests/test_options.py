@@ -114,7 +114,7 @@ def test_store_flags_are_the_options_marked_as_flags():
     marked = [f for f in fields(SessionStoreOptions) if f.metadata.get("flag")]
     assert {f.name for f in marked} == {"device_capacity", "host_capacity", "disk_dir", "disk_capacity", "policy",
                                         "attn_backend", "hidden_states", "hidden_capacity", "chunk_size",
-                                        "max_sessions", "session_ttl", "max_retain"}
+                                        "max_sessions", "session_ttl", "max_retain", "batch_invariant"}
     for f in marked:
         action = dests[f.name]
         assert action.help.startswith(f.metadata.get("cli") or f.metadata["help"]), (f.name, action.help)
@@ -127,9 +127,10 @@ def test_store_flags_build_valid_options():
     p = argparse.ArgumentParser()
     flags.add_store_flags(p, device_capacity=4096, host_capacity=None)
     out = flags.store_options(p, p.parse_args(["--chunk-size", "8", "--host-capacity", "2GiB", "--max-sessions", "5",
-                                               "--session-ttl", "1.5"]))
+                                               "--session-ttl", "1.5", "--batch-invariant"]))
     SessionStoreOptions.build(**out)                    # the flags' dict is valid options, as given
-    assert out["chunk_size"] == 8 and out["host_capacity"] == "2GiB"
+    assert out["chunk_size"] == 8 and out["host_capacity"] == "2GiB" and out["batch_invariant"] is True
+    assert flags.store_options(p, p.parse_args([]))["batch_invariant"] is False
     assert out["max_sessions"] == 5 and out["session_ttl"] == 1.5
 
 

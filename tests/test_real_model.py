@@ -201,3 +201,26 @@ def test_changed_text_cuts_only_what_changed(real):
     kept_reply = len(tok(edited, add_special_tokens=False)["input_ids"])
     assert keep >= len(first) + kept_reply - 1
     engine.store.check_integrity()
+
+
+def test_bf16_engine_equals_generate_under_batch_invariant():
+    """SmolLM2 in bf16, six chat prompts served together by a batch-invariant engine: every greedy token
+    and its log-probability bitwise equal to stateless generate under `stateful_hf.batch_invariant()`."""
+    model, tokenizer = _load()
+    model, oracle = model.to(torch.bfloat16), _load()[0].to(torch.bfloat16)
+    engine = Engine(model, device_capacity=4096, max_batch_tokens=96, batch_invariant=True, cost_profile=PROFILE)
+    prompts = [tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM}, {"role": "user", "content": u}],
+                                             add_generation_prompt=True, tokenize=True)["input_ids"] for u in USERS]
+    handles = [engine.submit(f"s{i}", p, SamplingParams(max_new_tokens=12, logprobs=0)) for i, p in enumerate(prompts)]
+    while engine.has_work():
+        engine.step()
+    for p, h in zip(prompts, handles):
+        x = torch.tensor([p])
+        with stateful_hf.batch_invariant(32):
+            out = oracle.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=12, do_sample=False,
+                                  output_logits=True, return_dict_in_generate=True)
+        tokens = out.sequences[0, len(p):].tolist()
+        assert list(h.result().token_ids) == tokens
+        assert [lp for _, lp, _ in h.result().logprobs] == [
+            float(torch.log_softmax(s.float(), dim=-1)[0, t]) for s, t in zip(out.logits, tokens)]
+    engine.store.check_integrity()

@@ -75,7 +75,8 @@ class Engine:
         self.scheduler = Scheduler(self.store, SchedulerConfig(c.max_batch_tokens, c.max_num_seqs, c.reserve_fraction,
                                                                c.short_prefill_tokens),
                                    self.adapter.max_positions, self.slo, self.layerwise)
-        self.runner = ModelRunner(model, self.store, packed_weights(model, c.prepack_weights, c.max_batch_tokens))
+        self.runner = ModelRunner(model, self.store, packed_weights(model, c.prepack_weights, c.max_batch_tokens,
+                                                                    self.store.invariant_split is not None))
         self.thread_sizer = ThreadSizer.for_option(c.step_threads)
         self.loop = StepLoop(self.step, self.has_work, self._fail_in_flight,
                              release_thread_pool if c.release_openmp_pool else None,

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cache import Committed, StepBatch
-from ..integration import run_step
+from ..integration import invariant, run_step
 from ..kernels.cpu_features import CpuFeatures
 from ..kernels.linear import LinearKernel, PackedWeights, choose
 from ..options import PrepackWeights
@@ -44,9 +44,14 @@ class StepRecord:
         return sum(1 for _, rec, new, s in self.entries if rec == 0 and new == 1 and s)
 
 
-def packed_weights(model: torch.nn.Module, mode: PrepackWeights, rows: int) -> PackedWeights | None:
-    """The model's packed linear weights for the engine's steps (option prepack_weights), or None."""
-    if mode is PrepackWeights.OFF:
+def packed_weights(model: torch.nn.Module, mode: PrepackWeights, rows: int,
+                   invariant: bool = False) -> PackedWeights | None:
+    """The model's packed linear weights for the engine's steps (option prepack_weights), or None. A
+    batch-invariant store's steps multiply by the model's own weights (the invariant GEMM)."""
+    if invariant and mode is PrepackWeights.ON:
+        raise ValueError("prepack_weights='on' with a batch_invariant store: its steps run the invariant GEMM on "
+                         "the model's own weights; use prepack_weights='auto' or 'off'")
+    if mode is PrepackWeights.OFF or invariant:
         return None
     p = next(model.parameters())
     kernel = choose(p.dtype, p.device, CpuFeatures.detect(), required=mode is PrepackWeights.ON)
@@ -71,7 +76,8 @@ class ModelRunner:
             requests = [items[i].request for i in want]
             constrained = any(r.grammar is not None for r in requests)
             tokens: list[int] = []
-            with torch.inference_mode(), (self.packed.active() if self.packed is not None else nullcontext()):
+            with torch.inference_mode(), (self.packed.active() if self.packed is not None else nullcontext()), \
+                    invariant(self.store):
                 if want:
                     logits = run_step(self.model, step, last[want])          # [len(want), V]
                     if constrained:      # structured output: only a step with a constrained request imports it

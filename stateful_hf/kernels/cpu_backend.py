@@ -63,7 +63,7 @@ def unavailable_reason() -> str | None:
 class CpuPlan:
     """Per-step state: the work items and the int64 metadata every layer of the step passes."""
 
-    def __init__(self, batch: PagedBatch, block_size: int):
+    def __init__(self, batch: PagedBatch, block_size: int, split: int | None = None):
         cu_q, _ = batch.host
         items = [(i, a, min(a + ROWS, cu_q[i + 1])) for i in range(batch.num_seqs)
                  for a in range(cu_q[i], cu_q[i + 1], ROWS)]
@@ -72,6 +72,9 @@ class CpuPlan:
         self.kv_len = batch.kv_len.to(torch.long).contiguous()
         self.table = batch.block_table.to(torch.long).contiguous()
         self.module = _build()[0]
+        self.split = split or block_size       # keys per online-softmax step; divides the block size
+        if block_size % self.split:
+            raise ValueError(f"the CPU kernel's split {self.split} must divide the block size {block_size}")
 
     def run(self, query, key_cache, value_cache, scale: float, window: int | None = None,
             softcap: float | None = None) -> torch.Tensor:
@@ -79,4 +82,4 @@ class CpuPlan:
         if query.stride(-1) != 1:
             query = query.contiguous()
         return self.module.paged_attention(query, key_cache, value_cache, self.items, self.q_pos, self.kv_len,
-                                           self.table, scale, window or 0, softcap or 0.0)
+                                           self.table, scale, window or 0, softcap or 0.0, self.split)

@@ -53,7 +53,8 @@ class StoreOptions(Options):
         "fixed-split kernel, by name only); resolved when "
         "the store is made (a forced one that cannot serve it raises then); KVStore's default: torch",
         flag=("--attention-backend", "--backend"), metavar="NAME", cli="paged attention backend; auto takes the "
-        "first of flashinfer, flash_attn, triton, torch that serves the store (docs/gpu.md)")
+        "first of flashinfer, flash_attn, triton, torch that serves the store (docs/gpu.md); cpu: the C++ "
+        "fixed-split kernel (docs/cpu.md)")
     swap_out_threshold: float = option(0.25, "after a turn, chunks move to the host ahead of time while fewer "
                                        "than this share of device blocks is free")
     hidden_states: HiddenStates = option(
@@ -130,11 +131,23 @@ class SessionStoreOptions(StoreOptions):
                                          "fastest restore whatever the size")
     hidden_costs: Any = option(None, "HCache: the per-layer costs the planner splits by (a HiddenCosts); None: "
                                "measured on the model")
+    batch_invariant: bool = option(
+        False, "every forward of the store's turns and steps runs under stateful_hf.batch_invariant(split="
+        "chunk_size): K/V and logits bitwise equal to stateless generate under that context, whatever the batch, "
+        "chunking, tier or threads (the CPU, the 'cpu' attention kernel; docs/cpu.md#batch-invariance)", flag=True)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_int("chunk_size", self.chunk_size, 1)
         check_int("hidden_layers", self.hidden_layers, 0, none="planned")
+        if not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"batch_invariant must be True or False, got {self.batch_invariant!r}")
+        if self.batch_invariant and (self.layerwise_kv or self.layout is not Layout.PAGED):
+            raise ValueError("batch_invariant=True needs layout='paged' and no layerwise_kv (the 'cpu' attention "
+                             "kernel reads the paged pool)")
+        if self.batch_invariant and self.attn_backend not in ("auto", "cpu"):
+            raise ValueError(f"batch_invariant=True attends with attn_backend='cpu' (the fixed-split kernel), not "
+                             f"{self.attn_backend!r}")
         if self.hidden_budget is not None and (isinstance(self.hidden_budget, bool) or
                                                not isinstance(self.hidden_budget, (int, float)) or
                                                not self.hidden_budget > 0):
@@ -191,6 +204,7 @@ class SessionStoreKwargs(StoreKwargs, total=False):
     hidden_layers: int | None
     hidden_budget: float | None
     hidden_costs: Any               # a HiddenCosts
+    batch_invariant: bool
 
 
 class KVStoreKwargs(StoreKwargs, total=False):

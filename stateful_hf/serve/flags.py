@@ -41,7 +41,7 @@ SERVER_DEFAULTS = {"device_capacity": "256MiB", "max_num_seqs": 256}
 # `stateful_hf.cache.POLICY_NAMES`, `stateful_hf.cache.hidden.HIDDEN_MODES`, `stateful_hf.kernels.BACKENDS`).
 STORE_NAMES = {"policy": ("recency_cost", "return_aware", "pensieve", "lru"),
                "hidden_states": ("auto", "always", "never"),
-               "attn_backend": ("auto", "torch", "triton", "flashinfer", "flash_attn")}
+               "attn_backend": ("auto", "torch", "cpu", "triton", "flashinfer", "flash_attn")}
 
 
 def dtype(text: str) -> str:
@@ -147,6 +147,10 @@ def add_store_flags(p: argparse.ArgumentParser, device_capacity: str | int, host
         text = f.metadata.get("cli") or f.metadata["help"]
         if f.name in STORE_NAMES:
             text += f"; one of {', '.join(STORE_NAMES[f.name])}"
+        if str(f.type).startswith("bool"):         # --batch-invariant / --no-batch-invariant
+            g.add_argument(*flag_names(f), dest=f.name, default=default, action=argparse.BooleanOptionalAction,
+                           help=text)
+            continue
         g.add_argument(*flag_names(f), dest=f.name, default=str(default) if isinstance(default, Enum) else default,
                        type=_one_of(STORE_NAMES[f.name]) if f.name in STORE_NAMES else _value_type(f),
                        metavar=f.metadata.get("metavar") or ("TOKENS|SIZE" if _is_capacity(f) else None), help=text)

@@ -1,7 +1,8 @@
 // Paged attention on the CPU: packed ragged queries over K/V blocks read in place from the pool.
 //
 // Work item = (sub-request s, row tile [r0, r1), KV head h): its G = Hq / Hkv query heads of every row in
-// the tile share each K/V block, converted to float once per block (K transposed to [D][BS]).
+// the tile share each split of BS keys (the split divides the pool's block size PB; default PB),
+// converted to float once per split (K transposed to [D][BS]).
 // Per query row and head the arithmetic is fixed, whatever else the batch holds: scores over one block
 // (a d-ordered sum per key), an online softmax over blocks in ascending order, all in float32, so a
 // row's output depends neither on the other rows of its tile or step nor on the thread count.
@@ -99,7 +100,7 @@ void attend_item(const scalar_t* q, int64_t qs0, int64_t qs1, const scalar_t* kc
                  int64_t ks0, int64_t ks1, int64_t ks2, int64_t vs0, int64_t vs1, int64_t vs2,
                  const int64_t* q_pos, int64_t kv_len, const int64_t* table, scalar_t* out, int64_t os0,
                  int64_t os1, int64_t r0, int64_t r1, int64_t h, int64_t G, int64_t D_rt, int64_t BS_rt,
-                 float scale, int64_t window, float softcap, std::vector<float>& buf) {
+                 int64_t PB, float scale, int64_t window, float softcap, std::vector<float>& buf) {
   const int64_t BS = BS_T ? BS_T : BS_rt, D = D_T ? D_T : D_rt;
   const int64_t R = r1 - r0, RG = R * G;
   buf.resize(static_cast<size_t>(2 * D * BS + RG * (BS + D + 2 + D)));
@@ -125,10 +126,10 @@ void attend_item(const scalar_t* q, int64_t qs0, int64_t qs1, const scalar_t* kc
   std::fill(acc, acc + RG * D, 0.0f);
   std::fill(m, m + RG, -std::numeric_limits<float>::infinity());
   std::fill(l, l + RG, 0.0f);
-  for (int64_t b = lo / BS; b * BS < hi; ++b) {
-    const int64_t blk = table[b];
-    const scalar_t* kb = kc + blk * ks0 + h * ks2;
-    const scalar_t* vb = vc + blk * vs0 + h * vs2;
+  for (int64_t b = lo / BS; b * BS < hi; ++b) {             // split b: keys [b * BS, (b + 1) * BS)
+    const int64_t blk = table[b * BS / PB], off = b * BS % PB; // in pool block blk from row off (PB % BS == 0)
+    const scalar_t* kb = kc + blk * ks0 + off * ks1 + h * ks2;
+    const scalar_t* vb = vc + blk * vs0 + off * vs1 + h * vs2;
     for (int64_t j = 0; j < BS; ++j) {
       const scalar_t* kj = kb + j * ks1;
       const scalar_t* vj = vb + j * vs1;
@@ -199,7 +200,8 @@ void attend_item(const scalar_t* q, int64_t qs0, int64_t qs1, const scalar_t* kc
 torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& key_cache,
                               const torch::Tensor& value_cache, const torch::Tensor& items,
                               const torch::Tensor& q_pos, const torch::Tensor& kv_len,
-                              const torch::Tensor& block_table, double scale, int64_t window, double softcap) {
+                              const torch::Tensor& block_table, double scale, int64_t window, double softcap,
+                              int64_t split) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4 && value_cache.dim() == 4, "shapes");
   TORCH_CHECK(query.stride(2) == 1 && key_cache.stride(3) == 1 && value_cache.stride(3) == 1,
               "the head dim must be contiguous");
@@ -208,8 +210,10 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& k
               "int64 metadata");
   TORCH_CHECK(items.is_contiguous() && q_pos.is_contiguous() && kv_len.is_contiguous() && block_table.is_contiguous(),
               "contiguous metadata");
-  const int64_t hq = query.size(1), D = query.size(2), BS = key_cache.size(1), hkv = key_cache.size(2);
+  const int64_t hq = query.size(1), D = query.size(2), PB = key_cache.size(1), hkv = key_cache.size(2);
+  const int64_t BS = split > 0 ? split : PB;                  // the split: keys per online-softmax step
   TORCH_CHECK(hq % hkv == 0 && key_cache.size(3) == D, "heads");
+  TORCH_CHECK(PB % BS == 0, "the split must divide the block size");
   const int64_t G = hq / hkv, W = block_table.size(1), N = items.size(0);
   auto out = torch::zeros({query.size(0), hq, D}, query.options());
   const int64_t* it = items.data_ptr<int64_t>();
@@ -233,7 +237,7 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& k
         const int64_t n = w / hkv, h = w % hkv, s = it[3 * n];
         item(q, query.stride(0), query.stride(1), kc, vc, key_cache.stride(0), key_cache.stride(1),
              key_cache.stride(2), value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), pos, kvl[s],
-             tab + s * W, o, out.stride(0), out.stride(1), it[3 * n + 1], it[3 * n + 2], h, G, D, BS,
+             tab + s * W, o, out.stride(0), out.stride(1), it[3 * n + 1], it[3 * n + 2], h, G, D, BS, PB,
              static_cast<float>(scale), window, static_cast<float>(softcap), buf);
       }
     });

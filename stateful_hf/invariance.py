@@ -1,0 +1,140 @@
+"""Batch-invariant kernels on the CPU: while `batch_invariant(split)` is active, a row's result does not
+depend on how many other rows its call has, how a prompt is chunked, or the thread count.
+
+Entering the context registers, with `torch.library` on the CPU dispatch key, kernels for the aten ops
+that make transformers models batch-dependent; leaving the last one restores the stock kernels:
+
+  - `mm`, `addmm` (every linear layer): the rows are cut into fixed tiles of ROWS rows (the last one
+    padded with zeros), each tile one call of the same shape, so a row's sums never depend on M and the
+    BLAS picks the same blocking whatever the batch (tests: also at 1 and 2 threads);
+  - `scaled_dot_product_attention`: the CPU kernel of `kernels/cpu_backend.py` over the contiguous K/V cut
+    into splits of `split` keys, the same arithmetic the engine's paged steps run over the pool's blocks
+    (float32 scores and online softmax, splits in ascending order), so stateless `generate` under the
+    context is the oracle the stateful paths equal bitwise.
+
+Row-wise reductions (RMSNorm/LayerNorm, softmax, argmax) and elementwise ops are already per row on
+the CPU. The overrides are process-wide while active (the dispatcher has no per-thread table): another
+thread's matmuls meanwhile run the invariant kernels too (the same values to rounding, slower).
+docs/cpu.md#batch-invariance.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from .kernels.batch import PagedBatch
+from .kernels.cpu_backend import CpuPlan, available, unavailable_reason
+
+ROWS = 16                  # rows of every GEMM call under the context
+
+_lock = threading.Lock()
+_state: dict = {"depth": 0, "lib": None, "split": None}
+
+
+@contextmanager
+def batch_invariant(split: int = 32) -> Iterator[None]:
+    """Batch-invariant mm, addmm and SDPA on the CPU inside the block (re-entrant with the same split).
+    `split`: keys per step of the attention's online softmax; a store made with `batch_invariant=True`
+    uses its chunk size, which must equal it."""
+    if isinstance(split, bool) or not isinstance(split, int) or split < 1:
+        raise ValueError(f"split must be an int >= 1, got {split!r}")
+    if not available("cpu"):
+        raise RuntimeError(f"batch_invariant needs the CPU attention kernel: {unavailable_reason()}")
+    with _lock:
+        if _state["depth"] and _state["split"] != split:
+            raise ValueError(f"batch_invariant(split={split}) inside batch_invariant(split={_state['split']})")
+        if not _state["depth"]:
+            lib = torch.library.Library("aten", "IMPL")
+            with warnings.catch_warnings():          # "overriding a previously registered kernel": the point
+                warnings.simplefilter("ignore")
+                lib.impl("mm", _mm, "CPU")
+                lib.impl("addmm", _addmm, "CPU")
+                lib.impl("scaled_dot_product_attention", _sdpa, "CPU")
+            _state.update(lib=lib, split=split)
+        _state["depth"] += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _state["depth"] -= 1
+            if not _state["depth"]:
+                _state["lib"]._destroy()
+                _state.update(lib=None, split=None)
+
+
+def active_split() -> int | None:
+    """The split of the active context, None outside one."""
+    return _state["split"]
+
+
+def _tiles(m: int) -> range:
+    return range(0, m + (-m) % ROWS, ROWS)
+
+
+def _padded(a: torch.Tensor) -> torch.Tensor:
+    pad = (-a.shape[0]) % ROWS
+    return torch.cat([a, a.new_zeros(pad, a.shape[1])]) if pad else a
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [M, K] @ b [K, N] in tiles of ROWS rows (mm.out: the stock kernel, one shape for every tile)."""
+    m = a.shape[0]
+    ap = _padded(a)
+    out = a.new_empty(ap.shape[0], b.shape[1])
+    for i in _tiles(m):
+        torch.mm(ap[i: i + ROWS], b, out=out[i: i + ROWS])
+    return out[:m]
+
+
+def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1, alpha=1) -> torch.Tensor:
+    """beta * bias + alpha * (a @ b) in tiles of ROWS rows; bias [N], [1, N] or [M, N]."""
+    m = a.shape[0]
+    ap = _padded(a)
+    full = bias.expand(m, b.shape[1])
+    bp = _padded(full) if full.shape[0] == m else full
+    out = a.new_empty(ap.shape[0], b.shape[1])
+    for i in _tiles(m):
+        torch.addmm(bp[i: i + ROWS], ap[i: i + ROWS], b, beta=beta, alpha=alpha, out=out[i: i + ROWS])
+    return out[:m]
+
+
+def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """query [B, Hq, Lq, D], key/value [B, Hkv, L, D] -> [B, Hq, Lq, D] through the CPU kernel. Each
+    query row sees a prefix of the keys: `is_causal` (top-left, as SDPA aligns it), no mask (every key),
+    or a mask whose rows are prefixes (transformers' causal masks); a mask with holes (padding) raises."""
+    if dropout_p:
+        raise NotImplementedError("batch_invariant: attention dropout is not supported")
+    b, hq, lq, d = query.shape
+    length = key.shape[2]
+    split = _state["split"]
+    if attn_mask is None:
+        pos = torch.arange(lq) if is_causal else torch.full((lq,), length - 1)
+        last = [pos] * b
+    else:
+        visible = attn_mask if attn_mask.dtype == torch.bool else attn_mask == 0
+        visible = visible.expand(b, 1, lq, length)[:, 0]
+        if is_causal:
+            visible = visible & torch.ones(lq, length, dtype=torch.bool).tril()
+        seen = visible.sum(-1)                                   # [B, Lq] keys each row sees
+        if not torch.equal(visible, torch.arange(length) < seen[..., None]):
+            raise NotImplementedError("batch_invariant: attention masks whose rows are not prefixes of the keys "
+                                      "(padding) are not supported")
+        last = list(seen - 1)
+    scale = d ** -0.5 if scale is None else scale
+    out = query.new_empty(b, hq, lq, d)
+    blocks = -(-length // split)
+    for i in range(b):
+        kv = []
+        for t in (key[i], value[i]):                            # [Hkv, L, D] -> [blocks, split, Hkv, D]
+            rows = t.new_zeros(blocks * split, t.shape[0], d)
+            rows[:length] = t.transpose(0, 1)
+            kv.append(rows.view(blocks, split, t.shape[0], d))
+        batch = PagedBatch(cu_q=torch.tensor([0, lq]), q_pos=last[i].clamp(min=-1).long(),
+                           kv_len=torch.tensor([length]), block_table=torch.arange(blocks)[None])
+        out[i] = CpuPlan(batch, split).run(query[i].transpose(0, 1), kv[0], kv[1], scale).transpose(0, 1)
+    return out

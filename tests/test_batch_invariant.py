@@ -1,0 +1,168 @@
+"""Batch invariance (stateful_hf/invariance.py, SessionStore(batch_invariant=True)): under
+`stateful_hf.batch_invariant()` stateless `generate` is the oracle, and the engine's greedy tokens and
+log-probabilities equal it bitwise in bf16 and fp32 whatever the batch, chunking, tier or team size; a
+request's log-probabilities are bitwise the same alone and batched. Negative controls show the same
+comparisons failing without it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import stateful_hf
+from stateful_hf import Engine, SamplingParams
+from stateful_hf.invariance import ROWS, active_split
+from stateful_hf.kernels.cpu_backend import available
+from stateful_hf.testing import tiny_gemma2, tiny_llama
+
+pytestmark = pytest.mark.skipif(not available("cpu"), reason="the CPU attention kernel did not build")
+
+NEW = 10
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 300, (9 + 13 * i,), generator=g).tolist() for i in range(n)]
+
+
+def oracle_run(oracle, ids: list[int], n: int = NEW) -> tuple[list[int], list[float]]:
+    """Stateless greedy generate under the context: its tokens and their log-probabilities."""
+    x = torch.tensor([ids])
+    with stateful_hf.batch_invariant(32):
+        out = oracle.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
+                              pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    tokens = out.sequences[0, len(ids):].tolist()
+    lps = [float(torch.log_softmax(step.float(), dim=-1)[0, t]) for step, t in zip(out.logits, tokens)]
+    return tokens, lps
+
+
+def engine_run(engine, sessions: dict[str, list[int]], n: int = NEW) -> dict[str, tuple[list[int], list[float]]]:
+    handles = {sid: engine.submit(sid, ids, SamplingParams(max_new_tokens=n, logprobs=0))
+               for sid, ids in sessions.items()}
+    while engine.has_work():
+        engine.step()
+    return {sid: (list(h.result().token_ids), [lp for _, lp, _ in h.result().logprobs]) for sid, h in handles.items()}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gemm_rows_are_invariant_and_stock_is_not(dtype):
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(100, 576, generator=g).to(dtype), torch.randn(1536, 576, generator=g).to(dtype)
+    stock_invariant = all(torch.equal(torch.nn.functional.linear(x[:m], w), torch.nn.functional.linear(x, w)[:m])
+                          for m in (1, 3, 17, 40))
+    with stateful_hf.batch_invariant():
+        full = torch.nn.functional.linear(x, w)
+        assert all(torch.equal(torch.nn.functional.linear(x[:m], w), full[:m]) for m in (1, 3, 17, 40, ROWS))
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            assert torch.equal(torch.nn.functional.linear(x, w), full)
+        finally:
+            torch.set_num_threads(threads)
+        assert active_split() == 32
+    assert active_split() is None
+    assert not stock_invariant                           # negative control: the BLAS blocks by M
+
+
+def test_context_nests_with_one_split_and_restores_the_stock_kernels():
+    x = torch.randn(5, 8)
+    with stateful_hf.batch_invariant(16):
+        with stateful_hf.batch_invariant(16):
+            assert active_split() == 16
+        with pytest.raises(ValueError, match="inside batch_invariant"), stateful_hf.batch_invariant(32):
+            pass
+        assert active_split() == 16
+    assert active_split() is None
+    with pytest.raises(ValueError, match="split must be an int >= 1"), stateful_hf.batch_invariant(0):
+        pass
+    mask = torch.ones(1, 1, 5, 5, dtype=torch.bool)
+    mask[..., 0] = False                                  # a padded first key: not a prefix
+    q = x.view(1, 1, 5, 8)
+    with stateful_hf.batch_invariant(), pytest.raises(NotImplementedError, match="not prefixes"):
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_engine_equals_generate_under_the_context_bitwise(dtype):
+    """Six sessions of different lengths, prefills chunked by a small token budget, two turns each (the
+    second a returning turn that reuses the session's KV): tokens and log-probabilities bitwise equal to
+    stateless generate under the context."""
+    model, oracle = tiny_llama("llama").to(dtype), tiny_llama("llama").to(dtype)
+    engine = Engine(model, device_capacity=2048, max_batch_tokens=40, batch_invariant=True)
+    assert engine.store.attn_backend == "cpu" and engine.runner.packed is None
+    sessions = {f"s{i}": p for i, p in enumerate(prompts(6))}
+    for turn in range(2):
+        got = engine_run(engine, sessions)
+        for sid, ids in sessions.items():
+            assert got[sid] == oracle_run(oracle, ids), (turn, sid)
+            sessions[sid] = ids + got[sid][0] + [7, 8, 9]
+        engine.store.check_integrity()
+
+
+def test_alone_and_batched_logprobs_bitwise_and_across_team_sizes():
+    model = tiny_llama("llama").to(torch.bfloat16)
+    batch = {f"b{i}": p for i, p in enumerate(prompts(5, seed=1))}
+    target = prompts(1, seed=2)[0]
+    alone = engine_run(Engine(model, device_capacity=2048, max_batch_tokens=256, batch_invariant=True,
+                              step_threads=1), {"t": target})["t"]
+    crowded = engine_run(Engine(model, device_capacity=2048, max_batch_tokens=40, batch_invariant=True),
+                         {**batch, "t": target})["t"]
+    assert alone == crowded
+
+
+def test_every_tier_restores_bitwise():
+    """A device that holds two sessions: the rest go to the host and come back (swap-in), or are dropped
+    and recomputed; every answer still equals the oracle bitwise."""
+    model, oracle = tiny_llama("llama").to(torch.bfloat16), tiny_llama("llama").to(torch.bfloat16)
+    engine = Engine(model, device_capacity=160, chunk_size=32, host_capacity=256, max_batch_tokens=64,
+                    batch_invariant=True)
+    sessions = {f"s{i}": p for i, p in enumerate(prompts(5, seed=3))}
+    moved = 0
+    for _ in range(2):
+        got = engine_run(engine, sessions)
+        for sid, ids in sessions.items():
+            assert got[sid] == oracle_run(oracle, ids), sid
+            sessions[sid] = ids + got[sid][0] + [11]
+        engine.store.check_integrity()
+        stats = engine.store.stats()
+        moved += stats.host_tokens + stats.dropped_tokens
+    assert moved > 0 and stats.device_tokens < sum(map(len, sessions.values()))     # the tiers were used
+
+
+def test_stateful_generate_under_a_batch_invariant_store():
+    model, oracle = tiny_llama("llama").to(torch.bfloat16), tiny_llama("llama").to(torch.bfloat16)
+    store = stateful_hf.SessionStore(model, 1024, batch_invariant=True)
+    ids = prompts(1, seed=4)[0]
+    x = torch.tensor([ids])
+    out = model.generate(x, past_key_values=store.cache("a"), max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+    assert out[0, len(ids):].tolist() == oracle_run(oracle, ids)[0]
+
+
+def test_negative_control_without_the_context_logprobs_differ():
+    """The same engine-vs-generate comparison, off: the engine's stock steps and plain generate disagree
+    in the last bits of some log-probability (so the bitwise tests above can fail)."""
+    model, oracle = tiny_llama("llama").to(torch.bfloat16), tiny_llama("llama").to(torch.bfloat16)
+    engine = Engine(model, device_capacity=2048, max_batch_tokens=40)
+    got = engine_run(engine, {f"s{i}": p for i, p in enumerate(prompts(6))})
+    differs = 0
+    for i, ids in enumerate(prompts(6)):
+        x = torch.tensor([ids])
+        out = oracle.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW, do_sample=False,
+                              pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+        lps = [float(torch.log_softmax(s.float(), dim=-1)[0, t]) for s, t in zip(out.logits, got[f"s{i}"][0])]
+        differs += lps != got[f"s{i}"][1]
+    assert differs
+
+
+def test_refused_where_it_cannot_be_kept():
+    with pytest.raises(ValueError, match="full causal attention without softcaps"):
+        stateful_hf.SessionStore(tiny_gemma2(), 256, batch_invariant=True)
+    with pytest.raises(ValueError, match="attn_backend='cpu'"):
+        stateful_hf.SessionStore(tiny_llama(), 256, batch_invariant=True, attn_backend="torch")
+    with pytest.raises(ValueError, match="layerwise_kv"):
+        stateful_hf.SessionStore(tiny_llama(), 256, batch_invariant=True, layerwise_kv=True, host_capacity=256)
+    with pytest.raises(ValueError, match="batch_invariant must be True or False"):
+        stateful_hf.SessionStore(tiny_llama(), 256, batch_invariant="yes")
+    with pytest.raises(ValueError, match="prepack_weights='on' with a batch_invariant store"):
+        Engine(tiny_llama(), device_capacity=256, batch_invariant=True, prepack_weights="on")
+
