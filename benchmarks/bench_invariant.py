@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import random
+import sys
 import time
 from collections import Counter
 
@@ -69,7 +70,7 @@ def main(argv=None) -> None:
     with torch.inference_mode(), stateful_hf.batch_invariant(32):
         want = tuple(oracle.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=a.new,
                                      do_sample=False)[0, len(ids):].tolist())
-    report = {"command": "python -m benchmarks.bench_invariant " + " ".join(argv if argv is not None else []),
+    report = {"command": "python -m benchmarks.bench_invariant " + " ".join(argv if argv is not None else sys.argv[1:]),
               "model": a.model, "dtype": a.dtype, "trials": a.trials, "new": a.new, "load_start": os.getloadavg(),
               "modes": {}}
     for invariant in (False, True):
