@@ -33,6 +33,7 @@ import torch
 from .kernels.batch import PagedBatch
 from .kernels.cpu_backend import CpuPlan, available, unavailable_reason
 from .kernels.cpu_features import CpuFeatures
+from .kernels.linear import LinearKernel, apply, pack, weight_key
 
 ROWS = 16                  # rows of every GEMM call under the context
 
@@ -76,8 +77,8 @@ def active_split() -> int | None:
     return _state["split"]
 
 
-# id(parameter) -> (weakref to it, (data_ptr, version), its MKL-packed [N, K] weight): a copy is used only
-# while the parameter is alive, unmoved and unchanged in place; otherwise it is made again.
+# id(parameter) -> (weakref to it, its weight_key, its MKL-packed [N, K] weight): a copy is used only while
+# the parameter is alive, unmoved and unchanged in place; otherwise it is made again.
 _PACKED: dict[int, tuple] = {}
 
 
@@ -88,10 +89,10 @@ def _packed_weight(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     if not isinstance(w, torch.nn.Parameter) or w.dtype != torch.float32 or w.dim() != 2 \
             or not w.is_contiguous() or b.stride() != (1, w.shape[1]) or not CpuFeatures.detect().mkl:
         return None
-    key = (w.data_ptr(), w._version)
+    key = weight_key(w)
     have = _PACKED.get(id(w))
     if have is None or have[0]() is not w or have[1] != key:
-        have = (weakref.ref(w), key, torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), ROWS))
+        have = (weakref.ref(w), key, pack(w, LinearKernel.MKL_PACKED, ROWS))
         _PACKED[id(w)] = have
     return w, have[2]
 
@@ -105,16 +106,16 @@ def _padded(a: torch.Tensor) -> torch.Tensor:
     return torch.cat([a, a.new_zeros(pad, a.shape[1])]) if pad else a
 
 
-def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a [M, K] @ b [K, N] in tiles of ROWS rows (one shape for every tile): through a parameter's packed
-    copy, else mm.out (the stock kernel)."""
+def _mm(a: torch.Tensor, b: torch.Tensor, packed: tuple | None = None) -> torch.Tensor:
+    """a [M, K] @ b [K, N] in tiles of ROWS rows (one shape for every tile): through `packed` (weight, its
+    packed copy: `_packed_weight(b)`, looked up when not given), else mm.out (the stock kernel)."""
     m = a.shape[0]
     ap = _padded(a)
     out = a.new_empty(ap.shape[0], b.shape[1])
-    packed = _packed_weight(b)
+    packed = packed or _packed_weight(b)
     for i in _tiles(m):
         if packed is not None:
-            out[i: i + ROWS] = torch.ops.mkl._mkl_linear(ap[i: i + ROWS], packed[1], packed[0], None, ROWS)
+            out[i: i + ROWS] = apply(ap[i: i + ROWS], packed[1], packed[0], None, LinearKernel.MKL_PACKED)
         else:
             torch.mm(ap[i: i + ROWS], b, out=out[i: i + ROWS])
     return out[:m]
@@ -123,8 +124,9 @@ def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1, alpha=1) -> torch.Tensor:
     """beta * bias + alpha * (a @ b) in tiles of ROWS rows; bias [N], [1, N] or [M, N]."""
     m = a.shape[0]
-    if beta == 1 and alpha == 1 and bias.dim() == 1 and _packed_weight(b) is not None:
-        return _mm(a, b) + bias                        # F.linear's bias: the packed tiles, then the bias
+    packed = _packed_weight(b) if beta == 1 and alpha == 1 and bias.dim() == 1 else None
+    if packed is not None:
+        return _mm(a, b, packed) + bias                # F.linear's bias: the packed tiles, then the bias
     ap = _padded(a)
     full = bias.expand(m, b.shape[1])
     bp = _padded(full) if full.shape[0] == m else full

@@ -483,15 +483,6 @@ THIRD_PARTY_PRIVATE: dict[tuple[str, str], str] = {
         "a view's base has no public accessor; the invariant GEMM packs only a model parameter's weight.t(), "
         "which it recognises by its base"
     ),
-    ("stateful_hf/invariance.py", "_version"): (
-        "a tensor's in-place version counter has no public accessor; a packed copy is made again when it changes"
-    ),
-    ("stateful_hf/invariance.py", "_mkl_reorder_linear_weight"): (
-        "MKL's packed sgemm has no public name (inductor emits the same op)"
-    ),
-    ("stateful_hf/invariance.py", "_mkl_linear"): (
-        "MKL's packed sgemm has no public name (inductor emits the same op)"
-    ),
     ("stateful_hf/invariance.py", "_destroy"): (
         "torch.library.Library has no public way to drop the kernels it registered; batch_invariant() must restore "
         "the stock kernels when the last context exits (torch's own scoped library uses the same call)"

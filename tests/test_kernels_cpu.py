@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import FAMILIES, Conversation, greedy
+from conftest import FAMILIES, Conversation, engine_round
 from hypothesis import HealthCheck, given, settings
 from test_kernels import assert_close_to_reference, ragged_case
 
-from stateful_hf import Engine, SamplingParams, kernels
+from stateful_hf import Engine, kernels
 from stateful_hf.kernels import PagedBatch, paged_attention
 from stateful_hf.kernels.cpu_backend import available, unavailable_reason
 from stateful_hf.kernels.torch_backend import dense_reference
@@ -117,15 +117,7 @@ def test_engine_on_the_cpu_kernel_is_exact(make_model):
     model, oracle = make_model(), make_model()
     engine = Engine(model, device_capacity=512, chunk_size=16, max_batch_tokens=48, attn_backend="cpu")
     assert engine.store.attn_backend == "cpu"
-    convs = [Conversation(seed=500 + i, first=10 + 7 * i) for i in range(5)]
+    convs = {f"s{i}": Conversation(seed=500 + i, first=10 + 7 * i) for i in range(5)}
     for _ in range(2):
-        prompts = [c.ids[0].tolist() for c in convs]
-        handles = [engine.submit(f"s{i}", ids, SamplingParams(max_new_tokens=6)) for i, ids in enumerate(prompts)]
-        while engine.has_work():
-            engine.step()
-        for conv, ids, h in zip(convs, prompts, handles):
-            got = list(h.result().token_ids)
-            x = torch.tensor([ids])
-            assert got == greedy(oracle, x, 6, attention_mask=torch.ones_like(x))[0, len(ids):].tolist()
-            conv.reply(torch.tensor([ids + got]))
+        engine_round(engine, convs, oracle, 6)
         engine.store.check_integrity()

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import FAMILIES, Conversation, greedy
+from conftest import FAMILIES, Conversation, engine_round, greedy
 
-from stateful_hf import Engine, SamplingParams
+from stateful_hf import Engine
 from stateful_hf.kernels.cpu_features import CpuFeatures
 from stateful_hf.kernels.linear import LinearKernel, PackedWeights, choose
 
@@ -76,20 +76,11 @@ def test_engine_on_packed_weights_exact(family):
     model, oracle = FAMILIES[family](), FAMILIES[family]()
     engine = Engine(model, device_capacity=512, chunk_size=16, max_batch_tokens=64, prepack_weights="on")
     assert engine.runner.packed is not None and engine.runner.packed.kernel is LinearKernel.MKL_PACKED
-    convs = [Conversation(seed=300 + i, first=12 + 3 * i) for i in range(6)]
+    convs = {f"s{i}": Conversation(seed=300 + i, first=12 + 3 * i) for i in range(6)}
     for _ in range(2):                                                             # a first and a returning turn
-        prompts = [c.ids[0].tolist() for c in convs]
-        handles = [engine.submit(f"s{i}", ids, SamplingParams(max_new_tokens=5)) for i, ids in enumerate(prompts)]
-        while engine.has_work():
-            engine.step()
-        for conv, ids, h in zip(convs, prompts, handles):
-            got = list(h.result().token_ids)
-            x = torch.tensor([ids])
-            want = greedy(oracle, x, 5, attention_mask=torch.ones_like(x))[0, len(ids):].tolist()
-            assert got == want
-            conv.reply(torch.tensor([ids + got]))
+        engine_round(engine, convs, oracle, 5)
         engine.store.check_integrity()
     # the model's other calls are untouched: a stateless generate on the packed model equals the oracle's
-    x = convs[0].ids
+    x = convs["s0"].ids
     assert torch.equal(greedy(model, x, 4, attention_mask=torch.ones_like(x)),
                        greedy(oracle, x, 4, attention_mask=torch.ones_like(x)))

@@ -98,7 +98,7 @@ _ATTR = "_stateful_hf_packed"
 _ACTIVE: ContextVar[bool] = ContextVar("stateful_hf_packed", default=False)
 
 
-def _key(w: torch.Tensor) -> tuple:
+def weight_key(w: torch.Tensor) -> tuple:
     """What a packed copy was made from: the tensor, its storage, dtype, shape and in-place version."""
     try:
         version = w._version
@@ -119,7 +119,7 @@ class _PackedForward:
 
     def repack(self) -> None:
         w = self.module.weight
-        self.packed, self.key = pack(w, self.kernel, self.rows), _key(w)
+        self.packed, self.key = pack(w, self.kernel, self.rows), weight_key(w)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m = self.module
@@ -127,7 +127,7 @@ class _PackedForward:
         if (not _ACTIVE.get() or x.dtype != self.dtype or w.dtype != self.dtype or x.device.type != "cpu"
                 or x.numel() < MIN_ROWS * x.shape[-1]):
             return F.linear(x, w, m.bias)
-        if _key(w) != self.key:
+        if weight_key(w) != self.key:
             self.repack()
         return apply(x, self.packed, w, m.bias, self.kernel)
 
