@@ -97,7 +97,7 @@ def measure(ctx: int, args, device: torch.device, gpu: list[str]) -> tuple[dict[
     }
     expect = contiguous().transpose(1, 2).reshape(s * q, hq, d)
     torch.testing.assert_close(fns["torch paged"](), expect, atol=1e-5, rtol=0)
-    torch.testing.assert_close(contiguous_folded().view(s, hq, q, d), contiguous(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(contiguous_folded().reshape(s, hq, q, d), contiguous(), atol=1e-5, rtol=0)
     if device.type == "cpu" and cpu_backend.available(device):
         cpu_plan = kernels.plan(batch, args.block_size, backend="cpu")
         fns["cpu"] = lambda: paged_attention(query, kc, vc, batch, plan=cpu_plan)

@@ -71,10 +71,12 @@ def test_cuda_hidden_capture_exact(make_store):
     store = make_store(model, 512, host_capacity=1024, hidden_states="always", hidden_layers=1,
                        cost_profile=PROFILE, attn_backend="torch")
 
-    def moves(st, sid, turn):
-        st.move(sid, range(len(st.session(sid).chunks)), "hidden" if turn % 2 == 0 else "host")
+    def moves(st, sid, turn):     # every turn: all to hidden (a KV swap-in's blocks could not go hidden again)
+        st.move(sid, range(len(st.session(sid).chunks)), "hidden")
 
     assert all(_turns(store, model, oracle, moves))
+    c = store.stats().counters
+    assert c.swapped_out_hidden and c.restored_hidden    # captured on the side stream, then rebuilt from it
 
 
 @cuda

@@ -62,11 +62,12 @@ def test_triton_half_precision(dtype):
 
 def test_triton_plan_reused_and_unsupported_shapes_rejected():
     query, kc, vc, batch = small_case()
-    plan = kernels.plan(batch, block_size=16, backend="triton")
+    dq, dk, dv, db = query.to(DEVICE), kc.to(DEVICE), vc.to(DEVICE), batch.to(DEVICE)
+    plan = kernels.plan(db, block_size=16, backend="triton")
     assert plan.backend == "triton"
-    out = paged_attention(query, kc, vc, batch, plan=plan)
-    assert torch.equal(out, paged_attention(query, kc, vc, batch, plan=plan))
-    assert_close_to_reference(out, query, kc, vc, batch, None)
+    out = paged_attention(dq, dk, dv, db, plan=plan)
+    assert torch.equal(out, paged_attention(dq, dk, dv, db, plan=plan))
+    assert_close_to_reference(out.cpu(), query, kc, vc, batch, None)
     query72, kc72, vc72, _ = small_case(d=72)
     with pytest.raises(ValueError, match="head_dim 72"):
-        paged_attention(query72, kc72, vc72, batch, backend="triton")
+        paged_attention(query72.to(DEVICE), kc72.to(DEVICE), vc72.to(DEVICE), db, backend="triton")

@@ -27,7 +27,8 @@ Ordering discipline (every rule holds on CUDA; the emulator below checks them on
    (`num_free`, `check`). A virtual pool's free waits for such copies at once instead. Each pool is
    given the transfer engine when it is made (its `transfer`), so every free passes through here.
 4. Host staging uses pinned buffers owned by their `Copy` until its event completed, never reused
-   before (each copy makes its own; torch's pinned allocator recycles them after).
+   before (each copy makes its own; torch's pinned allocator recycles them after). A host -> device
+   copy of few runs reads the pinned host pool itself, with no staging (rule 3 holds its source).
 5. Copies between CPU pools and every CPU-side read settle the copies into their source first.
 
 Async emulator (STATEFUL_HF_EMULATE_ASYNC=1 or SessionStore(..., emulate_async=True)): on any
@@ -55,6 +56,7 @@ if TYPE_CHECKING:
     from .hidden.states import HiddenCapture, HiddenPool
 
 ENV = "STATEFUL_HF_EMULATE_ASYNC"
+MAX_DIRECT_RUNS = 32     # a host -> device copy of at most this many runs per layer is DMA'd from the pinned pool
 
 
 def emulate_from_env() -> bool:
@@ -74,6 +76,24 @@ def copy_now(src: TierPool, src_ids: list[int], dst: TierPool, dst_ids: list[int
     d_idx = torch.tensor(dst_ids, device=dst.device)
     for layer in range(src.spec.num_layers):
         dst.write(layer, d_idx, src.read(layer, s_idx).to(dst.device))
+
+
+def _direct_runs(src: TierPool, src_ids: list[int], dst: TierPool, dst_ids: list[int]) -> list | None:
+    """Runs of a host -> device copy that can be DMA'd straight out of a pinned pool (no CPU copy),
+    or None: the source is not pinned, either pool is not sliced by block, or the ids are too scattered."""
+    if not (src.slice_blocks and dst.slice_blocks and dst.device_tier and src.device.type == "cpu"):
+        return None
+    runs = block_runs(src_ids, dst_ids)
+    return runs if len(runs) <= MAX_DIRECT_RUNS and src.data.is_pinned() else None
+
+
+def _pinned_gather(src: TierPool, layer: int, s_idx: torch.Tensor) -> torch.Tensor:
+    """Layer `layer` of blocks s_idx of a CPU pool, gathered once into a new pinned buffer."""
+    if not src.slice_blocks:
+        return src.read(layer, s_idx).pin_memory()
+    part = src.data[layer]                                                   # [blocks, 2, block, H, D]
+    stage = torch.empty((len(s_idx), *part.shape[1:]), dtype=part.dtype, pin_memory=True)
+    return torch.index_select(part, 0, s_idx, out=stage)
 
 
 def wait_event(event, device: torch.device) -> None:
@@ -191,14 +211,21 @@ class Transfer:
         with torch.cuda.stream(self.stream):     # everything made here belongs to the copy stream
             s_idx = torch.tensor(c.src_ids, device=src.device)
             d_idx = torch.tensor(c.dst_ids, device=dst.device)
+            runs = _direct_runs(src, c.src_ids, dst, c.dst_ids)
             for layer in range(src.spec.num_layers):
-                part = src.read(layer, s_idx)            # [n, 2, block, H, D]; a gather on the copy stream
-                if dst.device.type == "cpu":             # device -> host: into pinned staging (rules 2, 4)
+                stage = None
+                if runs is not None:                     # pinned pool -> device: DMA per run (rule 3 holds the source)
+                    for s, d, n in runs:
+                        dst.data[layer, d:d + n].copy_(src.data[layer, s:s + n], non_blocking=True)
+                elif dst.device.type == "cpu":           # device -> host: into pinned staging (rules 2, 4)
+                    part = src.read(layer, s_idx)        # [n, 2, block, H, D]; a gather on the copy stream
                     stage = torch.empty(part.shape, dtype=part.dtype, pin_memory=True)
                     stage.copy_(part, non_blocking=True)
-                else:                                    # host -> device: from pinned staging (rule 4)
-                    stage = part.pin_memory() if part.device.type == "cpu" else None
-                    dst.write(layer, d_idx, (part if stage is None else stage).to(dst.device, non_blocking=True))
+                elif src.device.type == "cpu":           # host/disk -> device: gathered into pinned staging (rule 4)
+                    stage = _pinned_gather(src, layer, s_idx)
+                    dst.write(layer, d_idx, stage.to(dst.device, non_blocking=True))
+                else:
+                    dst.write(layer, d_idx, src.read(layer, s_idx))
                 ev = torch.cuda.Event()
                 ev.record(self.stream)
                 c.events.append(ev)
