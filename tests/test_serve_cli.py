@@ -92,6 +92,8 @@ PRE_IMPORT = [
      "never"),
     (["--backend", "nope"], "argument --attention-backend/--backend: unknown 'nope'; choose from auto, torch"),
     (["--allowed-origins", "[1]"], "argument --allowed-origins: expected a JSON list of non-empty strings"),
+    (["--responses-ttl", "0"], "--responses-ttl must be a number of seconds > 0, got 0.0"),
+    (["--responses-cap", "0"], "--responses-cap must be an int >= 1, got 0"),
 ]
 
 

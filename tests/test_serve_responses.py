@@ -180,3 +180,20 @@ def test_bad_input_names_the_field(url):
         assert r.status_code == status, (body, r.text)
         err = r.json()["error"]
         assert err["param"] == param and err["type"] == "invalid_request_error" and err["message"], (body, err)
+
+
+def test_responses_cap_and_ttl_flags(tmp_path):
+    """--responses-cap 1: storing a second response forgets the first (its id is then a 404, to GET and
+    as previous_response_id); --responses-ttl is taken (a day here: nothing expires)."""
+    with serve(tmp_path, "--model", MODEL, "--served-model-name", MODEL, "--max-model-len", str(CONTEXT),
+               "--responses-cap", "1", "--responses-ttl", "86400", keys=True) as u:
+        client = openai.OpenAI(base_url=u + "/v1", api_key="key-acme", timeout=120, max_retries=0)
+        first = _create(client, input=HELLO)
+        assert client.responses.retrieve(first.id).id == first.id
+        second = _create(client, input="And the sky?")
+        assert client.responses.retrieve(second.id).id == second.id
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(first.id)
+        with pytest.raises(openai.NotFoundError, match="Previous response"):
+            _create(client, input="more", previous_response_id=first.id)
+        assert _create(client, input="more", previous_response_id=second.id).id.startswith("resp_")

@@ -14,6 +14,7 @@ import signal
 from ..models import DEFAULT_MODEL, SOURCES, TINY_MODEL, TINY_MODELS, TINY_QWEN3
 from ..options import SchedulingOptions, SessionStoreOptions
 from . import flags
+from .response_store import DEFAULT_CAP, DEFAULT_TTL, ResponseRetention
 
 
 def _share(v: str) -> tuple[str, float]:
@@ -104,6 +105,10 @@ def parser() -> argparse.ArgumentParser:
     flags.add_engine_flags(p, max_num_seqs=flags.SERVER_DEFAULTS["max_num_seqs"])
     p.add_argument("--default-max-tokens", type=int,
                    help="cap on a chat's max_tokens when the request has none; none: the room left in the context")
+    p.add_argument("--responses-ttl", type=float, default=DEFAULT_TTL,
+                   help="seconds a stored response of /v1/responses can be fetched and continued")
+    p.add_argument("--responses-cap", type=int, default=DEFAULT_CAP,
+                   help="stored responses at most, all tenants together (past it the oldest are forgotten)")
     p.add_argument("--session-wait-timeout", type=float, default=30.0,
                    help="seconds a turn waits for its session's previous turn before a 409 (Retry-After: 1)")
     p.add_argument("--ray", action="store_true", help="cluster mode: engine replicas on Ray Serve")
@@ -143,7 +148,12 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> str | None:
-    """The checks that need neither torch nor transformers; returns the chat template's text."""
+    """The checks that need neither torch nor transformers; returns the chat template's text. Sets
+    `a.responses` (the `ResponseRetention` of --responses-ttl and --responses-cap)."""
+    try:
+        a.responses = ResponseRetention(a.responses_ttl, a.responses_cap)
+    except ValueError as e:
+        p.error(re.sub(r"\b(responses_[a-z]+)\b", lambda m: "--" + m.group(1).replace("_", "-"), str(e)))
     for flag, value, least in (("--default-max-tokens", a.default_max_tokens, 1),
                                ("--max-model-len", a.max_model_len, 2), ("--replicas", a.replicas, 1),
                                ("--seed", a.seed, 0)):
@@ -185,7 +195,7 @@ def main(argv=None) -> None:
                     served_name=a.served_model_name, default_max_tokens=a.default_max_tokens,
                     replica_cpus=a.replica_cpus, replica_gpus=a.replica_gpus, dtype=dtype, device=a.device,
                     access=access, load=dict(hub, chat_template=template), max_model_len=a.max_model_len, seed=a.seed,
-                    router_db=a.router_db)
+                    router_db=a.router_db, responses=a.responses)
         return
     import uvicorn
 
@@ -202,7 +212,7 @@ def main(argv=None) -> None:
         p.error(f"--chat-template {a.chat_template}: {e}")
     try:
         app, router = build_local(model, tokenizer, a.served_model_name or name, options, a.default_max_tokens,
-                                  access, max_model_len=a.max_model_len, seed=a.seed)
+                                  access, max_model_len=a.max_model_len, seed=a.seed, responses=a.responses)
     except (ValueError, RuntimeError) as e:     # the store refused its options (a backend missing, ...)
         p.error(flags.as_flags(" ".join(str(e).split()), SessionStoreOptions, SchedulingOptions))
     _describe(router.clients[0].replica.store, app.state.config.max_model_len)

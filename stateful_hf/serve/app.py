@@ -50,6 +50,7 @@ from .protocol import (
     new_id,
     usage,
 )
+from .response_store import ResponseRetention
 from .responses import install as install_responses
 from .retain import retain_of
 from .structured import constrain
@@ -66,11 +67,14 @@ class ServeConfig:
     chat's default max_tokens (None: no cap, the room left in the context, as vLLM does), the model's
     generation config (where a request's unset sampling fields come from; None: library defaults),
     the seed of unseeded requests' seeds (`request_seeds`; None: each draws a fresh one) and the seconds
-    a `response_format`'s grammar may take to compile (`structured.py`; None: no limit)."""
+    a `response_format`'s grammar may take to compile (`structured.py`; None: no limit) and how long and
+    how many stored responses the Responses API keeps (`responses`; None: `ResponseRetention()`)."""
 
     def __init__(self, model_name: str, tokenizer, max_model_len: int, default_max_tokens: int | None = None,
-                 generation_config=None, seed: int | None = None, grammar_compile_timeout: float | None = 5.0):
+                 generation_config=None, seed: int | None = None, grammar_compile_timeout: float | None = 5.0,
+                 responses: ResponseRetention | None = None):
         self.generation_config = generation_config
+        self.responses = responses or ResponseRetention()
         self.grammar_compile_timeout = grammar_compile_timeout   # a response_format's compile, at most (s)
         if default_max_tokens is not None and default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be >= 1 or None, got {default_max_tokens}")

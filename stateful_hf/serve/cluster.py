@@ -142,7 +142,7 @@ class Ingress:
 
     def __init__(self, model_path: str | None, served_name: str | None, default_max_tokens: int | None, *replicas,
                  access=None, load: dict | None = None, max_model_len: int | None = None, seed: int | None = None,
-                 router_db: str | None = None):
+                 router_db: str | None = None, responses=None):
         """`load`: `load_model`'s keyword arguments (revision, trust_remote_code, chat_template).
         `router_db`: the router's session directory file (SQLite; None: in memory only)."""
         from transformers import AutoConfig, AutoTokenizer, GenerationConfig
@@ -169,7 +169,7 @@ class Ingress:
         directory = SessionDirectory(router_db, len(replicas)) if router_db is not None else None
         self.router = Router([RayClient(h, f"replica-{i}") for i, h in enumerate(replicas)], directory=directory)
         self.config = ServeConfig(served_name or name, tokenizer, context_length(max_len, max_model_len),
-                                  default_max_tokens, generation, seed)
+                                  default_max_tokens, generation, seed, responses=responses)
         self.access = access        # keys file read here at deploy (SIGHUP reload: single machine only)
 
     def __serve_build_asgi_app__(self):
@@ -179,9 +179,10 @@ class Ingress:
 def build_app(model_path: str | None, options: EngineOptions, replicas: int, served_name: str | None = None,
               default_max_tokens: int | None = None, replica_cpus: float = 1.0, replica_gpus: float = 0.0,
               dtype: str = "float32", device: str = "cpu", access=None, load: dict | None = None,
-              max_model_len: int | None = None, seed: int | None = None, router_db: str | None = None):
+              max_model_len: int | None = None, seed: int | None = None, router_db: str | None = None,
+              responses=None):
     """The Serve application: `replicas` engine deployments behind the ingress. `load`: `load_model`'s
-    keyword arguments; `max_model_len`, `seed`: `build_local`'s."""
+    keyword arguments; `max_model_len`, `seed`, `responses`: `build_local`'s."""
     from ..models import SOURCES, fetch
     if model_path in SOURCES:
         fetch(model_path)                  # once, here, before the replicas load it
@@ -193,7 +194,7 @@ def build_app(model_path: str | None, options: EngineOptions, replicas: int, ser
     return Ingress.options(ray_actor_options={"num_cpus": 0}).bind(model_path, served_name, default_max_tokens,
                                                                     *engines, access=access, load=load,
                                                                     max_model_len=max_model_len, seed=seed,
-                                                                    router_db=router_db)
+                                                                    router_db=router_db, responses=responses)
 
 
 def start(model_path: str | None, options: EngineOptions, replicas: int, *, host: str = "127.0.0.1",

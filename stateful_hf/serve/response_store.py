@@ -13,11 +13,26 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 DEFAULT_TTL = 3600.0          # seconds a stored response can be fetched and continued
 DEFAULT_CAP = 10_000          # stored responses at most (all tenants); the oldest go first
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseRetention:
+    """How long and how many stored responses are kept (`--responses-ttl`, `--responses-cap`)."""
+
+    ttl: float = DEFAULT_TTL      # seconds from storing until a response is forgotten
+    cap: int = DEFAULT_CAP        # stored responses at most, all tenants together
+
+    def __post_init__(self) -> None:
+        if isinstance(self.ttl, bool) or not isinstance(self.ttl, int | float) or not self.ttl > 0:
+            raise ValueError(f"responses_ttl must be a number of seconds > 0, got {self.ttl!r}")
+        if isinstance(self.cap, bool) or not isinstance(self.cap, int) or self.cap < 1:
+            raise ValueError(f"responses_cap must be an int >= 1, got {self.cap!r}")
 
 
 @dataclass
@@ -33,13 +48,16 @@ class StoredResponse:
 
 
 class ResponseStore:
-    """Stored responses by (tenant, id); thread-safe (worker threads resolve, the event loop stores)."""
+    """Stored responses by (tenant, id); thread-safe (worker threads resolve, the event loop stores).
+    Kept in the order stored, each with its deadline (stored + ttl, monotonic clock), so that the
+    expired ones are a prefix; `_heads` counts the unclaimed stored responses per session. Each
+    operation is O(1) amortised, whatever the number stored."""
 
-    def __init__(self, ttl: float = DEFAULT_TTL, cap: int = DEFAULT_CAP):
-        if ttl <= 0 or cap < 1:
-            raise ValueError(f"ttl must be > 0 and cap >= 1, got {ttl}, {cap}")
-        self.ttl, self.cap = ttl, cap
-        self._items: OrderedDict[tuple[str, str], StoredResponse] = OrderedDict()
+    def __init__(self, retention: ResponseRetention | None = None, clock: Callable[[], float] = time.monotonic):
+        self.retention = retention or ResponseRetention()
+        self._clock = clock
+        self._items: OrderedDict[tuple[str, str], tuple[float, StoredResponse]] = OrderedDict()  # key -> (deadline, r)
+        self._heads: Counter[str] = Counter()     # session -> unclaimed stored responses whose history it holds
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -48,36 +66,54 @@ class ResponseStore:
     def get(self, tenant: str, rid: str) -> StoredResponse | None:
         """The tenant's stored response `rid` (None: unknown, another tenant's, or expired)."""
         with self._lock:
-            r = self._items.get((tenant, rid))
-            return None if r is None or self._expired(r) else r
+            item = self._items.get((tenant, rid))
+            return None if item is None or item[0] <= self._clock() else item[1]
 
     def claim(self, r: StoredResponse) -> bool:
         """True for the first continuation of `r` (it runs in r's session); False after (a fork)."""
         with self._lock:
             first, r.claimed = not r.claimed, True
+            if first and self._items.get((r.tenant, r.id), (0, None))[1] is r:
+                self._unhead(r.session)
             return first
 
     def put(self, r: StoredResponse) -> list[str]:
         """Store `r`; returns the sessions of the responses dropped to make room or expired that no
         stored response still heads (to delete)."""
         with self._lock:
-            self._items[(r.tenant, r.id)] = r
-            dropped = [k for k, v in self._items.items() if self._expired(v)]
-            dropped += [k for k in self._items if k not in dropped][:max(0, len(self._items) - len(dropped) - self.cap)]
-            return self._forget(dropped)
+            key = (r.tenant, r.id)
+            gone = [] if key not in self._items else [self._pop(key)]
+            self._items[key] = (self._clock() + self.retention.ttl, r)
+            if not r.claimed:
+                self._heads[r.session] += 1
+            now = self._clock()
+            while self._items:
+                first, (deadline, _) = next(iter(self._items.items()))
+                if deadline > now and len(self._items) <= self.retention.cap:
+                    break
+                gone.append(self._pop(first))
+            return self._orphans(gone)
 
     def delete(self, tenant: str, rid: str) -> tuple[StoredResponse | None, list[str]]:
         """Forget the tenant's response `rid`: (it or None, the sessions to delete)."""
         with self._lock:
-            r = self._items.get((tenant, rid))
-            if r is None or self._expired(r):
-                return None, self._forget([(tenant, rid)] if r is not None else [])
-            return r, self._forget([(tenant, rid)])
+            item = self._items.get((tenant, rid))
+            if item is None:
+                return None, []
+            r = self._pop((tenant, rid))
+            return (None if item[0] <= self._clock() else r), self._orphans([r])
 
-    def _forget(self, keys: list[tuple[str, str]]) -> list[str]:
-        gone = [self._items.pop(k) for k in keys if k in self._items]
-        heads = {v.session for v in self._items.values() if not v.claimed}
-        return sorted({r.session for r in gone if r.owns_session and not r.claimed and r.session not in heads})
+    def _pop(self, key: tuple[str, str]) -> StoredResponse:
+        r = self._items.pop(key)[1]
+        if not r.claimed:
+            self._unhead(r.session)
+        return r
 
-    def _expired(self, r: StoredResponse) -> bool:
-        return time.time() - r.created > self.ttl
+    def _unhead(self, session: str) -> None:
+        self._heads[session] -= 1
+        if not self._heads[session]:
+            del self._heads[session]
+
+    def _orphans(self, gone: list[StoredResponse]) -> list[str]:
+        """Sessions the server named for responses in `gone`, never continued, that no stored response heads."""
+        return sorted({r.session for r in gone if r.owns_session and not r.claimed and r.session not in self._heads})

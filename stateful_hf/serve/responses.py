@@ -99,7 +99,7 @@ def install(app, router, config, kit) -> ResponseStore:
     """Add the Responses API's routes to `app`. `kit`: the app's helpers (`parse`, `encode`,
     `max_tokens_for`, `check_model`, `check_session_id`, `header_session`, `seeded`, `limits`): a
     namespace, since this module cannot import app.py (which imports it)."""
-    store = app.state.responses = ResponseStore()
+    store = app.state.responses = ResponseStore(config.responses)
     tok = config.tokenizer
 
     def prepare(raw: bytes, tenant: str, named: str | None) -> Turn:

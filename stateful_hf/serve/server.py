@@ -98,11 +98,11 @@ def context_length(model_len: int, max_model_len: int | None) -> int:
 
 def build_local(model, tokenizer, name: str, options: EngineOptions | None = None,
                 default_max_tokens: int | None = None, access: Access | None = None, *,
-                max_model_len: int | None = None, seed: int | None = None):
+                max_model_len: int | None = None, seed: int | None = None, responses=None):
     """The single-machine server: one replica behind the router. Returns (app, router).
     default_max_tokens: cap on a chat's max_tokens when the request has none (None: the room left).
     `access`: API keys, limits and CORS (auth.py); None: no keys (the default tenant), default limits.
-    max_model_len: the context enforced (None: the model's). seed: `ServeConfig`'s."""
+    max_model_len: the context enforced (None: the model's). seed, responses: `ServeConfig`'s."""
     replica = (options or EngineOptions()).replica(model, tokenizer)
     try:
         context = context_length(replica.engine.adapter.max_positions, max_model_len)
@@ -111,7 +111,7 @@ def build_local(model, tokenizer, name: str, options: EngineOptions | None = Non
         raise
     router = Router([LocalClient(replica)])
     config = ServeConfig(name, tokenizer, context, default_max_tokens, replica.engine.generation_config, seed,
-                         replica.engine.config.grammar_compile_timeout)
+                         replica.engine.config.grammar_compile_timeout, responses)
     return create_app(router, config, access), router
 
 

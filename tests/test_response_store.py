@@ -1,0 +1,76 @@
+"""The Responses API's stored responses (`serve/response_store.py`): time to live, cap, and which
+sessions a forgotten response hands back for deletion. A fake clock; no web stack needed."""
+
+from __future__ import annotations
+
+import pytest
+
+from stateful_hf.serve.response_store import ResponseRetention, ResponseStore, StoredResponse
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def response(rid: str, session: str | None = None, tenant: str = "t", owns: bool = True) -> StoredResponse:
+    return StoredResponse(rid, tenant, session or f"sess-{rid}", owns, [], {"id": rid})
+
+
+def test_ttl_forgets_and_hands_back_the_servers_sessions():
+    clock = Clock()
+    store = ResponseStore(ResponseRetention(ttl=10.0, cap=100), clock=clock)
+    a, b = response("a"), response("b", owns=False)      # b ran in the client's X-Session-Id
+    assert store.put(a) == [] and store.put(b) == []
+    clock.now = 9.9
+    assert store.get("t", "a") is a and store.get("other", "a") is None    # another tenant's id: unknown
+    clock.now = 10.0
+    assert store.get("t", "a") is None and store.get("t", "b") is None     # expired
+    assert store.put(response("c")) == ["sess-a"]          # b's session is the client's: not deleted
+    assert len(store) == 1
+
+
+def test_cap_forgets_the_oldest():
+    store = ResponseStore(ResponseRetention(ttl=1e9, cap=3), clock=Clock())
+    for i in range(3):
+        assert store.put(response(f"r{i}")) == []
+    assert store.put(response("r3")) == ["sess-r0"]
+    assert [store.get("t", f"r{i}") is not None for i in range(4)] == [False, True, True, True]
+    dropped = [s for i in range(4, 2004) for s in store.put(response(f"r{i}"))]
+    assert dropped == [f"sess-r{i}" for i in range(1, 2001)] and len(store) == 3
+
+
+def test_a_session_still_heading_a_response_is_kept():
+    store = ResponseStore(ResponseRetention(ttl=1e9, cap=2), clock=Clock())
+    first = response("a", session="s")
+    store.put(first)
+    assert store.claim(first) and not store.claim(first)    # the first continuation runs in s; later ones fork
+    store.put(response("b", session="s"))                  # its answer: s now ends with b
+    assert store.put(response("c")) == []                   # a goes: claimed, so s lives on with b
+    assert store.put(response("d")) == ["s"]  # b goes: nothing heads s any more
+    two = [response("x", session="shared"), response("y", session="shared")]
+    for r in two:
+        store.put(r)
+    assert store.delete("t", "x")[1] == []                  # y still heads "shared"
+    assert store.delete("t", "y") == (two[1], ["shared"])
+    assert store.delete("t", "y") == (None, [])
+
+
+def test_delete_of_an_expired_response_forgets_it():
+    clock = Clock()
+    store = ResponseStore(ResponseRetention(ttl=5.0, cap=10), clock=clock)
+    store.put(response("a"))
+    clock.now = 6.0
+    assert store.delete("t", "a") == (None, ["sess-a"])
+    assert len(store) == 0
+
+
+@pytest.mark.parametrize(("kwargs", "says"), [({"ttl": 0}, "responses_ttl must be a number of seconds > 0"),
+                                              ({"ttl": True}, "responses_ttl"), ({"cap": 0}, "responses_cap"),
+                                              ({"cap": 2.5}, "responses_cap must be an int >= 1")])
+def test_bad_retention_names_its_field(kwargs, says):
+    with pytest.raises(ValueError, match=says):
+        ResponseRetention(**kwargs)
