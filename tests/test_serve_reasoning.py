@@ -103,6 +103,21 @@ def test_reader_splits_the_think_block_whole_or_streamed(tok):
     assert json.loads(msg["tool_calls"][0]["function"]["arguments"]) == {"city": "Oslo"}
 
 
+def test_reasoning_tokens_counts_the_block_through_its_close(tok):
+    from stateful_hf.serve.reasoning import reasoning_tokens
+    ids = tok.encode("<think>Hmm, let me think.</think>\n\nThe sea is wide.", add_special_tokens=False)
+    close = tok.convert_tokens_to_ids("</think>")
+    assert reasoning_tokens(tok, ids, True) == ids.index(close) + 1
+    cut = ids[:ids.index(close)]                          # max_tokens ended inside the block: all of it
+    assert reasoning_tokens(tok, cut, True) == len(cut)
+    plain = tok.encode("The sea is wide.", add_special_tokens=False)
+    assert reasoning_tokens(tok, plain, False) == 0 and reasoning_tokens(tok, [], True) == 0
+    head = tok.encode("<think>x</thin", add_special_tokens=False)      # "</think>" spelled across tokens
+    tail = tok.encode("k> done", add_special_tokens=False)
+    assert tok.convert_ids_to_tokens(tail[:2]) == ["k", ">"]          # the close completes at ">"
+    assert reasoning_tokens(tok, head + tail, True) == len(head) + 2
+
+
 def test_qwen3_template_strips_earlier_think_blocks(tok):
     """The divergence the store handles: an earlier turn renders without its reasoning, however the
     client sends it back (as `reasoning_content` or inline in `content`)."""
@@ -135,14 +150,18 @@ def test_chat_returns_reasoning_content_and_streams_it(url, client, tok):
     assert msg["reasoning_content"] == THOUGHT and msg["content"] and "<think>" not in msg["content"]
     generated = body["choices"][0]["token_ids"]
     assert tok.convert_ids_to_tokens(generated[:4]) == ["<think>", "Hmm,", " let me think.", "</think>"]
-    stream = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=16, temperature=0, stream=True)
-    reasoning, content = "", ""
+    assert body["usage"]["completion_tokens_details"] == {"reasoning_tokens": 4}     # the block, delimiters too
+    stream = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=16, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    reasoning, content, counted = "", "", []
     for chunk in stream:
+        if chunk.usage is not None:
+            counted.append(chunk.usage.completion_tokens_details.reasoning_tokens)
         if chunk.choices:
             delta = chunk.choices[0].delta
             reasoning += getattr(delta, "reasoning_content", None) or ""
             content += delta.content or ""
-    assert (reasoning, content) == (THOUGHT, msg["content"])
+    assert (reasoning, content, counted) == (THOUGHT, msg["content"], [4])
 
 
 def _reuse_over_turns(url: str, tok, turns: int, sid: str, system: str | None = None, start: int = 0,
@@ -226,6 +245,7 @@ def test_responses_reasoning_item_streamed_and_continued_exactly(url, client):
     kinds = [type(it).__name__ for it in first.output]
     assert kinds == ["ResponseReasoningItem", "ResponseOutputMessage"], kinds
     assert first.output[0].content[0].text == THOUGHT and first.output[0].summary == []
+    assert first.usage.output_tokens_details.reasoning_tokens == 4
     events = list(client.responses.create(input=QUESTIONS[0], stream=True, store=False, **kw))
     deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
     assert deltas == THOUGHT

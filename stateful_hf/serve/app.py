@@ -249,6 +249,7 @@ def create_app(router, config: ServeConfig, access: Access | None = None) -> Fas
             if reply is not None:                          # tools: the message's content and tool_calls
                 choice = body["choices"][0]
                 choice["message"], choice["finish_reason"] = reply.message(final["text"], final["finish_reason"])
+                body["usage"] = usage(reply.counted(tok, final))
             return JSONResponse(body, headers={"X-Replica": str(final.get("replica", ""))})
         if kind == "chat":
             piece = lambda text, reason=None, use=None, choices=True: chat_chunk(
@@ -279,7 +280,8 @@ def create_app(router, config: ServeConfig, access: Access | None = None) -> Fas
                                 yield _sse(chat_chunk(rid, model, created, delta))
                         yield _sse(piece("", reason))
                         if include_usage:
-                            yield _sse(piece("", use=usage(ev), choices=False))
+                            yield _sse(piece("", use=usage(ev if reply is None else reply.counted(tok, ev)),
+                                             choices=False))
                         if kept is not None:
                             await kept(sid, retain)
                     ev = await anext(events, None)

@@ -235,10 +235,14 @@ def new_id(prefix: str) -> str:
 
 
 def usage(out: dict) -> dict:
-    """OpenAI usage; reuse is reported as `prompt_tokens_details.cached_tokens`."""
-    return {"prompt_tokens": out["prompt_tokens"], "completion_tokens": out["completion_tokens"],
-            "total_tokens": out["prompt_tokens"] + out["completion_tokens"],
-            "prompt_tokens_details": {"cached_tokens": out["reused_tokens"]}}
+    """OpenAI usage; reuse is reported as `prompt_tokens_details.cached_tokens`, and a reasoning model's
+    think block (`out["reasoning_tokens"]`, where counted) as `completion_tokens_details.reasoning_tokens`."""
+    use = {"prompt_tokens": out["prompt_tokens"], "completion_tokens": out["completion_tokens"],
+           "total_tokens": out["prompt_tokens"] + out["completion_tokens"],
+           "prompt_tokens_details": {"cached_tokens": out["reused_tokens"]}}
+    if "reasoning_tokens" in out:
+        use["completion_tokens_details"] = {"reasoning_tokens": out["reasoning_tokens"]}
+    return use
 
 
 def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: str | None = None,

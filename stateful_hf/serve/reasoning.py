@@ -35,6 +35,23 @@ _anchors: dict[str, str | None] = {}
 _anchors_lock = threading.Lock()
 
 
+def reasoning_tokens(tok, ids: list[int], reasoned: bool) -> int:
+    """The reasoning tokens of a reply `ids` (usage's `reasoning_tokens`): those through the one that
+    completes `</think>`, delimiters included; all of them when the reply `reasoned` but its block was
+    never closed (cut by max_tokens); 0 without reasoning. O(log n) decodes: the prefix that first
+    decodes with `</think>` is found by bisection."""
+    if not ids or THINK_CLOSE not in tok.decode(ids, skip_special_tokens=False):
+        return len(ids) if reasoned else 0
+    lo, hi = 1, len(ids)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if THINK_CLOSE in tok.decode(ids[:mid], skip_special_tokens=False):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
 def reasons(tok) -> bool:
     """Whether replies under `tok`'s chat template are read for a `<think>` block."""
     return THINK_CLOSE in str(tok.chat_template or "")

@@ -204,9 +204,11 @@ class OutputBuilder:
 
 
 def response_usage(out: dict) -> dict:
-    """The Responses API's usage; reuse is `input_tokens_details.cached_tokens`."""
+    """The Responses API's usage; reuse is `input_tokens_details.cached_tokens`, the think block
+    `output_tokens_details.reasoning_tokens` (`reasoning.reasoning_tokens`)."""
     return {"input_tokens": out["prompt_tokens"], "input_tokens_details": {"cached_tokens": out["reused_tokens"]},
-            "output_tokens": out["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": out["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": out.get("reasoning_tokens", 0)},
             "total_tokens": out["prompt_tokens"] + out["completion_tokens"]}
 
 

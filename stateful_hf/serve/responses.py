@@ -30,7 +30,7 @@ from ..cache.tenant import session_key
 from ..engine import SamplingParams
 from .auth import request_tenant
 from .protocol import APIError
-from .reasoning import reply_template
+from .reasoning import reasoning_tokens, reasons, reply_template
 from .response_items import OutputBuilder, input_messages, item_id, reply_message, response_usage
 from .response_store import ResponseStore, StoredResponse
 from .retain import retain_of
@@ -145,6 +145,12 @@ def install(app, router, config, kit) -> ResponseStore:
             with contextlib.suppress(APIError):
                 await router.delete_session(sid)
 
+    def counted(final: dict, parser: ReplyParser | None) -> dict:
+        """`final` with its `reasoning_tokens` where the template reasons (usage's output_tokens_details)."""
+        if parser is None or not reasons(tok):
+            return final
+        return {**final, "reasoning_tokens": reasoning_tokens(tok, final["token_ids"], bool(parser.reasoning))}
+
     def finish(turn: Turn, rid: str, created: int, builder: OutputBuilder, final: dict) -> dict:
         obj = response_object(turn, rid, created, config.model_name, builder.items, final)
         if turn.body.store:
@@ -188,7 +194,7 @@ def install(app, router, config, kit) -> ResponseStore:
             builder.close()
             if retain is not None and turn.sid is not None:      # X-Session-Retain: after the turn (retain.py)
                 await router.retain(turn.sid, retain)
-            return JSONResponse(finish(turn, rid, created, builder, final))
+            return JSONResponse(finish(turn, rid, created, builder, counted(final, parser)))
 
         async def sse() -> AsyncIterator[str]:
             seq = 0
@@ -214,7 +220,7 @@ def install(app, router, config, kit) -> ResponseStore:
                     elif ev["type"] == "done":
                         for e in builder.add(parser.close() if parser else []) + builder.close():
                             yield emit(e)
-                        obj = finish(turn, rid, created, builder, ev)
+                        obj = finish(turn, rid, created, builder, counted(ev, parser))
                         if retain is not None and turn.sid is not None:
                             await router.retain(turn.sid, retain)
                         yield emit({"type": f"response.{obj['status']}", "response": obj})
