@@ -56,9 +56,51 @@ def test_edit_inside_the_shared_prefix(models, make_store):
     edited = a.clone()
     edited[0, 30] = (edited[0, 30] + 1) % 300          # inside chunk 3 (tokens 24..31), shared with b
     turn(model, oracle, store, "a", edited)
-    last = store.stats("a").last_turn
-    assert last.reused_tokens == 24 and last.truncated_tokens > 0      # chunks 0-2 kept; 24..29 recomputed
+    last, c = store.stats("a").last_turn, store.stats().counters
+    # chunks 0-2 kept, and 24..29 too: a's private copy of chunk 3 (copy-on-write), nothing recomputed
+    assert (last.reused_tokens, last.recomputed_tokens, c.copied_on_write) == (30, 0, 6)
+    assert last.truncated_tokens > 0 and store.transfer.issued["duplicated"] == 1
     turn(model, oracle, store, "b", torch.cat([SYSTEM, user(2), user(6)], 1))   # b's chunk 3 untouched
+    turn(model, oracle, store, "a", torch.cat([edited[:, :31], user(7)], 1))    # a's copy, cut again: private
+
+
+def test_edit_inside_a_shared_chunk_on_the_host_recomputes_its_kept_part(models, make_store):
+    """Negative control of copy-on-write: the shared chunk is on the host, so the session lets go of it and
+    recomputes its kept part (exact all the same)."""
+    model, oracle = models
+    store = make_store(model, device_capacity=1024, host_capacity=1024, chunk_size=BS, swap_out_threshold=0)
+    a = turn(model, oracle, store, "a", torch.cat([SYSTEM, user(1)], 1))
+    turn(model, oracle, store, "b", torch.cat([SYSTEM, user(2)], 1))
+    store.move("a", range(5), "host")                     # b's shared chunks go with them
+    edited = a.clone()
+    edited[0, 30] = (edited[0, 30] + 1) % 300
+    turn(model, oracle, store, "a", edited)
+    last, c = store.stats("a").last_turn, store.stats().counters
+    assert (last.recomputed_tokens, c.copied_on_write, store.transfer.issued["duplicated"]) == (6, 0, 0), last
+    turn(model, oracle, store, "b", torch.cat([SYSTEM, user(2), user(6)], 1))
+
+
+@pytest.mark.parametrize("hidden", [False, True])
+def test_engine_edit_inside_a_shared_chunk_copies_on_write(models, make_store, hidden):
+    """Through the engine: the edited session's first step recomputes nothing of the chunk it copied
+    (admission asks the store again after the cut); with hidden states captured, the copy keeps them, so
+    it can move to the hidden tier and come back exact."""
+    model, oracle = models
+    kw = dict(hidden_states="always", hidden_layers=1) if hidden else {}
+    store = make_store(model, device_capacity=1024, host_capacity=1024, chunk_size=BS, **kw)
+    engine = Engine(model, store=store)
+    convs = {"a": torch.cat([SYSTEM, user(1)], 1), "b": torch.cat([SYSTEM, user(2)], 1)}
+    engine_round_ids(engine, oracle, convs, ["a", "b"], 6, lambda sid: user(3))
+    convs["a"] = convs["a"][:, :40].clone()
+    convs["a"][0, 30] = (convs["a"][0, 30] + 1) % 300       # inside shared chunk 3 (tokens 24..31)
+    engine_round_ids(engine, oracle, convs, ["a"], 6, lambda sid: user(4))
+    last, c = store.stats("a").last_turn, store.stats().counters
+    assert (last.reused_tokens, last.recomputed_tokens, c.copied_on_write) == (30, 0, 6), last
+    if hidden:
+        store.move("a", [3], "hidden")                      # its captured hidden states came with the copy
+        assert store.residency("a")["hidden"] == BS
+    engine_round_ids(engine, oracle, convs, ["a", "b"], 6, lambda sid: user(5))
+    store.check_integrity()
 
 
 def test_shared_chunks_move_for_every_holder(models, make_store, tmp_path):

@@ -217,14 +217,11 @@ def test_ten_turns_recompute_only_the_last_answer_and_the_new_input(url, tok, ca
         assert r["cached"] == rows[r["turn"] - 2]["prompt"], r
 
 
-@pytest.mark.xfail(strict=True, reason="the store: a cut inside a 32-token chunk that another session shares "
-                   "releases the session's copy (shared chunks are immutable), so the chunk's kept tokens (up to "
-                   "31) are recomputed; copy-on-write of the kept part would keep the bound")
-def test_a_cut_inside_a_shared_chunk_recomputes_its_kept_part(url, tok):
-    """Known limit. A request without a session asked the same first question before (its prefix is
-    retained for sharing, `prefix-sharing.md`); turn 1 of the session fills chunk 0 with the same tokens
-    (prompt + the same deterministic answer's start), so the session holds the shared chunk; turn 2's
-    divergence (the think block, inside chunk 0) then costs the chunk's kept part too."""
+def test_a_cut_inside_a_shared_chunk_keeps_its_kept_part(url, tok):
+    """A request without a session asked the same first question before (its prefix is retained for
+    sharing, `prefix-sharing.md`); turn 1 of the session fills chunk 0 with the same tokens (prompt + the
+    same deterministic answer's start), so the session holds the shared chunk; turn 2's divergence (the
+    think block, inside chunk 0) copies the chunk's kept part on write instead of recomputing it."""
     _chat(url, [{"role": "user", "content": QUESTIONS[3]}])    # a throwaway session: retained, shared
     rows = _reuse_over_turns(url, tok, 2, "think-shared", start=3)
     assert rows[0]["prompt"] < 32 <= rows[0]["prompt"] + 16     # turn 1 fills chunk 0, the cut falls in it
@@ -239,7 +236,7 @@ def test_thinking_off_cuts_only_the_prefilled_empty_block(url, tok):
 
 
 def test_responses_reasoning_item_streamed_and_continued_exactly(url, client):
-    """Its own instructions: no other test's session shares its chunks (the known limit above)."""
+    """Its own instructions: no other test's session shares its chunks."""
     kw = {"model": MODEL, "instructions": "Answer in one line.", "temperature": 0, "max_output_tokens": 16}
     first = client.responses.create(input=QUESTIONS[0], **kw)
     kinds = [type(it).__name__ for it in first.output]

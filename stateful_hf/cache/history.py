@@ -159,8 +159,9 @@ class History:
 
     def truncate(self, s: Session, length: int) -> int:
         """Cut the history of `s` to its first `length` tokens; returns how many were cut. A cut inside
-        a chunk others share releases the session's copy (a shared chunk is immutable: its kept tokens
-        are recomputed); a cut inside a disk chunk retags it, or drops it if it fails its checksum."""
+        a chunk others share makes it the session's private copy where it is on the device and a block
+        is free (`Placement.copy_on_write`), else releases it (a shared chunk is immutable: its kept
+        tokens are recomputed); a cut inside a disk chunk retags it, or drops it if it fails its checksum."""
         if length < 0:
             raise ValueError(f"cannot truncate to {length} tokens")
         bs = self.block_size
@@ -171,7 +172,8 @@ class History:
         for k in range(keep, len(s.chunks)):
             self.tiers.release(s, k)
         del s.chunks[keep:]
-        if length % bs and not self.sharing.privatize(s, keep - 1):
+        if length % bs and not self.sharing.privatize(s, keep - 1) \
+                and not self.placement.copy_on_write(s, keep - 1, length % bs):
             self.tiers.release(s, keep - 1)
         cut_inside = bool(s.chunks) and s.chunks[-1].state in ON_DISK and length % bs
         old_ids = s.token_ids[: keep * bs] if cut_inside else None
@@ -185,8 +187,9 @@ class History:
         """`KVStore.missing_positions`: history positions whose KV is stored nowhere (DROPPED): a
         step must recompute them. Host and disk chunks are not missing: `plan_step` copies them up
         (disk chunks are proven first: those that fail are missing). `cut`: as they will be after
-        `truncate(session_id, cut)` (positions < cut only): a cut inside a chunk other sessions share
-        drops the session's copy of it (shared chunks are immutable), its kept positions too."""
+        `truncate(session_id, cut)` (positions < cut only), at the most: a cut inside a chunk other
+        sessions share counts its kept positions too (the cut may still copy it on write and keep
+        them: ask again after it, as the engine's admission does)."""
         bs = self.block_size
         self.placement.prove(s)        # disk chunks that are not what they name are missing too
         out = [p for k, c in enumerate(s.chunks) if c.state is DROPPED for p in s.chunk_range(k, bs)]

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 from .errors import CapacityError, StoreError
 from .moves import REASONS, MoveBatch, MoveLedger
 from .policy import EvictionPolicy
-from .session import ON_DISK, SHADOWED, ChunkState, Session, SessionTable
+from .session import ON_DISK, SHADOWED, Chunk, ChunkState, Session, SessionTable
 from .stats import Counters
 from .tier_pools import TierPools
 from .transfer import Transfer
@@ -80,6 +80,27 @@ class Placement:
             per_session[s.session_id] = per_session.get(s.session_id, 0) + s.chunk_len(k, bs)
         self.moves.record(MoveBatch(src.value, dst.value, self._reason, len(items), sum(per_session.values()),
                                     per_slot * len(items), time.perf_counter() - t0, tuple(per_session.items())))
+
+    def copy_on_write(self, s: Session, k: int, kept: int) -> bool:
+        """Chunk k of `s`, shared with other sessions, becomes a private copy in a new device block, so
+        that a cut inside it keeps its kept tokens' KV (a shared chunk is immutable: `s` lets go of it, the
+        others keep it); `kept`: its tokens the cut keeps (counted). Its captured hidden states are copied
+        too. False, and nothing changes, unless
+        it is a DEVICE chunk with no rebuild in flight and the (paged) device pool has a free block now."""
+        c, pool = s.chunks[k], self.tiers.device
+        if c.state is not DEVICE or c.source is not None or c.entry is None or pool.virtual or pool.num_free < 1:
+            return False
+        old, [block] = c.loc, pool.allocate(1)
+        self.transfer.duplicate(pool, old, block)
+        if self.hidden is not None:
+            capture = self.hidden.capture
+            capture.data[:, block] = capture.data[:, old]
+            capture.valid[block] = capture.valid[old]
+        self.tiers.release(s, k)                   # the others keep the shared chunk and its block
+        s.chunks[k] = Chunk(DEVICE, block)
+        self.sessions.mark(s.session_id)
+        self.counters.copied_on_write += kept
+        return True
 
     def drop(self, s: Session, k: int) -> None:
         """Chunk k of `s` keeps only its token ids (recomputed when needed). Counts `dropped`."""

@@ -37,6 +37,7 @@ class Counters:
     restored_hidden_disk: int = 0  #   of which read from hidden states on disk: swap_in
     restore_seconds: float = 0.0  # wall time spent rebuilding K/V from hidden states: HiddenRestore
     forgotten_sessions: int = 0   # idle sessions forgotten whole past max_sessions / session_ttl: history
+    copied_on_write: int = 0      # kept tokens of shared chunks cut inside, copied to a private block: placement
 
 
 @dataclass(frozen=True, slots=True)

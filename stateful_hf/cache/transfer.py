@@ -6,7 +6,8 @@ the swap-in ends). Between two CPU pools (host <-> disk) a copy is synchronous. 
 tiers is issued here, one method per kind, and counted in `issued`: whole blocks (`copy`), some
 layers of some blocks (`copy_layers`: LayerKV's kept layers to their host slots), device chunks
 into hidden slots (`store_hidden`: HCache), hidden slots between hidden pools (`copy_hidden`) and
-blocks out of and into the store (`read_out`, `write_in`: a session's export and import);
+blocks out of and into the store (`read_out`, `write_in`: a session's export and import) and a
+block into another of the same pool (`duplicate`: copy-on-write of a shared chunk);
 all but `copy` to or from the device pool are synchronous, and each first settles its source (rule 5).
 A pool is told apart by what it declares (`tier.TierPool`): `device_tier`, `virtual`, `slice_blocks`.
 
@@ -115,7 +116,8 @@ class Transfer:
         self.device = torch.device(device)
         self.emulate = bool(emulate)
         # slots copied, by kind
-        self.issued = {"blocks": 0, "layers": 0, "hidden": 0, "hidden_slots": 0, "exported": 0, "imported": 0}
+        self.issued = {"blocks": 0, "layers": 0, "hidden": 0, "hidden_slots": 0, "exported": 0, "imported": 0,
+                       "duplicated": 0}
         self.lazy_free = True       # rule 3; False only to show the emulator catching its absence
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" and not emulate else None
         self._pending: list[Copy] = []                                 # copies not known to have landed
@@ -192,6 +194,18 @@ class Transfer:
             idx = torch.tensor(ids, device=src.device)
             self.issued["exported"] += len(ids)
             return torch.stack([src.read(layer, idx).cpu() for layer in range(src.spec.num_layers)], dim=1)
+
+    def duplicate(self, pool: TierPool, src: int, dst: int) -> None:
+        """Block `src` of `pool` into its block `dst` (just allocated), every layer: a shared chunk's
+        private copy (`Placement.copy_on_write`). Synchronous, on the current stream, after every copy in
+        flight into `src` has landed (rule 2). Mutates: block `dst`."""
+        with self._lock:
+            for c in self._pending:
+                if c.dst is pool and src in c.dst_ids:
+                    c.poll(wait=True)
+            self.settle(pool)
+            copy_now(pool, [src], pool, [dst])
+            self.issued["duplicated"] += 1
 
     def write_in(self, dst: TierPool, ids: list[int], blocks: torch.Tensor) -> None:
         """`blocks` ([n, layers, ...] as `read_out` gives them) into blocks `ids` of `dst` (an import, into

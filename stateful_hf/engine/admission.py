@@ -123,6 +123,13 @@ class Admission:
                 return Verdict(skip=True)
             r.leased = True
             r.truncated, r.reused = turn.truncated_tokens, turn.reused_tokens
+            if r.missing and self.layered is None:    # a cut shared chunk copied on write keeps its KV
+                still = set(store.missing_positions(r.session_id))
+                if len(still) < len(r.missing):
+                    kept = [(p, t) for p, t in zip(r.missing, r.missing_ids, strict=True) if p in still]
+                    r.missing, r.missing_ids = [p for p, _ in kept], [t for _, t in kept]
+                    item = next_item(r, budget, keep, bs)
+                    need = blocks_needed(item)
         r.swapped += r.needs.stored_below()
         return Verdict(item, need + held)
 

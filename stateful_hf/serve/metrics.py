@@ -112,6 +112,8 @@ STORE_COUNTERS = {
     "restored_hidden_disk": ("store_restored_hidden_disk_tokens", "Of those, read from hidden states on disk"),
     "restore_seconds": ("store_hidden_restore_seconds", "Wall time spent rebuilding K/V from hidden states"),
     "forgotten_sessions": ("store_forgotten_sessions", "Idle sessions forgotten whole past max_sessions / session_ttl"),
+    "copied_on_write": ("store_copied_on_write_tokens", "Kept tokens of shared chunks cut inside, copied instead of "
+                        "recomputed"),
 }
 UNEXPORTED_COUNTERS: frozenset[str] = frozenset()      # Counters fields deliberately left out of /metrics
 # Move ledger totals (store.moves): name -> (MoveTotals field, help); labels src, dst, reason
