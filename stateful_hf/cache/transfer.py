@@ -198,11 +198,8 @@ class Transfer:
     def duplicate(self, pool: TierPool, src: int, dst: int) -> None:
         """Block `src` of `pool` into its block `dst` (just allocated), every layer: a shared chunk's
         private copy (`Placement.copy_on_write`). Synchronous, on the current stream, after every copy in
-        flight into `src` has landed (rule 2). Mutates: block `dst`."""
+        flight into `pool` has landed (rule 2). Mutates: block `dst`."""
         with self._lock:
-            for c in self._pending:
-                if c.dst is pool and src in c.dst_ids:
-                    c.poll(wait=True)
             self.settle(pool)
             copy_now(pool, [src], pool, [dst])
             self.issued["duplicated"] += 1
