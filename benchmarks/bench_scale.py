@@ -33,23 +33,28 @@ import torch
 
 from stateful_hf import Engine, SamplingParams, SessionStore
 from stateful_hf.cache import session_key
+from stateful_hf.cache.policy import DEFAULT_POLICY, FairSharePolicy, make_policy
 from stateful_hf.testing import tiny_llama
 
 
 def fill(model, size: int, tokens: int, device_tokens: int, seed_ids: list[int], disk: str | None = None,
-         host_tokens: int = 0, grow: int = 0) -> tuple[SessionStore, list[str], float]:
+         host_tokens: int = 0, grow: int = 0, tenants: int | None = None) -> tuple[SessionStore, list[str], float]:
     """A store holding `size` idle copies of one prefilled session on the host, or (`disk`: the disk tier's
-    directory) on disk beside a host tier of `host_tokens`; (store, ids, heap bytes per session added by the fill)."""
+    directory) on disk beside a host tier of `host_tokens`; (store, ids, heap bytes per session added by the fill).
+    `tenants`: the sessions spread over that many tenants under the fair share (the server's default
+    policy); None: each its own tenant, under the store's default policy."""
     held = (size + 8) * (tokens + grow) + 4096       # `grow`: room for what later turns add to each
-    store = SessionStore(model, device_tokens, host_capacity=held) if disk is None else \
-        SessionStore(model, device_tokens, host_capacity=host_tokens, disk_dir=disk, disk_capacity=held)
+    policy = None if tenants is None else FairSharePolicy(make_policy(DEFAULT_POLICY))
+    store = SessionStore(model, device_tokens, host_capacity=held, policy=policy) if disk is None else \
+        SessionStore(model, device_tokens, host_capacity=host_tokens, disk_dir=disk, disk_capacity=held, policy=policy)
     ids = torch.tensor([seed_ids])
     model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=store.cache("seed"), max_new_tokens=1,
                    do_sample=False, pad_token_id=0)
     store.truncate("seed", tokens)
     exp = store.export_session("seed")
     store.delete("seed")
-    sids = [session_key(f"t{i}", "c") for i in range(size)]
+    sids = [session_key(f"t{i}", "c") if tenants is None else session_key(f"t{i % tenants}", f"c{i}")
+            for i in range(size)]
     gc.collect()
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
@@ -80,7 +85,8 @@ def closed_loop(model, size: int, a: argparse.Namespace, seed_ids: list[int], rn
     """`size` sessions each with one turn queued at all times (a finished turn's session submits its next
     at once), on one store and engine of the same device tier as every other size; tokens a second over
     `a.loop_turns` finished turns after a warm-up of `size` turns (so that every session has run once)."""
-    store, sids, _ = fill(model, size, a.tokens, a.device_tokens, seed_ids, grow=64)   # every turn's KV stays held
+    store, sids, _ = fill(model, size, a.tokens, a.device_tokens, seed_ids, grow=64,   # every turn's KV stays held
+                          tenants=a.tenants)
     engine = Engine(model, store=store, step_threads=None, arrival_window=0).start()
     vocab, done = model.config.vocab_size, queue.Queue()
     history = seed_ids[:a.tokens]
@@ -135,6 +141,9 @@ def main(argv=None) -> dict:
                     help="also: engine throughput with this many sessions each with a turn always queued "
                     "(e.g. 100 10000)")
     ap.add_argument("--loop-turns", type=int, default=300, help="finished turns timed per closed-loop size")
+    ap.add_argument("--tenants", type=int,
+                    help="spread the sessions over this many tenants under the fair share, the server's default "
+                    "policy (default: each session its own tenant, under the store's default policy)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write the figures and the environment here")
     a = ap.parse_args(argv)
@@ -157,7 +166,8 @@ def run(a: argparse.Namespace, argv) -> dict:
     for size in a.sizes:
         t0 = time.perf_counter()
         disk = None if tmp is None else os.path.join(tmp.name, str(size))
-        store, sids, heap = fill(model, size, a.tokens, a.device_tokens, seed_ids, disk, a.host_tokens)
+        store, sids, heap = fill(model, size, a.tokens, a.device_tokens, seed_ids, disk, a.host_tokens,
+                                 tenants=a.tenants)
         stores[size] = {"store": store, "sids": sids, "heap_per_session": heap, "fill_s": time.perf_counter() - t0,
                         "engine": Engine(model, store=store, step_threads=None, arrival_window=0)}
         print(f"{size} sessions held: filled in {stores[size]['fill_s']:.1f} s, {heap:.0f} B of Python heap each",
@@ -219,7 +229,7 @@ def run(a: argparse.Namespace, argv) -> dict:
     command = "python -m benchmarks.bench_scale " + " ".join(sys.argv[1:] if argv is None else argv)
     out = {"command": command, "rows": rows, "wrong": wrong,
            "closed_loop": loop, "turns": a.turns, "tokens": a.tokens, "new": a.new, "device_tokens": a.device_tokens,
-           "tier": a.tier,
+           "tier": a.tier, "tenants": a.tenants,
            "host_tokens": a.host_tokens if a.tier == "disk" else None,
            "torch": torch.__version__, "load": list(os.getloadavg())}
     if a.json:
