@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import tempfile
+
 import pytest
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_policy import turn as policy_turn
 
 from stateful_hf.cache import (
     DEFAULT_TENANT,
+    CapacityError,
+    ChunkState,
     FairSharePolicy,
     KVSpec,
     KVStore,
@@ -120,3 +125,88 @@ def test_tenants_survive_a_restart_in_the_disk_index(tmp_path):
     assert all(again.residency(k)["disk"] == again.session(k).num_tokens for k in keys)
     again.check_integrity()
     again.close()
+
+
+def _fair_store(disk: str, inner, weights=None, device: int = 16) -> tuple[KVStore, list[float]]:
+    t = [0.0]
+    return KVStore(SPEC, device_capacity=device, host_capacity=96, disk_dir=disk, disk_capacity=512,
+                   policy=FairSharePolicy(inner(), weights), clock=lambda: t[0]), t
+
+
+def _victims(store: KVStore, state, n: int, exclude: set[str], shadowed=None, scan: bool = False) -> list:
+    return [(s.session_id, k) for s, k in store.placement.victims(state, n, exclude, shadowed, scan=scan)]
+
+
+@pytest.mark.parametrize("inner", [LRUPolicy, RecencyCostPolicy])
+def test_fair_walk_below_the_device_puts_the_flooding_tenant_first(inner, tmp_path):
+    """Negative control for the walk: on the host tier, b's two sessions are older, so the inner policy
+    alone would take them first; fair share takes a's (above its half of the tier) first, and the per-tenant
+    walk (`cache/fair_walk.py`) chooses exactly as the full scan does."""
+    store, t = _fair_store(str(tmp_path), inner)
+    for sid in [session_key("b", f"s{i}") for i in range(2)] + [session_key("a", f"s{i}") for i in range(10)]:
+        t[0] += 1
+        turn(store, sid, 8)
+        store.move(sid, range(len(store.session(sid).chunks)), "host")
+    host = ChunkState.HOST
+    walked, scanned = _victims(store, host, 10 ** 6, set()), _victims(store, host, 10 ** 6, set(), scan=True)
+    assert walked == scanned and len(walked) == 12 * 2
+    assert {split_key(s)[0] for s, _ in walked[:12]} == {"a"}          # a's excess first
+    plain = sorted(((s, k) for s in store.session_ids() for k in range(2)),
+                   key=lambda sk: inner().key(store.session(sk[0]), sk[1], 4, t[0]))
+    assert split_key(plain[0][0])[0] == "b" and walked != plain       # the inner order alone: b first
+    store.check_integrity()
+    store.close()
+
+
+SIDS = [session_key(t, f"s{i}") for t in ("a", "b", "default") for i in range(3)]
+fair_ops = st.lists(st.tuples(st.sampled_from(SIDS), st.integers(1, 8),
+                              st.sampled_from(["turn", "turn", "host", "disk", "delete", "expect"])),
+                    min_size=4, max_size=20)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(fair_ops, st.sampled_from([LRUPolicy, RecencyCostPolicy]), st.sampled_from([None, {"b": 3.0}]))
+def test_fair_walk_matches_a_full_scan(ops, inner, weights):
+    """Over random schedules of three tenants' turns, moves, deletes and expected turns, every tier below
+    the device: the per-tenant walk's victims equal the full scan's (any n, with and without an excluded
+    session), and `check_integrity` (the table's token counts against a full count) holds."""
+    with tempfile.TemporaryDirectory() as disk:
+        store, t = _fair_store(disk, inner, weights, device=256)
+        for sid, n, op in ops:
+            t[0] += 1
+            if op == "turn":
+                turn(store, sid, n)
+            elif op in ("host", "disk") and sid in store.session_ids():
+                with contextlib.suppress(ValueError, CapacityError):
+                    store.move(sid, range(len(store.session(sid).chunks)), op)
+            elif op == "delete" and sid in store.session_ids():
+                store.delete(sid)
+            elif op == "expect" and sid in store.session_ids():
+                store.expect(sid, n)
+            store.check_integrity()
+            for state, shadowed in ((ChunkState.HOST, None), (ChunkState.HOST, False), (ChunkState.DISK, None)):
+                want = _victims(store, state, 10 ** 6, set(), shadowed, scan=True)
+                for n_ in (1, 3, 10 ** 6):
+                    assert _victims(store, state, n_, set(), shadowed) == want[:n_], (state, n_)
+                assert _victims(store, state, 4, {sid}, shadowed) == _victims(store, state, 4, {sid}, shadowed,
+                                                                               scan=True)
+        store.close()
+
+
+def test_a_change_the_table_is_not_told_of_is_caught(tmp_path):
+    """Negative control of the table's token counts: a history grown behind its back (no `recount`) fails
+    `check_integrity`; told (`recount`), it holds again, and tenant_usage follows."""
+    from stateful_hf.cache.session import Chunk
+
+    store, t = _fair_store(str(tmp_path), LRUPolicy, device=64)
+    turn(store, session_key("a", "s"), 8)
+    store.check_integrity()                    # counted
+    s = store.session(session_key("a", "s"))
+    s.token_ids.extend([1] * 4)
+    s.chunks.append(Chunk())                   # 4 more tokens, DROPPED: a valid table, uncounted
+    with pytest.raises(AssertionError, match="usage counts"):
+        store.check_integrity()
+    store.sessions.recount(s.session_id)
+    store.check_integrity()
+    assert store.tenant_usage()["a"] == TenantUsage(sessions=1, history_tokens=12, stored_tokens=8)
+    store.close()

@@ -74,7 +74,8 @@ def test_copy_layers_settles_its_source_under_the_emulator():
     tr.copy(other, [4], dev, [2])                 # queued: block 2 of the device reads NaN until it lands
     tr.copy_layers(dev, host, [(layer, [2], [7]) for layer in range(SPEC.num_layers)])
     assert torch.equal(host.data[:, 7], other.data[:, 4])
-    assert tr.issued == {"blocks": 1, "layers": 3, "hidden": 0, "hidden_slots": 0, "exported": 0, "imported": 0}
+    assert tr.issued == {"blocks": 1, "layers": 3, "hidden": 0, "hidden_slots": 0, "exported": 0, "imported": 0,
+                         "duplicated": 0}
 
 
 def test_hidden_copies_go_through_the_transfer():
@@ -88,7 +89,8 @@ def test_hidden_copies_go_through_the_transfer():
     assert torch.equal(a.hidden[0, :2], capture.data[0, [3, 5]]) and torch.equal(a.kv[:, :2], dev.data[1:, [3, 5]])
     tr.copy_hidden(a, [0, 1], b, [2, 3])
     assert torch.equal(b.hidden[:, 2:], a.hidden[:, :2]) and torch.equal(b.kv[:, 2:], a.kv[:, :2])
-    assert tr.issued == {"blocks": 0, "layers": 0, "hidden": 2, "hidden_slots": 2, "exported": 0, "imported": 0}
+    assert tr.issued == {"blocks": 0, "layers": 0, "hidden": 2, "hidden_slots": 2, "exported": 0, "imported": 0,
+                         "duplicated": 0}
 
 
 def test_a_store_issues_hidden_and_disk_copies_through_its_transfer(make_store, tmp_path):

@@ -55,15 +55,13 @@ class History:
         self.sharing, self.planner, self.block_size = tiers.sharing, planner, tiers.device.spec.block_size
 
     def tenant_usage(self) -> dict[str, TenantUsage]:
-        """Per tenant: sessions, history tokens, tokens stored in some tier (retained prefixes are not sessions)."""
-        acc: dict[str, list[int]] = {}
-        for s in self.sessions:
-            if s.retained:
-                continue
-            a = acc.setdefault(tenant_of(s.session_id), [0, 0, 0])
-            a[0] += 1
-            a[1] += s.num_tokens
-            a[2] += s.num_tokens - s.tokens_in(DROPPED, self.block_size)
+        """Per tenant: sessions, history tokens, tokens stored in some tier (retained prefixes are not
+        sessions). From the table's counts: O(tenants + sessions changed since the last read)."""
+        acc = {t: [n, 0, 0] for t, n in self.sessions.live_sessions_per_tenant().items()}
+        for (state, t), n in self.sessions.live_usage().items():
+            a = acc.setdefault(t, [0, 0, 0])
+            a[1] += n
+            a[2] += 0 if state is DROPPED else n
         return {t: TenantUsage(*a) for t, a in acc.items()}
 
     def delete(self, s: Session, keep_shared: bool) -> None:
@@ -155,6 +153,7 @@ class History:
                              "asked about (the session changed since turn_needs)")
         truncated = self.truncate(s, keep)
         self.placement.prove(s)
+        self.sessions.recount(s.session_id)
         return self.planner.begin_turn(s, truncated)
 
     def truncate(self, s: Session, length: int) -> int:
@@ -168,6 +167,7 @@ class History:
         cut = max(len(s.token_ids) - length, 0)
         if not cut:
             return 0
+        self.sessions.recount(s.session_id)
         keep = -(-length // bs)
         for k in range(keep, len(s.chunks)):
             self.tiers.release(s, k)

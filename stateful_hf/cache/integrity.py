@@ -4,10 +4,12 @@ its device sessions); the caller holds the store lock."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 from .prefix.index import PrefixIndex
 from .session import SHADOWED, ChunkState, Session, SessionTable
+from .tenant import tenant_of
 from .tier_pools import TierPools
 
 DEVICE, HOST, DROPPED, LAYERED = ChunkState.DEVICE, ChunkState.HOST, ChunkState.DROPPED, ChunkState.LAYERED
@@ -35,6 +37,7 @@ def check_integrity(sessions: SessionTable, tiers: TierPools, block_size: int) -
     listed = {s.session_id for s in sessions.device_sessions()}
     assert holding == listed, f"sessions holding device blocks {sorted(holding)} != device_sessions {sorted(listed)}"
     _check_tiers(sessions)
+    _check_usage(sessions, block_size)
     retained = {s.session_id for s in sessions if s.retained}
     assert retained == {s.session_id for s in sessions.retained()}, f"retained sessions {sorted(retained)}"
     idle = [s.session_id for s in sessions if not s.busy and not s.retained]
@@ -148,15 +151,32 @@ def check_sharing(sessions: Sequence[Session], index: PrefixIndex, block_size: i
 
 
 def _check_tiers(sessions: SessionTable) -> None:
-    """Every session holding a chunk of an indexed tier is listed there (`policy.TierOrder`): an idle one
+    """Every session holding a chunk of an indexed tier is listed there (`tier_index.TierOrder`): an idle one
     under its current entry, a busy one (re-keyed when its lease ends) under any; every entry is keyed."""
     index = sessions.tiers
     for s in sessions:
         kept = index.key.get(s.session_id)
         for st in index.order:
             if any(c.state is st for c in s.chunks):
-                assert kept is not None and kept[1] in (index.ahead if kept[0] else index.order)[st], (
+                assert kept is not None and index.listed(st, kept[1], kept[0]), (
                     f"session {s.session_id!r} holds {st.value} chunks, unlisted")
         assert s.busy or kept is None or kept == index.entry(s), f"session {s.session_id!r} listed under {kept}"
     for lists, expected in ((index.order, False), (index.ahead, True)):
-        assert all(index.key.get(e[1]) == (expected, e) for lst in lists.values() for e in lst)
+        for per in lists.values():
+            for t, lst in per.items():
+                assert all(index.key.get(e[1]) == (expected, e) and tenant_of(e[1]) == t for e in lst)
+
+
+def _check_usage(sessions: SessionTable, block_size: int) -> None:
+    """The table's incremental token counts per (state, tenant) equal a full count."""
+    full: Counter[tuple[ChunkState, str]] = Counter()
+    live: Counter[tuple[ChunkState, str]] = Counter()
+    for s in sessions:
+        for st, n in s.tokens_by_state(block_size).items():
+            full[(st, tenant_of(s.session_id))] += n
+            if not s.retained:
+                live[(st, tenant_of(s.session_id))] += n
+    assert dict(sessions.usage()) == dict(+full), f"usage counts {dict(sessions.usage())} != {dict(+full)}"
+    assert dict(sessions.live_usage()) == dict(+live), f"live usage {dict(sessions.live_usage())} != {dict(+live)}"
+    per_tenant = Counter(tenant_of(s.session_id) for s in sessions if not s.retained)
+    assert sessions.live_sessions_per_tenant() == per_tenant, "live sessions per tenant"

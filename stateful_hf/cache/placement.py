@@ -28,8 +28,9 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from .errors import CapacityError, StoreError
+from .fair_walk import fair_victims
 from .moves import REASONS, MoveBatch, MoveLedger
-from .policy import EvictionPolicy
+from .policy import EvictionPolicy, FairSharePolicy
 from .session import ON_DISK, SHADOWED, Chunk, ChunkState, Session, SessionTable
 from .stats import Counters
 from .tier_pools import TierPools
@@ -72,6 +73,8 @@ class Placement:
         """Account one move batch (items: the chunks moved, in any state now); t0: perf_counter at its start."""
         if not items:
             return
+        for sid in self.tiers.sharing.holder_ids(items):    # their tokens per tier change
+            self.sessions.recount(sid)
         pool = None if dst is DROPPED else self.tiers.pool(dst)
         per_slot = 0 if pool is None else pool.bytes_per_slot
         per_session: dict[str, int] = {}
@@ -122,11 +125,15 @@ class Placement:
 
     # ---- making room ---------------------------------------------------------------------------
 
-    def _ranking(self, now: float | None = None):
+    def _ranking(self, now: float | None = None, ranked=None):
         """The policy's key of (session, chunk) for one ranking at `now` (None: the clock's), smaller first
-        (the policy is prepared with every session first). The one place `policy.key` is asked."""
+        (the policy is prepared with every session first, and `ranked`: the sessions holding every chunk
+        of the state ranked). The one place `policy.key` is asked."""
         now, bs = self.sessions.clock() if now is None else now, self.block_size
-        self.policy.prepare(self.sessions, now)
+        if isinstance(self.policy, FairSharePolicy):
+            self.policy.prepare(self.sessions, now, ranked)
+        else:
+            self.policy.prepare(self.sessions, now)
         return lambda s, k: self.policy.key(s, k, bs, now)
 
     def victims(self, state: ChunkState, n: int, exclude: set[str], shadowed: bool | None = None,
@@ -136,13 +143,18 @@ class Placement:
         False: only chunks with / without a device shadow. A shared chunk is a victim only if every
         holder is idle and outside `exclude`, ranked by its most valuable holder (`prefix/sharing.py`:
         its value counts every holder). Every choice of what moves down is made here. Below the device,
-        a session-ordered policy walks the tier's holders in order (`policy.py`: `TierOrder`), another ranks
-        every chunk of them; `scan` (the tests' oracle) ranks every chunk of every session. Reads only."""
+        a session-ordered policy walks the tier's holders in order (`tier_index.TierOrder`; the fair
+        share among tenants over one: a walk per tenant, `fair_walk.py`), another ranks every chunk of
+        them; `scan` (the tests' oracle) ranks every chunk of every session. Reads only."""
         if state is DEVICE or shadowed:     # held by sessions holding device blocks: not the idle ones below
             return self._scan(self.sessions.device_sessions(), state, n, exclude, shadowed)
         if scan:
             return self._scan(self.sessions, state, n, exclude, shadowed)
         walker, now = self.policy.by_session(self.sessions.tenants), self.sessions.clock()
+        inner = self.policy.inner.by_session(1) if isinstance(self.policy, FairSharePolicy) else None
+        if walker is None and inner is not None:        # fair share among tenants: one walk per tenant
+            return fair_victims(self.sessions, self.tiers.sharing, self.policy, inner, state, n, exclude, shadowed,
+                                now, self.block_size)
         if walker is None:
             return self._scan(list(self.sessions.holding(state, now)), state, n, exclude, shadowed, now)
         bs, sharing = self.block_size, self.tiers.sharing
@@ -174,7 +186,7 @@ class Placement:
               now: float | None = None) -> Items:
         """`victims` by ranking every chunk in `state` of the sessions in `pool` (at `now`: the clock's)."""
         sharing = self.tiers.sharing
-        key = self._ranking(now)
+        key = self._ranking(now, pool)
         found = sharing.unique((s, k) for s in pool if not s.busy and s.session_id not in exclude
                                for k, c in enumerate(s.chunks)
                                if c.state is state and (shadowed is None or (c.shadow is not None) == shadowed)
@@ -242,6 +254,8 @@ class Placement:
                     c = s.chunks[k]
                     self.tiers.pool(state).free([c.loc])
                     c.assign(DEVICE, c.shadow)
+                    for h in self.tiers.sharing.holder_ids([(s, k)]):
+                        self.sessions.recount(h)
                     n -= 1
                 if n > 0:
                     self.move_down(self.victims(state, n, exclude, shadowed=False), state, exclude)

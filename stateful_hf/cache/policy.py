@@ -37,10 +37,8 @@ else's history down.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-
-from sortedcontainers import SortedList
 
 from .returns import ReturnEstimator
 from .session import ChunkState, Session
@@ -204,10 +202,25 @@ class FairSharePolicy(EvictionPolicy):
     def by_session(self, tenants):     # one tenant: nothing is excess and the order is `inner`'s
         return self.inner.by_session(tenants) if tenants <= 1 else None
 
-    def prepare(self, sessions, now):
-        self._sessions, self._now = list(sessions), now
-        self.inner.prepare(self._sessions, now)
+    def prepare(self, sessions, now, ranked=None):
+        """`ranked`: the sessions whose chunks this ranking keys, holding every chunk of the state ranked
+        (None: `sessions`): usage is counted over them, exact for that state (`Placement._ranking`)."""
+        self._sessions, self._now = list(sessions if ranked is None else ranked), now
+        self.inner.prepare(sessions, now)
         self._rank = None                    # computed at the first key (it needs the block size)
+
+    def weight(self, tenant: str) -> float:
+        return self.weights.get(tenant, 1.0)
+
+    def shares(self, usage: Mapping[str, int]) -> dict[str, float]:
+        """Each tenant's fair share of a tier's tokens, from their `usage` there (tokens per tenant)."""
+        total, wsum = sum(usage.values()), sum(self.weight(t) for t in usage)
+        return {t: total * self.weight(t) / wsum for t in usage}
+
+    @staticmethod
+    def rank(used: float, share: float) -> tuple[int, float]:
+        """The key's head for a chunk walked when its tenant has `used` tokens not yet walked past."""
+        return (0, 0.0) if used > share else (1, -used / share)
 
     def _ranks(self, block_size: int) -> dict[tuple[str, int], tuple[int, float]]:
         usage: dict[ChunkState, dict[str, int]] = {}
@@ -225,11 +238,10 @@ class FairSharePolicy(EvictionPolicy):
                         (self.inner.key(s, k, block_size, self._now), s, k, n))
         rank = {}
         for state, per in usage.items():
-            total, wsum = sum(per.values()), sum(self.weights.get(t, 1.0) for t in per)
-            for t, used in per.items():
-                share = total * self.weights.get(t, 1.0) / wsum
+            for t, share in self.shares(per).items():
+                used = per[t]
                 for _, s, k, n in sorted(idle.get((state, t), ()), key=lambda e: e[0]):
-                    rank[(s.session_id, k)] = (0, 0.0) if used > share else (1, -used / share)
+                    rank[(s.session_id, k)] = self.rank(used, share)
                     used -= n
         return rank
 
@@ -254,81 +266,3 @@ def make_policy(name: str, profile: CostProfile | None = None) -> EvictionPolicy
     if name == "lru":
         return LRUPolicy()
     raise ValueError(f"unknown policy {name!r}; choose from {POLICY_NAMES} or pass an EvictionPolicy")
-
-
-class TierOrder:
-    """Per tier below the device, the sessions that may hold a chunk there, in the session-ordered
-    policies' order (`by_session`: furthest `Session.next_use` first, ties by id), so that a walk for
-    victims (`Placement.victims`) visits only the sessions it takes from and the busy or excluded ones
-    ahead of them: O(those + log held), never every session held. Two sorted lists a tier, merged by a
-    walk: sessions with no turn expected by last activity (their order never changes), and sessions
-    with one by expected time (lapsed when it passes, at the next walk). Written only by `SessionTable`
-    (`mark`: wherever a session may gain a chunk in a tier, or change its last activity or expected
-    time); a walk drops who holds nothing there any more (each mark pays for one). Read by integrity."""
-
-    __slots__ = ("order", "ahead", "key")
-
-    def __init__(self, states: tuple[ChunkState, ...]):
-        self.order = {st: SortedList() for st in states}   # (last_active, id): no turn expected
-        self.ahead = {st: SortedList() for st in states}   # (-expected_at, id): latest expected first
-        self.key: dict[str, tuple[bool, tuple[float, str]]] = {}   # id -> (expected?, its entry in those lists)
-
-    @staticmethod
-    def entry(s: Session) -> tuple[bool, tuple[float, str]]:
-        if s.expected_at > s.last_active:
-            return True, (-s.expected_at, s.session_id)
-        return False, (s.last_active, s.session_id)
-
-    def mark(self, s: Session) -> None:
-        """`s` may hold chunks in tiers it is not listed in yet, or has a new key. O(its chunks + log held)."""
-        want = self.entry(s)
-        if self.key.get(s.session_id, want) != want:
-            self.forget(s.session_id)
-        states = [st for st in self.order if any(c.state is st for c in s.chunks)]
-        if not states:
-            return
-        self.key[s.session_id] = want
-        lists = self.ahead if want[0] else self.order
-        for st in states:
-            if want[1] not in lists[st]:
-                lists[st].add(want[1])
-
-    def forget(self, session_id: str) -> None:
-        """The session leaves every tier's order (it is removed, or re-keyed)."""
-        kept = self.key.pop(session_id, None)
-        if kept is not None:
-            for lst in (self.ahead if kept[0] else self.order).values():
-                lst.discard(kept[1])
-
-    def walk(self, state: ChunkState, sessions: Mapping[str, Session], now: float) -> Iterator[Session]:
-        """The sessions holding a chunk in `state`, in `by_session` order at `now`; the lists must not change
-        meanwhile. First, expected times that passed lapse (`expected_at` = 0: no turn expected now)."""
-        for lst in self.ahead.values():
-            while lst and -lst[-1][0] <= now:
-                e = lst[-1]
-                s = sessions.get(e[1])
-                if s is None:
-                    self.forget(e[1])
-                else:
-                    s.expected_at = 0.0
-                    self.mark(s)
-                lst.discard(e)
-        order, ahead, stale = self.order[state], self.ahead[state], []
-        a, b = iter(ahead), iter(order)
-        ea, eb = next(a, None), next(b, None)
-        try:
-            while ea is not None or eb is not None:    # by (now - next use, id), as the policies' keys
-                if eb is None or (ea is not None and (now + ea[0], ea[1]) <= (now - (2 * now - eb[0]), eb[1])):
-                    entry, lst, ea = ea, ahead, next(a, None)
-                else:
-                    entry, lst, eb = eb, order, next(b, None)
-                s = sessions.get(entry[1])
-                if s is None or not any(c.state is state for c in s.chunks):
-                    stale.append((lst, entry))
-                    continue
-                yield s
-        finally:
-            for lst, entry in stale:
-                lst.remove(entry)
-                if not any(entry in x for x in (*self.order.values(), *self.ahead.values())):
-                    self.key.pop(entry[1], None)

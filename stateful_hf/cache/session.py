@@ -1,5 +1,6 @@
 """Sessions: a conversation's token ids and chunk table (`Session`, `Chunk`) and the table of every
-session (`SessionTable`, with who holds what, ordered by `policy.TierOrder`); whose a session is lives in `tenant.py`.
+session (`SessionTable`, with who holds what, ordered by `tier_index.TierOrder`, and tokens per tier and
+tenant, `tier_index.TierUsage`); whose a session is lives in `tenant.py`.
 
 Owns: the `{session id: Session}` map, the store's one re-entrant lock and the clock sessions'
 activity is measured with. Mutates only the map (`open`, `add`, `remove`) and a session's lease
@@ -16,7 +17,7 @@ import threading
 import time
 from array import array
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -148,6 +149,13 @@ class Session:
     def chunk_range(self, k: int, block_size: int) -> range:
         return range(k * block_size, k * block_size + self.chunk_len(k, block_size))
 
+    def tokens_by_state(self, block_size: int) -> dict[ChunkState, int]:
+        """Its tokens per chunk state (states it has none in left out). O(its chunks)."""
+        out: dict[ChunkState, int] = {}
+        for k, c in enumerate(self.chunks):
+            out[c.state] = out.get(c.state, 0) + self.chunk_len(k, block_size)
+        return out
+
     def tokens_in(self, state: ChunkState, block_size: int) -> int:
         return sum(self.chunk_len(k, block_size) for k, c in enumerate(self.chunks) if c.state is state)
 
@@ -161,7 +169,7 @@ class Session:
 
 
 class SessionTable:
-    def __init__(self, clock: Callable[[], float], tiers: Any):
+    def __init__(self, clock: Callable[[], float], tiers: Any, usage: Any):
         self.clock = clock
         self.lock = threading.RLock()          # every store method that reads or changes sessions holds it
         self._sessions: dict[str, Session] = {}
@@ -171,8 +179,9 @@ class SessionTable:
         self._device: set[str] = set()
         self._retained: set[str] = set()       # exactly the sessions with `retained` set
         self._idle: OrderedDict[str, None] = OrderedDict()   # idle, not retained, least recently released first
-        self._tiers = tiers                    # `policy.TierOrder`: who holds chunks below the device, in order
+        self._tiers = tiers                    # `tier_index.TierOrder`: who holds chunks below the device, in order
         self._tenants: Counter[str] = Counter()     # sessions per tenant
+        self._counts = usage                   # `tier_index.TierUsage`: tokens per (tier, tenant)
         self.on_change: Callable[[Iterable[str]], None] = lambda ids: None   # marked, removed: the disk index's
 
     def get(self, session_id: str) -> Session:
@@ -194,6 +203,7 @@ class SessionTable:
             s = self._sessions[session_id] = Session(session_id, last_active=self.clock(), seq=next(self._seq))
             self._idle[session_id] = None
             self._count_tenant(session_id, 1)
+            self._counts.stale.add(session_id)
         return s
 
     def add(self, s: Session) -> None:
@@ -208,11 +218,13 @@ class SessionTable:
             self._device.add(s.session_id)
         self._tiers.mark(s)
         self._count_tenant(s.session_id, 1)
+        self._counts.stale.add(s.session_id)
 
     def remove(self, session_id: str) -> None:
         """Forget a session (its chunks must have been released). Mutates: the map."""
         del self._sessions[session_id]
         self._count_tenant(session_id, -1)
+        self._counts.stale.add(session_id)
         self._tiers.forget(session_id)
         self.on_change((session_id,))
         self._device.discard(session_id)
@@ -230,6 +242,28 @@ class SessionTable:
         """How many tenants hold sessions."""
         return len(self._tenants)
 
+    # ---- tokens per tier and tenant, counted incrementally ---------------------------------------
+
+    def recount(self, session_id: str) -> None:
+        """The session's chunks, token ids or retained flag may have changed: counted again at the next
+        read of `usage` / `live_usage`. O(1)."""
+        self._counts.stale.add(session_id)
+
+    def usage(self) -> Mapping[tuple[ChunkState, str], int]:
+        """Tokens per (chunk state, tenant) of every session (retained ones too), each holder of a shared
+        chunk counting it (`FairSharePolicy`'s usage). O(sessions changed since the last read)."""
+        return self._counts.usage(self._sessions)
+
+    def live_usage(self) -> Mapping[tuple[ChunkState, str], int]:
+        """`usage` of the sessions not retained (`History.tenant_usage`)."""
+        return self._counts.live(self._sessions)
+
+    def live_sessions_per_tenant(self) -> Counter[str]:
+        """Sessions not retained, per tenant. O(tenants + retained sessions)."""
+        out = Counter(self._tenants)
+        out.subtract(tenant_of(sid) for sid in self._retained)
+        return +out
+
     # ---- who holds what: device blocks, lower tiers, retained sessions ---------------------------
 
     def mark(self, session_id: str) -> None:
@@ -240,12 +274,14 @@ class SessionTable:
         if s is not None:
             self._device.add(session_id)
             self._tiers.mark(s)
+        self._counts.stale.add(session_id)
         self.on_change((session_id,))
 
-    def holding(self, state: ChunkState, now: float) -> Iterator[Session]:
-        """The sessions holding a chunk in `state` (one of INDEXED), furthest next use first (ties by id);
-        the marks must not change while it runs. Mutates: the marks (pruning), lapsed `expected_at`s."""
-        return self._tiers.walk(state, self._sessions, now)
+    def holding(self, state: ChunkState, now: float, tenant: str | None = None) -> Iterator[Session]:
+        """The sessions holding a chunk in `state` (one of INDEXED; of `tenant`, None: any), furthest next
+        use first (ties by id); the marks must not change while it runs. Mutates: the marks (pruning),
+        lapsed `expected_at`s."""
+        return self._tiers.walk(state, self._sessions, now, tenant)
 
     def device_sessions(self) -> list[Session]:
         """Every session holding a device block, in table order: the marked ones and the other holders
@@ -276,6 +312,7 @@ class SessionTable:
     def retain(self, s: Session, retained: bool) -> None:
         """Set `s.retained` (History: deleted but kept for its shared prefix, or revived). Mutates: that flag."""
         s.retained = retained
+        self._counts.stale.add(s.session_id)
         self.on_change((s.session_id,))
         if retained:
             self._retained.add(s.session_id)

@@ -273,6 +273,7 @@ class StepPlanner:
                     self.tiers.release(s, k)
             del s.token_ids[e.old_len:]
             del s.chunks[-(-e.old_len // self.block_size):]
+            self.sessions.recount(s.session_id)
             if not s.busy and self.layered is not None:
                 self.layered.settle(s)
         self.settled.notify_all()

@@ -29,7 +29,7 @@ from .layerwise.chunks import LayeredChunks
 from .layerwise.residues import ResidueTable
 from .moves import MoveLedger
 from .placement import Placement
-from .policy import DEFAULT_POLICY, EvictionPolicy, TierOrder, make_policy
+from .policy import DEFAULT_POLICY, EvictionPolicy, make_policy
 from .pool import BlockPool
 from .prefix.sharing import PrefixSharing
 from .relocation import Relocation
@@ -38,6 +38,7 @@ from .spec import KVSpec, capacity_in_blocks
 from .stats import Counters
 from .step_planner import StepPlanner
 from .swap_in import SwapIn
+from .tier_index import TierOrder, TierUsage
 from .tier_pools import Capacity, TierPools
 from .transfer import Transfer, emulate_from_env
 from .virtual.mapper import PageMapper
@@ -109,9 +110,11 @@ def assemble(spec: KVSpec, c: StoreConfig) -> StoreParts:
     device_pool, host_pool, disk = open_pools(spec, transfer, c.device_capacity, c.host_capacity, c.disk_dir,
                                               c.disk_capacity, c.layout, c.max_context, c.keep_freed,
                                               c.disk_fingerprint)
-    counters, moves, sessions = Counters(), MoveLedger(), SessionTable(c.clock, TierOrder(INDEXED))
+    counters, moves, sessions = Counters(), MoveLedger(), SessionTable(c.clock, TierOrder(INDEXED),
+                                                                    TierUsage(spec.block_size))
     sharing = PrefixSharing(spec.block_size, sessions.find,
-                            c.prefix_sharing is not False and c.layout is Layout.PAGED and not c.layerwise_kv)
+                            c.prefix_sharing is not False and c.layout is Layout.PAGED and not c.layerwise_kv,
+                            sessions.recount)
     try:
         hidden = None if c.hidden_states is HiddenStates.NEVER else open_hidden_tier(
             c.hidden_states, c.hidden_spec, c.project, spec, device_pool.num_blocks, c.hidden_capacity,
@@ -120,7 +123,7 @@ def assemble(spec: KVSpec, c: StoreConfig) -> StoreParts:
         disk_state = None if disk is None else DiskState(sessions, disk, transfer, spec.block_size)
         tiers = TierPools(device_pool, host_pool, disk, hidden.pool if hidden is not None else None,
                           hidden.disk_pool if hidden is not None else None, disk_state, sharing,
-                          ResidueTable() if c.layerwise_kv else None, sessions.mark)
+                          ResidueTable() if c.layerwise_kv else None, sessions.mark, sessions.recount)
         placement = Placement(sessions, tiers, transfer, disk_state, hidden, _policy(c),
                               moves, counters, c.swap_out_threshold)
         swap_in = SwapIn(sessions, tiers, placement, transfer, hidden, disk_state, counters)

@@ -36,13 +36,14 @@ HIDDEN, DISK_HIDDEN, LAYERED = ChunkState.HIDDEN, ChunkState.DISK_HIDDEN, ChunkS
 class TierPools:
     def __init__(self, device: TierPool, host: BlockPool | None, disk: DiskTier | None, hidden: HiddenPool | None,
                  disk_hidden: HiddenPool | None, disk_state: DiskState | None, sharing: PrefixSharing,
-                 residues: ResidueTable | None, mark: Callable[[str], None]):
+                 residues: ResidueTable | None, mark: Callable[[str], None], recount: Callable[[str], None]):
         self.device, self.host, self.disk = device, host, disk
         self.sharing = sharing
         self.hidden, self.disk_hidden = hidden, disk_hidden
         self.disk_state = disk_state           # None without a disk tier (then no chunk is ON_DISK)
         self.residues = residues               # layerwise_kv only; mutated only through place_residues / free_residue
         self.mark = mark                       # `SessionTable.mark`: who may hold what
+        self.recount = recount                 # `SessionTable.recount`: whose tokens per tier may have changed
         self._by_state = {DEVICE: device, HOST: host, DISK: disk.pool if disk is not None else None,
                           HIDDEN: hidden, DISK_HIDDEN: disk_hidden,
                           LAYERED: host}       # a LAYERED chunk's host slot (its residue block: the table)
@@ -64,6 +65,7 @@ class TierPools:
         (slot, shadow, hidden source, residue) is freed unless other sessions still hold it (a shared
         chunk)."""
         c = s.chunks[k]
+        self.recount(s.session_id)
         if self.disk_state is not None and (c.state in ON_DISK or (c.source is not None and c.source[0] in ON_DISK)):
             self.disk_state.mark_changed((s.session_id,))     # its disk rows change; vacate's callers mark theirs
         if self.sharing.detach(s, k):          # others still hold it: they keep its device block, if any

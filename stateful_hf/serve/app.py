@@ -47,6 +47,7 @@ from .protocol import (
     chat_response,
     completion_chunk,
     completion_response,
+    max_tokens_for,
     new_id,
     usage,
 )
@@ -89,25 +90,6 @@ def request_seeds(seed: int) -> Iterator[int]:
     rng = random.Random(seed)
     while True:
         yield rng.getrandbits(63)
-
-
-def max_tokens_for(requested: int | None, prompt_len: int, max_model_len: int, cap: int | None, param: str,
-                   budget_param: str = "max_tokens") -> int:
-    """A turn's max_tokens. Precedence: the request's field; else the room left in the context
-    (max_model_len - prompt), capped by `cap` when the server has one. Too long: 400 naming `param`
-    (the prompt's field) when the prompt alone fills the context, else `budget_param` (the request's
-    max_tokens field)."""
-    room = max_model_len - prompt_len
-    if requested is None:
-        if room >= 1:
-            return room if cap is None else min(room, cap)
-        requested = 1                        # the prompt alone fills the context: report it as below
-    if prompt_len + requested > max_model_len:
-        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, "
-                       f"you requested {prompt_len + requested} tokens ({prompt_len} in the {param}, {requested} "
-                       f"for the completion). Please reduce the length of the {param} or {budget_param}.",
-                       param=param if room < 1 else budget_param, code="context_length_exceeded")
-    return requested
 
 
 def encode(tokenizer, text: str, most: int) -> tuple[int, list[int] | None]:
@@ -358,7 +340,7 @@ def create_app(router, config: ServeConfig, access: Access | None = None) -> Fas
         return JSONResponse(await router.delete_session(session_id_of(request, session_id)))
 
     install_responses(app, router, config, SimpleNamespace(       # /v1/responses: responses.py
-        parse=_parse, encode=encode, max_tokens_for=max_tokens_for, check_model=check_model, seeded=seeded,
+        parse=_parse, encode=encode, check_model=check_model, seeded=seeded,
         check_session_id=check_session_id, header_session=header_session, limits=limits))
 
     @app.get("/v1/models")

@@ -76,7 +76,7 @@ class _Sampling(BaseModel):
         return v
 
     def requested_max_tokens(self) -> int | None:
-        """The request's own max_tokens (None: the server picks, see `app.max_tokens_for`)."""
+        """The request's own max_tokens (None: the server picks, see `max_tokens_for`)."""
         if self.max_tokens is not None and self.max_tokens < 1:
             raise APIError(400, f"max_tokens must be at least 1, got {self.max_tokens}", param="max_tokens",
                            code="invalid_value")
@@ -228,6 +228,25 @@ class HintRequest(BaseModel):
     expected_arrival: float | None = Field(default=None, ge=0)   # seconds from now, if known
     priority: int | None = None
     model: str | None = None
+
+
+def max_tokens_for(requested: int | None, prompt_len: int, max_model_len: int, cap: int | None, param: str,
+                   budget_param: str = "max_tokens") -> int:
+    """A turn's max_tokens. Precedence: the request's field; else the room left in the context
+    (max_model_len - prompt), capped by `cap` when the server has one. Too long: 400 naming `param`
+    (the prompt's field) when the prompt alone fills the context, else `budget_param` (the request's
+    max_tokens field)."""
+    room = max_model_len - prompt_len
+    if requested is None:
+        if room >= 1:
+            return room if cap is None else min(room, cap)
+        requested = 1                        # the prompt alone fills the context: report it as below
+    if prompt_len + requested > max_model_len:
+        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, "
+                       f"you requested {prompt_len + requested} tokens ({prompt_len} in the {param}, {requested} "
+                       f"for the completion). Please reduce the length of the {param} or {budget_param}.",
+                       param=param if room < 1 else budget_param, code="context_length_exceeded")
+    return requested
 
 
 def new_id(prefix: str) -> str:

@@ -29,7 +29,7 @@ from starlette.concurrency import run_in_threadpool
 from ..cache.tenant import session_key
 from ..engine import SamplingParams
 from .auth import request_tenant
-from .protocol import APIError
+from .protocol import APIError, max_tokens_for
 from .reasoning import reasoning_tokens, reasons, reply_template
 from .response_items import OutputBuilder, input_messages, item_id, reply_message, response_usage
 from .response_store import ResponseStore, StoredResponse
@@ -97,7 +97,7 @@ class Turn:
 
 def install(app, router, config, kit) -> ResponseStore:
     """Add the Responses API's routes to `app`. `kit`: the app's helpers (`parse`, `encode`,
-    `max_tokens_for`, `check_model`, `check_session_id`, `header_session`, `seeded`, `limits`): a
+    `check_model`, `check_session_id`, `header_session`, `seeded`, `limits`): a
     namespace, since this module cannot import app.py (which imports it)."""
     store = app.state.responses = ResponseStore(config.responses)
     tok = config.tokenizer
@@ -125,7 +125,7 @@ def install(app, router, config, kit) -> ResponseStore:
             if n + want <= config.max_model_len or body.truncation != "auto" or len(conversation) < 2:
                 break
             conversation = _drop_oldest(conversation)        # truncation "auto": the oldest items go
-        max_tokens = kit.max_tokens_for(body.max_output_tokens, n, config.max_model_len, config.default_max_tokens,
+        max_tokens = max_tokens_for(body.max_output_tokens, n, config.max_model_len, config.default_max_tokens,
                                         "input", "max_output_tokens")
         kit.limits.check_prompt(n, config.max_model_len, "input")
         sampling = constrain(kit.seeded(body, body.sampling(max_tokens, config.generation_config,   # forced calls

@@ -143,6 +143,7 @@ class LayeredChunks:
         for k, c in enumerate(s.chunks):
             if c.state is LAYERED:
                 s.chunks[k] = Chunk(HOST, c.loc)
+        self.tiers.recount(s.session_id)
         return freed
 
     def step_map(self, sessions: list[Session], positions: list[tuple[int, ...]],

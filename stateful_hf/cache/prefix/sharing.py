@@ -51,10 +51,12 @@ class PrefixSharing:
     """`enabled` False (`prefix_sharing=False`, or a layout that cannot share): nothing is adopted or
     indexed, so no chunk is ever shared and the other methods find no entries to act on."""
 
-    def __init__(self, block_size: int, session: Callable[[str], Session | None], enabled: bool = True):
+    def __init__(self, block_size: int, session: Callable[[str], Session | None], enabled: bool = True,
+                 changed: Callable[[str], None] = lambda sid: None):
         self.index = PrefixIndex(block_size)
         self.block_size, self.enabled = block_size, enabled
         self._session = session      # session id -> Session (None if gone)
+        self._changed = changed      # a session whose chunks this changed for it (`SessionTable.recount`)
         # Bumped whenever a chunk may leave a session's indexed run: an entry leaves the index
         # (`_remove`) or a session lets go of a shared chunk (`detach`). A `Session.index_cursor` of
         # an older epoch is void (register walks from chunk 0 again).
@@ -217,6 +219,7 @@ class PrefixSharing:
             for h in sorted(e.holders - {s.session_id}):
                 self.index.release(e, h)
                 self._session(h).chunks[k] = Chunk()
+                self._changed(h)
             if e in self.index:
                 self._remove(e)
             self.index.release(e, s.session_id)

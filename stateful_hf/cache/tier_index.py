@@ -1,0 +1,183 @@
+"""The session table's indexes per tier: who holds chunks in each tier below the device, in the
+session-ordered policies' order (`TierOrder`), and how many tokens each tenant has in each tier
+(`TierUsage`). Both are kept by `SessionTable` (`session.py`), which tells them what changed."""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+from collections.abc import Iterator, Mapping
+
+from sortedcontainers import SortedList
+
+from .session import ChunkState, Session
+from .tenant import tenant_of
+
+Entry = tuple[float, str]      # (last_active, id) in `order`; (-expected_at, id) in `ahead`
+
+
+class TierOrder:
+    """Per tier below the device and per tenant, the sessions that may hold a chunk there, in the
+    session-ordered policies' order (`EvictionPolicy.by_session`: furthest `Session.next_use` first,
+    ties by id), so that a walk for victims (`Placement.victims`) visits only the sessions it takes from
+    and the busy or excluded ones ahead of them: O(those + log held), never every session held. Two
+    sorted lists per (tier, tenant), merged by a walk: sessions with no turn expected, by last activity
+    (their order never changes), and sessions with one, by expected time (lapsed when it passes, at the
+    next walk). A walk covers one tenant (fair share's per-tenant walks) or all, merged. Written only by
+    `SessionTable` (`mark`: wherever a session may gain a chunk in a tier, or change its last activity
+    or expected time); a walk drops who holds nothing there any more (each mark pays for one). Read by
+    integrity."""
+
+    __slots__ = ("order", "ahead", "key")
+
+    def __init__(self, states: tuple[ChunkState, ...]):
+        self.order: dict[ChunkState, dict[str, SortedList]] = {st: {} for st in states}   # no turn expected
+        self.ahead: dict[ChunkState, dict[str, SortedList]] = {st: {} for st in states}   # latest expected first
+        self.key: dict[str, tuple[bool, Entry]] = {}   # id -> (expected?, its entry in those lists)
+
+    @staticmethod
+    def entry(s: Session) -> tuple[bool, Entry]:
+        if s.expected_at > s.last_active:
+            return True, (-s.expected_at, s.session_id)
+        return False, (s.last_active, s.session_id)
+
+    def lists(self, state: ChunkState, tenant: str | None = None) -> list[tuple[SortedList, bool]]:
+        """(list, expected?) of `state` for `tenant` (None: every tenant's)."""
+        out = []
+        for expected, by in ((False, self.order), (True, self.ahead)):
+            per = by[state]
+            out += [(lst, expected) for t, lst in per.items() if tenant is None or t == tenant]
+        return out
+
+    def listed(self, state: ChunkState, entry: Entry, expected: bool) -> bool:
+        lst = (self.ahead if expected else self.order)[state].get(tenant_of(entry[1]))
+        return lst is not None and entry in lst
+
+    def mark(self, s: Session) -> None:
+        """`s` may hold chunks in tiers it is not listed in yet, or has a new key. O(its chunks + log held)."""
+        want = self.entry(s)
+        if self.key.get(s.session_id, want) != want:
+            self.forget(s.session_id)
+        states = [st for st in self.order if any(c.state is st for c in s.chunks)]
+        if not states:
+            return
+        self.key[s.session_id] = want
+        by, t = (self.ahead if want[0] else self.order), tenant_of(s.session_id)
+        for st in states:
+            lst = by[st].get(t)
+            if lst is None:
+                lst = by[st][t] = SortedList()
+            if want[1] not in lst:
+                lst.add(want[1])
+
+    def forget(self, session_id: str) -> None:
+        """The session leaves every tier's order (it is removed, or re-keyed)."""
+        kept = self.key.pop(session_id, None)
+        if kept is not None:
+            self._discard(kept[0], kept[1], self.order)
+
+    def _discard(self, expected: bool, entry: Entry, states) -> None:
+        t = tenant_of(entry[1])
+        for st in states:
+            per = (self.ahead if expected else self.order)[st]
+            lst = per.get(t)
+            if lst is not None:
+                lst.discard(entry)
+                if not lst:
+                    del per[t]
+
+    def walk(self, state: ChunkState, sessions: Mapping[str, Session], now: float,
+             tenant: str | None = None) -> Iterator[Session]:
+        """The sessions holding a chunk in `state` (of `tenant`; None: every tenant), in `by_session` order
+        at `now`; the lists must not change meanwhile. First, expected times that passed lapse
+        (`expected_at` = 0: no turn expected now)."""
+        for per in self.ahead.values():
+            for lst in list(per.values()):
+                while lst and -lst[-1][0] <= now:
+                    e = lst[-1]
+                    s = sessions.get(e[1])
+                    if s is None:
+                        self.forget(e[1])
+                    else:
+                        s.expected_at = 0.0
+                        self.mark(s)
+                    lst.discard(e)
+        for per in self.ahead.values():
+            for t in [t for t, lst in per.items() if not lst]:
+                del per[t]
+        stale: list[tuple[SortedList, Entry]] = []
+        try:
+            for _, lst, e in self._merged(state, tenant, now):
+                s = sessions.get(e[1])
+                if s is None or not any(c.state is state for c in s.chunks):
+                    stale.append((lst, e))
+                    continue
+                yield s
+        finally:
+            for lst, e in stale:
+                lst.discard(e)
+                kept = self.key.get(e[1])
+                if kept is not None and kept[1] == e and not any(self.listed(st, e, kept[0]) for st in self.order):
+                    self.key.pop(e[1], None)
+            for by in (self.order, self.ahead):
+                per = by[state]
+                for t in [t for t, lst in per.items() if not lst]:
+                    del per[t]
+
+    def _merged(self, state: ChunkState, tenant: str | None, now: float) -> Iterator[tuple[Entry, SortedList, Entry]]:
+        """(sort key, list, entry) of every entry of `state`'s lists (of `tenant`), ascending by (now - next
+        use, id) as the policies' keys: an expected one at now - expected_at, another at last_active - now."""
+        def run(lst: SortedList, expected: bool):
+            for e in lst:
+                yield (now + e[0] if expected else e[0] - now, e[1]), lst, e
+        runs = [run(lst, expected) for lst, expected in self.lists(state, tenant)]
+        return runs[0] if len(runs) == 1 else heapq.merge(*runs, key=lambda x: x[0])
+
+
+class TierUsage:
+    """Tokens per (chunk state, tenant), every holder of a shared chunk counting it: of every session
+    (`usage`) and of those not retained (`live`), as of each session's last count (`_counted`: id ->
+    (retained, tokens per state)). `stale`: sessions to count again at the next read, added by the table
+    (`SessionTable.recount`: wherever a session's chunks, token ids or retained flag may have changed,
+    its removal too). A read costs O(the stale sessions' chunks); `check_integrity` compares a full count."""
+
+    __slots__ = ("block_size", "stale", "_usage", "_live", "_counted")
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.stale: set[str] = set()
+        self._usage: Counter[tuple[ChunkState, str]] = Counter()
+        self._live: Counter[tuple[ChunkState, str]] = Counter()
+        self._counted: dict[str, tuple[bool, dict[ChunkState, int]]] = {}
+
+    def usage(self, sessions: Mapping[str, Session]) -> Mapping[tuple[ChunkState, str], int]:
+        self._flush(sessions)
+        return self._usage
+
+    def live(self, sessions: Mapping[str, Session]) -> Mapping[tuple[ChunkState, str], int]:
+        self._flush(sessions)
+        return self._live
+
+    def _flush(self, sessions: Mapping[str, Session]) -> None:
+        if not self.stale:
+            return
+        for sid in self.stale:
+            t = tenant_of(sid)
+            old = self._counted.pop(sid, None)
+            if old is not None:
+                self._add(t, old, -1)
+            s = sessions.get(sid)
+            if s is not None:
+                new = self._counted[sid] = (s.retained, s.tokens_by_state(self.block_size))
+                self._add(t, new, 1)
+        self.stale.clear()
+        for c in (self._usage, self._live):
+            for key in [key for key, n in c.items() if not n]:
+                del c[key]
+
+    def _add(self, tenant: str, counted: tuple[bool, dict[ChunkState, int]], sign: int) -> None:
+        retained, per = counted
+        for st, n in per.items():
+            self._usage[(st, tenant)] += sign * n
+            if not retained:
+                self._live[(st, tenant)] += sign * n
