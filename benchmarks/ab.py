@@ -54,7 +54,13 @@ def figures(bench: str, out: dict) -> dict[str, float]:
         return {f"{r['name']} {k}": r[k] for r in cond["median_runs"] for k in keys if k in r}
     if bench == "bench_tiers":
         return {f"N={row['tokens']} {k} s": v for row in out["rows"] for k, v in row.items() if k != "tokens"}
+    if bench == "bench_scale":
+        keys = ("generate_median_ms", "generate_p99_ms", "engine_median_ms", "engine_p99_ms")
+        return {f"{row['sessions']} sessions {k}": row[k] for row in out["rows"] for k in keys}
     raise SystemExit(f"no figure extraction for {bench}: add it to benchmarks/ab.py")
+
+
+FIGURED = ("bench_engine", "bench_tiers", "bench_scale")    # the benchmarks `figures` reads
 
 
 def run(python: Path, bench: str, args: list[str]) -> dict:
@@ -73,9 +79,11 @@ def main() -> None:
     ap.add_argument("--after", default="HEAD", help="a git revision (default HEAD; commit your changes first)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", help="default benchmarks/results/ab_<benchmark>.json")
-    ap.add_argument("bench", help="a module of benchmarks/ (bench_engine, bench_tiers)")
+    ap.add_argument("bench", help="a module of benchmarks/ (bench_engine, bench_tiers, bench_scale)")
     ap.add_argument("args", nargs=argparse.REMAINDER, help="its arguments (after --)")
     a = ap.parse_args()
+    if a.bench not in FIGURED:
+        ap.error(f"no figure extraction for {a.bench}: add it to benchmarks/ab.py (it reads {', '.join(FIGURED)})")
     args = a.args[1:] if a.args[:1] == ["--"] else a.args
     sides = {"before": checkout(a.before), "after": checkout(a.after)}
     runs: dict[str, list[dict]] = {"before": [], "after": []}
