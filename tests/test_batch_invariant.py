@@ -129,6 +129,39 @@ def test_every_tier_restores_bitwise():
     assert moved > 0 and stats.device_tokens < sum(map(len, sessions.values()))     # the tiers were used
 
 
+@pytest.mark.parametrize("tier", ["disk", "hidden", "restart"])
+def test_disk_hidden_and_restart_restore_bitwise(tier, tmp_path):
+    """Every session's chunks go to the disk tier, to hidden states (K/V rebuilt by projection), or to disk
+    and the store restarts; the next turn's tokens and log-probabilities still equal the oracle bitwise."""
+    model, oracle = tiny_llama("llama").to(torch.bfloat16), tiny_llama("llama").to(torch.bfloat16)
+    kw = {"hidden": dict(host_capacity=1024, hidden_states="always", hidden_layers=1)}.get(
+        tier, dict(disk_dir=tmp_path / "disk", disk_capacity=2048))
+
+    def open_engine():
+        store = stateful_hf.SessionStore(model, 1024, chunk_size=32, batch_invariant=True, **kw)
+        return Engine(model, store=store, max_batch_tokens=64)
+
+    engine = open_engine()
+    sessions = {f"s{i}": p for i, p in enumerate(prompts(3, seed=5))}
+    for turn in range(2):
+        got = engine_run(engine, sessions)
+        for sid, ids in sessions.items():
+            assert got[sid] == oracle_run(oracle, ids), (tier, turn, sid)
+            sessions[sid] = ids + got[sid][0] + [11]
+        store = engine.store
+        store.check_integrity()
+        if turn == 0:
+            for sid in sessions:
+                store.move(sid, range(len(store.places(sid))), "hidden" if tier == "hidden" else "disk")
+            if tier == "restart":
+                engine.stop()
+                store.close()
+                engine = open_engine()
+    c = engine.store.stats().counters
+    assert (c.restored_hidden if tier == "hidden" else c.swapped_in_disk) > 0, c     # the tier served the turn
+    engine.store.close()
+
+
 def test_stateful_generate_under_a_batch_invariant_store():
     model, oracle = tiny_llama("llama").to(torch.bfloat16), tiny_llama("llama").to(torch.bfloat16)
     store = stateful_hf.SessionStore(model, 1024, batch_invariant=True)
