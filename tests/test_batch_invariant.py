@@ -162,6 +162,40 @@ def test_disk_hidden_and_restart_restore_bitwise(tier, tmp_path):
     engine.store.close()
 
 
+def test_sglang_modes_shared_prefixes_cached_uncached_and_mixed():
+    """SGLang's deterministic-mode cases on one engine: prefixes of 1, 511 and 1500 tokens shared by two
+    requests, the second served cached (it adopts the first's shared chunks and computes its suffix) and
+    again uncached (its own cache_salt: everything computed), each in one step mix with short prompts;
+    every token and log-probability equals the oracle bitwise."""
+    model, oracle = tiny_llama("llama").to(torch.bfloat16), tiny_llama("llama").to(torch.bfloat16)
+    engine = Engine(model, device_capacity=16384, chunk_size=32, max_batch_tokens=256, batch_invariant=True)
+    g, n_new, want = torch.Generator().manual_seed(6), 4, {}
+    shorts = prompts(2, seed=7)
+
+    def check(sid: str, ids: list[int], out) -> None:
+        if tuple(ids) not in want:
+            want[tuple(ids)] = oracle_run(oracle, ids, n_new)
+        assert (list(out.token_ids), [lp for _, lp, _ in out.logprobs]) == want[tuple(ids)], sid
+
+    for n in (1, 511, 1500):
+        prefix = torch.randint(3, 300, (n,), generator=g).tolist()
+        first, second = (prefix + torch.randint(3, 300, (k,), generator=g).tolist() for k in (7, 12))
+        for salt in ("first", None, f"uncached-{n}"):          # the first request, then the second twice
+            ids = first if salt == "first" else second
+            batch = {f"{salt}-{n}": (ids, None if salt == "first" else salt),
+                     **{f"short{i}-{salt}-{n}": (p, None) for i, p in enumerate(shorts)}}
+            handles = {sid: (p, engine.submit(sid, p, SamplingParams(max_new_tokens=n_new, logprobs=0), cache_salt=c))
+                       for sid, (p, c) in batch.items()}
+            while engine.has_work():
+                engine.step()
+            for sid, (p, h) in handles.items():
+                check(sid, p, h.result())
+            last = engine.store.stats(f"{salt}-{n}").last_turn
+            if salt != "first":
+                assert last.reused_tokens == (n // 32 * 32 if salt is None else 0), (n, salt, last)
+    engine.store.check_integrity()
+
+
 def test_stateful_generate_under_a_batch_invariant_store():
     model, oracle = tiny_llama("llama").to(torch.bfloat16), tiny_llama("llama").to(torch.bfloat16)
     store = stateful_hf.SessionStore(model, 1024, batch_invariant=True)
