@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from test_kernels import assert_close_to_reference, ragged_case, small_case
 
 from stateful_hf import kernels
-from stateful_hf.kernels import paged_attention
+from stateful_hf.kernels import PagedBatch, paged_attention
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -71,3 +71,41 @@ def test_triton_plan_reused_and_unsupported_shapes_rejected():
     query72, kc72, vc72, _ = small_case(d=72)
     with pytest.raises(ValueError, match="head_dim 72"):
         paged_attention(query72.to(DEVICE), kc72.to(DEVICE), vc72.to(DEVICE), db, backend="triton")
+
+
+def _pooled(keys: torch.Tensor, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K/V [L, 2, Hkv, D] laid out in a pool of block size `bs` (blocks in reverse order: paged for real),
+    and its block table [1, n]."""
+    n = -(-keys.shape[0] // bs)
+    pool = torch.zeros(n, 2, bs, *keys.shape[2:])
+    order = list(reversed(range(n)))
+    for j, b in enumerate(order):
+        part = keys[j * bs:(j + 1) * bs]
+        pool[b, :, :part.shape[0]] = part.transpose(0, 1)
+    return pool, torch.tensor([order])
+
+
+def test_triton_fixed_split_is_invariant_to_batch_chunking_and_pool():
+    """With `split` fixed, a query row's output is bitwise the same computed alone, among more rows
+    (another tile layout), in a chunked prefill, and over pools of block size 32 and 64; without it the
+    steps follow the pool's block size and the 64-block pool's result differs (negative control)."""
+    g = torch.Generator().manual_seed(3)
+    length, hq, hkv, d = 100, 2, 1, 64
+    kv = torch.randn(length, 2, hkv, d, generator=g)
+    query = torch.randn(length, hq, d, generator=g)
+
+    def run(rows: list[int], bs: int, split: int | None) -> torch.Tensor:
+        pool, table = _pooled(kv, bs)
+        batch = PagedBatch(cu_q=torch.tensor([0, len(rows)]), q_pos=torch.tensor(rows),
+                           kv_len=torch.tensor([max(rows) + 1]), block_table=table).to(DEVICE)
+        return kernels.triton_backend.triton_paged_attention(
+            query[rows].to(DEVICE), pool[:, 0].to(DEVICE), pool[:, 1].to(DEVICE), batch, d ** -0.5, split=split).cpu()
+
+    rows = list(range(60, 100))
+    alone = torch.cat([run([r], 32, 32) for r in rows])
+    assert torch.equal(run(rows, 32, 32), alone)                                    # one call, three tiles
+    assert torch.equal(torch.cat([run(rows[:7], 32, 32), run(rows[7:], 32, 32)]), alone)    # chunked
+    assert torch.equal(run(rows, 64, 32), alone)                                    # another pool
+    assert not torch.equal(run(rows, 64, None), run(rows, 32, None))                # steps of 64 vs 32 keys
+    with pytest.raises(ValueError, match="split 24"):
+        run(rows, 32, 24)

@@ -7,6 +7,11 @@ blocks; it is smaller than PAGE where a K+V tile would not fit shared memory), m
 absolute position:
     key j visible to row t  <=>  j <= q_pos[t]  and  j < kv_len[i]  and  j > q_pos[t] - window.
 With a softcap c, the scaled logits s become c * tanh(s / c) before masking (Gemma 2).
+Fixed-split mode (`split`): BLOCK_N is `split` whatever the dtype or pool block size. A row's result
+never depends on the other rows of its tile (their extra keys are masked to exact zeros, an MMA element
+sums over its own row), so with the steps fixed it is bitwise the same alone, batched, chunked and over
+any pool whose block size `split` divides: the batch-invariant attention on CUDA, as the CPU kernel's
+split is there (tests/test_kernels_triton.py, under the interpreter).
 Caches are read through their strides, so `pool[l, :, 0]` views of a
 [layers, blocks, 2, block_size, kv_heads, head_dim] pool work without a copy.
 
@@ -173,15 +178,17 @@ def triton_paged_attention(
     window: int | None = None,
     tiles: tuple[torch.Tensor, torch.Tensor] | None = None,   # query_tiles(batch), precomputed per step
     softcap: float | None = None,   # logits become softcap * tanh(logits / softcap) (Gemma 2)
+    split: int | None = None,       # keys per online-softmax step, fixed (batch invariance); None: by tile size
 ) -> torch.Tensor:              # [T, Hq, D]
     check_supported(query.shape[2], key_cache.shape[1], query.dtype)
+    check_split(split, query.shape[2], key_cache.shape[1], query.dtype)
     t = query.shape[0]
     out = torch.empty_like(query)
     seqs, rows = query_tiles(batch) if tiles is None else tiles
     if t == 0 or seqs.numel() == 0:
         return out
     launch = kernel_launch(query, key_cache, value_cache, out, batch, scale, window, softcap, (seqs, rows),
-                           interpreted())
+                           interpreted(), split)
     kernel()[launch.grid](*launch.args, **launch.constexprs)
     return out
 
@@ -208,6 +215,27 @@ def supports(dtype: torch.dtype | None = None, head_dim: int | None = None,
     return None
 
 
+def block_n(head_dim: int, block_size: int, dtype: torch.dtype) -> int:
+    """Keys per step by default: the pool's block size, less where a K + V tile would not fit KV_TILE_BYTES."""
+    block_d = max(16, 1 << (head_dim - 1).bit_length())
+    return min(block_size, KV_TILE_BYTES // (2 * block_d * dtype.itemsize))
+
+
+def check_split(split: int | None, head_dim: int, block_size: int, dtype: torch.dtype) -> None:
+    """Raise ValueError unless `split` (None: the default) can be the kernel's keys per step: a power of two
+    >= 16 dividing the block size whose K + V tile fits, so the steps, and with them the online softmax's
+    arithmetic, are the same whatever the batch, dtype tiling or pool."""
+    if split is None:
+        return
+    block_d = max(16, 1 << (head_dim - 1).bit_length())
+    fits = 2 * split * block_d * dtype.itemsize <= KV_TILE_BYTES
+    if isinstance(split, bool) or not isinstance(split, int) or split < 16 or split & (split - 1) \
+            or block_size % split or not fits:
+        raise ValueError(f"triton paged attention: split {split!r} must be a power of two >= 16 dividing the block "
+                         f"size {block_size}, at most {block_n(head_dim, 1 << 20, dtype)} keys for head_dim "
+                         f"{head_dim} in {dtype}")
+
+
 def check_supported(head_dim: int, block_size: int, dtype: torch.dtype) -> None:
     """Raise ValueError unless the kernel compiles for this head_dim, pool block size and dtype."""
     reason = supports(dtype, head_dim, block_size)
@@ -217,10 +245,10 @@ def check_supported(head_dim: int, block_size: int, dtype: torch.dtype) -> None:
 
 def kernel_launch(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, out: torch.Tensor,
                   batch: PagedBatch, scale: float, window: int | None, softcap: float | None,
-                  tiles: tuple[torch.Tensor, torch.Tensor], interpret: bool) -> KernelLaunch:
+                  tiles: tuple[torch.Tensor, torch.Tensor], interpret: bool, split: int | None = None) -> KernelLaunch:
     """The kernel's arguments for these tensors: the one place that builds them (launches and the compile
     test in tests/test_triton_compile.py both use it, so a new argument or index dtype cannot be missed).
-    The caller has checked the shapes (`check_supported`)."""
+    The caller has checked the shapes (`check_supported`) and `split` (`check_split`; None: `block_n`)."""
     _, hq, d = query.shape
     block_size, hkv = key_cache.shape[1], key_cache.shape[2]
     seqs, rows = tiles
@@ -237,9 +265,9 @@ def kernel_launch(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         *batch.block_table.stride(),
     )
     block_d = max(16, 1 << (d - 1).bit_length())
-    block_n = min(block_size, KV_TILE_BYTES // (2 * block_d * query.element_size()))   # >= 16: fp32 x 256 -> 32
+    step = split or block_n(d, block_size, query.dtype)                  # >= 16: fp32 x 256 -> 32
     constexprs = dict(GROUP=hq // hkv, HEAD_DIM=d, BLOCK_D=block_d,
-                      BLOCK_M=BLOCK_M, BLOCK_N=block_n, PAGE=block_size,
+                      BLOCK_M=BLOCK_M, BLOCK_N=step, PAGE=block_size,
                       PRECISION="ieee" if query.dtype == torch.float32 or upcast else "tf32", UPCAST=upcast)
     return KernelLaunch(grid=(seqs.numel(), hq), args=args, constexprs=constexprs)
 
