@@ -62,6 +62,7 @@ def fill(model, size: int, tokens: int, device_tokens: int, seed_ids: list[int],
     for sid in sids:
         store.import_session(dataclasses.replace(exp, session_id=sid))
         store.move(sid, chunks, "host" if disk is None else "disk")
+    store.tenant_usage()                             # the table's token counts of every session, taken
     after = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
     return store, sids, (after - before) / size

@@ -210,3 +210,20 @@ def test_a_change_the_table_is_not_told_of_is_caught(tmp_path):
     store.check_integrity()
     assert store.tenant_usage()["a"] == TenantUsage(sessions=1, history_tokens=12, stored_tokens=8)
     store.close()
+
+
+def test_a_policy_set_later_regroups_the_tier_order(tmp_path):
+    """The server sets the fair share after the store is made: the tier order is then grouped per tenant
+    (and back when the policy changes again), and the walks choose as the full scan does throughout."""
+    store = KVStore(SPEC, device_capacity=16, host_capacity=96, disk_dir=str(tmp_path), disk_capacity=512,
+                    policy=LRUPolicy(), clock=lambda: 0.0)
+    for sid in [session_key("b", f"s{i}") for i in range(2)] + [session_key("a", f"s{i}") for i in range(6)]:
+        turn(store, sid, 8)
+        store.move(sid, range(len(store.session(sid).chunks)), "host")
+    host = ChunkState.HOST
+    for policy, grouped in ((FairSharePolicy(LRUPolicy()), True), (RecencyCostPolicy(), False)):
+        store.policy = policy
+        assert store.sessions.tiers.per_tenant is grouped
+        store.check_integrity()
+        assert _victims(store, host, 10 ** 6, set()) == _victims(store, host, 10 ** 6, set(), scan=True)
+    store.close()

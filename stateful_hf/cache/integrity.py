@@ -164,7 +164,7 @@ def _check_tiers(sessions: SessionTable) -> None:
     for lists, expected in ((index.order, False), (index.ahead, True)):
         for per in lists.values():
             for t, lst in per.items():
-                assert all(index.key.get(e[1]) == (expected, e) and tenant_of(e[1]) == t for e in lst)
+                assert all(index.key.get(e[1]) == (expected, e) and index.group(e[1]) == t for e in lst)
 
 
 def _check_usage(sessions: SessionTable, block_size: int) -> None:

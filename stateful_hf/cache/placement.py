@@ -56,6 +56,15 @@ class Placement:
         self.block_size = tiers.device.spec.block_size
         self._reason = "explicit"
 
+    @property
+    def policy(self) -> EvictionPolicy:
+        return self._policy
+
+    @policy.setter
+    def policy(self, policy: EvictionPolicy) -> None:
+        self._policy = policy
+        self.sessions.tiers.regroup(isinstance(policy, FairSharePolicy))    # its walks are per tenant
+
     # ---- accounting ------------------------------------------------------------------------------
 
     @contextmanager
@@ -151,7 +160,8 @@ class Placement:
         if scan:
             return self._scan(self.sessions, state, n, exclude, shadowed)
         walker, now = self.policy.by_session(self.sessions.tenants), self.sessions.clock()
-        inner = self.policy.inner.by_session(1) if isinstance(self.policy, FairSharePolicy) else None
+        inner = self.policy.inner.by_session(1) if isinstance(self.policy, FairSharePolicy) \
+            and self.sessions.tiers.per_tenant else None
         if walker is None and inner is not None:        # fair share among tenants: one walk per tenant
             return fair_victims(self.sessions, self.tiers.sharing, self.policy, inner, state, n, exclude, shadowed,
                                 now, self.block_size)

@@ -128,6 +128,8 @@ class Session:
     index_cursor: tuple[int, int] = (-1, 0)
     seq: int = 0                        # the table's order (`SessionTable` numbers sessions as they join)
     expected_at: float = 0.0            # clock time its next turn is expected by (a tool pause); 0: none
+    # as last counted by the table's `tier_index.TierUsage` (its one writer): (retained, state index, tokens, ...)
+    counted: tuple = ()
 
     def next_use(self, now: float) -> float:
         """When its next turn is estimated: the expected time while that is ahead, else as far from now as
@@ -222,9 +224,8 @@ class SessionTable:
 
     def remove(self, session_id: str) -> None:
         """Forget a session (its chunks must have been released). Mutates: the map."""
-        del self._sessions[session_id]
+        self._counts.drop(self._sessions.pop(session_id))
         self._count_tenant(session_id, -1)
-        self._counts.stale.add(session_id)
         self._tiers.forget(session_id)
         self.on_change((session_id,))
         self._device.discard(session_id)

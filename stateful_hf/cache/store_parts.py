@@ -110,8 +110,8 @@ def assemble(spec: KVSpec, c: StoreConfig) -> StoreParts:
     device_pool, host_pool, disk = open_pools(spec, transfer, c.device_capacity, c.host_capacity, c.disk_dir,
                                               c.disk_capacity, c.layout, c.max_context, c.keep_freed,
                                               c.disk_fingerprint)
-    counters, moves, sessions = Counters(), MoveLedger(), SessionTable(c.clock, TierOrder(INDEXED),
-                                                                    TierUsage(spec.block_size))
+    counters, moves = Counters(), MoveLedger()
+    sessions = SessionTable(c.clock, TierOrder(INDEXED), TierUsage(spec.block_size))
     sharing = PrefixSharing(spec.block_size, sessions.find,
                             c.prefix_sharing is not False and c.layout is Layout.PAGED and not c.layerwise_kv,
                             sessions.recount)

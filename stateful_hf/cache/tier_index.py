@@ -17,23 +17,41 @@ Entry = tuple[float, str]      # (last_active, id) in `order`; (-expected_at, id
 
 
 class TierOrder:
-    """Per tier below the device and per tenant, the sessions that may hold a chunk there, in the
-    session-ordered policies' order (`EvictionPolicy.by_session`: furthest `Session.next_use` first,
-    ties by id), so that a walk for victims (`Placement.victims`) visits only the sessions it takes from
-    and the busy or excluded ones ahead of them: O(those + log held), never every session held. Two
-    sorted lists per (tier, tenant), merged by a walk: sessions with no turn expected, by last activity
-    (their order never changes), and sessions with one, by expected time (lapsed when it passes, at the
-    next walk). A walk covers one tenant (fair share's per-tenant walks) or all, merged. Written only by
-    `SessionTable` (`mark`: wherever a session may gain a chunk in a tier, or change its last activity
-    or expected time); a walk drops who holds nothing there any more (each mark pays for one). Read by
-    integrity."""
+    """Per tier below the device (and per tenant when `per_tenant`), the sessions that may hold a chunk
+    there, in the session-ordered policies' order (`EvictionPolicy.by_session`: furthest
+    `Session.next_use` first, ties by id), so that a walk for victims (`Placement.victims`) visits only
+    the sessions it takes from and the busy or excluded ones ahead of them: O(those + log held), never
+    every session held. Two sorted lists per (tier, group), merged by a walk: sessions with no turn
+    expected, by last activity (their order never changes), and sessions with one, by expected time
+    (lapsed when it passes, at the next walk). A group is a tenant when `per_tenant` (the fair share's
+    per-tenant walks; a list costs ~0.5 KiB, so only a fair-share store groups: `regroup`), else one
+    group "" for all. A walk covers one tenant or all, merged. Written only by `SessionTable` (`mark`:
+    wherever a session may gain a chunk in a tier, or change its last activity or expected time); a walk
+    drops who holds nothing there any more (each mark pays for one). Read by integrity."""
 
-    __slots__ = ("order", "ahead", "key")
+    __slots__ = ("order", "ahead", "key", "per_tenant")
 
-    def __init__(self, states: tuple[ChunkState, ...]):
+    def __init__(self, states: tuple[ChunkState, ...], per_tenant: bool = False):
         self.order: dict[ChunkState, dict[str, SortedList]] = {st: {} for st in states}   # no turn expected
         self.ahead: dict[ChunkState, dict[str, SortedList]] = {st: {} for st in states}   # latest expected first
         self.key: dict[str, tuple[bool, Entry]] = {}   # id -> (expected?, its entry in those lists)
+        self.per_tenant = per_tenant
+
+    def group(self, session_id: str) -> str:
+        """The group a session's entries are listed under: its tenant when `per_tenant`, else ""."""
+        return tenant_of(session_id) if self.per_tenant else ""
+
+    def regroup(self, per_tenant: bool) -> None:
+        """List every entry per tenant or all together from now on. O(entries), once (a policy change)."""
+        if per_tenant == self.per_tenant:
+            return
+        self.per_tenant = per_tenant
+        for by in (self.order, self.ahead):
+            for st, per in by.items():
+                entries = [e for lst in per.values() for e in lst]
+                by[st] = {}
+                for e in entries:
+                    by[st].setdefault(self.group(e[1]), SortedList()).add(e)
 
     @staticmethod
     def entry(s: Session) -> tuple[bool, Entry]:
@@ -42,7 +60,9 @@ class TierOrder:
         return False, (s.last_active, s.session_id)
 
     def lists(self, state: ChunkState, tenant: str | None = None) -> list[tuple[SortedList, bool]]:
-        """(list, expected?) of `state` for `tenant` (None: every tenant's)."""
+        """(list, expected?) of `state` for `tenant` (None: every tenant's; a tenant needs `per_tenant`)."""
+        if tenant is not None and not self.per_tenant:
+            raise ValueError("TierOrder: a walk of one tenant needs per_tenant lists (regroup(True))")
         out = []
         for expected, by in ((False, self.order), (True, self.ahead)):
             per = by[state]
@@ -50,7 +70,7 @@ class TierOrder:
         return out
 
     def listed(self, state: ChunkState, entry: Entry, expected: bool) -> bool:
-        lst = (self.ahead if expected else self.order)[state].get(tenant_of(entry[1]))
+        lst = (self.ahead if expected else self.order)[state].get(self.group(entry[1]))
         return lst is not None and entry in lst
 
     def mark(self, s: Session) -> None:
@@ -62,7 +82,7 @@ class TierOrder:
         if not states:
             return
         self.key[s.session_id] = want
-        by, t = (self.ahead if want[0] else self.order), tenant_of(s.session_id)
+        by, t = (self.ahead if want[0] else self.order), self.group(s.session_id)
         for st in states:
             lst = by[st].get(t)
             if lst is None:
@@ -77,7 +97,7 @@ class TierOrder:
             self._discard(kept[0], kept[1], self.order)
 
     def _discard(self, expected: bool, entry: Entry, states) -> None:
-        t = tenant_of(entry[1])
+        t = self.group(entry[1])
         for st in states:
             per = (self.ahead if expected else self.order)[st]
             lst = per.get(t)
@@ -134,21 +154,24 @@ class TierOrder:
         return runs[0] if len(runs) == 1 else heapq.merge(*runs, key=lambda x: x[0])
 
 
+STATES = tuple(ChunkState)          # a state's index in `Session.counted`
+
+
 class TierUsage:
     """Tokens per (chunk state, tenant), every holder of a shared chunk counting it: of every session
-    (`usage`) and of those not retained (`live`), as of each session's last count (`_counted`: id ->
-    (retained, tokens per state)). `stale`: sessions to count again at the next read, added by the table
-    (`SessionTable.recount`: wherever a session's chunks, token ids or retained flag may have changed,
-    its removal too). A read costs O(the stale sessions' chunks); `check_integrity` compares a full count."""
+    (`usage`) and of those not retained (`live`), as of each session's last count (`Session.counted`:
+    (retained, state index, tokens, ...), written only here; a flat tuple, ~64 bytes a session). `stale`:
+    sessions to count again at the next read, added by the table (`SessionTable.recount`: wherever a
+    session's chunks, token ids or retained flag may have changed); a removed session is subtracted at
+    once (`drop`). A read costs O(the stale sessions' chunks); `check_integrity` compares a full count."""
 
-    __slots__ = ("block_size", "stale", "_usage", "_live", "_counted")
+    __slots__ = ("block_size", "stale", "_usage", "_retained")
 
     def __init__(self, block_size: int):
         self.block_size = block_size
         self.stale: set[str] = set()
-        self._usage: Counter[tuple[ChunkState, str]] = Counter()
-        self._live: Counter[tuple[ChunkState, str]] = Counter()
-        self._counted: dict[str, tuple[bool, dict[ChunkState, int]]] = {}
+        self._usage: Counter[tuple[ChunkState, str]] = Counter()      # every session
+        self._retained: Counter[tuple[ChunkState, str]] = Counter()   # of which retained ones (few)
 
     def usage(self, sessions: Mapping[str, Session]) -> Mapping[tuple[ChunkState, str], int]:
         self._flush(sessions)
@@ -156,28 +179,35 @@ class TierUsage:
 
     def live(self, sessions: Mapping[str, Session]) -> Mapping[tuple[ChunkState, str], int]:
         self._flush(sessions)
-        return self._live
+        out = {k: n - self._retained.get(k, 0) for k, n in self._usage.items()}
+        return {k: n for k, n in out.items() if n}
+
+    def drop(self, s: Session) -> None:
+        """`s` leaves the table: its last count is taken back."""
+        self._add(s, -1)
+        s.counted = ()
+        self.stale.discard(s.session_id)
 
     def _flush(self, sessions: Mapping[str, Session]) -> None:
         if not self.stale:
             return
         for sid in self.stale:
-            t = tenant_of(sid)
-            old = self._counted.pop(sid, None)
-            if old is not None:
-                self._add(t, old, -1)
             s = sessions.get(sid)
-            if s is not None:
-                new = self._counted[sid] = (s.retained, s.tokens_by_state(self.block_size))
-                self._add(t, new, 1)
+            if s is None:
+                continue
+            self._add(s, -1)
+            by = s.tokens_by_state(self.block_size)
+            s.counted = (s.retained, *(x for st, n in by.items() for x in (STATES.index(st), n)))
+            self._add(s, 1)
         self.stale.clear()
-        for c in (self._usage, self._live):
-            for key in [key for key, n in c.items() if not n]:
-                del c[key]
 
-    def _add(self, tenant: str, counted: tuple[bool, dict[ChunkState, int]], sign: int) -> None:
-        retained, per = counted
-        for st, n in per.items():
-            self._usage[(st, tenant)] += sign * n
-            if not retained:
-                self._live[(st, tenant)] += sign * n
+    def _add(self, s: Session, sign: int) -> None:
+        if not s.counted:
+            return
+        t, retained, flat = tenant_of(s.session_id), s.counted[0], s.counted[1:]
+        for i in range(0, len(flat), 2):
+            key = (STATES[flat[i]], t)
+            for c in (self._usage, self._retained) if retained else (self._usage,):
+                c[key] += sign * flat[i + 1]
+                if not c[key]:
+                    del c[key]
