@@ -1,4 +1,6 @@
-"""Fair share's victims below the device without ranking every chunk held (`fair_victims`).
+"""Victims below the device without ranking every chunk held: a walk of a tier's holders in a
+session-ordered policy's order (`tier_victims`, `walk`), and the fair share's merge of one walk per
+tenant (`fair_victims`).
 
 `FairSharePolicy` over a session-ordered policy (lru, recency_cost) keys tenant t's idle chunks of a
 tier, walked in the inner policy's order, by (rank(u, share_t), *inner key), u the tenant's tokens in
@@ -12,13 +14,24 @@ walked + log held), not O(every chunk held). `Placement.victims(scan=True)` is t
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from itertools import islice
 
 from .policy import EvictionPolicy, FairSharePolicy
 from .prefix.sharing import PrefixSharing
 from .session import ChunkState, Session, SessionTable
 
 Items = list[tuple[Session, int]]
+
+
+def tier_victims(sessions: SessionTable, sharing: PrefixSharing, policy: EvictionPolicy, state: ChunkState, n: int,
+                 exclude: set[str], shadowed: bool | None, now: float, block_size: int) -> Items:
+    """`Placement.victims` below the device under a session-ordered `policy`: one walk of the tier's holders."""
+    found = walk(sessions, sharing, policy, state, None, exclude, shadowed, now, block_size)
+    try:
+        return [(s, k) for _, s, k in islice(found, max(n, 0))]
+    finally:
+        found.close()
 
 
 def fair_victims(sessions: SessionTable, sharing: PrefixSharing, policy: FairSharePolicy, inner: EvictionPolicy,
@@ -29,37 +42,42 @@ def fair_victims(sessions: SessionTable, sharing: PrefixSharing, policy: FairSha
     usage = {t: u for (st, t), u in sessions.usage().items() if st is state}
     if n <= 0 or not usage:
         return []
-    walks = [_tenant_walk(sessions, sharing, policy, inner, state, t, used, share, exclude, shadowed, now,
-                          block_size)
-             for t, (used, share) in {t: (usage[t], sh) for t, sh in policy.shares(usage).items()}.items()]
-    found: Items = []
+    walks = [walk(sessions, sharing, inner, state, t, exclude, shadowed, now, block_size,
+                  _ranker(policy, usage[t], share))
+             for t, share in policy.shares(usage).items()]
     try:
-        for _, s, k in heapq.merge(*walks, key=lambda e: e[0]):
-            found.append((s, k))
-            if len(found) >= n:
-                break
+        return [(s, k) for _, s, k in islice(heapq.merge(*walks, key=lambda e: e[0]), n)]
     finally:
         for w in walks:
             w.close()
-    return found
 
 
-def _tenant_walk(sessions: SessionTable, sharing: PrefixSharing, policy: FairSharePolicy, inner: EvictionPolicy,
-                 state: ChunkState, tenant: str, used: int, share: float, exclude: set[str], shadowed: bool | None,
-                 now: float, bs: int) -> Iterator[tuple[tuple, Session, int]]:
-    """(fair key, session, chunk) of the tenant's movable chunks in `state`, ascending. Every idle chunk
-    walked lowers u, as in `FairSharePolicy._ranks`, movable or not (busy sessions' chunks are in the
-    usage but never walked). A shared chunk is named once, at its holder walked last (its most valuable,
-    whose key is the chunk's), by its first holder in table order, as `sharing.unique` names it."""
-    walk = sessions.holding(state, now, tenant)
+def _ranker(policy: FairSharePolicy, used: int, share: float) -> Callable[[int], tuple]:
+    """The fair key's head of each chunk walked in turn, given its tokens: u falls by each (`_ranks`)."""
+    def rank(tokens: int) -> tuple:
+        nonlocal used
+        head, used = policy.rank(used, share), used - tokens
+        return head
+    return rank
+
+
+def walk(sessions: SessionTable, sharing: PrefixSharing, policy: EvictionPolicy, state: ChunkState,
+         tenant: str | None, exclude: set[str], shadowed: bool | None, now: float, bs: int,
+         rank: Callable[[int], tuple] | None = None) -> Iterator[tuple[tuple, Session, int]]:
+    """(key, session, chunk) of the movable chunks in `state` of the holders (of `tenant`; None: all),
+    ascending by `policy`'s key, with `rank`'s head before it when given. `rank` is asked for every idle
+    chunk walked, movable or not (busy sessions' chunks are in the fair share's usage but never walked);
+    without it an excluded session is passed over. A shared chunk is named once, at its holder walked
+    last (its most valuable, whose key is the chunk's), by its first holder in table order, as
+    `sharing.unique` names it."""
+    holders_walk = sessions.holding(state, now, tenant)
     try:
-        for s in walk:
-            if s.busy:
+        for s in holders_walk:
+            if s.busy or (rank is None and s.session_id in exclude):
                 continue
-            mine = sorted((inner.key(s, k, bs, now), k) for k, c in enumerate(s.chunks) if c.state is state)
+            mine = sorted((policy.key(s, k, bs, now), k) for k, c in enumerate(s.chunks) if c.state is state)
             for ikey, k in mine:
-                key = (*policy.rank(used, share), *ikey)
-                used -= s.chunk_len(k, bs)
+                key = ikey if rank is None else (*rank(s.chunk_len(k, bs)), *ikey)
                 c = s.chunks[k]
                 if s.session_id in exclude or (shadowed is not None and (c.shadow is not None) != shadowed):
                     continue
@@ -67,7 +85,7 @@ def _tenant_walk(sessions: SessionTable, sharing: PrefixSharing, policy: FairSha
                     yield key, s, k
                 elif sharing.free_to_move(c, exclude):
                     holders = sharing.holders(s, k)
-                    if max((inner.key(h, k, bs, now), h.session_id) for h in holders)[1] == s.session_id:
+                    if max((policy.key(h, k, bs, now), h.session_id) for h in holders)[1] == s.session_id:
                         yield key, min(holders, key=lambda h: h.seq), k
     finally:
-        walk.close()
+        holders_walk.close()

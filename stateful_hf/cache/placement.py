@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from .errors import CapacityError, StoreError
-from .fair_walk import fair_victims
+from .fair_walk import fair_victims, tier_victims
 from .moves import REASONS, MoveBatch, MoveLedger
 from .policy import EvictionPolicy, FairSharePolicy
 from .session import ON_DISK, SHADOWED, Chunk, ChunkState, Session, SessionTable
@@ -167,30 +167,8 @@ class Placement:
                                 now, self.block_size)
         if walker is None:
             return self._scan(list(self.sessions.holding(state, now)), state, n, exclude, shadowed, now)
-        bs, sharing = self.block_size, self.tiers.sharing
-        found: Items = []
-        walk = self.sessions.holding(state, now)
-        try:
-            for s in walk:                   # sessions in key order: a session's chunks rank together
-                if len(found) >= n:
-                    break
-                if s.busy or s.session_id in exclude:
-                    continue
-                mine = []
-                for k, c in enumerate(s.chunks):
-                    if c.state is not state or (shadowed is not None and (c.shadow is not None) != shadowed):
-                        continue
-                    if c.entry is None:
-                        mine.append((walker.key(s, k, bs, now), k, s))
-                    elif sharing.free_to_move(c, exclude):     # ranked with its most valuable holder
-                        holders = sharing.holders(s, k)
-                        top = max((walker.key(h, k, bs, now), h.session_id) for h in holders)
-                        if top[1] == s.session_id:     # named by its first holder in table order, as `_scan`
-                            mine.append((top[0], k, min(holders, key=lambda h: h.seq)))
-                found.extend((h, k) for _, k, h in sorted(mine, key=lambda e: e[0]))
-        finally:
-            walk.close()
-        return found[:max(n, 0)]
+        return tier_victims(self.sessions, self.tiers.sharing, walker, state, n, exclude, shadowed, now,
+                            self.block_size)
 
     def _scan(self, pool, state: ChunkState, n: int, exclude: set[str], shadowed: bool | None,
               now: float | None = None) -> Items:
