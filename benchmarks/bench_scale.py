@@ -33,20 +33,30 @@ import torch
 
 from stateful_hf import Engine, SamplingParams, SessionStore
 from stateful_hf.cache import session_key
-from stateful_hf.cache.policy import DEFAULT_POLICY, FairSharePolicy, make_policy
+from stateful_hf.cache.policy import DEFAULT_POLICY, POLICY_NAMES, FairSharePolicy, make_policy
 from stateful_hf.testing import tiny_llama
 
 
+def open_store(model, size: int, tokens: int, device_tokens: int, disk: str | None, host_tokens: int, grow: int,
+               tenants: int | None, policy_name: str = DEFAULT_POLICY) -> SessionStore:
+    """The store `fill` fills (and `--restart` reopens from its disk directory): the same options each time."""
+    held = (size + 8) * (tokens + grow) + 4096       # `grow`: room for what later turns add to each
+    policy = make_policy(policy_name) if tenants is None else FairSharePolicy(make_policy(policy_name))
+    if disk is None:
+        return SessionStore(model, device_tokens, host_capacity=held, policy=policy)
+    return SessionStore(model, device_tokens, host_capacity=host_tokens, disk_dir=disk, disk_capacity=held,
+                        policy=policy)
+
+
 def fill(model, size: int, tokens: int, device_tokens: int, seed_ids: list[int], disk: str | None = None,
-         host_tokens: int = 0, grow: int = 0, tenants: int | None = None) -> tuple[SessionStore, list[str], float]:
+         host_tokens: int = 0, grow: int = 0, tenants: int | None = None,
+         policy: str = DEFAULT_POLICY) -> tuple[SessionStore, list[str], float]:
     """A store holding `size` idle copies of one prefilled session on the host, or (`disk`: the disk tier's
     directory) on disk beside a host tier of `host_tokens`; (store, ids, heap bytes per session added by the fill).
     `tenants`: the sessions spread over that many tenants under the fair share (the server's default
-    policy); None: each its own tenant, under the store's default policy."""
-    held = (size + 8) * (tokens + grow) + 4096       # `grow`: room for what later turns add to each
-    policy = None if tenants is None else FairSharePolicy(make_policy(DEFAULT_POLICY))
-    store = SessionStore(model, device_tokens, host_capacity=held, policy=policy) if disk is None else \
-        SessionStore(model, device_tokens, host_capacity=host_tokens, disk_dir=disk, disk_capacity=held, policy=policy)
+    policy); None: each its own tenant, under the store's default policy. One bulk import
+    (`import_sessions`: one lock, one commit of the disk index)."""
+    store = open_store(model, size, tokens, device_tokens, disk, host_tokens, grow, tenants, policy)
     ids = torch.tensor([seed_ids])
     model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=store.cache("seed"), max_new_tokens=1,
                    do_sample=False, pad_token_id=0)
@@ -58,10 +68,8 @@ def fill(model, size: int, tokens: int, device_tokens: int, seed_ids: list[int],
     gc.collect()
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
-    chunks = range(-(-tokens // store.block_size))
-    for sid in sids:
-        store.import_session(dataclasses.replace(exp, session_id=sid))
-        store.move(sid, chunks, "host" if disk is None else "disk")
+    store.import_sessions((dataclasses.replace(exp, session_id=sid) for sid in sids),
+                          "host" if disk is None else "disk")
     store.tenant_usage()                             # the table's token counts of every session, taken
     after = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
@@ -87,7 +95,7 @@ def closed_loop(model, size: int, a: argparse.Namespace, seed_ids: list[int], rn
     at once), on one store and engine of the same device tier as every other size; tokens a second over
     `a.loop_turns` finished turns after a warm-up of `size` turns (so that every session has run once)."""
     store, sids, _ = fill(model, size, a.tokens, a.device_tokens, seed_ids, grow=64,   # every turn's KV stays held
-                          tenants=a.tenants)
+                          tenants=a.tenants, policy=a.policy)
     engine = Engine(model, store=store, step_threads=None, arrival_window=0).start()
     vocab, done = model.config.vocab_size, queue.Queue()
     history = seed_ids[:a.tokens]
@@ -114,6 +122,32 @@ def closed_loop(model, size: int, a: argparse.Namespace, seed_ids: list[int], rn
     moved = {f: getattr(after, f) - getattr(before, f) for f in ("device_hits", "swapped_in_host")}
     return {"sessions": size, "tokens_per_s": round(tokens / seconds, 1), "turns": a.loop_turns, "errors": wrong,
             **moved}     # history tokens found on the device vs copied up from the host over the timed turns
+
+
+def restart(model, size: int, sids: list[str], a: argparse.Namespace, disk: str, history: list[int],
+            rng: random.Random) -> dict:
+    """The closed store of `size` sessions reopened from its disk directory (timed: the index read, every
+    session restored), then `a.turns` returning turns through `generate` on sessions not used before, each
+    checked against stateless `generate`."""
+    gc.collect()
+    t0 = time.perf_counter()
+    store = open_store(model, size, a.tokens, a.device_tokens, disk, a.host_tokens, 0, a.tenants, a.policy)
+    seconds = time.perf_counter() - t0
+    restored = store.stats().sessions
+    times, wrong, vocab = [], 0, model.config.vocab_size
+    for _ in range(a.turns):
+        sid = sids.pop(rng.randrange(len(sids)))
+        prompt = history + [rng.randrange(3, vocab) for _ in range(a.new)]
+        t, got = turn_generate(model, store, sid, prompt)
+        times.append(t)
+        wrong += got != stateless(model, prompt)
+    store.check_integrity()
+    reused = store.stats().counters
+    store.close()
+    return {"sessions": size, "restart_s": round(seconds, 3), "restored": restored, "turns": a.turns, "wrong": wrong,
+            "generate_median_ms": round(1e3 * statistics.median(times), 3),
+            "generate_p99_ms": round(1e3 * pct(times, 0.99), 3),
+            "history_tokens_from_disk": reused.swapped_in_disk}
 
 
 def stateless(model, prompt: list[int]) -> list[int]:
@@ -145,9 +179,19 @@ def main(argv=None) -> dict:
     ap.add_argument("--tenants", type=int,
                     help="spread the sessions over this many tenants under the fair share, the server's default "
                     "policy (default: each session its own tenant, under the store's default policy)")
+    ap.add_argument("--policy", choices=POLICY_NAMES, default=DEFAULT_POLICY,
+                    help="the eviction policy (with --tenants: the fair share over it)")
+    ap.add_argument("--restart", action="store_true",
+                    help="with --tier disk: afterwards close each store, reopen it from its disk directory (timed) and "
+                    "run --turns returning turns on it")
+    ap.add_argument("--layers", type=int, default=2,
+                    help="the tiny model's layers (1 with --kv-heads 1: 4 KiB a chunk)")
+    ap.add_argument("--kv-heads", type=int, default=2, help="the tiny model's KV heads (head_dim 16)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write the figures and the environment here")
     a = ap.parse_args(argv)
+    if a.restart and a.tier != "disk":
+        ap.error("--restart needs --tier disk (only the disk tier outlives the store)")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -159,7 +203,7 @@ def main(argv=None) -> dict:
 
 def run(a: argparse.Namespace, argv) -> dict:
     rng = random.Random(a.seed)
-    model = tiny_llama()
+    model = tiny_llama(num_hidden_layers=a.layers, num_key_value_heads=a.kv_heads)
     vocab = model.config.vocab_size
     seed_ids = [rng.randrange(3, vocab) for _ in range(a.tokens + 1)]
     stores = {}
@@ -168,7 +212,7 @@ def run(a: argparse.Namespace, argv) -> dict:
         t0 = time.perf_counter()
         disk = None if tmp is None else os.path.join(tmp.name, str(size))
         store, sids, heap = fill(model, size, a.tokens, a.device_tokens, seed_ids, disk, a.host_tokens,
-                                 tenants=a.tenants)
+                                 tenants=a.tenants, policy=a.policy)
         stores[size] = {"store": store, "sids": sids, "heap_per_session": heap, "fill_s": time.perf_counter() - t0,
                         "engine": Engine(model, store=store, step_threads=None, arrival_window=0)}
         print(f"{size} sessions held: filled in {stores[size]['fill_s']:.1f} s, {heap:.0f} B of Python heap each",
@@ -195,12 +239,18 @@ def run(a: argparse.Namespace, argv) -> dict:
         st["store"].check_integrity()
         st["engine"].stop()
         st["store"].close()
+        del st["store"], st["engine"]
+    gc.unfreeze()
+    restarts = [restart(model, size, stores[size]["sids"], a, os.path.join(tmp.name, str(size)), history, rng)
+                for size in a.sizes] if a.restart else []
+    wrong += sum(r["wrong"] for r in restarts)
     if tmp is not None:
         tmp.cleanup()
     base = a.sizes[0]
     rows = []
     for size in a.sizes:
-        row = {"sessions": size, "heap_bytes_per_session": round(stores[size]["heap_per_session"], 1),
+        row = {"sessions": size, "chunks": size * -(-a.tokens // 32),
+               "heap_bytes_per_session": round(stores[size]["heap_per_session"], 1),
                "fill_s": round(stores[size]["fill_s"], 2)}
         for path in ("generate", "engine"):
             xs = times[size][path]
@@ -216,7 +266,12 @@ def run(a: argparse.Namespace, argv) -> dict:
               f"{r['generate_median_x']:>6.2f} {r['generate_p99_ms']:>8.2f} {r['generate_p99_x']:>6.2f}  "
               f"{r['engine_median_ms']:>10.2f} {r['engine_median_x']:>6.2f} {r['engine_p99_ms']:>8.2f} "
               f"{r['engine_p99_x']:>6.2f}")
-    print(f"answers checked against stateless generate: {2 * a.turns * len(a.sizes) - wrong} right, {wrong} wrong")
+    for r in restarts:
+        print(f"restart with {r['sessions']} sessions on disk: the store reopened in {r['restart_s']:.2f} s "
+              f"({r['restored']} restored); then returning turns: median {r['generate_median_ms']:.2f} ms, "
+              f"p99 {r['generate_p99_ms']:.2f} ms")
+    checked = 2 * a.turns * len(a.sizes) + sum(r["turns"] for r in restarts)
+    print(f"answers checked against stateless generate: {checked - wrong} right, {wrong} wrong")
     loop = []
     for size in a.closed_loop:
         loop.append(closed_loop(model, size, a, seed_ids, rng))
@@ -228,9 +283,10 @@ def run(a: argparse.Namespace, argv) -> dict:
               flush=True)
         wrong += loop[-1]["errors"]
     command = "python -m benchmarks.bench_scale " + " ".join(sys.argv[1:] if argv is None else argv)
-    out = {"command": command, "rows": rows, "wrong": wrong,
-           "closed_loop": loop, "turns": a.turns, "tokens": a.tokens, "new": a.new, "device_tokens": a.device_tokens,
-           "tier": a.tier, "tenants": a.tenants,
+    out = {"command": command, "rows": rows, "wrong": wrong, "restarts": restarts,
+           "closed_loop": loop, "layers": a.layers, "kv_heads": a.kv_heads, "turns": a.turns,
+           "tokens": a.tokens, "new": a.new, "device_tokens": a.device_tokens,
+           "tier": a.tier, "tenants": a.tenants, "policy": a.policy,
            "host_tokens": a.host_tokens if a.tier == "disk" else None,
            "torch": torch.__version__, "load": list(os.getloadavg())}
     if a.json:

@@ -6,14 +6,16 @@ what they touch, not what the store holds. Over random schedules of turns (a sha
 among them, sessions of one or two tenants), moves between every tier, deletes, cuts and expected
 turns (`KVStore.expect`): `check_integrity` (which asserts both indexes are exact), the device room
 against a count from the chunk tables alone, and the eviction order of every tier against a full
-scan of every session (the oracle) under lru, recency_cost and fair share, after every operation;
+scan of every session (the oracle) under every policy and fair share, after every operation;
 every turn equals stateless greedy generate."""
 
 from __future__ import annotations
 
 import contextlib
+import math
 import tempfile
 
+import pytest
 import torch
 from conftest import FAMILIES, greedy
 from hypothesis import HealthCheck, given, settings
@@ -22,7 +24,7 @@ from test_capacity import reference
 
 from stateful_hf import CapacityError, SessionStore
 from stateful_hf.cache import ChunkState
-from stateful_hf.cache.policy import FairSharePolicy, make_policy
+from stateful_hf.cache.policy import CostProfile, FairSharePolicy, RetentionPolicy, ReturnAwarePolicy, make_policy
 
 BS = 8
 SYSTEM = torch.randint(3, 300, (1, 19), generator=torch.Generator().manual_seed(5))    # 2 full chunks + 3
@@ -74,15 +76,17 @@ op = st.one_of(
 )
 
 
-@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(op, min_size=4, max_size=14), st.integers(0, 2), st.sampled_from(["lru", "recency_cost", "fair"]),
+@settings(max_examples=24, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(op, min_size=4, max_size=14), st.integers(0, 2),
+       st.sampled_from(["lru", "recency_cost", "pensieve", "return_aware", "fair", "fair_pensieve"]),
        st.booleans(), st.booleans())
 def test_device_sessions_are_exact_and_eviction_matches_a_full_scan(ops, tight, policy, tenants, small_host):
     ids = dict(zip(IDS, TENANT_IDS if tenants else IDS))
     with tempfile.TemporaryDirectory() as disk:
         store = SessionStore(MODEL, [96, 160, 4096][tight], host_capacity=48 if small_host else 4096,
                              disk_dir=disk, disk_capacity=4096, chunk_size=BS, clock=Clock(),
-                             policy=FairSharePolicy(make_policy("recency_cost")) if policy == "fair" else policy)
+                             policy=FairSharePolicy(make_policy("recency_cost" if policy == "fair" else "pensieve"))
+                             if policy.startswith("fair") else policy)
         run(store, [(o[0], ids[o[1]], *o[2:]) for o in ops])
 
 
@@ -134,3 +138,35 @@ def test_a_session_missing_from_a_tier_index_is_caught():
         else:
             raise AssertionError("check_integrity missed a session absent from the host tier's order")
         store.close()
+
+
+@pytest.mark.parametrize("name", ["pensieve", "return_aware"])
+def test_a_best_first_walk_reads_what_it_takes_and_a_floor_above_the_keys_is_caught(name):
+    """Under pensieve and return_aware, keys interleave sessions (chunk 1 of an older one after chunk 0 of a
+    newer one); the walk reads the host tier's 40 holders furthest next use first and takes a chunk once it
+    is below the next holder's floor: its victims equal the full scan's, and under pensieve the first victim
+    reads 2 of the 40 holders (return_aware's floor allows a later holder a 1-token last chunk, Cost(1) / 8
+    here: it reads them all, as the scan does). Negative control: a floor above every key (each holder's
+    chunks taken as it is read) gives another order."""
+    steep = CostProfile(lengths=(8, 16, 24, 32), seconds=(1.0, 2.0, 3.0, 4.0))     # chunk k costs k + 1
+    store = SessionStore(MODEL, 4096, host_capacity=4096, chunk_size=BS, clock=Clock(),
+                         policy=RetentionPolicy(steep) if name == "pensieve" else ReturnAwarePolicy(steep))
+    for i in range(40):
+        greedy(MODEL, (SYSTEM[:, :20] + i) % 300, n=3, cache=store.cache(f"s{i}"))
+        store.move(f"s{i}", range(len(store.places(f"s{i}"))), "host")
+    host, policy = ChunkState.HOST, store.policy
+    scanned = full_scan_victims(store, host, None)
+    read = []
+    policy.floor = lambda s, now, bs, floor=policy.floor: read.append(s.session_id) or floor(s, now, bs)
+    store.clock.now -= 1.0
+    assert [(s.session_id, k) for s, k in store.placement.victims(host, 10 ** 6, set())] == scanned
+    assert [k for _, k in scanned[:3]] == [0, 0, 0]          # the order interleaves sessions
+    read.clear()
+    store.clock.now -= 1.0
+    assert [(s.session_id, k) for s, k in store.placement.victims(host, 1, set())] == scanned[:1]
+    assert len(read) == (2 if name == "pensieve" else 40), read    # return_aware's floor allows a 1-token chunk
+    policy.floor = lambda s, now, bs: (math.inf,)
+    store.clock.now -= 1.0
+    assert [(s.session_id, k) for s, k in store.placement.victims(host, 10 ** 6, set())] != scanned
+    store.check_integrity()
+    store.close()

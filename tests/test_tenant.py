@@ -19,6 +19,8 @@ from stateful_hf.cache import (
     KVStore,
     LRUPolicy,
     RecencyCostPolicy,
+    RetentionPolicy,
+    ReturnAwarePolicy,
     TenantUsage,
     session_key,
     split_key,
@@ -165,7 +167,8 @@ fair_ops = st.lists(st.tuples(st.sampled_from(SIDS), st.integers(1, 8),
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(fair_ops, st.sampled_from([LRUPolicy, RecencyCostPolicy]), st.sampled_from([None, {"b": 3.0}]))
+@given(fair_ops, st.sampled_from([LRUPolicy, RecencyCostPolicy, RetentionPolicy, ReturnAwarePolicy]),
+       st.sampled_from([None, {"b": 3.0}]))
 def test_fair_walk_matches_a_full_scan(ops, inner, weights):
     """Over random schedules of three tenants' turns, moves, deletes and expected turns, every tier below
     the device: the per-tenant walk's victims equal the full scan's (any n, with and without an excluded

@@ -1,8 +1,8 @@
-"""Victims below the device without ranking every chunk held: a walk of a tier's holders in a
-session-ordered policy's order (`tier_victims`, `walk`), and the fair share's merge of one walk per
+"""Victims below the device without ranking every chunk held: a best-first walk of a tier's holders
+under a policy with a `floor` (`tier_victims`, `walk`), and the fair share's merge of one walk per
 tenant (`fair_victims`).
 
-`FairSharePolicy` over a session-ordered policy (lru, recency_cost) keys tenant t's idle chunks of a
+`FairSharePolicy` over such a policy (any of the four) keys tenant t's idle chunks of a
 tier, walked in the inner policy's order, by (rank(u, share_t), *inner key), u the tenant's tokens in
 the tier not yet walked past (`FairSharePolicy._ranks`). Along one tenant's walk those keys only grow
 (the excess first, then -u / share as u falls), so the tier's order is a merge of one walk per tenant
@@ -26,7 +26,7 @@ Items = list[tuple[Session, int]]
 
 def tier_victims(sessions: SessionTable, sharing: PrefixSharing, policy: EvictionPolicy, state: ChunkState, n: int,
                  exclude: set[str], shadowed: bool | None, now: float, block_size: int) -> Items:
-    """`Placement.victims` below the device under a session-ordered `policy`: one walk of the tier's holders."""
+    """`Placement.victims` below the device under `policy` (prepared, with a floor): one walk of the tier's holders."""
     found = walk(sessions, sharing, policy, state, None, exclude, shadowed, now, block_size)
     try:
         return [(s, k) for _, s, k in islice(found, max(n, 0))]
@@ -37,7 +37,7 @@ def tier_victims(sessions: SessionTable, sharing: PrefixSharing, policy: Evictio
 def fair_victims(sessions: SessionTable, sharing: PrefixSharing, policy: FairSharePolicy, inner: EvictionPolicy,
                  state: ChunkState, n: int, exclude: set[str], shadowed: bool | None, now: float,
                  block_size: int) -> Items:
-    """`Placement.victims` below the device under `policy` (its `inner` session-ordered): the n lowest
+    """`Placement.victims` below the device under `policy` (its `inner` prepared, with a floor): the n lowest
     chunks in `state` of idle sessions outside `exclude`, one per physical chunk, lowest first."""
     usage = {t: u for (st, t), u in sessions.usage().items() if st is state}
     if n <= 0 or not usage:
@@ -65,27 +65,42 @@ def walk(sessions: SessionTable, sharing: PrefixSharing, policy: EvictionPolicy,
          tenant: str | None, exclude: set[str], shadowed: bool | None, now: float, bs: int,
          rank: Callable[[int], tuple] | None = None) -> Iterator[tuple[tuple, Session, int]]:
     """(key, session, chunk) of the movable chunks in `state` of the holders (of `tenant`; None: all),
-    ascending by `policy`'s key, with `rank`'s head before it when given. `rank` is asked for every idle
-    chunk walked, movable or not (busy sessions' chunks are in the fair share's usage but never walked);
-    without it an excluded session is passed over. A shared chunk is named once, at its holder walked
-    last (its most valuable, whose key is the chunk's), by its first holder in table order, as
-    `sharing.unique` names it."""
+    ascending by `policy`'s key (prepared; `by_session` returned it), with `rank`'s head before it when
+    given. Best first: the holders are read furthest next use first (`TierOrder`) and a chunk is taken
+    once its key is below the `floor` of the next holder read, which bounds every key not read yet.
+    `rank` is asked for every idle chunk taken, movable or not (busy sessions' chunks are in the fair
+    share's usage but never walked); without it an excluded session is passed over. A shared chunk is
+    named once, at its holder whose key is the chunk's (its most valuable), by its first holder in table
+    order, as `sharing.unique` names it."""
     holders_walk = sessions.holding(state, now, tenant)
+    heap: list[tuple[tuple, int, Session, int]] = []     # (key, push order, session, chunk): keys read
+    pushed = 0
+
+    def take() -> Iterator[tuple[tuple, Session, int]]:
+        ikey, _, s, k = heapq.heappop(heap)
+        key = ikey if rank is None else (*rank(s.chunk_len(k, bs)), *ikey)
+        c = s.chunks[k]
+        if s.session_id in exclude or (shadowed is not None and (c.shadow is not None) != shadowed):
+            return
+        if c.entry is None:
+            yield key, s, k
+        elif sharing.free_to_move(c, exclude):
+            holders = sharing.holders(s, k)
+            if max((policy.key(h, k, bs, now), h.session_id) for h in holders)[1] == s.session_id:
+                yield key, min(holders, key=lambda h: h.seq), k
+
     try:
         for s in holders_walk:
             if s.busy or (rank is None and s.session_id in exclude):
                 continue
-            mine = sorted((policy.key(s, k, bs, now), k) for k, c in enumerate(s.chunks) if c.state is state)
-            for ikey, k in mine:
-                key = ikey if rank is None else (*rank(s.chunk_len(k, bs)), *ikey)
-                c = s.chunks[k]
-                if s.session_id in exclude or (shadowed is not None and (c.shadow is not None) != shadowed):
-                    continue
-                if c.entry is None:
-                    yield key, s, k
-                elif sharing.free_to_move(c, exclude):
-                    holders = sharing.holders(s, k)
-                    if max((policy.key(h, k, bs, now), h.session_id) for h in holders)[1] == s.session_id:
-                        yield key, min(holders, key=lambda h: h.seq), k
+            floor = policy.floor(s, now, bs)
+            while heap and heap[0][0] < floor:
+                yield from take()
+            for k, c in enumerate(s.chunks):
+                if c.state is state:
+                    heapq.heappush(heap, (policy.key(s, k, bs, now), pushed, s, k))
+                    pushed += 1
+        while heap:
+            yield from take()
     finally:
         holders_walk.close()

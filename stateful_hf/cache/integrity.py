@@ -165,6 +165,7 @@ def _check_tiers(sessions: SessionTable) -> None:
         for per in lists.values():
             for t, lst in per.items():
                 assert all(index.key.get(e[1]) == (expected, e) and index.group(e[1]) == t for e in lst)
+                assert not expected or not lst or index.soonest <= -lst[-1][0], "a lapse due is skipped"
 
 
 def _check_usage(sessions: SessionTable, block_size: int) -> None:

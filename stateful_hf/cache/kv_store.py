@@ -368,6 +368,24 @@ class KVStore:
             self.maintain()
             return n
 
+    def import_sessions(self, exps: Iterable[SessionExport], tier: str | None = None) -> int:
+        """A bulk `import_session` under one lock: each session moved at once to `tier` (None: left on the
+        device), then one `maintain` and one disk commit (durable when this returns; a failure part way keeps
+        and commits what was imported before it). Tokens whose KV came along."""
+        target = None if tier is None else target_state(tier)
+        n = 0
+        with self.lock:
+            try:
+                for exp in exps:
+                    n += import_session(self.parts, self.spec, exp)
+                    s = self.sessions.find(exp.session_id)
+                    if target is not None and s is not None:
+                        with self.placement.moving("explicit"):
+                            self.relocation.move(s, range(len(s.chunks)), target)
+            finally:
+                self.maintain()
+        return n
+
     def _sync_disk(self) -> None:
         """Commit the disk index if it changed (`DiskState.sync`: never raises; no disk tier: nothing). Lock held."""
         if self.disk_state is not None:

@@ -152,9 +152,9 @@ class Placement:
         False: only chunks with / without a device shadow. A shared chunk is a victim only if every
         holder is idle and outside `exclude`, ranked by its most valuable holder (`prefix/sharing.py`:
         its value counts every holder). Every choice of what moves down is made here. Below the device,
-        a session-ordered policy walks the tier's holders in order (`tier_index.TierOrder`; the fair
-        share among tenants over one: a walk per tenant, `fair_walk.py`), another ranks every chunk of
-        them; `scan` (the tests' oracle) ranks every chunk of every session. Reads only."""
+        a policy with a floor (`by_session`) walks the tier's holders best first (`tier_index.TierOrder`;
+        the fair share among tenants over one: a walk per tenant, `fair_walk.py`), another ranks every
+        chunk of them; `scan` (the tests' oracle) ranks every chunk of every session. Reads only."""
         if state is DEVICE or shadowed:     # held by sessions holding device blocks: not the idle ones below
             return self._scan(self.sessions.device_sessions(), state, n, exclude, shadowed)
         if scan:
@@ -162,6 +162,8 @@ class Placement:
         walker, now = self.policy.by_session(self.sessions.tenants), self.sessions.clock()
         inner = self.policy.inner.by_session(1) if isinstance(self.policy, FairSharePolicy) \
             and self.sessions.tiers.per_tenant else None
+        if walker is not None or inner is not None:
+            (walker or inner).prepare(self.sessions, now)
         if walker is None and inner is not None:        # fair share among tenants: one walk per tenant
             return fair_victims(self.sessions, self.tiers.sharing, self.policy, inner, state, n, exclude, shadowed,
                                 now, self.block_size)

@@ -37,12 +37,15 @@ else's history down.
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from .returns import ReturnEstimator
 from .session import ChunkState, Session
 from .tenant import tenant_of
+
+SLACK = 1e-9          # a floor's relative margin below the exact bound: floating-point rounding of the keys
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,10 +96,16 @@ class EvictionPolicy:
         """Called with all the store's sessions before the keys of one ranking are taken."""
 
     def by_session(self, tenants: int) -> EvictionPolicy | None:
-        """A policy ordering every chunk as this one does while `tenants` tenants hold sessions, whose key
-        starts with (now - next use, session id) and needs no `prepare`: victims then walk the sessions in
-        that order (`TierOrder`) instead of ranking every chunk held. None: rank them all."""
+        """A policy ordering every chunk as this one does while `tenants` tenants hold sessions, with a
+        `floor`: victims then walk a tier's holders furthest next use first (`TierOrder`), best first
+        under the floor (`fair_walk.walk`), instead of ranking every chunk held. None: rank them all."""
         return None
+
+    def floor(self, session: Session, now: float, block_size: int) -> tuple:
+        """A key at most every chunk key of `session` and of each session after it in the walk's order
+        (furthest `Session.next_use` first, ties by id) at `now`, once prepared: the walk takes the chunks
+        keyed below it before it reads another session. Only for policies `by_session` returns."""
+        raise NotImplementedError(f"{type(self).__name__} has no floor: rank every chunk")
 
 
 class RetentionPolicy(EvictionPolicy):
@@ -111,6 +120,14 @@ class RetentionPolicy(EvictionPolicy):
         idle = max(session.next_use(now) - now, 1e-6)
         return (self.profile.cost((k + 1) * block_size) / idle, session.session_id, k)
 
+    def by_session(self, tenants):
+        return self
+
+    def floor(self, session, now, block_size):
+        """Cost(l) >= Cost(block_size) and T never grows along the walk; (1 - SLACK) covers rounding."""
+        idle = max(session.next_use(now) - now, 1e-6)
+        return (self.profile.cost(block_size) / idle * (1 - SLACK),)
+
 
 class LRUPolicy(EvictionPolicy):
     """Least recently active session first, its chunks front to back."""
@@ -122,6 +139,9 @@ class LRUPolicy(EvictionPolicy):
 
     def key(self, session, k, block_size, now):
         return (now - session.next_use(now), session.session_id, k)
+
+    def floor(self, session, now, block_size):
+        return (now - session.next_use(now), session.session_id)
 
 
 class RecencyCostPolicy(EvictionPolicy):
@@ -142,24 +162,47 @@ class RecencyCostPolicy(EvictionPolicy):
         cost = self.profile.chunk_cost(k, session.chunk_len(k, block_size), block_size)
         return (now - session.next_use(now), session.session_id, cost, k)
 
+    def floor(self, session, now, block_size):
+        return (now - session.next_use(now), session.session_id)
+
 
 class ReturnAwarePolicy(EvictionPolicy):
     """V = Cost(s, l) * P(returns | idle T): the expected cost of recomputing the chunk. P comes from
-    a `ReturnEstimator` fed by the store (observed gaps; sessions idle now as censored) and refitted
-    before every ranking. Ties (e.g. every conversation idle longer than any gap seen has P = 0) go
+    a `ReturnEstimator` fed by the store (observed gaps; sessions idle now as censored), refitted on a
+    schedule: before a ranking once `len(sessions) // refit` rankings ran since the last fit (every
+    ranking while fewer than `refit` sessions are held), so a fit over every session costs O(refit) a
+    ranking, amortised. Ties (e.g. every conversation idle longer than any gap seen has P = 0) go
     least recently active first, cheapest first. Before any gap is observed: Pensieve's Cost(s, l) / T."""
 
     name = "return_aware"
 
-    def __init__(self, profile: CostProfile | None = None, estimator: ReturnEstimator | None = None):
+    def __init__(self, profile: CostProfile | None = None, estimator: ReturnEstimator | None = None,
+                 refit: int = 64):
+        if refit < 1:
+            raise ValueError(f"refit must be >= 1, got {refit}")
         self.profile = profile or CostProfile()
         self.returns = estimator or ReturnEstimator()
+        self.refit, self.since_fit = refit, math.inf     # rankings since the last fit
 
     def observe_return(self, gap):
         self.returns.observe(gap)
 
     def prepare(self, sessions, now):
-        self.returns.fit(now - s.last_active for s in sessions if not s.busy and s.token_ids)
+        self.since_fit += 1
+        if self.since_fit > len(sessions) // self.refit:
+            self.returns.fit(now - s.last_active for s in sessions if not s.busy and s.token_ids)
+            self.since_fit = 0
+
+    def by_session(self, tenants):
+        return self
+
+    def floor(self, session, now, block_size):
+        """Cost(s, l) >= Cost(1) / block_size, P(returns | T) never falls as T falls along the walk (nor does
+        1 / T), and after the value the key's next parts are the walk's own order; (1 - SLACK): rounding."""
+        idle = max(session.next_use(now) - now, 1e-6)
+        low = self.profile.cost(1) / block_size
+        value = low * self.returns.p_return(idle) if self.returns.fitted else low / idle
+        return (value * (1 - SLACK), now - session.next_use(now), session.session_id)
 
     def key(self, session, k, block_size, now):
         cost = self.profile.chunk_cost(k, session.chunk_len(k, block_size), block_size)

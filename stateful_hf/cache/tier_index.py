@@ -5,6 +5,7 @@ session-ordered policies' order (`TierOrder`), and how many tokens each tenant h
 from __future__ import annotations
 
 import heapq
+import math
 from collections import Counter
 from collections.abc import Iterator, Mapping
 
@@ -29,13 +30,14 @@ class TierOrder:
     wherever a session may gain a chunk in a tier, or change its last activity or expected time); a walk
     drops who holds nothing there any more (each mark pays for one). Read by integrity."""
 
-    __slots__ = ("order", "ahead", "key", "per_tenant")
+    __slots__ = ("order", "ahead", "key", "per_tenant", "soonest")
 
     def __init__(self, states: tuple[ChunkState, ...], per_tenant: bool = False):
         self.order: dict[ChunkState, dict[str, SortedList]] = {st: {} for st in states}   # no turn expected
         self.ahead: dict[ChunkState, dict[str, SortedList]] = {st: {} for st in states}   # latest expected first
         self.key: dict[str, tuple[bool, Entry]] = {}   # id -> (expected?, its entry in those lists)
         self.per_tenant = per_tenant
+        self.soonest = math.inf     # <= every expected time listed in `ahead`: no lapse is due before it
 
     def group(self, session_id: str) -> str:
         """The group a session's entries are listed under: its tenant when `per_tenant`, else ""."""
@@ -83,6 +85,8 @@ class TierOrder:
             return
         self.key[s.session_id] = want
         by, t = (self.ahead if want[0] else self.order), self.group(s.session_id)
+        if want[0]:
+            self.soonest = min(self.soonest, -want[1][0])
         for st in states:
             lst = by[st].get(t)
             if lst is None:
@@ -109,22 +113,9 @@ class TierOrder:
     def walk(self, state: ChunkState, sessions: Mapping[str, Session], now: float,
              tenant: str | None = None) -> Iterator[Session]:
         """The sessions holding a chunk in `state` (of `tenant`; None: every tenant), in `by_session` order
-        at `now`; the lists must not change meanwhile. First, expected times that passed lapse
-        (`expected_at` = 0: no turn expected now)."""
-        for per in self.ahead.values():
-            for lst in list(per.values()):
-                while lst and -lst[-1][0] <= now:
-                    e = lst[-1]
-                    s = sessions.get(e[1])
-                    if s is None:
-                        self.forget(e[1])
-                    else:
-                        s.expected_at = 0.0
-                        self.mark(s)
-                    lst.discard(e)
-        for per in self.ahead.values():
-            for t in [t for t, lst in per.items() if not lst]:
-                del per[t]
+        at `now`; the lists must not change meanwhile. Expected times that passed lapse first (`lapse`)."""
+        if now >= self.soonest:
+            self.lapse(sessions, now)
         stale: list[tuple[SortedList, Entry]] = []
         try:
             for _, lst, e in self._merged(state, tenant, now):
@@ -143,6 +134,27 @@ class TierOrder:
                 per = by[state]
                 for t in [t for t, lst in per.items() if not lst]:
                     del per[t]
+
+    def lapse(self, sessions: Mapping[str, Session], now: float) -> None:
+        """Expected times at or before `now` lapse (`expected_at` = 0: no turn expected now), the sessions
+        re-listed by last activity. O(the lists + those lapsing); a walk runs it only once one is due."""
+        soonest = math.inf
+        for per in self.ahead.values():
+            for t, lst in list(per.items()):
+                while lst and -lst[-1][0] <= now:
+                    e = lst[-1]
+                    s = sessions.get(e[1])
+                    if s is None:
+                        self.forget(e[1])
+                    else:
+                        s.expected_at = 0.0
+                        self.mark(s)
+                    lst.discard(e)
+                if lst:
+                    soonest = min(soonest, -lst[-1][0])
+                else:
+                    per.pop(t, None)        # (a re-keyed session's `forget` may have taken it out already)
+        self.soonest = soonest
 
     def _merged(self, state: ChunkState, tenant: str | None, now: float) -> Iterator[tuple[Entry, SortedList, Entry]]:
         """(sort key, list, entry) of every entry of `state`'s lists (of `tenant`), ascending by (now - next
