@@ -494,3 +494,33 @@ def test_hidden_file_capacity_change_relocates(capacity, tmp_path):
     assert turns["a"].restored_hidden == before["disk_hidden"] and turns["a"].recomputed_tokens == before["dropped"]
     assert again.stats().disk_checksum_failures == 0
     again.close()
+
+
+def test_a_bulk_import_to_disk_is_committed_whole_and_a_bad_export_keeps_the_ones_before(tmp_path):
+    """`import_sessions` puts copies of one exported conversation straight on disk with one index commit;
+    a restarted store finds every copy and continues each exactly. An export of another geometry part
+    way raises (naming it) and the copies imported before it are committed all the same, the ones
+    after it not imported; check_integrity holds throughout."""
+    import copy
+    import dataclasses
+
+    model, oracle = models()
+    store = open_store(model, str(tmp_path))
+    conv = conversations(1)["s0"]
+    play(store, {"c0": conv}, oracle)
+    exp = store.export_session("c0")
+    bad = dataclasses.replace(exp, session_id="bad", geometry=(9, 9, 9))
+    copies = [dataclasses.replace(exp, session_id=f"k{i}") for i in range(4)]
+    assert store.import_sessions(copies[:2], "disk") == 2 * exp.kv_tokens
+    with pytest.raises(ValueError, match="'bad'"):
+        store.import_sessions([copies[2], bad, copies[3]], "disk")
+    store.check_integrity()
+    assert {f"k{i}" for i in range(3)} <= set(store.session_ids()) and "k3" not in store.session_ids()
+    store.close()
+    store = open_store(model, str(tmp_path))
+    for i in range(3):
+        assert stored(store, f"k{i}") and {p.value for p in store.places(f"k{i}")} == {"lower"}, i
+    convs = {f"k{i}": copy.deepcopy(conv) for i in range(3)}
+    turns = play(store, convs, oracle)
+    assert all(t.reused_tokens >= exp.kv_tokens and not t.recomputed_tokens for t in turns.values()), turns
+    store.close()
