@@ -80,7 +80,8 @@ class TierOrder:
         want = self.entry(s)
         if self.key.get(s.session_id, want) != want:
             self.forget(s.session_id)
-        states = [st for st in self.order if any(c.state is st for c in s.chunks)]
+        held = {c.state for c in s.chunks}
+        states = [st for st in self.order if st in held]
         if not states:
             return
         self.key[s.session_id] = want

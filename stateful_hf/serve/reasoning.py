@@ -35,6 +35,14 @@ _anchors: dict[str, str | None] = {}
 _anchors_lock = threading.Lock()
 
 
+def with_reasoning_tokens(tok, final: dict, reasoned: bool | None) -> dict:
+    """A turn's last event `final` with its `reasoning_tokens` (usage's details) where the reply could
+    reason (`reasoned`: whether its parser read a think block; None: it could not reason, `final` as is)."""
+    if reasoned is None:
+        return final
+    return {**final, "reasoning_tokens": reasoning_tokens(tok, final["token_ids"], reasoned)}
+
+
 def reasoning_tokens(tok, ids: list[int], reasoned: bool) -> int:
     """The reasoning tokens of a reply `ids` (usage's `reasoning_tokens`): those through the one that
     completes `</think>`, delimiters included; all of them when the reply `reasoned` but its block was

@@ -30,7 +30,7 @@ from ..cache.tenant import session_key
 from ..engine import SamplingParams
 from .auth import request_tenant
 from .protocol import APIError, max_tokens_for
-from .reasoning import reasoning_tokens, reasons, reply_template
+from .reasoning import reasons, reply_template, with_reasoning_tokens
 from .response_items import OutputBuilder, input_messages, item_id, reply_message, response_usage
 from .response_store import ResponseStore, StoredResponse
 from .retain import retain_of
@@ -147,9 +147,8 @@ def install(app, router, config, kit) -> ResponseStore:
 
     def counted(final: dict, parser: ReplyParser | None) -> dict:
         """`final` with its `reasoning_tokens` where the template reasons (usage's output_tokens_details)."""
-        if parser is None or not reasons(tok):
-            return final
-        return {**final, "reasoning_tokens": reasoning_tokens(tok, final["token_ids"], bool(parser.reasoning))}
+        reasoned = bool(parser.reasoning) if parser is not None and reasons(tok) else None
+        return with_reasoning_tokens(tok, final, reasoned)
 
     def finish(turn: Turn, rid: str, created: int, builder: OutputBuilder, final: dict) -> dict:
         obj = response_object(turn, rid, created, config.model_name, builder.items, final)

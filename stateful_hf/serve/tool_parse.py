@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from transformers.utils.chat_parsing import ResponseParser
 
 from .protocol import APIError
-from .reasoning import REASONING, reasoning_tokens, reasons, reply_template, template_kwargs
+from .reasoning import REASONING, reasons, reply_template, template_kwargs, with_reasoning_tokens
 from .tools import (
     CALL_CLOSE,
     CALL_OPEN,
@@ -129,9 +129,7 @@ class ChatReply:
 
     def counted(self, tok, out: dict) -> dict:
         """`out` (the turn's last event, the reply read) with its `reasoning_tokens` when it can reason."""
-        if not self.reasons:
-            return out
-        return {**out, "reasoning_tokens": reasoning_tokens(tok, out["token_ids"], bool(self.parser.reasoning))}
+        return with_reasoning_tokens(tok, out, bool(self.parser.reasoning) if self.reasons else None)
 
     def close(self, reason: str | None) -> tuple[list[dict], str | None]:
         out = self._deltas(self.parser.close())

@@ -212,19 +212,23 @@ class PrefixIndex:
     # ---- changes --------------------------------------------------------------------------------
 
     def insert(self, scope: PrefixScope, ids: Sequence[int], depth: int, parent: PrefixEntry | None,
-               payload: object) -> PrefixEntry | None:
+               payload: object, parent_checked: bool = False) -> PrefixEntry | None:
         """Index chunk `depth` of `ids` (a full chunk: len(ids) >= (depth + 1) * block_size) with
         `payload`, under `parent`: the entry of chunk depth - 1 of the same ids (as `match` returned
         it), None at depth 0. Returns the new entry (no holders yet); the existing entry if this
         content is indexed already (the payload is not taken: the caller uses the existing one); None
         if the key belongs to other content (a collision: the chunk stays private).
-        Raises ValueError if `parent` is not the indexed entry of the same prefix."""
+        Raises ValueError if `parent` is not the indexed entry of the same prefix: compared id by id
+        up to the root, O(depth), unless `parent_checked` (then only that it is indexed): the caller
+        got `parent` from this method or `match` for chunk depth - 1 of these same ids (a restore
+        indexing a session's chunks in order), so a run of n chunks costs O(n), not O(n^2)."""
         bs = self.block_size
         if depth < 0 or len(ids) < (depth + 1) * bs:
             raise ValueError(f"chunk {depth} is not full in {len(ids)} ids (block size {bs})")
         if (parent is None) != (depth == 0):
             raise ValueError(f"chunk {depth} needs {'no parent' if depth == 0 else 'its parent entry'}")
-        if parent is not None and not (self._entries.get(parent.key) is parent and self._chain_is(parent, scope, ids)):
+        if parent is not None and not (self._entries.get(parent.key) is parent
+                                       and (parent_checked or self._chain_is(parent, scope, ids))):
             raise ValueError(f"parent of chunk {depth} is not the indexed entry of the same prefix")
         chunk = tuple(ids[depth * bs:(depth + 1) * bs])
         key = self.keying.chunk_key(self.keying.root(scope) if parent is None else parent.key, chunk)

@@ -260,7 +260,7 @@ class PrefixSharing:
                 if c.state not in ON_DISK:
                     break
                 if c.entry is None or c.entry not in self.index:
-                    e = self.index.insert(scope, s.token_ids, k, parent, c)
+                    e = self.index.insert(scope, s.token_ids, k, parent, c, parent_checked=True)   # chunk k - 1's
                     if e is None or e.payload is not c:
                         break
                     if c.entry is not None:
