@@ -214,7 +214,7 @@ def run(a: argparse.Namespace, argv) -> dict:
         store, sids, heap = fill(model, size, a.tokens, a.device_tokens, seed_ids, disk, a.host_tokens,
                                  tenants=a.tenants, policy=a.policy)
         fill_s, t1 = time.perf_counter() - t0, time.perf_counter()
-        store.stats()                          # still a walk of every session (docs/scale.md): timed
+        store.stats()                          # a metrics scrape's read (docs/scale.md): timed
         stores[size] = {"store": store, "sids": sids, "heap_per_session": heap, "fill_s": fill_s,
                         "stats_ms": 1e3 * (time.perf_counter() - t1),
                         "engine": Engine(model, store=store, step_threads=None, arrival_window=0)}

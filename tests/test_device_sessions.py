@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections import Counter
 import tempfile
 
 import pytest
@@ -55,8 +56,36 @@ def full_scan_victims(store, state: ChunkState, shadowed: bool | None) -> list[t
     return [(s.session_id, k) for s, k in found]
 
 
+def full_walk_stats(store) -> dict:
+    """The token figures of `stats()` from every chunk of every session (what it walked before it read the
+    table's counts): physical tokens per state, shadows, logical and shared tokens, sessions."""
+    bs, tot, seen = store.block_size, Counter(), set()
+    logical = shared = cached = 0
+    for s in store.sessions:
+        for k, c in enumerate(s.chunks):
+            n = s.chunk_len(k, bs)
+            logical += n if c.state is not ChunkState.DROPPED else 0
+            if id(c) in seen:
+                continue
+            seen.add(id(c))
+            tot[c.state.value] += n
+            cached += n if c.shadow is not None else 0
+            shared += bs if c.entry is not None and len(c.entry.holders) > 1 else 0
+    return {"device_tokens": tot["device"], "host_tokens": tot["host"] + tot["hidden"],
+            "disk_tokens": tot["disk"] + tot["disk_hidden"], "dropped_tokens": tot["dropped"],
+            "hidden_tokens": tot["hidden"], "layered_tokens": tot["layered"], "device_cached_tokens": cached,
+            "logical_tokens": logical, "shared_tokens": shared,
+            "sessions": sum(not s.retained for s in store.sessions)}
+
+
+def stats_figures(store) -> dict:
+    st = store.stats()
+    return {f: getattr(st, f) for f in full_walk_stats(store)}
+
+
 def check(store) -> None:
     store.check_integrity()                  # device_sessions() == the sessions holding device blocks
+    assert stats_figures(store) == full_walk_stats(store)     # stats() reads counts, not every session
     assert store.available_blocks() == store.device_pool.num_free + reference(store, {ChunkState.DEVICE}, True)
     for state, shadowed in ((ChunkState.DEVICE, None), (ChunkState.HOST, True), (ChunkState.HOST, None),
                             (ChunkState.HOST, False), (ChunkState.DISK, None)):
@@ -169,4 +198,26 @@ def test_a_best_first_walk_reads_what_it_takes_and_a_floor_above_the_keys_is_cau
     store.clock.now -= 1.0
     assert [(s.session_id, k) for s, k in store.placement.victims(host, 10 ** 6, set())] != scanned
     store.check_integrity()
+    store.close()
+
+
+def test_stats_read_counts_and_a_sharer_left_unmarked_is_caught():
+    """`stats()` takes tokens per tier from the table's counts less the extra holders of shared chunks,
+    found among the sessions marked as sharers: equal to a walk of every chunk with three sessions sharing
+    a system prompt on the host. Negative control: a holder taken out of the sharers by hand makes the
+    figures wrong and `check_integrity` says so."""
+    store = SessionStore(MODEL, 4096, host_capacity=4096, chunk_size=BS, clock=Clock())
+    for sid in ("a", "b", "c"):
+        greedy(MODEL, torch.cat([SYSTEM, torch.tensor([[ord(sid)] * 5])], 1), n=3, cache=store.cache(sid))
+    store.move("a", range(len(store.places("a"))), "host")
+    assert full_walk_stats(store)["shared_tokens"] == 2 * BS
+    assert stats_figures(store) == full_walk_stats(store)
+    store.sharing.sharers.clear()
+    assert stats_figures(store) != full_walk_stats(store)
+    try:
+        store.check_integrity()
+    except AssertionError as e:
+        assert "not among the sharers" in str(e)
+    else:
+        raise AssertionError("check_integrity missed sessions holding shared chunks, unmarked")
     store.close()

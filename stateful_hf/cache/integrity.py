@@ -86,6 +86,9 @@ def check_integrity(sessions: SessionTable, tiers: TierPools, block_size: int) -
         _check_disk_rows(sessions, tiers)
         tiers.disk_state.check()
     check_sharing(list(sessions), tiers.sharing.index, block_size, tiers.sharing.epoch)
+    unmarked = [s.session_id for s in sessions if s.session_id not in tiers.sharing.sharers
+                and any(c.entry is not None and len(c.entry.holders) > 1 for c in s.chunks)]
+    assert not unmarked, f"sessions holding shared chunks, not among the sharers: {unmarked[:4]}"
     for tier, owned in owners.items():
         pool = tiers.pool(tier)
         if pool is not None:

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 from .session import ChunkState, Session, SessionTable
 from .stats import Counters, SessionStats, StoreStats
 from .tier_pools import TierPools
@@ -20,15 +18,28 @@ def session_stats(s: Session, block_size: int) -> SessionStats:
 
 def store_stats(sessions: SessionTable, tiers: TierPools, counters: Counters) -> StoreStats:
     """Tokens per tier are physical: a chunk shared by several sessions counts once (its holders'
-    tokens are `logical_tokens`; `prefix/sharing.py`)."""
+    tokens are `logical_tokens`; `prefix/sharing.py`). O(tenants + the sessions holding device blocks or
+    shared chunks), not O(sessions held): the table's counts (every holder counting a shared chunk) less
+    the shared chunks' extra holders."""
     device, host, disk = tiers.device, tiers.host, tiers.disk
     bs = device.spec.block_size
     tot = {t.value: 0 for t in ChunkState}
-    cached = 0
-    for s, k, c in tiers.sharing.physical(sessions):
-        tot[c.state.value] += s.chunk_len(k, bs)
-        cached += s.chunk_len(k, bs) if c.shadow is not None else 0
-    logical, shared = _sharing_tokens(sessions, bs)
+    for (st, _), n in sessions.usage().items():
+        tot[st.value] += n
+    logical = sum(tot.values()) - tot[ChunkState.DROPPED.value]
+    shared, seen = 0, set()
+    for s in tiers.sharing.sharing_sessions(sessions.find):
+        for c in s.chunks:
+            if c.entry is not None and len(c.entry.holders) > 1 and id(c) not in seen:
+                seen.add(id(c))
+                tot[c.state.value] -= bs * (len(c.entry.holders) - 1)      # shared chunks are full
+                shared += bs
+    cached, seen = 0, set()
+    for s in sessions.device_sessions():
+        for k, c in enumerate(s.chunks):
+            if c.shadow is not None and id(c) not in seen:
+                seen.add(id(c))
+                cached += s.chunk_len(k, bs)
     used = tiers.used_bytes
 
     def cap(pool):
@@ -37,7 +48,7 @@ def store_stats(sessions: SessionTable, tiers: TierPools, counters: Counters) ->
     disk_pool = disk.pool if disk is not None else None
     hid, dhid = tiers.hidden, tiers.disk_hidden
     return StoreStats(
-        sessions=sum(not s.retained for s in sessions), device_tokens=tot["device"],
+        sessions=sessions.live, device_tokens=tot["device"],
         host_tokens=tot["host"] + tot["hidden"],
         dropped_tokens=tot["dropped"], device_cached_tokens=cached,
         device_bytes=used(device), host_bytes=used(host) + used(hid), disk_bytes=used(disk_pool) + used(dhid),
@@ -62,17 +73,3 @@ def store_stats(sessions: SessionTable, tiers: TierPools, counters: Counters) ->
         device_blocks_prefetched=device.blocks_prefetched,
         logical_tokens=logical, shared_tokens=shared, prefix_index_chunks=len(tiers.sharing.index),
     )
-
-
-def _sharing_tokens(sessions: Iterable[Session], block_size: int) -> tuple[int, int]:
-    """(logical tokens: every session's stored tokens, a shared chunk once per holder; shared
-    tokens: tokens of chunks held by more than one session, each chunk once)."""
-    bs, logical, shared, seen = block_size, 0, 0, set()
-    for s in sessions:
-        for k, c in enumerate(s.chunks):
-            if c.state is not ChunkState.DROPPED:
-                logical += s.chunk_len(k, bs)
-            if c.entry is not None and len(c.entry.holders) > 1 and id(c) not in seen:
-                seen.add(id(c))
-                shared += bs
-    return logical, shared

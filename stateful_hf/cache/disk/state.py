@@ -151,9 +151,11 @@ class DiskState:
         taken: dict[str, dict[int, int]] = {"kv": {}, "hidden": {}}      # form -> {slot: checksum}
         claimant: dict[tuple[str, int], tuple[Session, int, PrefixScope | None]] = {}   # its first row's
         loaded: list[tuple[Session, PrefixScope | None]] = []
+        scopes: dict[tuple[str, str | None, str | None], PrefixScope | None] = {}    # (tenant of id, tenant, salt)
         for sid, saved in self.disk.saved_sessions().items():
             s = Session(sid, array("i", saved.token_ids), last_active=self.sessions.clock(), retained=saved.retained)
-            scope = _scope(sid, saved.tenant, saved.cache_salt)
+            at = (tenant_of(sid), saved.tenant, saved.cache_salt)
+            scope = scopes[at] if at in scopes else scopes.setdefault(at, _scope(*at))
             s.chunks = [Chunk() for _ in range(-(-len(s.token_ids) // bs))]
             for k, (form, slot, checksum) in sorted(saved.chunks.items()):
                 if not 0 <= k < len(s.chunks):
@@ -187,9 +189,10 @@ class DiskState:
                 and len(sb.token_ids) >= end and sa.token_ids[:end] == sb.token_ids[:end])
 
 
-def _scope(sid: str, tenant: str | None, cache_salt: str | None) -> PrefixScope | None:
-    """The scope a session was saved with (None: none recorded, or not a valid one for its id)."""
-    if tenant is None or tenant != tenant_of(sid):
+def _scope(id_tenant: str, tenant: str | None, cache_salt: str | None) -> PrefixScope | None:
+    """The scope a session of tenant `id_tenant` (its id's) was saved with (None: none recorded, or not a
+    valid one for its id)."""
+    if tenant is None or tenant != id_tenant:
         return None
     try:
         return PrefixScope(tenant, cache_salt)

@@ -61,6 +61,9 @@ class PrefixSharing:
         # (`_remove`) or a session lets go of a shared chunk (`detach`). A `Session.index_cursor` of
         # an older epoch is void (register walks from chunk 0 again).
         self.epoch = 0
+        # A superset of the sessions holding a chunk that 2+ sessions hold (`sharing_sessions` prunes it):
+        # a holder joins when an entry it holds gets a second holder, or as it joins one that has.
+        self.sharers: set[str] = set()
 
     # ---- scope ----------------------------------------------------------------------------------
 
@@ -124,6 +127,26 @@ class PrefixSharing:
             raise AssertionError("an indexed chunk without KV")
         s.chunks[k] = e.payload
         self.index.acquire(e, s.session_id)
+        self._joined(e, s.session_id)
+
+    def _joined(self, e: PrefixEntry, session_id: str) -> None:
+        """`session_id` holds `e` now: it and, when it is the second, the first holder become sharers."""
+        if len(e.holders) == 2:
+            self.sharers.update(e.holders)
+        elif len(e.holders) > 2:
+            self.sharers.add(session_id)
+
+    def sharing_sessions(self, sessions: Callable[[str], Session | None]) -> list[Session]:
+        """Every session holding a chunk that another session holds too (`sessions`: id -> the table's
+        session or None). O(the sharers marked since the last call); those that hold none are forgotten."""
+        out = []
+        for sid in list(self.sharers):
+            s = sessions(sid)
+            if s is not None and any(c.entry is not None and len(c.entry.holders) > 1 for c in s.chunks):
+                out.append(s)
+            else:
+                self.sharers.discard(sid)
+        return out
 
     def register(self, s: Session, free: Callable[[Chunk], None]) -> None:
         """After a committed step: the session's full DEVICE chunks, from the first not yet indexed,
@@ -154,6 +177,8 @@ class PrefixSharing:
                     if e is None or e.payload is not c:
                         return k
                     e.holders, c.entry = c.entry.holders, e       # indexed again, same holders
+                    if len(e.holders) > 1:
+                        self.sharers.update(e.holders)
                 parent = c.entry
                 continue
             if c.state is not DEVICE or c.source is not None:
@@ -170,6 +195,7 @@ class PrefixSharing:
             else:
                 c.entry = e
             self.index.acquire(e, s.session_id)
+            self._joined(e, s.session_id)
             parent = e
         return n
 
@@ -253,6 +279,7 @@ class PrefixSharing:
                 *_, key = self.index.keys(s.scope, s.token_ids[: (k + 1) * bs])
                 s.chunks[k].entry = PrefixEntry(key, s.scope, k, tuple(s.token_ids[k * bs:(k + 1) * bs]), None,
                                                 s.chunks[k], {h.session_id for h, _ in group})
+                self.sharers.update(h.session_id for h, _ in group)
         for s, scope in loaded if self.enabled else ():
             parent = None
             for k in range(len(s.token_ids) // bs if scope is not None else 0):
@@ -267,6 +294,7 @@ class PrefixSharing:
                         e.holders = c.entry.holders          # shared: its holders carry over
                     c.entry = e
                     self.index.acquire(e, s.session_id)
+                    self._joined(e, s.session_id)
                 parent = c.entry
 
     def _remove(self, top: PrefixEntry) -> None:
