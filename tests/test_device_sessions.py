@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections import Counter
 import tempfile
+from collections import Counter
 
 import pytest
 import torch
