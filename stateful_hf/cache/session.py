@@ -290,12 +290,14 @@ class SessionTable:
         sessions held: marked ones that hold no block any more are forgotten here. Mutates: the
         marked set only (`check_integrity` proves the result is every session holding a block)."""
         out: dict[str, Session] = {}
-        for sid in list(self._device):
+        marked = self._device
+        for sid in marked:
             s = self._sessions.get(sid)
-            if s is None or not s.holds_device:
-                self._device.discard(sid)
-                continue
-            out[sid] = s
+            if s is not None and s.holds_device:
+                out[sid] = s
+        if len(out) < len(marked):        # a new set: one that shrank by discards is iterated at its peak size
+            self._device = set(out)
+        for s in list(out.values()):
             for c in s.chunks:
                 if c.entry is not None and len(c.entry.holders) > 1 and c.holds_device:
                     for h in c.entry.holders:

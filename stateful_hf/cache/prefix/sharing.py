@@ -140,12 +140,12 @@ class PrefixSharing:
         """Every session holding a chunk that another session holds too (`sessions`: id -> the table's
         session or None). O(the sharers marked since the last call); those that hold none are forgotten."""
         out = []
-        for sid in list(self.sharers):
+        for sid in self.sharers:
             s = sessions(sid)
             if s is not None and any(c.entry is not None and len(c.entry.holders) > 1 for c in s.chunks):
                 out.append(s)
-            else:
-                self.sharers.discard(sid)
+        if len(out) < len(self.sharers):      # a new set: one that shrank by discards is iterated at its peak size
+            self.sharers = {s.session_id for s in out}
         return out
 
     def register(self, s: Session, free: Callable[[Chunk], None]) -> None:
