@@ -152,22 +152,31 @@ class DiskState:
         claimant: dict[tuple[str, int], tuple[Session, int, PrefixScope | None]] = {}   # its first row's
         loaded: list[tuple[Session, PrefixScope | None]] = []
         scopes: dict[tuple[str, str | None, str | None], PrefixScope | None] = {}    # (tenant of id, tenant, salt)
-        for sid, saved in self.disk.saved_sessions().items():
-            s = Session(sid, array("i", saved.token_ids), last_active=self.sessions.clock(), retained=saved.retained)
+        saved_sessions = self.disk.saved_sessions()
+        left_out = len(self.disk.directory.index.rows) - sum(len(v.chunks) for v in saved_sessions.values())
+        clock = self.sessions.clock
+        for sid, saved in saved_sessions.items():
+            s = Session(sid, array("i", saved.token_ids), last_active=clock(), retained=saved.retained)
             at = (tenant_of(sid), saved.tenant, saved.cache_salt)
             scope = scopes[at] if at in scopes else scopes.setdefault(at, _scope(*at))
-            s.chunks = [Chunk() for _ in range(-(-len(s.token_ids) // bs))]
+            n = -(-len(s.token_ids) // bs)
+            chunks: list[Chunk | None] = [None] * n
             for k, (form, slot, checksum) in sorted(saved.chunks.items()):
-                if not 0 <= k < len(s.chunks):
-                    continue
-                if slot not in taken[form]:
-                    s.chunks[k] = Chunk(DISK if form == "kv" else DISK_HIDDEN, slot)
+                if not 0 <= k < n:
+                    left_out += 1
+                elif slot not in taken[form]:
+                    chunks[k] = Chunk(DISK if form == "kv" else DISK_HIDDEN, slot)
                     taken[form][slot] = checksum
                     claimant[form, slot] = (s, k, scope)
                 elif sharing.enabled and checksum == taken[form][slot] and \
                         self._one_chunk(claimant[form, slot], (s, k, scope)):
                     first, fk, _ = claimant[form, slot]
-                    s.chunks[k] = first.chunks[fk]          # the same chunk: shared again
+                    chunks[k] = first.chunks[fk]            # the same chunk: shared again
+                else:
+                    left_out += 1
+            if all(c is None for c in chunks) or (saved.tenant is not None and scope is None):
+                left_out += 1           # its row would not be written so: no disk chunk, or no valid scope
+            s.chunks = [Chunk() if c is None else c for c in chunks]
             self.sessions.add(s)
             loaded.append((s, scope))
         for form, slots in taken.items():
@@ -176,7 +185,9 @@ class DiskState:
                 pool.take(sorted(slots))
                 pool.checksums = dict(slots)
         sharing.restore(loaded)
-        self._changed = True
+        # Rows left out (recomputed) or written otherwise now leave or change at the next commit; else the
+        # committed index is the state already (`check` asserts it).
+        self._changed = left_out > 0 or len(saved_sessions) < len(self.disk.directory.index.sessions)
 
     def _one_chunk(self, a: tuple[Session, int, PrefixScope | None], b: tuple[Session, int, PrefixScope | None]
                    ) -> bool:
