@@ -1,16 +1,14 @@
 """The KV store: the facade over the store's parts; the one place session KV state changes.
 
-Contract: every public method takes the store lock; chunk states, slot ownership and token ids
-change only inside it, through the parts. A method that raises leaves every session's token ids as
-they were and the invariants of `check_integrity()` intact: every slot of every tier is free or
-owned by exactly one chunk (device blocks: by a DEVICE chunk, as the cached `shadow` of one
-HOST/HIDDEN chunk, or split by residue among LAYERED chunks). After each method that may change
-what is on disk, the facade syncs the disk index (`_sync_disk`: `DiskState.sync`, which never
+Contract: every public method takes the store lock; chunk states, slot ownership and token ids change only inside
+it, through the parts. A method that raises leaves every session's token ids as they were and the invariants of
+`check_integrity()` intact: every slot of every tier is free or owned by exactly one chunk (device blocks: by a
+DEVICE chunk, as the cached `shadow` of one HOST/HIDDEN chunk, or split by residue among LAYERED chunks). After each
+method that may change what is on disk, the facade syncs the disk index (`_sync_disk`: `DiskState.sync`, which never
 raises; a store without a disk tier has no disk state and skips it).
 
-The parts are built by `store_parts.assemble`, each with its collaborators; docs/store.md says
-what each owns and mutates. A method whose contract is longer than its docstring names the part's
-method that holds it.
+The parts are built by `store_parts.assemble`, each with its collaborators; docs/store.md says what each owns and
+mutates. A method whose contract is longer than its docstring names the part's method that holds it.
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ from ..kernels import select_backend
 from ..options import KVStoreKwargs, Layout, StoreConfig, TokensOrSize, Unpack
 from .history import common_prefix
 from .integrity import check_integrity
-from .migration import SessionExport, export_session, import_session
+from .migration import SessionExport, export_session, import_sessions
 from .policy import EvictionPolicy
 from .relocation import chunk_indices, target_state
 from .session import Session
@@ -37,10 +35,10 @@ from .turn import ChunkNeeds, Committed, Place, Room, TurnNeeds, places_of
 
 
 class KVStore:
-    """The model-free session store. Its options are `StoreConfig`'s (`stateful_hf/options/store.py`
-    documents each; here `attn_backend` defaults to "torch"): an unknown one raises TypeError, a bad
-    value ValueError naming it, before anything is allocated. The parts are attributes named as in
-    `StoreParts` (`store.sessions`, `store.planner`, ...); `config` holds the resolved backend."""
+    """The model-free session store. Its options are `StoreConfig`'s (`stateful_hf/options/store.py` documents
+    each; here `attn_backend` defaults to "torch"): an unknown one raises TypeError, a bad value ValueError naming
+    it, before anything is allocated. The parts are attributes named as in `StoreParts` (`store.sessions`,
+    `store.planner`, ...); `config` holds the resolved backend."""
 
     def __init__(self, spec: KVSpec, device_capacity: TokensOrSize = 4096, **options: Unpack[KVStoreKwargs]):
         c = StoreConfig.build(device_capacity=device_capacity, **{"attn_backend": "torch", **options})
@@ -82,12 +80,10 @@ class KVStore:
         if self.layered is not None:       # without layerwise_kv no step is layer-wise: nothing to stage
             self.layered.stage = stage
 
-    @property
-    def policy(self) -> EvictionPolicy:
-        return self.placement.policy
+    policy = property(lambda self: self.placement.policy, doc="the eviction policy (set under the lock)")
 
     @policy.setter
-    def policy(self, policy: EvictionPolicy) -> None:
+    def policy(self, policy: EvictionPolicy) -> None:  # noqa: F811 (the property above, given its setter)
         with self.lock:
             self.placement.policy = policy
 
@@ -343,8 +339,7 @@ class KVStore:
             return self.capacity.device_slots()
 
     def reclaim(self) -> int:
-        """Virtual layout: give back the committed pages of free device blocks now (else kept up to
-        `keep_freed`); the bytes given back (0 for a paged pool)."""
+        """Virtual layout: give back free device blocks' committed pages now (else kept up to `keep_freed`); bytes."""
         with self.lock:
             return self.tiers.device.reclaim() if self.layout is Layout.VIRTUAL else 0
 
@@ -363,28 +358,16 @@ class KVStore:
 
     def import_session(self, exp: SessionExport) -> int:
         """Make `exp` this store's session of its id, on the device; tokens whose KV came along."""
-        with self.lock:
-            n = import_session(self.parts, self.spec, exp)
-            self.maintain()
-            return n
+        return self.import_sessions([exp])
 
     def import_sessions(self, exps: Iterable[SessionExport], tier: str | None = None) -> int:
-        """A bulk `import_session` under one lock: each session moved at once to `tier` (None: left on the
-        device), then one `maintain` and one disk commit (durable when this returns; a failure part way keeps
-        and commits what was imported before it). Tokens whose KV came along."""
-        target = None if tier is None else target_state(tier)
-        n = 0
+        """Bulk `import_session`s under one lock, each moved to `tier` at once (None: on the device), then one
+        `maintain` and disk commit (a failure part way keeps those before it). Tokens imported."""
         with self.lock:
             try:
-                for exp in exps:
-                    n += import_session(self.parts, self.spec, exp)
-                    s = self.sessions.find(exp.session_id)
-                    if target is not None and s is not None:
-                        with self.placement.moving("explicit"):
-                            self.relocation.move(s, range(len(s.chunks)), target)
+                return import_sessions(self.parts, self.spec, exps, None if tier is None else target_state(tier))
             finally:
                 self.maintain()
-        return n
 
     def _sync_disk(self) -> None:
         """Commit the disk index if it changed (`DiskState.sync`: never raises; no disk tier: nothing). Lock held."""
@@ -400,9 +383,8 @@ class KVStore:
 
     def stats(self, session_id: str | None = None) -> StoreStats | SessionStats:
         with self.lock:
-            if session_id is not None:
-                return session_stats(self.sessions.get(session_id), self.block_size)
-            return store_stats(self.sessions, self.tiers, self.counters)
+            return store_stats(self.sessions, self.tiers, self.counters) if session_id is None else \
+                session_stats(self.sessions.get(session_id), self.block_size)
 
     def summary(self) -> str:
         """The store's tiers and traffic, for a person."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -139,3 +140,15 @@ def import_session(p: StoreParts, spec: KVSpec, exp: SessionExport) -> int:
         with p.placement.moving("explicit"):
             p.relocation.move(s, absent, ChunkState.DROPPED)
     return exp.kv_tokens
+
+
+def import_sessions(p: StoreParts, spec: KVSpec, exps: Iterable[SessionExport], target: ChunkState | None) -> int:
+    """`KVStore.import_sessions` (the caller maintains after): `import_session` each, moved to `target` at once."""
+    n = 0
+    for exp in exps:
+        n += import_session(p, spec, exp)
+        s = p.sessions.find(exp.session_id)
+        if target is not None and s is not None:
+            with p.placement.moving("explicit"):
+                p.relocation.move(s, list(range(len(s.chunks))), target)
+    return n
