@@ -525,3 +525,50 @@ def test_a_bulk_import_to_disk_is_committed_whole_and_a_bad_export_keeps_the_one
     turns = play(store, convs, oracle)
     assert all(t.reused_tokens >= exp.kv_tokens and not t.recomputed_tokens for t in turns.values()), turns
     store.close()
+
+
+def test_a_bulk_import_writes_straight_into_host_or_disk_and_a_failed_flush_makes_none(tmp_path, monkeypatch):
+    """`import_sessions(..., "host" / "disk")` writes each exported chunk into a slot of that tier (no
+    device step: the device stays empty) and leaves the chunks that were not exported dropped; every
+    copy then continues exactly. A batch larger than the tier goes in one session at a time, later
+    copies pushing earlier ones down. A data flush that fails during a disk import raises StoreError
+    and makes none of its sessions (the room made for them stays made: other chunks dropped, to be
+    recomputed); integrity holds throughout and the tier recovers."""
+    import copy
+    import dataclasses
+
+    model, oracle = models()
+    store = open_store(model, str(tmp_path / "d"), 512, host_capacity=512)
+    conv = conversations(1, first=70)["s0"]
+    play(store, {"c0": conv}, oracle)
+    store.move("c0", [1], "dropped")
+    exp = store.export_session("c0")
+    assert exp.chunks == [0, 2, 3, 4]                      # chunks of 16 tokens: 76 tokens
+    store.delete("c0")
+    for tier, place in (("host", "host"), ("disk", "disk")):
+        copies = [dataclasses.replace(exp, session_id=f"{tier}{i}") for i in range(3)]
+        before = store.stats().counters
+        assert store.import_sessions(copies, tier) == 3 * exp.kv_tokens
+        store.check_integrity()
+        after = store.stats().counters      # not imported to the device and moved down (that counts swaps out)
+        assert store.stats().device_tokens == 0 and (after.swapped_out_host, after.swapped_out_disk) == (
+            before.swapped_out_host, before.swapped_out_disk)
+        for i in range(3):
+            assert [c.state.value for c in store.session(f"{tier}{i}").chunks] == [place, "dropped"] + [place] * 3
+    turns = play(store, {sid: copy.deepcopy(conv) for sid in store.session_ids()}, oracle)
+    assert all(t.reused_tokens >= exp.kv_tokens for t in turns.values()), turns     # (the rest: shared or recomputed)
+    # more than the disk tier holds (32 slots, 12 held): one at a time, later ones pushing earlier ones down
+    many = [dataclasses.replace(exp, session_id=f"m{i}") for i in range(9)]
+    assert store.import_sessions(many, "disk") == 9 * exp.kv_tokens
+    store.check_integrity()
+    assert [c.state.value for c in store.session("m8").chunks] == ["disk", "dropped"] + ["disk"] * 3
+    held = set(store.session_ids())
+    faults = Faults(monkeypatch, "data-flush")
+    with pytest.raises(StoreError, match="could not flush"):
+        store.import_sessions([dataclasses.replace(exp, session_id=f"f{i}") for i in range(2)], "disk")
+    assert faults.hits == 1 and set(store.session_ids()) == held   # (room made for it stays made)
+    store.check_integrity()
+    faults.on = False
+    store.import_sessions([dataclasses.replace(exp, session_id="f0")], "disk")
+    play(store, {"f0": copy.deepcopy(conv)}, oracle)
+    store.close()

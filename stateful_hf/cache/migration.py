@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .errors import SessionBusyError
-from .session import HIDDEN_FORMS, ChunkState, Session
+from .errors import CapacityError, SessionBusyError, StoreError
+from .session import HIDDEN_FORMS, Chunk, ChunkState, Session
 from .spec import KVSpec
 
 if TYPE_CHECKING:
@@ -108,9 +108,7 @@ def export_session(p: StoreParts, spec: KVSpec, s: Session) -> SessionExport:
 
 def import_session(p: StoreParts, spec: KVSpec, exp: SessionExport) -> int:
     """`KVStore.import_session`: the tokens whose KV was imported. Mutates: the session (replaced)."""
-    if exp.block_size != spec.block_size or tuple(exp.geometry) != geometry(spec):
-        raise ValueError(f"session {exp.session_id!r}: exported KV has geometry {tuple(exp.geometry)} / block "
-                         f"{exp.block_size}, this store {geometry(spec)} / block {spec.block_size}")
+    _check(exp, spec)
     sid, n = exp.session_id, len(exp.token_ids)
     old = p.sessions.find(sid)
     if old is not None:
@@ -143,12 +141,85 @@ def import_session(p: StoreParts, spec: KVSpec, exp: SessionExport) -> int:
 
 
 def import_sessions(p: StoreParts, spec: KVSpec, exps: Iterable[SessionExport], target: ChunkState | None) -> int:
-    """`KVStore.import_sessions` (the caller maintains after): `import_session` each, moved to `target` at once."""
-    n = 0
+    """`KVStore.import_sessions` (the caller maintains after). Into HOST or DISK: straight into that tier's
+    slots, `IMPORT_BATCH` sessions at a time (`_import_into`: one disk flush each); otherwise
+    `import_session` each, then moved to `target`. A bad export raises after those before it are in."""
+    n, batch = 0, []
     for exp in exps:
-        n += import_session(p, spec, exp)
-        s = p.sessions.find(exp.session_id)
-        if target is not None and s is not None:
-            with p.placement.moving("explicit"):
-                p.relocation.move(s, list(range(len(s.chunks))), target)
-    return n
+        if target not in (ChunkState.HOST, ChunkState.DISK) or p.tiers.pool(target) is None:
+            n += import_session(p, spec, exp)
+            s = p.sessions.find(exp.session_id)
+            if target is not None and s is not None:
+                with p.placement.moving("explicit"):
+                    p.relocation.move(s, list(range(len(s.chunks))), target)
+            continue
+        try:
+            _check(exp, spec)
+        except ValueError:                     # the batch before it goes in first
+            if batch:
+                _import_batch(p, spec, batch, target)
+            raise
+        batch.append(exp)
+        if len(batch) == IMPORT_BATCH:
+            n, batch = n + _import_batch(p, spec, batch, target), []
+    return n + (_import_batch(p, spec, batch, target) if batch else 0)
+
+
+IMPORT_BATCH = 1024      # sessions per disk flush of a bulk import
+
+
+def _import_batch(p: StoreParts, spec: KVSpec, exps: list[SessionExport], target: ChunkState) -> int:
+    """`_import_into` the batch; if the tier cannot hold it whole, one session at a time (each making
+    room by the policy, so that later ones may push earlier ones down, as separate imports would)."""
+    try:
+        return _import_into(p, spec, exps, target)
+    except CapacityError:
+        if len(exps) == 1:
+            raise
+        return sum(_import_into(p, spec, [exp], target) for exp in exps)
+
+
+def _check(exp: SessionExport, spec: KVSpec) -> None:
+    if exp.block_size != spec.block_size or tuple(exp.geometry) != geometry(spec):
+        raise ValueError(f"session {exp.session_id!r}: exported KV has geometry {tuple(exp.geometry)} / block "
+                         f"{exp.block_size}, this store {geometry(spec)} / block {spec.block_size}")
+
+
+def _import_into(p: StoreParts, spec: KVSpec, exps: list[SessionExport], target: ChunkState) -> int:
+    """Sessions (replacing any of the same ids) whose exported chunks are written into new slots of the
+    HOST or DISK tier (made durable before any chunk names them), the rest DROPPED. On any failure
+    the batch's sessions are deleted. Mutates: those sessions, the target pool (room made by the policy)."""
+    exps = list({exp.session_id: exp for exp in exps}.values())      # the last export of an id wins
+    bs, made, slots, pool = spec.block_size, [], [], p.tiers.pool(target)
+    try:
+        for exp in exps:
+            old = p.sessions.find(exp.session_id)
+            if old is not None:
+                p.history.delete(old, keep_shared=False)        # SessionBusyError while a turn holds it
+            if not exp.token_ids:
+                continue
+            s = p.sessions.open(exp.session_id)
+            p.sessions.acquire(exp.session_id)                  # busy: nothing moves or reads it meanwhile
+            made.append((s, exp))
+            s.token_ids.extend(exp.token_ids)
+            s.chunks.extend(Chunk() for _ in range(-(-len(exp.token_ids) // bs)))    # DROPPED until written
+        items = [(s, k) for s, exp in made for k in exp.chunks]
+        slots = p.placement.take(target, len(items), {s.session_id for s, _ in made})
+        if items:
+            p.transfer.write_in(pool, slots, torch.cat([exp.kv for _, exp in made]))
+        if target is ChunkState.DISK and items and not p.disk_state.written(items, target, slots):
+            slots = []                         # freed by the failed flush
+            raise StoreError(f"the disk tier {str(p.tiers.disk.dir)!r} could not flush its data file; the "
+                             f"{len(made)} sessions of this import were not made")
+    except BaseException:
+        if slots:                              # named by no chunk yet (and by no committed index)
+            pool.free_unnamed(slots) if target is ChunkState.DISK else pool.free(slots)
+        for s, _ in made:
+            p.sessions.release(s)
+            p.history.delete(s, keep_shared=False)
+        raise
+    for (s, k), slot in zip(items, slots):
+        s.chunks[k] = Chunk(target, slot)
+    for s, _ in made:
+        p.sessions.release(s)                  # marks it: its tier's order, counts, the disk index's rows
+    return sum(exp.kv_tokens for _, exp in made)

@@ -20,6 +20,7 @@ from array import array
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 import xxhash
 
@@ -28,10 +29,15 @@ from . import index
 
 
 def identity_tags(token_ids: Sequence[int], block_size: int) -> list[bytes]:
-    """Per chunk k, an 8-byte hash of token_ids[: end of chunk k] (a chain: tag_k = H(tag_k-1, ids of k))."""
-    tags, prev = [], b""
-    for start in range(0, len(token_ids), block_size):
-        prev = xxhash.xxh3_64_digest(prev + array("q", token_ids[start:start + block_size]).tobytes())
+    """Per chunk k, an 8-byte hash of token_ids[: end of chunk k] (a chain: tag_k = H(tag_k-1, ids of k),
+    the ids as int64 bytes)."""
+    if isinstance(token_ids, array):
+        ids = np.frombuffer(token_ids, dtype=np.dtype(token_ids.typecode)).astype(np.int64).tobytes()
+    else:
+        ids = np.asarray(token_ids, dtype=np.int64).tobytes()
+    tags, prev, step = [], b"", 8 * block_size
+    for start in range(0, len(ids), step):
+        prev = xxhash.xxh3_64_digest(prev + ids[start:start + step])
         tags.append(prev)
     return tags
 
@@ -76,6 +82,8 @@ class DiskFile:
             raise
         self.flat = flat
         self.parts = [part.view(sh) for part, sh in zip(flat.split(sizes), self.shapes)]
+        # per part, its bytes as [layers, slots, slot bytes] (numpy: a slot's piece is one cheap index)
+        self._bytes = [p.view(torch.uint8).reshape(p.shape[0], p.shape[1], -1).numpy() for p in self.parts]
 
     def _abandon(self, made: bool) -> None:
         fd = getattr(self, "fd", None)
@@ -87,9 +95,9 @@ class DiskFile:
 
     def slot_pieces(self, slot: int):
         """The slot's bytes, as contiguous uint8 arrays (part by part, layer by layer)."""
-        for part in self.parts:
+        for part in self._bytes:
             for layer in range(part.shape[0]):
-                yield part[layer, slot].view(torch.uint8).numpy()
+                yield part[layer, slot]
 
     def checksum(self, tag: bytes, slot: int) -> int:
         """xxh3-64 of (tag, the slot's bytes), as a signed 64-bit integer (an SQLite INTEGER)."""
@@ -129,4 +137,4 @@ class DiskFile:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
-        self.flat, self.parts = None, []
+        self.flat, self.parts, self._bytes = None, [], []
