@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ..hidden.states import HiddenPool
 from ..pool import BlockPool
+
+if TYPE_CHECKING:
+    from .file import DiskFile
 
 
 def _empty(t: torch.Tensor) -> torch.Tensor:
@@ -62,8 +67,25 @@ class Quarantined:
 
 
 class DiskPool(Quarantined, BlockPool):
-    pass
+    """Slots of the disk tier's K/V file, read through its mapping and written through the file."""
+
+    slice_blocks = False         # every write is `write`'s (copy_now does not slice-copy into the mapping)
+
+    def __init__(self, *args, file: DiskFile, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.file = file
+
+    def write(self, layer: int, ids: torch.Tensor, blocks: torch.Tensor) -> None:
+        self.file.write(0, layer, ids.tolist(), blocks.to("cpu", self.data.dtype))
 
 
 class DiskHiddenPool(Quarantined, HiddenPool):
-    pass
+    """Slots of the disk tier's hidden file ([hidden layers], [K/V layers] parts), written through the file."""
+
+    def __init__(self, *args, file: DiskFile, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.file = file
+
+    def put(self, part: int, start: int, rows: torch.Tensor) -> None:
+        for layer in range(rows.shape[0]):
+            self.file.write(part, layer, range(start, start + rows.shape[1]), rows[layer])

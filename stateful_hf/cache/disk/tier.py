@@ -86,7 +86,7 @@ class DiskTier:
         self.write_failures, self.checksum_failures = 0, 0
         self.hidden_pool: DiskHiddenPool | None = None
         kv = self.directory.kv
-        self.pool = DiskPool(spec, kv.slots, data=kv.parts[0], transfer=transfer)
+        self.pool = DiskPool(spec, kv.slots, data=kv.parts[0], transfer=transfer, file=kv)
         self.directory.remove_leftovers()
 
     def open_hidden(self, spec: HiddenSpec, num_blocks: int) -> bool:
@@ -102,7 +102,8 @@ class DiskTier:
                     (spec.kv_layers, n, 2, bs, kv.num_kv_heads, kv.head_dim)]
 
         f = self.directory.open_file("hidden", shapes, num_blocks, {"hidden.geometry": geometry})
-        self.hidden_pool = DiskHiddenPool(spec, f.slots, data=(f.parts[0], f.parts[1]), transfer=self.transfer)
+        self.hidden_pool = DiskHiddenPool(spec, f.slots, data=(f.parts[0], f.parts[1]), transfer=self.transfer,
+                                          file=f)
         self.directory.remove_leftovers()
         return same
 

@@ -125,9 +125,13 @@ class HiddenPool(BlockPool):
         """dst[:, dst_ids] = self[:, src_ids] (hidden <-> hidden tiers, e.g. host and disk; in a store,
         issued by `Transfer.copy_hidden`). Mutates: `dst`'s slots `dst_ids`."""
         runs = block_runs(src_ids, dst_ids)      # one slice copy per run of consecutive slots
-        for a, b in ((self.hidden, dst.hidden), (self.kv, dst.kv)):
+        for part, a in enumerate((self.hidden, self.kv)):
             for s, d, n in runs:
-                b[:, d:d + n].copy_(a[:, s:s + n])
+                dst.put(part, d, a[:, s:s + n])
+
+    def put(self, part: int, start: int, rows: torch.Tensor) -> None:
+        """rows [layers, n, ...] into slots start.. of part 0 (hidden) or 1 (K/V). Mutates: those slots."""
+        (self.hidden, self.kv)[part][:, start:start + rows.shape[1]].copy_(rows)
 
 
 class HiddenCapture:
