@@ -454,13 +454,13 @@ def test_crash_at_the_durability_points(tmp_path):
     """The scripted worker (benchmarks/disk_faults.py `scripted`, fresh interpreters) killed at its
     durability points around slot reuses and a relocation; its points are: creation 1-5, s0 to disk
     6-7, s1 to disk 8 (commit freeing s0's pushed-out slots) 9 (flush of s1 written into them) 10,
-    close 11, relocation 12-15, turns and moves 16-23 (a reopened index that equals the loaded state
-    is not committed again). `python -m benchmarks.disk_faults points` kills it at every one. Each
-    reopened directory serves every saved session exactly."""
+    close 11, relocation 12-15, turns and moves 16-21 (a reopened index that equals the loaded state
+    is not committed again, nor a commit that changes nothing). `python -m benchmarks.disk_faults
+    points` kills it at every one. Each reopened directory serves every saved session exactly."""
     from benchmarks.disk_faults import crash_sweep
 
     model, _ = models()
-    results = crash_sweep(model, (8, 9, 11, 13, 14, 15), tmp_path)
+    results = crash_sweep(model, (8, 9, 11, 12, 13, 14, 15), tmp_path)
     assert {name for _, name, _, _ in results} == POINTS, results
     assert sum(turns for _, _, turns, _ in results) > 0
     assert all(wrong == 0 for _, _, _, wrong in results), results

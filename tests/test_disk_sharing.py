@@ -330,7 +330,7 @@ def test_crash_at_the_durability_points_with_shared_chunks(tmp_path):
     """The shared scripted worker (benchmarks/disk_faults.py `scripted_shared`, fresh interpreters)
     killed at durability points around shared chunks: s1 to disk reusing s0's freed slot (8-10),
     s2 (adopted from disk) to disk (13-14), the commit after s0 let go of the shared slots (15),
-    the relocation copying each shared slot once (18, 20). `python -m benchmarks.disk_faults points
+    the relocation copying each shared slot once (17, 19). `python -m benchmarks.disk_faults points
     --script shared` kills it at every one. Each reopened directory serves every saved session,
     and a new session opening with the shared prompt, exactly (check_dir, integrity included)."""
     from benchmarks.disk_faults import crash_sweep, run_worker
@@ -340,8 +340,8 @@ def test_crash_at_the_durability_points_with_shared_chunks(tmp_path):
     assert code == 0 and lines[-1] == "done" and not any("WRONG" in line for line in lines)
     assert max(int(line.split()[-1]) for line in lines if line.startswith("shared on disk")) == 3
     names = [line.split()[2] for line in lines if line.startswith("point")]
-    assert len(names) == 25, names          # the points named in the docstring
-    points = (8, 9, 10, 13, 14, 15, 18, 20)
+    assert len(names) == 23, names          # the points named in the docstring
+    points = (8, 9, 10, 13, 14, 15, 17, 19)
     results = crash_sweep(tiny_llama(seed=0), points, tmp_path, script="shared")
     assert {name for _, name, _, _ in results} == {names[n - 1] for n in points} == {
         "data-flush", "index-commit", "relocate-copied", "relocate-committed"}, results

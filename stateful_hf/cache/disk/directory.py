@@ -102,7 +102,7 @@ class DiskDirectory:
         meta, where = self.index.meta, repr(str(self.path))
         header = {"format": FORMAT, "geometry": json.dumps(_geometry(self.spec), sort_keys=True),
                   "model": self.fingerprint}
-        if "format" not in meta and not self.index.rows:       # never finished creating: a new tier
+        if "format" not in meta and not self.index.digests:    # never finished creating: a new tier
             try:
                 self.index.commit(header, {}, {})
             except (OSError, sqlite3.Error) as e:
@@ -142,7 +142,7 @@ class DiskDirectory:
                 return old
             return self._relocate(form, old, shapes_of, slots, extra)
         new = self._new_file(form, shapes_of(slots))
-        rows = {key: r for key, r in self.index.rows.items() if r[0] != form}
+        rows = {key: r for key, r in self.index.read()[1].items() if r[0] != form}
         self._switch(form, new, extra, rows, old=self.path / name if name and _DATA_FILE.fullmatch(name) else None)
         return new
 
@@ -158,7 +158,7 @@ class DiskDirectory:
             index.durability_point("relocate-copied")
             gen = new.path.name.split(".")[1]
             self.index.commit({f"{form}.file": new.path.name, f"{form}.slots": str(new.slots), "generation": gen,
-                               **extra}, self.index.sessions, rows)
+                               **extra}, self.index.read()[0], rows)
         except (OSError, sqlite3.Error) as e:
             new.close()
             new.path.unlink(missing_ok=True)
@@ -174,7 +174,8 @@ class DiskDirectory:
         the ones of lowest value go: the lowest chunk indices (Cost(l) of recomputing grows with the
         position; the index keeps no idle times)."""
         named: dict[int, int] = {}                 # old slot -> its highest chunk index
-        for (_, k), r in self.index.rows.items():
+        saved = self.index.read()[1]
+        for (_, k), r in saved.items():
             if r[0] == form and 0 <= r[1] < old.slots:
                 named[r[1]] = max(named.get(r[1], k), k)
         keep = sorted(named, key=lambda slot: (-named[slot], slot))[:slots]
@@ -185,8 +186,8 @@ class DiskDirectory:
             old.close()
             raise
         new.copy_from(old, keep, list(range(len(keep))))
-        rows = {key: r for key, r in self.index.rows.items() if r[0] != form}
-        rows.update({key: (form, new_slot[r[1]], r[2]) for key, r in self.index.rows.items()
+        rows = {key: r for key, r in saved.items() if r[0] != form}
+        rows.update({key: (form, new_slot[r[1]], r[2]) for key, r in saved.items()
                      if r[0] == form and r[1] in new_slot})
         old.close()
         self._switch(form, new, extra, rows, old=old.path)

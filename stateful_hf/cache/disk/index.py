@@ -59,8 +59,9 @@ def unpack_ids(blob: bytes) -> list[int]:
 
 
 class DiskIndex:
-    """The open index of one disk directory. `meta`, `sessions` and `rows` are the last committed
-    state (as loaded at open, then as committed)."""
+    """The open index of one disk directory. `meta` is the last committed header. Of the sessions and
+    chunk rows only a digest per session is kept in memory (`digests`: what a commit compares with, so
+    that it writes only what changed); `read` reads them back."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -80,19 +81,36 @@ class DiskIndex:
             self.meta = dict(self.conn.execute("SELECT key, value FROM meta"))
             if self.meta.get("format") == UPGRADABLE:
                 self._upgrade()
-            self.sessions: dict[str, SessionRow] = {}
-            for sid, blob, tenant, salt, retained in self.conn.execute(
-                    "SELECT id, token_ids, tenant, cache_salt, retained FROM sessions"):
-                self.sessions[sid] = (bytes(blob), tenant if isinstance(tenant, str) else None,
-                                      salt if isinstance(salt, str) else None, bool(retained))
-            self.rows: dict[tuple[str, int], Row] = {}
-            for sid, k, form, slot, checksum in self.conn.execute("SELECT * FROM chunks"):
-                if isinstance(k, int) and form in FORMS and isinstance(slot, int) and isinstance(checksum, int):
-                    self.rows[sid, k] = (form, slot, checksum)       # malformed rows are left out: recomputed
-            self.ks = _ks(self.rows)          # per session, the k of its rows (what `commit_changes` replaces)
+            self._opened = self._query()       # what `read` gives until the first commit (the store loads it)
         except (sqlite3.Error, TypeError, ValueError) as e:
             self.conn.close()
             raise StoreError(f"disk tier index {str(path)!r} is unreadable: {e}") from e
+        sessions, rows = self._opened
+        by_session = _by_session(rows)
+        # per session with a row or chunk rows: (digest of its row, digest of its chunk rows) as committed
+        self.digests: dict[str, tuple[int, int]] = {
+            sid: _digest(sessions.get(sid), by_session.get(sid, {})) for sid in sessions.keys() | by_session.keys()}
+
+    def _query(self) -> tuple[dict[str, SessionRow], dict[tuple[str, int], Row]]:
+        sessions: dict[str, SessionRow] = {}
+        for sid, blob, tenant, salt, retained in self.conn.execute(
+                "SELECT id, token_ids, tenant, cache_salt, retained FROM sessions"):
+            sessions[sid] = (bytes(blob), tenant if isinstance(tenant, str) else None,
+                             salt if isinstance(salt, str) else None, bool(retained))
+        rows: dict[tuple[str, int], Row] = {}
+        for sid, k, form, slot, checksum in self.conn.execute("SELECT * FROM chunks"):
+            if isinstance(k, int) and form in FORMS and isinstance(slot, int) and isinstance(checksum, int):
+                rows[sid, k] = (form, slot, checksum)       # malformed rows are left out: recomputed
+        return sessions, rows
+
+    def read(self) -> tuple[dict[str, SessionRow], dict[tuple[str, int], Row]]:
+        """The committed sessions and chunk rows (malformed rows left out): read from the database, or
+        the read made at open until something is committed."""
+        return self._opened if self._opened is not None else self._query()
+
+    def forget_opened(self) -> None:
+        """The store has loaded what `read` gave at open: later reads query the database."""
+        self._opened = None
 
     def _upgrade(self) -> None:
         """Format 2 -> 3: the sessions' new columns and the header's format, in one transaction."""
@@ -124,54 +142,63 @@ class DiskIndex:
                rows: Mapping[tuple[str, int], Row]) -> None:
         """Make (meta, sessions, rows) the durable state in one transaction. Raises OSError or
         sqlite3.Error with nothing changed (on disk or in this object) when it cannot."""
-        with self._transaction("index-commit") as c:
-            for key, value in meta.items():
-                if self.meta.get(key) != value:
-                    c.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
-            c.executemany("DELETE FROM sessions WHERE id = ?", [(s,) for s in self.sessions if s not in sessions])
-            c.executemany("INSERT OR REPLACE INTO sessions VALUES (?, ?, ?, ?, ?)",
-                          [(s, *row) for s, row in sessions.items() if self.sessions.get(s) != row])
-            c.executemany("DELETE FROM chunks WHERE session = ? AND k = ?",
-                          [key for key in self.rows if key not in rows])
-            c.executemany("INSERT OR REPLACE INTO chunks VALUES (?, ?, ?, ?, ?)",
-                          [(*key, *row) for key, row in rows.items() if self.rows.get(key) != row])
-        self.meta = {**self.meta, **meta}
-        self.sessions, self.rows = dict(sessions), dict(rows)
-        self.ks = _ks(self.rows)
+        by_session = _by_session(rows)
+        changes = {sid: (sessions.get(sid), by_session.get(sid, {}))
+                   for sid in self.digests.keys() | sessions.keys() | by_session.keys()}
+        meta = {key: value for key, value in meta.items() if self.meta.get(key) != value}
+        self._write(meta, changes, force=True)
 
     def commit_changes(self, changes: Mapping[str, tuple[SessionRow | None, Mapping[int, Row]]]) -> None:
         """`commit`, for the sessions in `changes` only: each one's row (None: it has none) and its chunk
-        rows by k replace what the index holds of it; O(the changed sessions' rows). Raises as `commit`."""
-        with self._transaction("index-commit") as c:
-            for sid, (row, rows) in changes.items():
-                old = self.ks.get(sid, ())
-                if row is None and sid in self.sessions:
-                    c.execute("DELETE FROM sessions WHERE id = ?", (sid,))
-                elif row is not None and self.sessions.get(sid) != row:
-                    c.execute("INSERT OR REPLACE INTO sessions VALUES (?, ?, ?, ?, ?)", (sid, *row))
-                c.executemany("DELETE FROM chunks WHERE session = ? AND k = ?",
-                              [(sid, k) for k in old if k not in rows])
-                c.executemany("INSERT OR REPLACE INTO chunks VALUES (?, ?, ?, ?, ?)",
-                              [(sid, k, *r) for k, r in rows.items() if self.rows.get((sid, k)) != r])
+        rows by k replace what the index holds of it; O(the changed sessions' rows). Nothing differs from
+        what is committed: no transaction. Raises as `commit`."""
+        self._write({}, changes, force=False)
+
+    def _write(self, meta: Mapping[str, str], changes: Mapping[str, tuple[SessionRow | None, Mapping[int, Row]]],
+               force: bool) -> None:
+        todo = {}                              # sid -> (row, rows, digests): those that differ
         for sid, (row, rows) in changes.items():
-            if row is None:
-                self.sessions.pop(sid, None)
+            d, old = _digest(row, rows), self.digests.get(sid, _NONE)
+            if d != old:
+                todo[sid] = (row, rows, d, old)
+        if not (todo or meta or force):
+            return
+        with self._transaction("index-commit") as c:
+            for key, value in meta.items():
+                c.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
+            for sid, (row, rows, d, old) in todo.items():
+                if d[0] != old[0]:
+                    if row is None:
+                        c.execute("DELETE FROM sessions WHERE id = ?", (sid,))
+                    else:
+                        c.execute("INSERT OR REPLACE INTO sessions VALUES (?, ?, ?, ?, ?)", (sid, *row))
+                if d[1] != old[1]:
+                    c.execute("DELETE FROM chunks WHERE session = ?", (sid,))
+                    c.executemany("INSERT INTO chunks VALUES (?, ?, ?, ?, ?)", [(sid, k, *r) for k, r in rows.items()])
+        self.meta = {**self.meta, **meta}
+        self._opened = None
+        for sid, (_, _, d, _) in todo.items():
+            if d == _NONE:
+                self.digests.pop(sid, None)
             else:
-                self.sessions[sid] = row
-            for k in self.ks.pop(sid, ()):
-                del self.rows[sid, k]
-            self.rows.update(((sid, k), r) for k, r in rows.items())
-            if rows:
-                self.ks[sid] = set(rows)
+                self.digests[sid] = d
 
     def close(self) -> None:
         self.conn.close()
 
 
-def _ks(rows: Mapping[tuple[str, int], Row]) -> dict[str, set[int]]:
-    out: dict[str, set[int]] = {}
-    for sid, k in rows:
-        out.setdefault(sid, set()).add(k)
+def _digest(row: SessionRow | None, rows: Mapping[int, Row]) -> tuple[int, int]:
+    """(hash of a session's row, hash of its chunk rows): equal digests, equal rows (in this process)."""
+    return hash(row), hash(tuple(sorted(rows.items())))
+
+
+_NONE = _digest(None, {})      # a session the index holds nothing of
+
+
+def _by_session(rows: Mapping[tuple[str, int], Row]) -> dict[str, dict[int, Row]]:
+    out: dict[str, dict[int, Row]] = {}
+    for (sid, k), r in rows.items():
+        out.setdefault(sid, {})[k] = r
     return out
 
 

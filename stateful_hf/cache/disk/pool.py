@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from typing import TYPE_CHECKING
 
 import torch
@@ -18,27 +19,61 @@ def _empty(t: torch.Tensor) -> torch.Tensor:
     return t.new_empty((0,) * t.dim())
 
 
+class SlotChecksums:
+    """Per slot of a disk pool: the checksum of the chunk written there, if any, and whether it was
+    proven (read and found to match) since written or opened. 9 bytes a slot, preallocated."""
+
+    __slots__ = ("_sums", "_state")
+
+    NONE, KNOWN, PROVEN = 0, 1, 2
+
+    def __init__(self, n: int):
+        self._sums = array("q", bytes(8 * n))
+        self._state = bytearray(n)
+
+    def get(self, slot: int) -> int | None:
+        return self._sums[slot] if self._state[slot] else None
+
+    def __getitem__(self, slot: int) -> int:
+        assert self._state[slot], f"disk slot {slot} has no checksum"
+        return self._sums[slot]
+
+    def set(self, slot: int, checksum: int, proven: bool = False) -> None:
+        self._sums[slot], self._state[slot] = checksum, self.PROVEN if proven else self.KNOWN
+
+    def prove(self, slot: int) -> None:
+        assert self._state[slot], f"disk slot {slot} has no checksum"
+        self._state[slot] = self.PROVEN
+
+    def proven(self, slot: int) -> bool:
+        return self._state[slot] == self.PROVEN
+
+    def forget(self, slot: int) -> None:
+        self._state[slot] = self.NONE
+
+    def slots(self) -> set[int]:
+        """The slots with a checksum. O(slots): integrity checks only."""
+        return {i for i, st in enumerate(self._state) if st}
+
+
 class Quarantined:
     """A pool of disk slots: freed slots wait in `limbo` until a committed index no longer names
-    them; `checksums` / `verified` hold what is known of the slots in use."""
+    them; `checksums` holds what is known of the slots in use."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.limbo: list[int] = []
-        self.checksums: dict[int, int] = {}     # slot -> checksum of the chunk written there
-        self.verified: set[int] = set()         # slots read and found to match since written or opened
+        self.checksums = SlotChecksums(self.num_blocks)
 
     def free(self, blocks: list[int]) -> None:
         for b in blocks:
-            self.checksums.pop(b, None)
-            self.verified.discard(b)
+            self.checksums.forget(b)
         self.limbo.extend(blocks)
 
     def free_unnamed(self, blocks: list[int]) -> None:
         """Free slots no committed index ever named (a write that was not made durable)."""
         for b in blocks:
-            self.checksums.pop(b, None)
-            self.verified.discard(b)
+            self.checksums.forget(b)
         super().free(blocks)
 
     def release_limbo(self) -> None:
@@ -60,9 +95,9 @@ class Quarantined:
         assert len(waiting) == len(self.limbo), "a disk slot is in limbo twice"
         assert not waiting & set(self.free_ids()), "a disk slot is both free and in limbo"
         assert not waiting & owned, f"disk slots both owned and in limbo: {sorted(waiting & owned)[:8]}"
-        assert set(self.checksums) == owned, (
-            f"disk slots owned without a checksum {sorted(owned - set(self.checksums))[:8]} or checksums of "
-            f"slots no chunk owns {sorted(set(self.checksums) - owned)[:8]}")
+        known = self.checksums.slots()
+        assert known == owned, (f"disk slots owned without a checksum {sorted(owned - known)[:8]} or checksums of "
+                                f"slots no chunk owns {sorted(known - owned)[:8]}")
         BlockPool.check(self, owned | waiting)
 
 

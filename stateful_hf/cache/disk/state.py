@@ -84,14 +84,9 @@ class DiskState:
             return True
         if self._changed:
             ok = self.disk.commit(*self.rows())
-        else:
-            index = self.disk.directory.index
-            changes = {sid: self.session_rows(s) if (s := self.sessions.find(sid)) is not None else (None, {})
-                       for sid in self._dirty}
-            changes = {sid: (row, rows) for sid, (row, rows) in changes.items()          # what the index lacks
-                       if index.sessions.get(sid) != row or index.ks.get(sid, set()) != set(rows)
-                       or any(index.rows[sid, k] != r for k, r in rows.items())}
-            ok = self.disk.commit(None, changes) if changes or force else True
+        else:                                  # (the index writes only what differs from what it committed)
+            ok = self.disk.commit(None, {sid: self.session_rows(s) if (s := self.sessions.find(sid)) is not None
+                                         else (None, {}) for sid in self._dirty})
         if ok:
             self._changed, self._dirty = False, set()
         return ok
@@ -100,7 +95,7 @@ class DiskState:
         """Integrity: with nothing left to commit, the committed index is the state's (`rows`)."""
         index = self.disk.directory.index          # None once the tier is closed
         if not (self._changed or self._dirty) and not self.disk.degraded and index is not None:
-            assert (index.sessions, index.rows) == self.rows(), "the disk index differs from the sessions' state"
+            assert index.read() == self.rows(), "the disk index differs from the sessions' state"
 
     def usable(self, strict: bool) -> bool:
         """Before a move to disk: a degraded tier retries its commit first. If it still fails, the
@@ -152,8 +147,9 @@ class DiskState:
         claimant: dict[tuple[str, int], tuple[Session, int, PrefixScope | None]] = {}   # its first row's
         loaded: list[tuple[Session, PrefixScope | None]] = []
         scopes: dict[tuple[str, str | None, str | None], PrefixScope | None] = {}    # (tenant of id, tenant, salt)
-        saved_sessions = self.disk.saved_sessions()
-        left_out = len(self.disk.directory.index.rows) - sum(len(v.chunks) for v in saved_sessions.values())
+        saved_sessions, n_sessions, n_rows = self.disk.saved_sessions()
+        self.disk.directory.index.forget_opened()
+        left_out = n_rows - sum(len(v.chunks) for v in saved_sessions.values())
         clock = self.sessions.clock
         for sid, saved in saved_sessions.items():
             s = Session(sid, array("i", saved.token_ids), last_active=clock(), retained=saved.retained)
@@ -183,11 +179,12 @@ class DiskState:
             pool = self.disk.pool_of(form)
             if pool is not None:
                 pool.take(sorted(slots))
-                pool.checksums = dict(slots)
+                for slot, checksum in slots.items():
+                    pool.checksums.set(slot, checksum)
         sharing.restore(loaded)
         # Rows left out (recomputed) or written otherwise now leave or change at the next commit; else the
         # committed index is the state already (`check` asserts it).
-        self._changed = left_out > 0 or len(saved_sessions) < len(self.disk.directory.index.sessions)
+        self._changed = left_out > 0 or len(saved_sessions) < n_sessions
 
     def _one_chunk(self, a: tuple[Session, int, PrefixScope | None], b: tuple[Session, int, PrefixScope | None]
                    ) -> bool:

@@ -107,16 +107,17 @@ class DiskTier:
         self.directory.remove_leftovers()
         return same
 
-    def saved_sessions(self) -> dict[str, SavedSession]:
-        """The sessions of the last committed index. Rows of a form whose file is not open, or naming
-        a slot out of range, are left out."""
+    def saved_sessions(self) -> tuple[dict[str, SavedSession], int, int]:
+        """The sessions of the last committed index, and how many session rows and chunk rows it has.
+        Rows of a form whose file is not open, or naming a slot out of range, are left out."""
+        sessions, rows = self.directory.index.read()
         out = {sid: SavedSession(unpack_ids(blob), tenant, salt, retained, {})
-               for sid, (blob, tenant, salt, retained) in self.directory.index.sessions.items()}
-        for (sid, k), (form, slot, checksum) in self.directory.index.rows.items():
+               for sid, (blob, tenant, salt, retained) in sessions.items()}
+        for (sid, k), (form, slot, checksum) in rows.items():
             pool = self.pool_of(form)
             if sid in out and pool is not None and 0 <= slot < pool.num_blocks:
                 out[sid].chunks[k] = (form, slot, checksum)
-        return out
+        return out, len(sessions), len(rows)
 
     def pool_of(self, form: str) -> Quarantined | None:
         return self.pool if form == "kv" else self.hidden_pool
@@ -135,17 +136,16 @@ class DiskTier:
             return False
         self.failing.discard("flush")
         for slot, tag in zip(slots, tags):
-            pool.checksums[slot] = f.checksum(tag, slot)
-            pool.verified.add(slot)
+            pool.checksums.set(slot, f.checksum(tag, slot), proven=True)
         return True
 
     def verify(self, form: str, slot: int, tag: bytes) -> bool:
         """Whether the slot holds the chunk whose identity tag is `tag` (checked once per write/open)."""
         pool, f = self.pool_of(form), self.files[form]
-        if slot in pool.verified:
+        if pool.checksums.proven(slot):
             return True
         if pool.checksums.get(slot) == f.checksum(tag, slot):
-            pool.verified.add(slot)
+            pool.checksums.prove(slot)
             return True
         self.checksum_failures += 1
         return False
@@ -155,7 +155,7 @@ class DiskTier:
         verify it under its old tag, then checksum it under the new one. False if it fails."""
         if not self.verify(form, slot, old):
             return False
-        self.pool_of(form).checksums[slot] = self.files[form].checksum(new, slot)
+        self.pool_of(form).checksums.set(slot, self.files[form].checksum(new, slot), proven=True)
         return True
 
     def commit(self, sessions: dict[str, SessionRow] | None, rows) -> bool:
