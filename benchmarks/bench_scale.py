@@ -33,6 +33,7 @@ import torch
 
 from stateful_hf import Engine, SamplingParams, SessionStore
 from stateful_hf.cache import session_key
+from stateful_hf.cache.migration import SessionExport
 from stateful_hf.cache.policy import DEFAULT_POLICY, POLICY_NAMES, FairSharePolicy, make_policy
 from stateful_hf.testing import tiny_llama
 
@@ -50,9 +51,10 @@ def open_store(model, size: int, tokens: int, device_tokens: int, disk: str | No
 
 def fill(model, size: int, tokens: int, device_tokens: int, seed_ids: list[int], disk: str | None = None,
          host_tokens: int = 0, grow: int = 0, tenants: int | None = None,
-         policy: str = DEFAULT_POLICY) -> tuple[SessionStore, list[str], float]:
+         policy: str = DEFAULT_POLICY) -> tuple[SessionStore, list[str], float, SessionExport]:
     """A store holding `size` idle copies of one prefilled session on the host, or (`disk`: the disk tier's
-    directory) on disk beside a host tier of `host_tokens`; (store, ids, heap bytes per session added by the fill).
+    directory) on disk beside a host tier of `host_tokens`; (store, ids, heap bytes per session added by the fill,
+    the seed's export).
     `tenants`: the sessions spread over that many tenants under the fair share (the server's default
     policy); None: each its own tenant, under the store's default policy. One bulk import
     (`import_sessions`: one lock, one commit of the disk index)."""
@@ -73,7 +75,13 @@ def fill(model, size: int, tokens: int, device_tokens: int, seed_ids: list[int],
     store.tenant_usage()                             # the table's token counts of every session, taken
     after = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
-    return store, sids, (after - before) / size
+    return store, sids, (after - before) / size, exp
+
+
+def put_back(store, exp, sids: list[str], disk: bool) -> None:
+    """Sessions that had a turn become idle copies of the seed (`exp`) again, where the fill put them, so
+    that a store keeps holding `size` idle sessions of one shape however many turns run on it."""
+    store.import_sessions((dataclasses.replace(exp, session_id=sid) for sid in sids), "disk" if disk else "host")
 
 
 def turn_generate(model, store, sid: str, prompt: list[int]) -> tuple[float, list[int]]:
@@ -94,7 +102,7 @@ def closed_loop(model, size: int, a: argparse.Namespace, seed_ids: list[int], rn
     """`size` sessions each with one turn queued at all times (a finished turn's session submits its next
     at once), on one store and engine of the same device tier as every other size; tokens a second over
     `a.loop_turns` finished turns after a warm-up of `size` turns (so that every session has run once)."""
-    store, sids, _ = fill(model, size, a.tokens, a.device_tokens, seed_ids, grow=64,   # every turn's KV stays held
+    store, sids, _, _ = fill(model, size, a.tokens, a.device_tokens, seed_ids, grow=64,   # every turn's KV stays held
                           tenants=a.tenants, policy=a.policy)
     engine = Engine(model, store=store, step_threads=None, arrival_window=0).start()
     vocab, done = model.config.vocab_size, queue.Queue()
@@ -135,7 +143,7 @@ def restart(model, size: int, sids: list[str], a: argparse.Namespace, disk: str,
     seconds = time.perf_counter() - t0
     restored = store.stats().sessions
     times, wrong, vocab = [], 0, model.config.vocab_size
-    for _ in range(a.turns):
+    for _ in range(min(a.turns, len(sids))):
         sid = sids.pop(rng.randrange(len(sids)))
         prompt = history + [rng.randrange(3, vocab) for _ in range(a.new)]
         t, got = turn_generate(model, store, sid, prompt)
@@ -211,14 +219,14 @@ def run(a: argparse.Namespace, argv) -> dict:
     for size in a.sizes:
         t0 = time.perf_counter()
         disk = None if tmp is None else os.path.join(tmp.name, str(size))
-        store, sids, heap = fill(model, size, a.tokens, a.device_tokens, seed_ids, disk, a.host_tokens,
+        store, sids, heap, exp = fill(model, size, a.tokens, a.device_tokens, seed_ids, disk, a.host_tokens,
                                  tenants=a.tenants, policy=a.policy)
         fill_s = time.perf_counter() - t0
         store.stats()                          # the first read after the bulk import prunes its marks
         t1 = time.perf_counter()
         store.stats()                          # a metrics scrape's read (docs/scale.md): timed
-        stores[size] = {"store": store, "sids": sids, "heap_per_session": heap, "fill_s": fill_s,
-                        "stats_ms": 1e3 * (time.perf_counter() - t1),
+        stores[size] = {"store": store, "sids": sids, "used": [], "exp": exp, "heap_per_session": heap,
+                        "fill_s": fill_s, "stats_ms": 1e3 * (time.perf_counter() - t1),
                         "engine": Engine(model, store=store, step_threads=None, arrival_window=0)}
         print(f"{size} sessions held: filled in {stores[size]['fill_s']:.1f} s, {heap:.0f} B of Python heap each",
               flush=True)
@@ -231,7 +239,11 @@ def run(a: argparse.Namespace, argv) -> dict:
         for path in ("generate", "engine"):
             for size in a.sizes:
                 st = stores[size]
+                if not st["sids"]:             # every held session had a turn: put them back, untimed
+                    put_back(st["store"], st["exp"], st["used"], tmp is not None)
+                    st["sids"], st["used"] = st["used"], []
                 sid = st["sids"].pop(rng.randrange(len(st["sids"])))
+                st["used"].append(sid)
                 prompt = history + [rng.randrange(3, vocab) for _ in range(a.new)]
                 if path == "generate":
                     t, got = turn_generate(model, st["store"], sid, prompt)
@@ -243,6 +255,9 @@ def run(a: argparse.Namespace, argv) -> dict:
     for st in stores.values():
         st["store"].check_integrity()
         st["engine"].stop()
+        if a.restart:                          # the restart's turns: on idle sessions on disk
+            put_back(st["store"], st["exp"], st["used"], True)
+            st["sids"] += st["used"]
         st["store"].close()
         del st["store"], st["engine"]
     gc.unfreeze()

@@ -87,8 +87,8 @@ class DiskIndex:
             raise StoreError(f"disk tier index {str(path)!r} is unreadable: {e}") from e
         sessions, rows = self._opened
         by_session = _by_session(rows)
-        # per session with a row or chunk rows: (digest of its row, digest of its chunk rows) as committed
-        self.digests: dict[str, tuple[int, int]] = {
+        # per session with a row or chunk rows: the digest of its row and chunk rows as committed
+        self.digests: dict[str, int] = {
             sid: _digest(sessions.get(sid), by_session.get(sid, {})) for sid in sessions.keys() | by_session.keys()}
 
     def _query(self) -> tuple[dict[str, SessionRow], dict[tuple[str, int], Row]]:
@@ -167,12 +167,12 @@ class DiskIndex:
             for key, value in meta.items():
                 c.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
             for sid, (row, rows, d, old) in todo.items():
-                if d[0] != old[0]:
+                if d >> 64 != old >> 64:           # its row
                     if row is None:
                         c.execute("DELETE FROM sessions WHERE id = ?", (sid,))
                     else:
                         c.execute("INSERT OR REPLACE INTO sessions VALUES (?, ?, ?, ?, ?)", (sid, *row))
-                if d[1] != old[1]:
+                if (d ^ old) & _MASK:              # its chunk rows
                     c.execute("DELETE FROM chunks WHERE session = ?", (sid,))
                     c.executemany("INSERT INTO chunks VALUES (?, ?, ?, ?, ?)", [(sid, k, *r) for k, r in rows.items()])
         self.meta = {**self.meta, **meta}
@@ -187,9 +187,13 @@ class DiskIndex:
         self.conn.close()
 
 
-def _digest(row: SessionRow | None, rows: Mapping[int, Row]) -> tuple[int, int]:
-    """(hash of a session's row, hash of its chunk rows): equal digests, equal rows (in this process)."""
-    return hash(row), hash(tuple(sorted(rows.items())))
+_MASK = (1 << 64) - 1
+
+
+def _digest(row: SessionRow | None, rows: Mapping[int, Row]) -> int:
+    """The hash of a session's row (high 64 bits) and of its chunk rows (low 64 bits), as one int (one
+    object a session): equal digests, equal rows (in this process)."""
+    return (hash(row) & _MASK) << 64 | hash(tuple(sorted(rows.items()))) & _MASK
 
 
 _NONE = _digest(None, {})      # a session the index holds nothing of
