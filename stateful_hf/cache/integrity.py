@@ -181,6 +181,10 @@ def _check_usage(sessions: SessionTable, block_size: int) -> None:
             if not s.retained:
                 live[(st, tenant_of(s.session_id))] += n
     assert dict(sessions.usage()) == dict(+full), f"usage counts {dict(sessions.usage())} != {dict(+full)}"
+    by_state: Counter[ChunkState] = Counter()
+    for (st, _), n in full.items():
+        by_state[st] += n
+    assert +Counter(sessions.totals()) == +by_state, f"token totals {dict(sessions.totals())} != {dict(by_state)}"
     assert dict(sessions.live_usage()) == dict(+live), f"live usage {dict(sessions.live_usage())} != {dict(+live)}"
     per_tenant = Counter(tenant_of(s.session_id) for s in sessions if not s.retained)
     assert sessions.live_sessions_per_tenant() == per_tenant, "live sessions per tenant"

@@ -255,6 +255,10 @@ class SessionTable:
         chunk counting it (`FairSharePolicy`'s usage). O(sessions changed since the last read)."""
         return self._counts.usage(self._sessions)
 
+    def totals(self) -> Mapping[ChunkState, int]:
+        """`usage` summed over tenants: tokens per chunk state (`stats()`). O(sessions changed since)."""
+        return self._counts.totals(self._sessions)
+
     def live_usage(self) -> Mapping[tuple[ChunkState, str], int]:
         """`usage` of the sessions not retained (`History.tenant_usage`)."""
         return self._counts.live(self._sessions)

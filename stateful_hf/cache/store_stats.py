@@ -18,14 +18,13 @@ def session_stats(s: Session, block_size: int) -> SessionStats:
 
 def store_stats(sessions: SessionTable, tiers: TierPools, counters: Counters) -> StoreStats:
     """Tokens per tier are physical: a chunk shared by several sessions counts once (its holders'
-    tokens are `logical_tokens`; `prefix/sharing.py`). O(tenants + the sessions holding device blocks or
-    shared chunks), not O(sessions held): the table's counts (every holder counting a shared chunk) less
+    tokens are `logical_tokens`; `prefix/sharing.py`). O(the sessions holding device blocks or shared
+    chunks), not O(sessions held) nor O(tenants): the table's counts (every holder counting a shared chunk) less
     the shared chunks' extra holders."""
     device, host, disk = tiers.device, tiers.host, tiers.disk
     bs = device.spec.block_size
-    tot = {t.value: 0 for t in ChunkState}
-    for (st, _), n in sessions.usage().items():
-        tot[st.value] += n
+    totals = sessions.totals()
+    tot = {t.value: totals.get(t, 0) for t in ChunkState}
     logical = sum(tot.values()) - tot[ChunkState.DROPPED.value]
     shared, seen = 0, set()
     for s in tiers.sharing.sharing_sessions(sessions.find):

@@ -178,17 +178,23 @@ class TierUsage:
     session's chunks, token ids or retained flag may have changed); a removed session is subtracted at
     once (`drop`). A read costs O(the stale sessions' chunks); `check_integrity` compares a full count."""
 
-    __slots__ = ("block_size", "stale", "_usage", "_retained")
+    __slots__ = ("block_size", "stale", "_usage", "_retained", "_totals")
 
     def __init__(self, block_size: int):
         self.block_size = block_size
         self.stale: set[str] = set()
         self._usage: Counter[tuple[ChunkState, str]] = Counter()      # every session
         self._retained: Counter[tuple[ChunkState, str]] = Counter()   # of which retained ones (few)
+        self._totals: Counter[ChunkState] = Counter()                  # `_usage` summed over tenants
 
     def usage(self, sessions: Mapping[str, Session]) -> Mapping[tuple[ChunkState, str], int]:
         self._flush(sessions)
         return self._usage
+
+    def totals(self, sessions: Mapping[str, Session]) -> Mapping[ChunkState, int]:
+        """`usage` per chunk state, over every tenant: O(the stale sessions' chunks), not O(tenants)."""
+        self._flush(sessions)
+        return self._totals
 
     def live(self, sessions: Mapping[str, Session]) -> Mapping[tuple[ChunkState, str], int]:
         self._flush(sessions)
@@ -220,6 +226,7 @@ class TierUsage:
         t, retained, flat = tenant_of(s.session_id), s.counted[0], s.counted[1:]
         for i in range(0, len(flat), 2):
             key = (STATES[flat[i]], t)
+            self._totals[key[0]] += sign * flat[i + 1]
             for c in (self._usage, self._retained) if retained else (self._usage,):
                 c[key] += sign * flat[i + 1]
                 if not c[key]:
