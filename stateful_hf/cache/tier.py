@@ -42,11 +42,12 @@ class TierPool(Protocol):
 
     spec: KVSpec             # the store's KV geometry
     num_blocks: int          # slots in all
-    data: torch.Tensor       # the storage; block b of every layer is data[:, b] when `slice_blocks`
+    data: torch.Tensor       # the storage; block b of every layer is data[:, b] unless `virtual`
     transfer: LazyFree | None   # given at construction: frees go through it (None: a pool outside a store)
     device_tier: bool        # the device tier's pool, the one steps attend over (copies to or from it are queued)
     virtual: bool            # vAttention's layout: `allocate` needs owners; the slot methods of VirtualPool
-    slice_blocks: bool       # copies between two such pools slice runs of block ids (`transfer.copy_now`)
+    slice_blocks: bool       # copies between two such pools slice runs of block ids (`transfer.copy_now`);
+                             # False: every write goes through `write` (a virtual pool; the disk tier: pwrite)
 
     @property
     def device(self) -> torch.device:
