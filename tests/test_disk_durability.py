@@ -533,7 +533,8 @@ def test_a_bulk_import_writes_straight_into_host_or_disk_and_a_failed_flush_make
     copy then continues exactly. A batch larger than the tier goes in one session at a time, later
     copies pushing earlier ones down. A data flush that fails during a disk import raises StoreError
     and makes none of its sessions (the room made for them stays made: other chunks dropped, to be
-    recomputed); integrity holds throughout and the tier recovers."""
+    recomputed); while the tier stays degraded an import is refused before anything changes, as a move
+    to disk is; integrity holds throughout and the tier recovers."""
     import copy
     import dataclasses
 
@@ -567,6 +568,10 @@ def test_a_bulk_import_writes_straight_into_host_or_disk_and_a_failed_flush_make
     with pytest.raises(StoreError, match="could not flush"):
         store.import_sessions([dataclasses.replace(exp, session_id=f"f{i}") for i in range(2)], "disk")
     assert faults.hits == 1 and set(store.session_ids()) == held   # (room made for it stays made)
+    store.check_integrity()
+    with pytest.raises(StoreError, match="degraded"):       # as a move to disk: retried first, refused whole
+        store.import_sessions([dataclasses.replace(exp, session_id="f2")], "disk")
+    assert faults.hits == 2 and set(store.session_ids()) == held
     store.check_integrity()
     faults.on = False
     store.import_sessions([dataclasses.replace(exp, session_id="f0")], "disk")

@@ -145,8 +145,9 @@ def import_sessions(p: StoreParts, spec: KVSpec, exps: Iterable[SessionExport], 
     slots, `IMPORT_BATCH` sessions at a time (`_import_into`: one disk flush each); otherwise
     `import_session` each, then moved to `target`. A bad export raises after those before it are in."""
     n, batch = 0, []
+    direct = target in (ChunkState.HOST, ChunkState.DISK) and p.tiers.pool(target) is not None
     for exp in exps:
-        if target not in (ChunkState.HOST, ChunkState.DISK) or p.tiers.pool(target) is None:
+        if not direct:
             n += import_session(p, spec, exp)
             s = p.sessions.find(exp.session_id)
             if target is not None and s is not None:
@@ -189,6 +190,8 @@ def _import_into(p: StoreParts, spec: KVSpec, exps: list[SessionExport], target:
     """Sessions (replacing any of the same ids) whose exported chunks are written into new slots of the
     HOST or DISK tier (made durable before any chunk names them), the rest DROPPED. On any failure
     the batch's sessions are deleted. Mutates: those sessions, the target pool (room made by the policy)."""
+    if target is ChunkState.DISK:              # as a move to disk: a degraded tier retries its commit first
+        p.disk_state.usable(strict=True)       # StoreError (nothing changed) if it still fails
     exps = list({exp.session_id: exp for exp in exps}.values())      # the last export of an id wins
     bs, made, slots, pool = spec.block_size, [], [], p.tiers.pool(target)
     try:
@@ -212,8 +215,10 @@ def _import_into(p: StoreParts, spec: KVSpec, exps: list[SessionExport], target:
             raise StoreError(f"the disk tier {str(p.tiers.disk.dir)!r} could not flush its data file; the "
                              f"{len(made)} sessions of this import were not made")
     except BaseException:
-        if slots:                              # named by no chunk yet (and by no committed index)
-            pool.free_unnamed(slots) if target is ChunkState.DISK else pool.free(slots)
+        if slots and target is ChunkState.DISK:      # named by no chunk yet, nor by a committed index
+            pool.free_unnamed(slots)
+        elif slots:
+            pool.free(slots)
         for s, _ in made:
             p.sessions.release(s)
             p.history.delete(s, keep_shared=False)
