@@ -73,7 +73,9 @@ def test_reply_parser_streams_to_the_same_reply_in_any_chunks():
         r = ReplyParser(p, prompt)
         pieces = [x for i in range(0, len(text), step) for x in r.feed(text[i:i + step])] + r.close()
         assert "".join(x for k, x in pieces if k == "text") == whole[0], step
-        assert [(c.name, c.arguments) for k, c in pieces if k == "call"] == [(c.name, c.arguments) for c in whole[1]]
+        assert [(c.name, c.arguments) for k, c in pieces if k == "call_done"] == \
+            [(c.name, c.arguments) for c in whole[1]]
+        assert "".join(x for k, x in pieces if k == "args") == "".join(c.arguments for c in whole[1])
 
 
 def test_forcing_prefills_the_call_and_names_the_schema_to_constrain():
@@ -163,6 +165,25 @@ def test_streamed_tool_calls_reassemble_to_the_reply(client):
     assert all(c["id"].startswith("call_") for c in calls.values())
     assert content == (whole.message.content or "") and reason == whole.finish_reason
     assert used is not None and used.completion_tokens == 5 and used.prompt_tokens_details.cached_tokens > 0
+
+
+def test_a_calls_arguments_stream_a_token_at_a_time(client):
+    """A named call with a string parameter, cut by max_tokens inside its value: the arguments arrive
+    in a delta per generated token past the blanks the grammar allows (not whole at the close) and
+    reassemble to the non-streaming call."""
+    kw = dict(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice={"type": "function",
+              "function": {"name": "get_weather"}}, max_tokens=100, temperature=0)
+    whole = client.chat.completions.create(**kw).choices[0]
+    deltas, args, reason = 0, "", None
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for ch in chunk.choices:
+            reason = ch.finish_reason or reason
+            for d in ch.delta.tool_calls or []:
+                piece = (d.function.arguments or "") if d.function else ""
+                deltas, args = deltas + bool(piece), args + piece
+    assert [c.function.name for c in whole.message.tool_calls] == ["get_weather"]
+    assert args == whole.message.tool_calls[0].function.arguments and reason == whole.finish_reason
+    assert deltas >= 10, (deltas, args)        # negative control: a call sent whole at its close is 1 delta
 
 
 def test_tool_turns_in_the_history_are_reused_and_exact(url, client):

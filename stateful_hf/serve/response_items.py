@@ -132,14 +132,20 @@ class OutputBuilder:
     def __init__(self):
         self.items: list[dict] = []
         self.message: dict | None = None           # the message or reasoning item being written
+        self.call: dict | None = None              # the function_call item being written
 
     def add(self, pieces) -> list[dict]:
         events: list[dict] = []
         for kind, p in pieces:
             if kind in ("text", "reasoning"):
                 events += self._text(p, kind)
-            else:
+            elif kind == "call":
                 events += self._close_message() + self._call(p)
+            elif kind == "args":
+                self.call["arguments"] += p
+                events.append({**self._call_at(), "type": "response.function_call_arguments.delta", "delta": p})
+            else:
+                events += self._call_done(p)
         return events
 
     def close(self) -> list[dict]:
@@ -187,17 +193,21 @@ class OutputBuilder:
         return events
 
     def _call(self, call: ToolCall) -> list[dict]:
-        item = {"id": item_id("fc"), "type": "function_call", "status": "in_progress", "call_id": call.id,
-                "name": call.name, "arguments": ""}
-        self.items.append(item)
-        at = {"item_id": item["id"], "output_index": len(self.items) - 1}
-        events = [{"type": "response.output_item.added", "output_index": at["output_index"], "item": dict(item)},
-                  {**at, "type": "response.function_call_arguments.delta", "delta": call.arguments}]
-        item.update(arguments=call.arguments, status="completed")
-        events += [{**at, "type": "response.function_call_arguments.done", "arguments": call.arguments,
-                    "name": call.name},
-                   {"type": "response.output_item.done", "output_index": at["output_index"], "item": dict(item)}]
-        return events
+        self.call = {"id": item_id("fc"), "type": "function_call", "status": "in_progress", "call_id": call.id,
+                     "name": call.name, "arguments": ""}
+        self.items.append(self.call)
+        return [{"type": "response.output_item.added", "output_index": len(self.items) - 1, "item": dict(self.call)}]
+
+    def _call_done(self, call: ToolCall) -> list[dict]:
+        item, at = self.call, self._call_at()
+        assert item["arguments"] == call.arguments, "a call's streamed arguments are its arguments"
+        item["status"], self.call = "completed", None
+        return [{**at, "type": "response.function_call_arguments.done", "arguments": call.arguments,
+                 "name": call.name},
+                {"type": "response.output_item.done", "output_index": at["output_index"], "item": dict(item)}]
+
+    def _call_at(self) -> dict:
+        return {"item_id": self.call["id"], "output_index": len(self.items) - 1}
 
     def _at(self) -> dict:
         return {"item_id": self.message["id"], "output_index": self.items.index(self.message)}

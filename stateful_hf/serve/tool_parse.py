@@ -3,11 +3,14 @@
 
 `ReplyParser` feeds the generated text as it streams and turns the parser's events into pieces: text
 of the reply (`("text", str)`), of its reasoning (`("reasoning", str)`: a `<think>` block, reasoning.py)
-and finished calls (`("call", ToolCall)`); a call is emitted whole when its region closes. A call
-region whose JSON does not parse, or that names no function, is given back as text (the model wrote
-it; nothing is dropped). The non-streaming reply is the same pieces from one feed of the whole text,
-so streamed deltas reassemble to it. `ChatReply` shapes the pieces as chat completion deltas and
-messages (OpenAI's `tool_calls`, finish_reason "tool_calls"; vLLM's `reasoning_content`).
+and calls: `("call", ToolCall)` when one starts (its id and name; arguments ""), `("args", str)` its
+arguments' next text, `("call_done", ToolCall)` the whole call at its region's close. A `<tool_call>`
+region's arguments stream token by token (`call_stream.CallStream`); a region of another shape is one
+call at its close, from the parser's value. A region whose JSON does not parse, or that names no
+function, is given back as text (the model wrote it; nothing is dropped). The non-streaming reply is the
+same pieces from one feed of the whole text, so streamed deltas reassemble to it. `ChatReply` shapes the
+pieces as chat completion deltas and messages (OpenAI's `tool_calls`, finish_reason "tool_calls";
+vLLM's `reasoning_content`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 
 from transformers.utils.chat_parsing import ResponseParser
 
+from .call_stream import CallStream
 from .protocol import APIError
 from .reasoning import REASONING, reasons, reply_template, template_kwargs, with_reasoning_tokens
 from .tools import (
@@ -51,9 +55,13 @@ class ReplyParser:
 
     def __init__(self, plan: ToolPlan | None, prompt: str, template: dict | None = None):
         template = template if template is not None else plan.format.response_template
-        self.parser = ResponseParser(template, prefix=prompt, tools=plan.tools if plan is not None else None)
+        tools = plan.tools if plan is not None else None
+        self.parser = ResponseParser(template, prefix=prompt, tools=tools)
+        self.tools = {t["function"]["name"]: t for t in tools or ()}
         self.reasoning = ""              # the reasoning read so far
-        self.calls = 0
+        self.calls = 0                   # calls started
+        self.region: CallStream | None = None     # the open <tool_call> region's reader
+        self.call: ToolCall | None = None        # the call it started
         self.done = False
         self.early = self._pieces(self.parser.initial_events)    # a call the prefill wrote whole
 
@@ -77,21 +85,42 @@ class ReplyParser:
             elif ev["type"] == "region_chunk" and ev["field"] == REASONING and ev["text"]:
                 self.reasoning += ev["text"]
                 out.append(("reasoning", ev["text"]))
+            elif ev["type"] == "region_chunk" and ev["field"] == "tool_calls":
+                out += self._stream(ev["text"])
             elif ev["type"] == "region_close" and ev["field"] == "tool_calls":
-                call = _call(ev["value"])
-                if call is None:
-                    fn = ev["value"].get("function") if isinstance(ev["value"], dict) else ev["value"]
-                    raw = fn if isinstance(fn, str) else json.dumps(fn, ensure_ascii=False)
-                    out.append(("text", f"{CALL_OPEN}{raw}\n{CALL_CLOSE}"))
-                else:
-                    self.calls += 1
-                    out.append(("call", call))
+                out += self._close_call(ev["value"])
         return out
+
+    def _stream(self, text: str) -> list[tuple[str, object]]:
+        """Pieces of a call region's next text: the call's start once its head is read, its arguments."""
+        self.region = self.region or CallStream(self.tools)
+        self.region.feed(text)
+        out: list[tuple[str, object]] = []
+        if self.call is None and self.region.name is not None:
+            self.calls += 1
+            self.call = ToolCall(new_call_id(), self.region.name, "")
+            out.append(("call", self.call))
+        delta = self.region.take()
+        return out + [("args", delta)] if delta else out
+
+    def _close_call(self, value) -> list[tuple[str, object]]:
+        region, call, self.region, self.call = self.region, self.call, None, None
+        rest = region.finish() if region is not None else None
+        if call is not None:
+            out = [("args", rest)] if rest else []
+            return out + [("call_done", ToolCall(call.id, call.name, region.sent))]
+        call = _call(value)
+        if call is None:
+            fn = value.get("function") if isinstance(value, dict) else value
+            raw = fn if isinstance(fn, str) else json.dumps(fn, ensure_ascii=False)
+            return [("text", f"{CALL_OPEN}{raw}\n{CALL_CLOSE}")]
+        self.calls += 1
+        return [("call", ToolCall(call.id, call.name, "")), ("args", call.arguments), ("call_done", call)]
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         """The whole reply at once: (text, calls)."""
         pieces = self.feed(text) + self.close()
-        return "".join(p for k, p in pieces if k == "text"), [p for k, p in pieces if k == "call"]
+        return "".join(p for k, p in pieces if k == "text"), [p for k, p in pieces if k == "call_done"]
 
 
 def _call(value) -> ToolCall | None:
@@ -136,15 +165,16 @@ class ChatReply:
         return out, finish_reason(reason, self.parser.calls)
 
     def _deltas(self, pieces) -> list[dict]:
-        out, index = [], self.parser.calls - sum(k == "call" for k, _ in pieces)
+        out, index = [], self.parser.calls - 1 - sum(k == "call" for k, _ in pieces)
         for kind, p in pieces:
             if kind in ("text", "reasoning"):
                 out.append({"content" if kind == "text" else REASONING: p})
-                continue
-            out.append({"tool_calls": [{"index": index, "id": p.id, "type": "function",
-                                        "function": {"name": p.name, "arguments": ""}}]})
-            out.append({"tool_calls": [{"index": index, "function": {"arguments": p.arguments}}]})
-            index += 1
+            elif kind == "call":
+                index += 1
+                out.append({"tool_calls": [{"index": index, "id": p.id, "type": "function",
+                                            "function": {"name": p.name, "arguments": ""}}]})
+            elif kind == "args":
+                out.append({"tool_calls": [{"index": index, "function": {"arguments": p}}]})
         return out
 
     def message(self, text: str, reason: str | None) -> tuple[dict, str | None]:
