@@ -16,6 +16,9 @@ bundled ShareGPT sample's text (benchmarks/multiturn/data), tokenized by the mod
        (c) does in `Engine.start()` (stateful_hf/engine/openmp.py). Shows how much of (c)'s gain over
        (b) that alone explains.
   (c) stateful_hf.Engine (session KV kept across turns, unified prefill + decode steps).
+  (l) llama.cpp's llama-server, with `--llama-server PATH --gguf FILE[,FILE...]` (one run per GGUF, after
+      the others; benchmarks/llama_server.py says how to build it and make the GGUFs). Its answers are
+      its own arithmetic: their agreement with the reference is reported, never required.
 
 Both (b) and (c) step on a background thread. Before every run the main thread runs a parallel torch
 op, as a user's main thread has after loading and warming up a model, so each run starts in that state.
@@ -294,8 +297,16 @@ def main() -> None:
                     help="rounds of (b), (b+) and (c), in rotating order; each system's median-throughput run is "
                          "reported, with the per-round throughput ratios of (c) and their medians")
     ap.add_argument("--json", help="write every figure, the per-round runs and the environment to this file")
+    ap.add_argument("--llama-server", help="llama.cpp's llama-server binary: run the workload through it too")
+    ap.add_argument("--gguf", default="", help="comma-separated GGUF files for --llama-server (one run each)")
     args = ap.parse_args()
     conditions = [c.strip() for c in args.neighbour.split(",") if c.strip()]
+    if args.llama_server and not args.gguf or args.gguf and not args.llama_server:
+        ap.error("--llama-server and --gguf go together")
+    if args.llama_server and not os.access(args.llama_server, os.X_OK):
+        print(f"(l) skipped: --llama-server {args.llama_server} is not an executable; "
+              "benchmarks/llama_server.py says how to build it")
+        args.llama_server = None
     for c in conditions:
         parse(c)                                   # an unknown neighbour fails before any model loads
     if args.threads:
@@ -360,6 +371,13 @@ def run_condition(args, models, systems, skip, wl) -> dict:
     for system in systems:
         ordered = sorted(runs[system], key=lambda x: x.throughput)
         results.append(ordered[len(ordered) // 2])
+    external = []
+    for gguf in filter(None, args.gguf.split(",")) if args.llama_server else ():
+        from .llama_server import gguf_format, run_llama_server
+        wall, ttft, outputs = run_llama_server(args.llama_server, gguf, wl, os.cpu_count() or 1)
+        external.append(Result(f"(l) llama-server {gguf_format(gguf)}", wall, sum(map(len, outputs.values())),
+                               ttft, outputs))
+        print(f"  {external[-1].name}: {wall:.1f} s, 1-min load {os.getloadavg()[0]:.1f}", flush=True)
     ratios = {}
     for base in ("b", "b+"):
         if args.repeats > 1 and base in runs and "c" in runs:
@@ -375,16 +393,19 @@ def run_condition(args, models, systems, skip, wl) -> dict:
     load_end = os.getloadavg()
     print("load average at end (1/5/15 min): {:.1f} {:.1f} {:.1f}".format(*load_end))
     print(f"\n{'system':<28}{'wall s':>8}{'tok/s':>8}{'TTFT p50':>10}{'TTFT p90':>10}{'ret. p90':>10}")
-    for r in results:
+    for r in results + external:
         print(f"{r.name:<28}{r.wall:8.1f}{r.throughput:8.2f}{r.ttft_p(50):10.2f}{r.ttft_p(90):10.2f}"
               f"{r.returning_ttft_p90():10.2f}")
     reference = results[0]                  # (a) if it ran: the oracle; else the first system
     identical = {r.name: sum(r.outputs[k] == reference.outputs[k] for k in reference.outputs) for r in results[1:]}
     for r in results[1:]:
         print(f"answers of {r.name} identical to {reference.name}'s: {identical[r.name]}/{len(reference.outputs)}")
+    agreement = {r.name: sum(r.outputs[k] == reference.outputs[k] for k in reference.outputs) for r in external}
+    for name, n in agreement.items():
+        print(f"answers of {name} equal to {reference.name}'s: {n}/{len(reference.outputs)} (not required)")
     if engine is not None:
         c = results[-1]
-        for r in results[:-1]:
+        for r in results[:-1] + external:
             print(f"engine vs {r.name}: throughput x{c.throughput / r.throughput:.2f}, "
                   f"TTFT p50 x{r.ttft_p(50) / c.ttft_p(50):.2f} lower, p90 x{r.ttft_p(90) / c.ttft_p(90):.2f} lower, "
                   f"returning turns' p90 x{r.returning_ttft_p90() / c.returning_ttft_p90():.2f}"
@@ -400,6 +421,7 @@ def run_condition(args, models, systems, skip, wl) -> dict:
               f"recomputed {st.recomputed_tokens}, occupancy {st.mean_occupancy:.0%}"
               + (f", steps by team size {dict(sorted(sizer.steps_by_threads.items()))}" if sizer else ""))
     return {"load_start": load_start, "load_end": load_end, "median_runs": [_figures(r, wl) for r in results],
+            "llama_server": [_figures(r, wl) for r in external], "llama_server_agreement": agreement,
             "rounds": {x: [_figures(r, wl) for r in rs] for x, rs in runs.items()},
             "engine_over": {b: {"per_round": v, "median": statistics.median(v)} for b, v in ratios.items()},
             "identical": identical, "reference": reference.name, "answers": len(reference.outputs),

@@ -46,3 +46,24 @@ def test_neighbour_specs_parse_and_bad_ones_fail():
     with Neighbours("busy:1") as n:
         assert len(n.procs) == 1 and n.procs[0].poll() is None
     assert n.procs == []
+
+
+def test_llama_server_is_optional_and_refused_clearly_when_absent(tmp_path):
+    import pytest
+
+    from benchmarks.llama_server import LlamaServer, gguf_format
+
+    assert [gguf_format(p) for p in ("a/smollm2-q8_0.gguf", "b-BF16.gguf", "c-q4_0.gguf", "odd.gguf")] == \
+        ["Q8_0", "BF16", "Q4_0", "odd.gguf"]
+    wl = Workload(sessions=2, turns=1, first=4, user=2, new=2, vocab=100)
+    with pytest.raises(FileNotFoundError, match="--llama-server .*not an executable"):
+        LlamaServer(str(tmp_path / "llama-server"), str(tmp_path / "m.gguf"), wl, 1)
+    exe = tmp_path / "llama-server"
+    exe.write_text("#!/bin/sh\nexit 3\n")
+    exe.chmod(0o755)
+    with pytest.raises(FileNotFoundError, match="--gguf .*no such file"):
+        LlamaServer(str(exe), str(tmp_path / "m.gguf"), wl, 1)
+    (tmp_path / "m.gguf").write_bytes(b"")
+    server = LlamaServer(str(exe), str(tmp_path / "m.gguf"), wl, 1)
+    with pytest.raises(RuntimeError, match="llama-server exited with 3"), server:
+        pass
