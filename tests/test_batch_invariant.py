@@ -64,6 +64,46 @@ def test_gemm_rows_are_invariant_and_stock_is_not(dtype):
     assert not stock_invariant                           # negative control: the BLAS blocks by M
 
 
+def test_one_call_replaces_the_tiles_only_where_it_gives_their_bits(monkeypatch):
+    """float32: a GEMM of M rows is one call once a probe showed that call gives the 16-row tiles' bits for
+    its shape, layout and team size; every row count and team size then equals the tiles. A kernel that
+    does not give them (negative control: float64 sums for any call that is not one tile) keeps the tiles;
+    bf16 is never checked (its rounding hides a different order)."""
+    from stateful_hf import invariance as inv
+
+    g = torch.Generator().manual_seed(1)
+    w = torch.nn.Parameter(torch.randn(96, 64, generator=g), requires_grad=False)
+    x = torch.randn(70, 64, generator=g)
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(inv, "_ONE_CALL", {})
+    try:
+        for t in {1, threads}:
+            torch.set_num_threads(t)
+            for m in range(1, 71):
+                assert torch.equal(inv._mm(x[:m], w.t()), inv._tiled_mm(x[:m], w.t(), inv._packed_weight(w.t())))
+    finally:
+        torch.set_num_threads(threads)
+    checked = dict(inv._ONE_CALL)
+    assert checked and all(k[0] == "mm" for k in checked)
+    if inv.CpuFeatures.detect().mkl:
+        assert sum(checked.values()) > len(checked) // 2   # MKL's packed GEMM: most M (here, not M=1)
+    real = inv.apply
+
+    def other_order(rows, packed, weight, bias, kernel):
+        if rows.shape[0] == ROWS:
+            return real(rows, packed, weight, bias, kernel)
+        return (rows.double() @ weight.double().t()).float()
+
+    monkeypatch.setattr(inv, "apply", other_order)
+    monkeypatch.setattr(inv, "_ONE_CALL", {})
+    for m in (3, 40):
+        assert torch.equal(inv._mm(x[:m], w.t()), inv._tiled_mm(x[:m], w.t(), inv._packed_weight(w.t())))
+    assert inv._ONE_CALL and not any(inv._ONE_CALL.values())
+    monkeypatch.setattr(inv, "_ONE_CALL", {})
+    inv._mm(x.bfloat16(), w.t().bfloat16())
+    assert inv._ONE_CALL == {}
+
+
 def test_context_nests_with_one_split_and_restores_the_stock_kernels():
     x = torch.randn(5, 8)
     with stateful_hf.batch_invariant(16):

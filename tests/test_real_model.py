@@ -203,11 +203,13 @@ def test_changed_text_cuts_only_what_changed(real):
     engine.store.check_integrity()
 
 
-def test_bf16_engine_equals_generate_under_batch_invariant():
-    """SmolLM2 in bf16, six chat prompts served together by a batch-invariant engine: every greedy token
-    and its log-probability bitwise equal to stateless generate under `stateful_hf.batch_invariant()`."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_engine_equals_generate_under_batch_invariant(dtype):
+    """SmolLM2 in bf16 (16-row GEMM tiles) and float32 (one packed call where it gives the tiles' bits),
+    six chat prompts served together by a batch-invariant engine: every greedy token and its
+    log-probability bitwise equal to stateless generate under `stateful_hf.batch_invariant()`."""
     model, tokenizer = _load()
-    model, oracle = model.to(torch.bfloat16), _load()[0].to(torch.bfloat16)
+    model, oracle = model.to(dtype), _load()[0].to(dtype)
     engine = Engine(model, device_capacity=4096, max_batch_tokens=96, batch_invariant=True, cost_profile=PROFILE)
     prompts = [tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM}, {"role": "user", "content": u}],
                                              add_generation_prompt=True, tokenize=True)["input_ids"] for u in USERS]
