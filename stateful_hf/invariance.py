@@ -6,13 +6,14 @@ that make transformers models batch-dependent; leaving the last one restores the
 
   - `mm`, `addmm` (every linear layer): a row's bits are those of fixed tiles of ROWS rows (the last one
     padded with zeros), each tile one call of the same shape, so a row's sums never depend on M and the
-    BLAS picks the same blocking whatever the batch (tests: also at 1 and 2 threads). A float32 weight
-    that is a model parameter is multiplied through MKL's packed copy, made once and kept (`_PACKED`).
-    In float32, where one call on all M rows gives the tiles' bits, that call is made instead
-    (`_ONE_CALL`: checked once per shape, layout and team size on the call's own data, against the tiles;
-    5-8x faster at 128-256 rows); MKL's packed GEMM does so at SmolLM2's shapes here, a kernel that does
-    not keeps the tiles. Not in bf16: rounding to 8 bits hides a different order on most data, so a
-    check on one call proves nothing there (a test showed it);
+    BLAS picks the same blocking whatever the batch (tests: also at 1 and 2 threads). A model parameter
+    the CPU multiplies through MKL's packed sgemm (float32; bf16 without bf16 units, cast up:
+    `LinearKernel.MKL_UPCAST`) goes through that packed copy, made once and kept (`_PACKED`): float32 sums,
+    the bias added, rounded once to the model's dtype. Where one call on all M rows gives the tiles'
+    float32 bits, that call is made instead (`_ONE_CALL`: checked once per shape, layout and team size on a
+    random probe, against the tiles; 5-8x faster at 128-256 rows); MKL's packed sgemm does so at
+    SmolLM2's shapes here, a kernel that does not keeps the tiles. Never on bf16 sums: rounding to 8 bits
+    hides a different order on most data, so a check proves nothing there (a test showed it);
   - `scaled_dot_product_attention`: the CPU kernel of `kernels/cpu_backend.py` over the contiguous K/V cut
     into splits of `split` keys, the same arithmetic the engine's paged steps run over the pool's blocks
     (float32 scores and online softmax, splits in ascending order), so stateless `generate` under the
@@ -37,7 +38,7 @@ import torch
 from .kernels.batch import PagedBatch
 from .kernels.cpu_backend import CpuPlan, available, unavailable_reason
 from .kernels.cpu_features import CpuFeatures
-from .kernels.linear import LinearKernel, apply, pack, weight_key
+from .kernels.linear import LinearKernel, choose, pack, sums, weight_key
 
 ROWS = 16                  # rows of every GEMM call under the context
 
@@ -84,14 +85,16 @@ def active_split() -> int | None:
 # id(parameter) -> (weakref to it, its weight_key, its MKL-packed [N, K] weight): a copy is used only while
 # the parameter is alive, unmoved and unchanged in place; otherwise it is made again.
 _PACKED: dict[int, tuple] = {}
+_MKL = (LinearKernel.MKL_PACKED, LinearKernel.MKL_UPCAST)
 
 
 def _packed_weight(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(weight [N, K], its packed copy) when `b` [K, N] is the transpose of a float32 model parameter
-    (F.linear's weight.t()) and torch has MKL; else None (the plain tiles)."""
+    """(weight [N, K], its MKL-packed float32 copy) when `b` [K, N] is the transpose of a model parameter
+    (F.linear's weight.t()) whose dtype the CPU multiplies through MKL's packed sgemm (float32; bf16
+    without bf16 units: `LinearKernel.MKL_UPCAST`); else None (the plain tiles)."""
     w = b._base
-    if not isinstance(w, torch.nn.Parameter) or w.dtype != torch.float32 or w.dim() != 2 \
-            or not w.is_contiguous() or b.stride() != (1, w.shape[1]) or not CpuFeatures.detect().mkl:
+    if not isinstance(w, torch.nn.Parameter) or w.dim() != 2 or not w.is_contiguous() \
+            or b.stride() != (1, w.shape[1]) or choose(w.dtype, w.device, CpuFeatures.detect()) not in _MKL:
         return None
     key = weight_key(w)
     have = _PACKED.get(id(w))
@@ -101,7 +104,7 @@ def _packed_weight(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     return w, have[2]
 
 
-# (op, packed, dtype, b's shape and strides, M, a's strides and 64-byte offset, team size, extra) -> whether
+# (op, packed, dtype, b's shape and strides, M, a's strides and 64-byte offset, team size) -> whether
 # one call on all M rows gives the tiles' bits: checked once on random float32 rows of a's layout (GEMM
 # kernels pick their blocking by shape, layout and threads, never by values; a different order changes
 # some of >= 32 float32 sums of random terms), then trusted; False keeps the tiles.
@@ -110,7 +113,7 @@ CHECKED_OUTPUTS = 32       # fewest outputs a float32 check needs to be conclusi
 
 
 def _checkable(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether one call's bits can be checked against the tiles: float32 in, >= CHECKED_OUTPUTS out."""
+    """Whether a stock call's bits can be checked against the tiles: float32, >= CHECKED_OUTPUTS out."""
     return a.dtype == b.dtype == torch.float32 and a.shape[0] * b.shape[1] >= CHECKED_OUTPUTS
 
 
@@ -148,28 +151,30 @@ def _padded(a: torch.Tensor) -> torch.Tensor:
     return torch.cat([a, a.new_zeros(pad, a.shape[1])]) if pad else a
 
 
-def _mm(a: torch.Tensor, b: torch.Tensor, packed: tuple | None = None) -> torch.Tensor:
-    """a [M, K] @ b [K, N] with the bits of tiles of ROWS rows (one shape for every tile): through `packed`
-    (weight, its packed copy: `_packed_weight(b)`, looked up when not given), else mm.out (the stock
-    kernel); one call on all rows where that was seen to give the same bits (`_rows`)."""
+def _mm(a: torch.Tensor, b: torch.Tensor, packed: tuple | None = None,
+        bias: torch.Tensor | None = None) -> torch.Tensor:
+    """a [M, K] @ b [K, N] (+ bias [N]) with the bits of tiles of ROWS rows (one shape for every tile):
+    through `packed` (weight, its packed copy: `_packed_weight(b)`, looked up when not given; float32 sums,
+    the bias added to them, rounded once to a's dtype), else mm.out (the stock kernel); one call on all
+    rows where that was seen to give the same bits (`_rows`)."""
     packed = packed or _packed_weight(b)
-
-    def one(x: torch.Tensor) -> torch.Tensor:
-        if packed is not None:
-            return apply(x, packed[1], packed[0], None, LinearKernel.MKL_PACKED)
-        return torch.mm(x, b, out=x.new_empty(x.shape[0], b.shape[1]))
-
-    return _rows(a, ("mm", packed is not None, *_shape_key(a, b)), one, lambda x: _tiled_mm(x, b, packed),
-                 _checkable(a, b))
+    if packed is None:
+        return _rows(a, ("mm", False, *_shape_key(a, b)), lambda x: torch.mm(x, b, out=x.new_empty(len(x), b.shape[1])),
+                     lambda x: _tiled_mm(x, b, None), _checkable(a, b))
+    w, copy = packed
+    out = _rows(a, ("mm", True, *_shape_key(a, b)), lambda x: sums(x, copy, w, None),
+                lambda x: _tiled_mm(x, b, packed), a.shape[0] * b.shape[1] >= CHECKED_OUTPUTS)
+    return (out if bias is None else out + bias.float()).to(a.dtype)
 
 
 def _tiled_mm(a: torch.Tensor, b: torch.Tensor, packed: tuple | None) -> torch.Tensor:
+    """The tiles: float32 sums through `packed`, else mm.out in a's dtype."""
     m = a.shape[0]
     ap = _padded(a)
-    out = a.new_empty(ap.shape[0], b.shape[1])
+    out = ap.new_empty(ap.shape[0], b.shape[1], dtype=a.dtype if packed is None else torch.float32)
     for i in _tiles(m):
         if packed is not None:
-            out[i: i + ROWS] = apply(ap[i: i + ROWS], packed[1], packed[0], None, LinearKernel.MKL_PACKED)
+            out[i: i + ROWS] = sums(ap[i: i + ROWS], packed[1], packed[0], None)
         else:
             torch.mm(ap[i: i + ROWS], b, out=out[i: i + ROWS])
     return out[:m]
@@ -180,7 +185,7 @@ def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1, alph
     m = a.shape[0]
     packed = _packed_weight(b) if beta == 1 and alpha == 1 and bias.dim() == 1 else None
     if packed is not None:
-        return _mm(a, b, packed) + bias                # F.linear's bias: the packed tiles, then the bias
+        return _mm(a, b, packed, bias)                 # F.linear's bias: added to the float32 sums
     full = bias.expand(m, b.shape[1])
 
     def tiled(x: torch.Tensor) -> torch.Tensor:

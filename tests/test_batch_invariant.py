@@ -65,10 +65,11 @@ def test_gemm_rows_are_invariant_and_stock_is_not(dtype):
 
 
 def test_one_call_replaces_the_tiles_only_where_it_gives_their_bits(monkeypatch):
-    """float32: a GEMM of M rows is one call once a probe showed that call gives the 16-row tiles' bits for
-    its shape, layout and team size; every row count and team size then equals the tiles. A kernel that
-    does not give them (negative control: float64 sums for any call that is not one tile) keeps the tiles;
-    bf16 is never checked (its rounding hides a different order)."""
+    """A GEMM of M rows through MKL's packed copy is one call once a probe showed that call gives the 16-row
+    tiles' float32 sums for its shape, layout and team size; every row count and team size then equals the
+    tiles. A kernel that does not give them (negative control: float64 sums for any call that is not one
+    tile) keeps the tiles. A bf16 parameter's sums are float32 (MKL_UPCAST here) and checked the same way;
+    a stock bf16 GEMM is never checked (its rounding hides a different order)."""
     from stateful_hf import invariance as inv
 
     g = torch.Generator().manual_seed(1)
@@ -84,23 +85,29 @@ def test_one_call_replaces_the_tiles_only_where_it_gives_their_bits(monkeypatch)
     finally:
         torch.set_num_threads(threads)
     checked = dict(inv._ONE_CALL)
-    assert checked and all(k[0] == "mm" for k in checked)
-    if inv.CpuFeatures.detect().mkl:
-        assert sum(checked.values()) > len(checked) // 2   # MKL's packed GEMM: most M (here, not M=1)
-    real = inv.apply
+    assert checked and all(k[:2] == ("mm", True) for k in checked)
+    assert sum(checked.values()) > len(checked) // 2     # MKL's packed sgemm: most M (here, not M=1)
+    real = inv.sums
 
-    def other_order(rows, packed, weight, bias, kernel):
+    def other_order(rows, packed, weight, bias):
         if rows.shape[0] == ROWS:
-            return real(rows, packed, weight, bias, kernel)
+            return real(rows, packed, weight, bias)
         return (rows.double() @ weight.double().t()).float()
 
-    monkeypatch.setattr(inv, "apply", other_order)
+    monkeypatch.setattr(inv, "sums", other_order)
     monkeypatch.setattr(inv, "_ONE_CALL", {})
     for m in (3, 40):
         assert torch.equal(inv._mm(x[:m], w.t()), inv._tiled_mm(x[:m], w.t(), inv._packed_weight(w.t())))
     assert inv._ONE_CALL and not any(inv._ONE_CALL.values())
+    monkeypatch.setattr(inv, "sums", real)
     monkeypatch.setattr(inv, "_ONE_CALL", {})
-    inv._mm(x.bfloat16(), w.t().bfloat16())
+    wb = torch.nn.Parameter(w.detach().bfloat16(), requires_grad=False)
+    if inv._packed_weight(wb.t()) is not None:           # bf16 through float32 sums: checked, rounded once
+        got = inv._mm(x[:40].bfloat16(), wb.t())
+        assert got.dtype == torch.bfloat16 and inv._ONE_CALL
+        assert torch.equal(got, inv._tiled_mm(x[:40].bfloat16(), wb.t(), inv._packed_weight(wb.t())).bfloat16())
+    monkeypatch.setattr(inv, "_ONE_CALL", {})
+    inv._mm(x.bfloat16(), w.t().bfloat16())              # not a parameter: the stock bf16 GEMM, unchecked
     assert inv._ONE_CALL == {}
 
 

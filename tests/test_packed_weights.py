@@ -24,18 +24,19 @@ def test_kernel_chosen_by_capability_not_vendor():
     assert choose(torch.float32, CPU, PLAIN) is LinearKernel.MKL_PACKED
     assert choose(torch.bfloat16, CPU, AMX) is LinearKernel.ONEDNN_PACKED
     assert choose(torch.bfloat16, CPU, ZEN4) is LinearKernel.ONEDNN_PACKED
-    assert choose(torch.bfloat16, CPU, PLAIN) is LinearKernel.STOCK          # emulated bf16: packing does not pay
+    assert choose(torch.bfloat16, CPU, PLAIN) is LinearKernel.MKL_UPCAST     # emulated bf16: float32's sgemm
     assert choose(torch.float32, CPU, NO_MKL) is LinearKernel.STOCK
+    assert choose(torch.bfloat16, CPU, NO_MKL) is LinearKernel.STOCK
     assert choose(torch.float16, CPU, AMX) is LinearKernel.STOCK
     assert choose(torch.float32, torch.device("cuda"), AMX) is LinearKernel.STOCK
-    with pytest.raises(ValueError, match="prepack_weights=True: bfloat16 packing needs .* bf16 units"):
-        choose(torch.bfloat16, CPU, PLAIN, required=True)
+    with pytest.raises(ValueError, match="prepack_weights=True: bfloat16 packing needs .* bf16 units .* MKL"):
+        choose(torch.bfloat16, CPU, NO_MKL, required=True)
     with pytest.raises(ValueError, match="prepack_weights=True: prepacked weights are a CPU kernel"):
         choose(torch.float32, torch.device("cuda"), AMX, required=True)
 
 
 def test_engine_option_on_without_a_kernel_names_it(monkeypatch):
-    monkeypatch.setattr(CpuFeatures, "detect", staticmethod(lambda: PLAIN))
+    monkeypatch.setattr(CpuFeatures, "detect", staticmethod(lambda: NO_MKL))
     model = FAMILIES["llama"]().to(torch.bfloat16)
     with pytest.raises(ValueError, match="prepack_weights"):
         Engine(model, device_capacity=256, prepack_weights="on")
@@ -44,7 +45,7 @@ def test_engine_option_on_without_a_kernel_names_it(monkeypatch):
     assert Engine(model, device_capacity=256).runner.packed is None          # auto: stock on this CPU
 
 
-@pytest.mark.parametrize("kernel", [LinearKernel.MKL_PACKED, LinearKernel.ONEDNN_PACKED])
+@pytest.mark.parametrize("kernel", [LinearKernel.MKL_PACKED, LinearKernel.ONEDNN_PACKED, LinearKernel.MKL_UPCAST])
 def test_packed_only_inside_active_and_follows_the_weight(kernel):
     torch.manual_seed(0)
     lin = torch.nn.Linear(64, 96).to(kernel.dtype)

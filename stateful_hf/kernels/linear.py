@@ -7,8 +7,10 @@ at 24 rows takes 1.0 ms through `F.linear` and 0.25 ms on MKL's packed weight
 weight once (`pack`) and multiplies with the packed copy (`apply`):
 
   - float32 -> MKL's packed sgemm (`mkl::_mkl_linear`);
-  - bfloat16 -> oneDNN's packed matmul (`mkldnn::_linear_pointwise`), chosen only where the CPU has bf16
-    units (AMX or AVX512-BF16): without them bf16 is emulated and packing does not pay;
+  - bfloat16 -> oneDNN's packed matmul (`mkldnn::_linear_pointwise`) where the CPU has bf16 units (AMX or
+    AVX512-BF16); without them (bf16 GEMMs are emulated there) MKL's packed sgemm on a float32 copy of the
+    weight, the rows cast up and the float32 sums rounded back to bf16 (MKL_UPCAST): the same arithmetic
+    class as an emulated bf16 GEMM (bf16 products summed in float32, rounded once), at float32's speed;
   - anything else, or a device that is not the CPU -> `F.linear` (STOCK).
 
 A packed copy is extra memory beside the weight (about the weight's size). A single row is no faster
@@ -42,11 +44,13 @@ class LinearKernel(Mode):
     STOCK = "stock"                  # F.linear on the module's weight
     MKL_PACKED = "mkl-packed"        # float32, MKL's packed sgemm
     ONEDNN_PACKED = "onednn-packed"  # bfloat16, oneDNN's packed matmul
+    MKL_UPCAST = "mkl-upcast"        # bfloat16 without bf16 units: MKL's packed sgemm of a float32 copy
 
     @property
     def dtype(self) -> torch.dtype | None:
         """The weights' dtype a packed kernel takes (None: STOCK takes any)."""
-        return {"mkl-packed": torch.float32, "onednn-packed": torch.bfloat16}.get(self.value)
+        return {"mkl-packed": torch.float32, "onednn-packed": torch.bfloat16,
+                "mkl-upcast": torch.bfloat16}.get(self.value)
 
 
 def choose(dtype: torch.dtype, device: torch.device, features: CpuFeatures, *, required: bool = False) -> LinearKernel:
@@ -62,8 +66,10 @@ def choose(dtype: torch.dtype, device: torch.device, features: CpuFeatures, *, r
     elif dtype == torch.bfloat16:
         if features.onednn and features.bf16_units:
             return LinearKernel.ONEDNN_PACKED
-        why = ("bfloat16 packing needs oneDNN and a CPU with bf16 units (AMX or AVX512-BF16); "
-               f"this one has {features.describe()}")
+        if features.mkl:
+            return LinearKernel.MKL_UPCAST
+        why = ("bfloat16 packing needs oneDNN and a CPU with bf16 units (AMX or AVX512-BF16), or torch built "
+               f"with MKL; this one has {features.describe()}")
     else:
         why = f"no packed kernel for {dtype} (float32 and bfloat16 have one)"
     if required:
@@ -74,8 +80,8 @@ def choose(dtype: torch.dtype, device: torch.device, features: CpuFeatures, *, r
 def pack(weight: torch.Tensor, kernel: LinearKernel, rows: int) -> torch.Tensor:
     """The packed copy of `weight` [out, in] for `kernel`; `rows`: the typical row count (a hint)."""
     w = weight.detach()
-    if kernel is LinearKernel.MKL_PACKED:
-        return torch.ops.mkl._mkl_reorder_linear_weight(w.contiguous(), rows)
+    if kernel in (LinearKernel.MKL_PACKED, LinearKernel.MKL_UPCAST):
+        return torch.ops.mkl._mkl_reorder_linear_weight(w.float().contiguous(), rows)
     if kernel is LinearKernel.ONEDNN_PACKED:
         return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), rows)
     raise ValueError(f"{kernel} has no packed weight")
@@ -85,7 +91,9 @@ def apply(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: tor
           kernel: LinearKernel) -> torch.Tensor:
     """x [..., in] @ weight.T + bias through `packed` (made by `pack` from `weight`): [..., out]."""
     rows = x.reshape(-1, x.shape[-1])
-    if kernel is LinearKernel.MKL_PACKED:
+    if kernel is LinearKernel.MKL_UPCAST:
+        out = sums(rows, packed, weight, bias).to(x.dtype)
+    elif kernel is LinearKernel.MKL_PACKED:
         out = torch.ops.mkl._mkl_linear(rows, packed, weight, bias, rows.shape[0])
     elif kernel is LinearKernel.ONEDNN_PACKED:
         out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
@@ -96,6 +104,17 @@ def apply(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: tor
 
 _ATTR = "_stateful_hf_packed"
 _ACTIVE: ContextVar[bool] = ContextVar("stateful_hf_packed", default=False)
+
+
+def sums(rows: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """rows [M, in] @ weight.T + bias in float32 through MKL's `packed` copy of `weight` (a float32 or a
+    bf16 weight: MKL_PACKED or MKL_UPCAST): [M, out] float32, before any rounding."""
+    if weight.dtype != torch.float32:
+        # _mkl_linear reads only the shape of its float32 "origin" weight when M is the call's own row
+        # count (always here): a zero-stride float32 view carries it without a float32 copy
+        rows, bias = rows.float(), None if bias is None else bias.float()
+        weight = torch.zeros((), dtype=torch.float32).expand(weight.shape)
+    return torch.ops.mkl._mkl_linear(rows, packed, weight, bias, rows.shape[0])
 
 
 def weight_key(w: torch.Tensor) -> tuple:
