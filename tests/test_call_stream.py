@@ -1,7 +1,7 @@
 """A tool call's arguments streamed token by token (`stateful_hf/serve/call_stream.py`): whatever the
 chunks, the deltas reassemble to the same arguments, equal to transformers' parser's value (coerced to
 the tool's schema types) when the JSON is whole, and ending with the model's raw text when it is cut or
-broken. The reply parser's pieces follow. Needs no web stack."""
+broken. The reply parser's pieces follow. Needs no server (pydantic only: the serve package's protocol)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,12 @@ import random
 import pytest
 from transformers.utils.chat_parsing import ResponseParser
 
-from stateful_hf.serve import tools as tool_mod
-from stateful_hf.serve.call_stream import CallStream
-from stateful_hf.serve.tool_parse import ReplyParser
-from stateful_hf.testing import tiny_tokenizer
+pytest.importorskip("pydantic")
+
+from stateful_hf.serve import tools as tool_mod  # noqa: E402
+from stateful_hf.serve.call_stream import CallStream  # noqa: E402
+from stateful_hf.serve.tool_parse import ReplyParser  # noqa: E402
+from stateful_hf.testing import tiny_tokenizer  # noqa: E402
 
 FN = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
     "n": {"type": "integer"}, "tags": {"type": "array", "items": {"type": "string"}}, "s": {"type": "string"},
