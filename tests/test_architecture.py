@@ -380,7 +380,7 @@ def test_the_feature_probe_sees_features_that_are_on(tmp_path):
     """The negative control: with a feature's option on, the same probe sees its package run."""
     hidden = feature_functions_run(two_turns("generate", host_capacity=1024, hidden_states="always", hidden_layers=1))
     assert any(f.startswith("stateful_hf/cache/hidden/") for f in hidden), hidden
-    disk = feature_functions_run(two_turns("engine", disk_dir=tmp_path / "disk"))
+    disk = feature_functions_run(two_turns("engine", disk_dir=tmp_path / "disk", disk_capacity=1024))
     assert any(f.startswith("stateful_hf/cache/disk/") for f in disk), disk
 
 

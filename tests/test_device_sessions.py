@@ -150,7 +150,8 @@ def test_a_session_missing_from_a_tier_index_is_caught():
     """Negative control: a host-tier holder dropped from its tier's order by hand is never chosen by
     the walk (the full scan still finds it) and `check_integrity` says so."""
     with tempfile.TemporaryDirectory() as disk:
-        store = SessionStore(MODEL, 4096, host_capacity=4096, disk_dir=disk, chunk_size=BS, clock=Clock())
+        store = SessionStore(MODEL, 4096, host_capacity=4096, disk_dir=disk, disk_capacity=4096, chunk_size=BS,
+                             clock=Clock())
         for sid in ("a", "b"):
             greedy(MODEL, (SYSTEM[:, :12] + ord(sid)) % 300, n=3, cache=store.cache(sid))
             store.move(sid, range(len(store.places(sid))), "host")

@@ -128,7 +128,8 @@ def test_pressure_moves_hidden_chunks_to_disk_then_drops_them(make_store, tmp_pa
 
 def test_restart_sees_disk_hidden_chunks_and_continues_exactly(tmp_path):
     model, oracle = FAMILIES["qwen2"](), FAMILIES["qwen2"]()
-    kw = dict(disk_dir=tmp_path / "d", host_capacity=512, cost_profile=PROFILE, hidden_states="always")
+    kw = dict(disk_dir=tmp_path / "d", disk_capacity=1024, host_capacity=512, cost_profile=PROFILE,
+              hidden_states="always")
     store = stateful_hf.SessionStore(model, hidden_layers=1, **kw)
     conv = Conversation(seed=11, first=100)
     conv.reply(greedy(model, conv.ids, cache=store.cache("kept")))

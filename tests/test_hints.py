@@ -31,8 +31,8 @@ def _park(engine, sid: str, tier: str) -> int:
 def test_hint_prefetches_then_the_turn_is_exact(tier, make_engine, tmp_path):  # noqa: F811
     model, oracle = FAMILIES["llama"](), FAMILIES["llama"]()
     from stateful_hf import SessionStore
-    store = SessionStore(model, 1024, chunk_size=16, host_capacity=1024, disk_dir=tmp_path / "kv", policy="lru",
-                         hidden_states="always" if tier == "hidden" else "never")
+    store = SessionStore(model, 1024, chunk_size=16, host_capacity=1024, disk_dir=tmp_path / "kv", disk_capacity=1024,
+                         policy="lru", hidden_states="always" if tier == "hidden" else "never")
     engine = make_engine(model, store=store)
     conv = Conversation(seed=7, first=50)
     _turn(engine, "a", conv)

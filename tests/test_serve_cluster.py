@@ -31,8 +31,8 @@ def _cluster(tmp_path=None, n: int = 2, **opts) -> Router:
     tok = tiny_tokenizer()
     replicas = []
     for i in range(n):
-        o = EngineOptions(device_capacity=4096, **opts)
         disk = str(tmp_path / f"disk{i}") if tmp_path is not None else None
+        o = EngineOptions(**{"device_capacity": 4096, "disk_capacity": 4096 if disk else None, **opts})
         replicas.append(Replica(o.build(tiny_llama(), tok, disk_dir=disk), name=f"r{i}"))
     return Router([LocalClient(r) for r in replicas])
 

@@ -146,16 +146,16 @@ def test_profile_cost_grows_with_context(make_store):
 def test_disk_tier_survives_restart(tmp_path):
     model, oracle = FAMILIES["opt"](), FAMILIES["opt"]()
     conv = Conversation(seed=7, first=50)
-    store = stateful_hf.SessionStore(model, disk_dir=tmp_path / "d", cost_profile=PROFILE)
+    store = stateful_hf.SessionStore(model, disk_dir=tmp_path / "d", disk_capacity=1024, cost_profile=PROFILE)
     out = greedy(model, conv.ids, cache=store.cache("kept"))
     conv.reply(out)
     store.move("kept", range(len(store.session("kept").chunks)), "disk")
     n = store.session("kept").num_tokens
     assert n == out.shape[1] - 1 and store.stats("kept").disk_tokens == n
     with pytest.raises(StoreError, match="in use"):
-        stateful_hf.SessionStore(model, disk_dir=tmp_path / "d", cost_profile=PROFILE)
+        stateful_hf.SessionStore(model, disk_dir=tmp_path / "d", disk_capacity=1024, cost_profile=PROFILE)
     store.close()
-    again = stateful_hf.SessionStore(model, disk_dir=tmp_path / "d", cost_profile=PROFILE)
+    again = stateful_hf.SessionStore(model, disk_dir=tmp_path / "d", disk_capacity=1024, cost_profile=PROFILE)
     assert again.session_ids() == ["kept"] and again.stats("kept").disk_tokens == n
     again.check_integrity()
     out2 = greedy(model, conv.ids, cache=again.cache("kept"))
@@ -165,7 +165,7 @@ def test_disk_tier_survives_restart(tmp_path):
     again.close()
     other = FAMILIES["llama"]()
     with pytest.raises(StoreError, match="another geometry"):
-        stateful_hf.SessionStore(other, disk_dir=tmp_path / "d", cost_profile=PROFILE)
+        stateful_hf.SessionStore(other, disk_dir=tmp_path / "d", disk_capacity=1024, cost_profile=PROFILE)
 
 
 def test_bad_moves_are_refused_and_lose_nothing(make_store, tmp_path):
