@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -53,6 +52,7 @@ from transformers.generation.streamers import BaseStreamer
 from stateful_hf import Engine, SamplingParams, SessionStore
 from stateful_hf.engine.openmp import release_thread_pool
 
+from .closed_loop import closed_loop
 from .neighbours import Neighbours, parse
 from .threads import hold_main_pool
 
@@ -229,31 +229,14 @@ def run_engine(model, wl: Workload, max_batch_tokens: int, layout: str = "paged"
     engine = Engine(model, store=store, max_batch_tokens=max_batch_tokens, max_num_seqs=wl.sessions,
                     release_openmp_pool=release_openmp_pool, step_threads=step_threads, **engine_options)
     params = SamplingParams(max_new_tokens=wl.new, ignore_eos=True)
-    ttft, outputs, queue, errors = {}, {}, {}, []
+    ttft, queue = {}, {}
 
-    def user(s: int) -> None:
-        conv = []
-        try:
-            for t in range(wl.turns):
-                ids = conv + wl.user_tokens(s, t)
-                out = engine.submit(f"s{s}", ids, params).result()
-                ttft[(s, t)] = out.metrics.ttft
-                queue[(s, t)] = out.metrics.queue_time
-                outputs[(s, t)] = list(out.token_ids)
-                conv = ids + outputs[(s, t)]
-        except BaseException as e:
-            errors.append(e)
+    def turn(s: int, t: int, ids: list[int]) -> list[int]:
+        out = engine.submit(f"s{s}", ids, params).result()
+        ttft[(s, t)], queue[(s, t)] = out.metrics.ttft, out.metrics.queue_time
+        return list(out.token_ids)
 
-    threads = [threading.Thread(target=user, args=(s,)) for s in range(wl.sessions)]
-    start = time.perf_counter()
-    with engine:
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-    wall = time.perf_counter() - start
-    if errors:
-        raise errors[0]
+    wall, outputs = closed_loop(wl, turn, around=engine)
     engine.store.check_integrity()
     name = "(c') Engine, batch-invariant" if batch_invariant else "(c) stateful_hf.Engine"
     return Result(name, wall, sum(map(len, outputs.values())), ttft, outputs, queue), engine

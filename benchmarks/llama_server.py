@@ -29,9 +29,10 @@ import os
 import socket
 import subprocess
 import tempfile
-import threading
 import time
 from pathlib import Path
+
+from .closed_loop import closed_loop
 
 
 def gguf_format(path: str) -> str:
@@ -112,26 +113,12 @@ class LlamaServer:
 def run_llama_server(binary: str, gguf: str, wl, threads: int) -> tuple[float, dict, dict]:
     """(wall seconds, TTFT by (session, turn), generated ids by (session, turn)) of `wl` (bench_engine's
     Workload) through llama-server on `gguf`, every session's turns back to back (think time 0)."""
-    ttft, outputs, errors = {}, {}, []
+    ttft: dict[tuple[int, int], float] = {}
     with LlamaServer(binary, gguf, wl, threads) as server:
-        def user(s: int) -> None:
-            conv: list[int] = []
-            try:
-                for t in range(wl.turns):
-                    ids = conv + wl.user_tokens(s, t)
-                    outputs[(s, t)], ttft[(s, t)] = server.complete(s, ids, wl.new)
-                    conv = ids + outputs[(s, t)]
-            except BaseException as e:
-                errors.append(e)
+        def turn(s: int, t: int, ids: list[int]) -> list[int]:
+            out, ttft[(s, t)] = server.complete(s, ids, wl.new)
+            return out
 
         server.complete(0, wl.user_tokens(0, 0), 2)              # warm up, as the other systems are
-        threads_ = [threading.Thread(target=user, args=(s,)) for s in range(wl.sessions)]
-        start = time.perf_counter()
-        for th in threads_:
-            th.start()
-        for th in threads_:
-            th.join()
-        wall = time.perf_counter() - start
-    if errors:
-        raise errors[0]
+        wall, outputs = closed_loop(wl, turn)
     return wall, ttft, outputs
