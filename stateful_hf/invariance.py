@@ -41,6 +41,7 @@ from .kernels.cpu_features import CpuFeatures
 from .kernels.linear import LinearKernel, choose, pack, sums, weight_key
 
 ROWS = 16                  # rows of every GEMM call under the context
+PACK_ROWS = 256            # MKL's packing hint: the engine's default step rows (its own packed copies' hint)
 
 _lock = threading.Lock()
 _state: dict = {"depth": 0, "lib": None, "split": None}
@@ -93,15 +94,24 @@ def _packed_weight(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     (F.linear's weight.t()) whose dtype the CPU multiplies through MKL's packed sgemm (float32; bf16
     without bf16 units: `LinearKernel.MKL_UPCAST`); else None (the plain tiles)."""
     w = b._base
-    if not isinstance(w, torch.nn.Parameter) or w.dim() != 2 or not w.is_contiguous() \
-            or b.stride() != (1, w.shape[1]) or choose(w.dtype, w.device, CpuFeatures.detect()) not in _MKL:
+    if not isinstance(w, torch.nn.Parameter) or w.dim() != 2 or b.stride() != (1, w.shape[1]):
         return None
-    key = weight_key(w)
-    have = _PACKED.get(id(w))
-    if have is None or have[0]() is not w or have[1] != key:
-        have = (weakref.ref(w), key, pack(w, LinearKernel.MKL_PACKED, ROWS))
-        _PACKED[id(w)] = have
+    key, have = weight_key(w), _PACKED.get(id(w))
+    if have is not None and have[0]() is w and have[1] == key:
+        return w, have[2]
+    if not w.is_contiguous() or choose(w.dtype, w.device, CpuFeatures.detect()) not in _MKL:
+        return None
+    have = _PACKED[id(w)] = (weakref.ref(w), key, pack(w, LinearKernel.MKL_PACKED, PACK_ROWS))
     return w, have[2]
+
+
+def pack_weights(model: torch.nn.Module) -> None:
+    """Make the packed copies of `model`'s linear weights now, on the calling thread (a store made with
+    batch_invariant=True does, at creation): copies first made mid-run on an engine's loop thread
+    multiplied x1.7 slower here (MKL's allocation; docs/cpu.md#batch-invariance)."""
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear):
+            _packed_weight(m.weight.t())
 
 
 # (op, packed, dtype, b's shape and strides, M, a's strides and 64-byte offset, team size) -> whether

@@ -38,6 +38,8 @@ class SessionStore(KVStore):
                       device=param.device, block_size=o.chunk_size, windows=adapter.layer_windows)
         if o.batch_invariant:
             check_invariant(adapter, spec)
+            from .invariance import pack_weights
+            pack_weights(model)
         attn_backend = select_backend("cpu" if o.batch_invariant else o.attn_backend, spec.device, spec.dtype,
                                       spec.head_dim, spec.block_size, layerwise_kv=o.layerwise_kv, layout=o.layout).name
         policy = DEFAULT_POLICY if o.policy is None else o.policy
