@@ -77,7 +77,6 @@ def test_one_call_replaces_the_tiles_only_where_it_gives_their_bits(monkeypatch)
     x = torch.randn(70, 64, generator=g)
     threads = torch.get_num_threads()
     monkeypatch.setattr(inv, "_ONE_CALL", {})
-    monkeypatch.setattr(inv, "_outside", lambda: False)      # the kernels called directly, as in a context
     try:
         for t in {1, threads}:
             torch.set_num_threads(t)
@@ -257,7 +256,7 @@ def test_negative_control_without_the_context_logprobs_differ():
     """The same engine-vs-generate comparison, off: the engine's stock steps and plain generate disagree
     in the last bits of some log-probability (so the bitwise tests above can fail)."""
     model, oracle = tiny_llama("llama").to(torch.bfloat16), tiny_llama("llama").to(torch.bfloat16)
-    engine = Engine(model, device_capacity=2048, max_batch_tokens=40, batch_invariant=False)
+    engine = Engine(model, device_capacity=2048, max_batch_tokens=40)
     got = engine_run(engine, {f"s{i}": p for i, p in enumerate(prompts(6))})
     differs = 0
     for i, ids in enumerate(prompts(6)):
@@ -269,55 +268,6 @@ def test_negative_control_without_the_context_logprobs_differ():
     assert differs
 
 
-def test_on_by_default_wherever_it_can_be_kept_and_off_with_the_reason_elsewhere():
-    on = stateful_hf.SessionStore(tiny_llama(), 256)
-    assert on.invariant_split == on.options.chunk_size and on.invariant_off is None
-    assert on.config.attn_backend == "cpu"
-    off = {
-        "sliding windows or attention softcaps": stateful_hf.SessionStore(tiny_gemma2(), 256),
-        "attn_backend='torch'": stateful_hf.SessionStore(tiny_llama(), 256, attn_backend="torch"),
-        "layout='virtual'": stateful_hf.SessionStore(tiny_llama(), 256, layout="virtual", max_context=256),
-        "batch_invariant=False": stateful_hf.SessionStore(tiny_llama(), 256, batch_invariant=False),
-    }
-    for why, store in off.items():
-        assert store.invariant_split is None and why in store.invariant_off, (why, store.invariant_off)
-    packed = Engine(tiny_llama(), device_capacity=256, prepack_weights="on")   # the engine's own GEMMs
-    assert packed.store.invariant_split is None and packed.store.invariant_off == "batch_invariant=False"
-
-
-def test_a_thread_outside_the_context_gets_the_stock_kernels():
-    """The overrides are registered process-wide; a thread in no context computes as without them (an
-    engine stepping invariantly on its thread changes nothing for another thread's generate)."""
-    import threading
-
-    import torch.nn.functional as F
-
-    torch.manual_seed(0)
-    x, w, b = torch.randn(37, 64), torch.nn.Parameter(torch.randn(48, 64)), torch.randn(48)
-    q, k, v = torch.randn(3, 2, 4, 9, 16).unbind(0)
-    holes = torch.ones(2, 1, 9, 9, dtype=torch.bool)
-    holes[0, ..., :2] = False                          # padding: refused inside the context
-    with torch.no_grad():
-        stock = (F.linear(x, w, b), x @ w.t(), F.scaled_dot_product_attention(q, k, v, attn_mask=holes))
-        entered, leave, inside = threading.Event(), threading.Event(), {}
-
-        def hold() -> None:
-            with stateful_hf.batch_invariant():
-                entered.set()
-                leave.wait(30)
-                inside["linear"] = F.linear(x, w, b)
-
-        holder = threading.Thread(target=hold)
-        holder.start()
-        entered.wait(30)
-        meanwhile = (F.linear(x, w, b), x @ w.t(), F.scaled_dot_product_attention(q, k, v, attn_mask=holes))
-        leave.set()
-        holder.join()
-    assert torch.equal(meanwhile[0], stock[0]) and torch.equal(meanwhile[1], stock[1])
-    torch.testing.assert_close(meanwhile[2], stock[2])
-    assert "linear" in inside          # the holder's own call ran inside
-
-
 def test_refused_where_it_cannot_be_kept():
     with pytest.raises(ValueError, match="full causal attention without softcaps"):
         stateful_hf.SessionStore(tiny_gemma2(), 256, batch_invariant=True)
@@ -325,7 +275,7 @@ def test_refused_where_it_cannot_be_kept():
         stateful_hf.SessionStore(tiny_llama(), 256, batch_invariant=True, attn_backend="torch")
     with pytest.raises(ValueError, match="layerwise_kv"):
         stateful_hf.SessionStore(tiny_llama(), 256, batch_invariant=True, layerwise_kv=True, host_capacity=256)
-    with pytest.raises(ValueError, match="batch_invariant must be True, False or None"):
+    with pytest.raises(ValueError, match="batch_invariant must be True or False"):
         stateful_hf.SessionStore(tiny_llama(), 256, batch_invariant="yes")
     with pytest.raises(ValueError, match="prepack_weights='on' with a batch_invariant store"):
         Engine(tiny_llama(), device_capacity=256, batch_invariant=True, prepack_weights="on")
