@@ -20,9 +20,10 @@ that make transformers models batch-dependent; leaving the last one restores the
     context is the oracle the stateful paths equal bitwise.
 
 Row-wise reductions (RMSNorm/LayerNorm, softmax, argmax) and elementwise ops are already per row on
-the CPU. The overrides are process-wide while active (the dispatcher has no per-thread table): another
-thread's matmuls meanwhile run the invariant kernels too (the same values to rounding, slower).
-docs/cpu.md#batch-invariance.
+the CPU. The dispatcher's table is process-wide while a context is active, so the kernels look at the
+calling thread: a thread outside every context gets the stock kernels (`mm.out`, `addmm.out`, SDPA's
+math kernel: the same values to rounding), so an engine stepping invariantly on one thread changes
+nothing for another thread's `generate`. docs/cpu.md#batch-invariance.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ ROWS = 16                  # rows of every GEMM call under the context
 PACK_ROWS = 256            # MKL's packing hint: the engine's default step rows (its own packed copies' hint)
 
 _lock = threading.Lock()
-_state: dict = {"depth": 0, "lib": None, "split": None}
+_state: dict = {"depth": 0, "lib": None, "split": None}     # the process's contexts (the registration)
+_inside = threading.local()                                 # .depth: the calling thread's open contexts
 
 
 @contextmanager
@@ -68,9 +70,11 @@ def batch_invariant(split: int = 32) -> Iterator[None]:
                 lib.impl("scaled_dot_product_attention", _sdpa, "CPU")
             _state.update(lib=lib, split=split)
         _state["depth"] += 1
+    _inside.depth = getattr(_inside, "depth", 0) + 1
     try:
         yield
     finally:
+        _inside.depth -= 1
         with _lock:
             _state["depth"] -= 1
             if not _state["depth"]:
@@ -83,8 +87,13 @@ def active_split() -> int | None:
     return _state["split"]
 
 
+def _outside() -> bool:
+    """Whether the calling thread is in no context (its GEMMs and attention take the stock kernels)."""
+    return not getattr(_inside, "depth", 0)
+
+
 # id(parameter) -> (weakref to it, its weight_key, its MKL-packed [N, K] weight): a copy is used only while
-# the parameter is alive, unmoved and unchanged in place; otherwise it is made again.
+# the parameter is alive, unmoved and unchanged in place; otherwise it is made again; it goes with the parameter.
 _PACKED: dict[int, tuple] = {}
 _MKL = (LinearKernel.MKL_PACKED, LinearKernel.MKL_UPCAST)
 
@@ -101,7 +110,9 @@ def _packed_weight(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         return w, have[2]
     if not w.is_contiguous() or choose(w.dtype, w.device, CpuFeatures.detect()) not in _MKL:
         return None
-    have = _PACKED[id(w)] = (weakref.ref(w), key, pack(w, LinearKernel.MKL_PACKED, PACK_ROWS))
+    wid = id(w)
+    gone = weakref.ref(w, lambda _: _PACKED.pop(wid, None))     # a dead parameter's copy is freed with it
+    have = _PACKED[wid] = (gone, key, pack(w, LinearKernel.MKL_PACKED, PACK_ROWS))
     return w, have[2]
 
 
@@ -167,6 +178,8 @@ def _mm(a: torch.Tensor, b: torch.Tensor, packed: tuple | None = None,
     through `packed` (weight, its packed copy: `_packed_weight(b)`, looked up when not given; float32 sums,
     the bias added to them, rounded once to a's dtype), else mm.out (the stock kernel); one call on all
     rows where that was seen to give the same bits (`_rows`)."""
+    if _outside():
+        return torch.mm(a, b, out=a.new_empty(a.shape[0], b.shape[1]))
     packed = packed or _packed_weight(b)
     if packed is None:
         return _rows(a, ("mm", False, *_shape_key(a, b)), lambda x: torch.mm(x, b, out=x.new_empty(len(x), b.shape[1])),
@@ -193,6 +206,8 @@ def _tiled_mm(a: torch.Tensor, b: torch.Tensor, packed: tuple | None) -> torch.T
 def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1, alpha=1) -> torch.Tensor:
     """beta * bias + alpha * (a @ b) in tiles of ROWS rows; bias [N], [1, N] or [M, N]."""
     m = a.shape[0]
+    if _outside():
+        return torch.addmm(bias, a, b, beta=beta, alpha=alpha, out=a.new_empty(m, b.shape[1]))
     packed = _packed_weight(b) if beta == 1 and alpha == 1 and bias.dim() == 1 else None
     if packed is not None:
         return _mm(a, b, packed, bias)                 # F.linear's bias: added to the float32 sums
@@ -216,6 +231,8 @@ def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
     """query [B, Hq, Lq, D], key/value [B, Hkv, L, D] -> [B, Hq, Lq, D] through the CPU kernel. Each
     query row sees a prefix of the keys: `is_causal` (top-left, as SDPA aligns it), no mask (every key),
     or a mask whose rows are prefixes (transformers' causal masks); a mask with holes (padding) raises."""
+    if _outside():
+        return _math_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if dropout_p:
         raise NotImplementedError("batch_invariant: attention dropout is not supported")
     b, hq, lq, d = query.shape
@@ -247,3 +264,18 @@ def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
                            kv_len=torch.tensor([length]), block_table=torch.arange(blocks)[None])
         out[i] = CpuPlan(batch, split).run(query[i].transpose(0, 1), kv[0], kv[1], scale).transpose(0, 1)
     return out
+
+
+def _math_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    """SDPA's math, in float32 (a thread in no context: any mask, dropout, GQA): [B, Hq, Lq, D]."""
+    if enable_gqa:
+        key, value = (t.repeat_interleave(query.shape[-3] // t.shape[-3], -3) for t in (key, value))
+    q, k, v = query.float(), key.float(), value.float()
+    scores = q @ k.transpose(-2, -1) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if is_causal:
+        scores = scores.masked_fill(torch.ones(scores.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool \
+            else scores + attn_mask.float()
+    weights = torch.nn.functional.dropout(scores.softmax(-1), dropout_p) if dropout_p else scores.softmax(-1)
+    return (weights @ v).to(query.dtype)

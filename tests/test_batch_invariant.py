@@ -77,6 +77,7 @@ def test_one_call_replaces_the_tiles_only_where_it_gives_their_bits(monkeypatch)
     x = torch.randn(70, 64, generator=g)
     threads = torch.get_num_threads()
     monkeypatch.setattr(inv, "_ONE_CALL", {})
+    monkeypatch.setattr(inv, "_outside", lambda: False)      # the kernels called directly, as in a context
     try:
         for t in {1, threads}:
             torch.set_num_threads(t)
@@ -266,6 +267,53 @@ def test_negative_control_without_the_context_logprobs_differ():
         lps = [float(torch.log_softmax(s.float(), dim=-1)[0, t]) for s, t in zip(out.logits, got[f"s{i}"][0])]
         differs += lps != got[f"s{i}"][1]
     assert differs
+
+
+def test_a_thread_outside_the_context_gets_the_stock_kernels():
+    """The overrides are registered process-wide; a thread in no context computes as without them (an
+    engine stepping invariantly on its thread changes nothing for another thread's generate)."""
+    import threading
+
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    x, w, b = torch.randn(37, 64), torch.nn.Parameter(torch.randn(48, 64)), torch.randn(48)
+    q, k, v = torch.randn(3, 2, 4, 9, 16).unbind(0)
+    holes = torch.ones(2, 1, 9, 9, dtype=torch.bool)
+    holes[0, ..., :2] = False                          # padding: refused inside the context
+    with torch.no_grad():
+        stock = (F.linear(x, w, b), x @ w.t(), F.scaled_dot_product_attention(q, k, v, attn_mask=holes))
+        entered, leave, inside = threading.Event(), threading.Event(), {}
+
+        def hold() -> None:
+            with stateful_hf.batch_invariant():
+                entered.set()
+                leave.wait(30)
+                inside["linear"] = F.linear(x, w, b)
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        entered.wait(30)
+        meanwhile = (F.linear(x, w, b), x @ w.t(), F.scaled_dot_product_attention(q, k, v, attn_mask=holes))
+        leave.set()
+        holder.join()
+    assert torch.equal(meanwhile[0], stock[0]) and torch.equal(meanwhile[1], stock[1])
+    torch.testing.assert_close(meanwhile[2], stock[2])
+    assert "linear" in inside          # the holder's own call ran inside
+
+
+def test_a_packed_copy_goes_with_its_parameter():
+    import gc
+
+    from stateful_hf import invariance as inv
+
+    w = torch.nn.Parameter(torch.randn(64, 64), requires_grad=False)
+    if inv._packed_weight(w.t()) is None:
+        pytest.skip("no MKL packed sgemm here")
+    held = id(w) in inv._PACKED
+    del w
+    gc.collect()
+    assert held and not [k for k, (ref, *_) in inv._PACKED.items() if ref() is None]
 
 
 def test_refused_where_it_cannot_be_kept():
