@@ -47,6 +47,9 @@ def test_engine_option_on_without_a_kernel_names_it(monkeypatch):
 
 @pytest.mark.parametrize("kernel", [LinearKernel.MKL_PACKED, LinearKernel.ONEDNN_PACKED, LinearKernel.MKL_UPCAST])
 def test_packed_only_inside_active_and_follows_the_weight(kernel):
+    here = CpuFeatures.detect()
+    if choose(kernel.dtype, CPU, here) is not kernel:
+        pytest.skip(f"this CPU ({here.describe()}) takes {choose(kernel.dtype, CPU, here)} for {kernel.dtype}")
     torch.manual_seed(0)
     lin = torch.nn.Linear(64, 96).to(kernel.dtype)
     holder = torch.nn.Sequential(lin)
