@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields
 from pathlib import Path
 
@@ -131,10 +132,6 @@ def test_device_without_its_backend_exits_2():
 def test_bad_values_found_after_loading_exit_2(tmp_path):
     bad = tmp_path / "bad.jinja"
     bad.write_text("{% for m in messages %}{{ m['content'] }")          # a Jinja syntax error
-    _exits_2(["--model", "tiny-random", "--chat-template", str(bad)], f"--chat-template {bad}: the chat template "
-             "does not render a one-message chat: TemplateSyntaxError")
-    _exits_2(["--model", "tiny-random", "--max-model-len", "100000"],
-             "--max-model-len 100000 is more than the model's context of 2048 tokens")
     # a hub id the offline cache holds passes the check before torch (the control of the refusal above) and loads
     cache = tmp_path / "hub"
     snapshot = cache / "models--test-org--tiny" / "snapshots" / ("0" * 40)
@@ -143,11 +140,20 @@ def test_bad_values_found_after_loading_exit_2(tmp_path):
     tiny_tokenizer().save_pretrained(snapshot)
     (cache / "models--test-org--tiny" / "refs").mkdir()
     (cache / "models--test-org--tiny" / "refs" / "main").write_text("0" * 40)
-    _exits_2(["--model", "test-org/tiny", "--max-model-len", "100000"], "--max-model-len 100000 is more than the "
-             "model's context of 2048 tokens", env={"HF_HUB_CACHE": str(cache)})
-    # the store's own check, its options named as flags
-    _exits_2(["--model", "tiny-random", "--hidden-states", "always"],
-             "--hidden-states 'always' needs room for hidden states: give --hidden-capacity (or --host-capacity")
+    cases = [
+        (["--model", "tiny-random", "--chat-template", str(bad)], f"--chat-template {bad}: the chat template "
+         "does not render a one-message chat: TemplateSyntaxError", None),
+        (["--model", "tiny-random", "--max-model-len", "100000"],
+         "--max-model-len 100000 is more than the model's context of 2048 tokens", None),
+        (["--model", "test-org/tiny", "--max-model-len", "100000"], "--max-model-len 100000 is more than the "
+         "model's context of 2048 tokens", {"HF_HUB_CACHE": str(cache)}),
+        # the store's own check, its options named as flags
+        (["--model", "tiny-random", "--hidden-states", "always"],
+         "--hidden-states 'always' needs room for hidden states: give --hidden-capacity (or --host-capacity", None),
+    ]
+    with ThreadPoolExecutor(2) as pool:                 # two servers at a time: each start is one core's work
+        for done in [pool.submit(_exits_2, args, says, env=env) for args, says, env in cases]:
+            done.result()
 
 
 def test_load_chat_template_is_the_one_loader(tmp_path):

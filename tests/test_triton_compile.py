@@ -9,7 +9,7 @@ a constant and marks multiples of 16), int32/int64 for every index tensor, unit 
 Each cubin's shared memory must fit the target's per-block limit (a launch would fail otherwise).
 
 It runs in a fresh interpreter with TRITON_INTERPRET unset (other test modules set it at import):
-`python tests/test_triton_compile.py` prints one JSON line per case.
+`python tests/test_triton_compile.py [SHARD SHARDS]` prints one JSON line per case.
 """
 
 from __future__ import annotations
@@ -115,11 +115,12 @@ def compile_launch(kernel, launch, cc: int):
     return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
 
 
-def main() -> None:
+def main(shard: int = 0, shards: int = 1) -> None:
+    """Compile every `shards`-th case from `shard` on, one JSON line each."""
     from stateful_hf.kernels import triton_backend
 
     kernel = triton_backend.kernel()
-    for case in CASES:
+    for case in CASES[shard::shards]:
         t0 = time.perf_counter()
         try:
             compiled = compile_launch(kernel, launch_for(case), case["cc"])
@@ -129,12 +130,17 @@ def main() -> None:
         print(json.dumps({"case": case, **result, "seconds": round(time.perf_counter() - t0, 2)}), flush=True)
 
 
-def _run(tmp_path: Path, script: list[str], **extra_env: str) -> subprocess.CompletedProcess:
+def _env(tmp_path: Path, **extra_env: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
                TRITON_CACHE_DIR=str(tmp_path / "triton-cache"),
                TRITON_DEFAULT_FP_FUSION=env.get("TRITON_DEFAULT_FP_FUSION", "1"), **extra_env)
-    return subprocess.run([sys.executable, *script], capture_output=True, text=True, env=env, timeout=600)
+    return env
+
+
+def _run(tmp_path: Path, script: list[str], **extra_env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *script], capture_output=True, text=True, env=_env(tmp_path, **extra_env),
+                          timeout=600)
 
 
 def test_pairwise_cover_is_complete_and_small():
@@ -148,10 +154,13 @@ def test_pairwise_cover_is_complete_and_small():
 
 def test_paged_attention_kernel_compiles_for_sm80_and_sm90(tmp_path):
     pytest.importorskip("triton")
-    r = _run(tmp_path, [str(Path(__file__))])
-    assert r.returncode == 0, r.stderr[-3000:]
-    results = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
-    assert len(results) == len(CASES), r.stdout[-2000:] + r.stderr[-2000:]
+    # two shards side by side (the compiler and ptxas are single-threaded), each with its own cache
+    procs = [subprocess.Popen([sys.executable, str(Path(__file__)), str(i), "2"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=_env(tmp_path / str(i))) for i in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(err[-3000:] for _, err in outs)
+    results = [json.loads(line) for out, _ in outs for line in out.splitlines() if line.startswith("{")]
+    assert len(results) == len(CASES), "\n".join(out[-2000:] + err[-2000:] for out, err in outs)
     failed = [x for x in results if not x["ok"]]
     assert not failed, "\n".join(f"{x['case']}: {x['error']}" for x in failed)
     assert all(x["cubin"] for x in results)
@@ -197,4 +206,4 @@ def test_negative_control_a_type_error_the_interpreter_misses_is_caught(tmp_path
 
 
 if __name__ == "__main__":
-    main()
+    main(*map(int, sys.argv[1:3]))
