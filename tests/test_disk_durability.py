@@ -469,7 +469,7 @@ def test_crash_at_the_durability_points(tmp_path):
 def test_random_kills_never_give_a_wrong_turn():
     from benchmarks.disk_faults import kill_loop
 
-    totals = kill_loop(seconds=15, seed=3, log=lambda line: None)
+    totals = kill_loop(seconds=10, seed=3, log=lambda line: None)
     assert totals["kills"] >= 1 and totals["checked_turns"] > 0, totals
     assert totals["worker_wrong"] == 0 and totals["checked_wrong"] == 0, totals
 

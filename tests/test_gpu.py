@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 import types
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -244,8 +245,25 @@ def test_gpu_check_cuda_test_run_outcomes(tmp_path):
     passes (the control); a hang is killed at the timeout; no cuda test collected fails on CUDA only."""
     from benchmarks.gpu_check import SectionFailed, run_tests, tests_status
 
-    probe = tmp_path / "test_probe.py"
     head = "import time\n\nimport pytest\n\n\n"
+    hangs = tmp_path / "hangs" / "test_hangs.py"
+    hangs.parent.mkdir()
+    hangs.write_text(head + "@pytest.mark.cuda\ndef test_hangs():\n    time.sleep(120)\n")
+    with ThreadPoolExecutor(1) as pool:       # the hang's 20 s run beside the others
+        hung = pool.submit(run_tests, 20, True, paths=(str(hangs),))
+        _outcomes(tmp_path / "test_probe.py", head)
+        # 20 s: pytest's start reaches the test's name in ~3 s here, past 5 s on a loaded machine (CI saw it)
+        with pytest.raises(SectionFailed, match="timed out after 20 s; output ends: .*test_hangs"):
+            hung.result()
+    assert tests_status(0, {"a": {"outcome": "skipped"}}, False) == ("skipped", "all 1 cuda tests skipped")
+    assert tests_status(0, {"a": {"outcome": "skipped"}}, True) == ("failed", "all 1 cuda tests skipped")
+    assert tests_status(2, {}, True)[0] == tests_status(4, {}, True)[0] == "failed"
+
+
+def _outcomes(probe, head: str) -> None:
+    """A failing, a passing and an empty probe file through `run_tests` (the rest of the test above)."""
+    from benchmarks.gpu_check import SectionFailed, run_tests
+
     ok = ("@pytest.mark.cuda\ndef test_ok(record_property):\n    record_property('rate', 0.9)\n\n\n"
           "@pytest.mark.cuda\ndef test_absent():\n    pytest.skip('flashinfer is not installed')\n\n\n"
           "def test_unmarked():\n    raise AssertionError\n\n\n")
@@ -262,17 +280,10 @@ def test_gpu_check_cuda_test_run_outcomes(tmp_path):
     assert [why for name, why in out["skipped"].items() if name.endswith("::test_absent")] == [
         "flashinfer is not installed"]
     assert [case["rate"] for name, case in out["tests"].items() if name.endswith("::test_ok")] == ["0.9"]
-    probe.write_text(head + "@pytest.mark.cuda\ndef test_hangs():\n    time.sleep(120)\n")
-    # 20 s: pytest's start reaches the test's name in ~3 s here, past 5 s on a loaded machine (CI saw it)
-    with pytest.raises(SectionFailed, match="timed out after 20 s; output ends: .*test_hangs"):
-        run_tests(20, True, paths=(str(probe),))
     probe.write_text(head + "def test_unmarked():\n    pass\n")
     with pytest.raises(SectionFailed, match="collected no test"):
         run_tests(120, True, paths=(str(probe),))
     assert run_tests(120, False, paths=(str(probe),))["reason"] == "no cuda test collected"
-    assert tests_status(0, {"a": {"outcome": "skipped"}}, False) == ("skipped", "all 1 cuda tests skipped")
-    assert tests_status(0, {"a": {"outcome": "skipped"}}, True) == ("failed", "all 1 cuda tests skipped")
-    assert tests_status(2, {}, True)[0] == tests_status(4, {}, True)[0] == "failed"
 
 
 def test_gpu_check_records_the_commit_without_git(tmp_path):
