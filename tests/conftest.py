@@ -109,6 +109,15 @@ def engine_round_ids(engine, oracle, convs: dict[str, torch.Tensor], sids: list[
         convs[sid] = torch.cat([want, next_user(sid)], 1)
 
 
+def slow_schema() -> dict:
+    """A JSON schema no grammar cache holds yet (fresh property names) that compiles in ~80 ms with the tiny
+    tokenizer (4 properties with a repeated pattern; an AVX2 EPYC): ~80x a 1 ms compile limit. A long
+    maxLength alone no longer does (xgrammar compiles maxLength 35 to 3000 in ~1.5 ms there)."""
+    import uuid
+    pattern = {"type": "string", "pattern": "^([a-z]{3,9}-[0-9]{2,5}_){5,40}$"}
+    return {"type": "object", "properties": {f"k{i}_{uuid.uuid4().hex}": pattern for i in range(4)}}
+
+
 def wait_healthy(proc, url: str, log_path, timeout: float = 300) -> None:
     """Wait until server subprocess `proc` answers `url`/health with 200; fail with its log if it exits
     first or `timeout` seconds pass (httpx imported here: collection needs no web stack)."""

@@ -22,7 +22,7 @@ openai = pytest.importorskip("openai")
 pydantic = pytest.importorskip("pydantic")
 jsonschema = pytest.importorskip("jsonschema")
 
-from conftest import stop_server, wait_healthy  # noqa: E402
+from conftest import slow_schema, stop_server, wait_healthy  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "n", "color"],
@@ -157,8 +157,7 @@ def test_a_compile_over_the_time_limit_is_a_400():
     from stateful_hf.serve.server import EngineOptions
     from stateful_hf.testing import tiny_llama, tiny_tokenizer
     app, router = build_local(tiny_llama(), tiny_tokenizer(), "tiny", EngineOptions(grammar_compile_timeout=0.001))
-    slow = {"type": "json_schema", "json_schema": {"name": "slow", "schema": {
-        "type": "object", "properties": {"s": {"type": "string", "maxLength": 35}}}}}
+    slow = {"type": "json_schema", "json_schema": {"name": "slow", "schema": slow_schema()}}
     try:
         with ServerThread(app) as srv:
             c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", timeout=60, max_retries=0)

@@ -10,13 +10,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import uuid
 
 import pytest
 import torch
 
 pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
+
+from conftest import slow_schema  # noqa: E402
 
 from stateful_hf import Engine, SamplingParams  # noqa: E402
 from stateful_hf.engine.constraint import JsonConstraint, json_constraint  # noqa: E402
@@ -175,9 +176,7 @@ def test_without_a_tokenizer_a_constrained_request_fails_and_says_why():
 
 def test_a_compile_over_the_time_limit_fails_the_request(tok):
     engine = Engine(tiny_llama(), tok, grammar_compile_timeout=0.001)
-    # a schema no cache can hold yet (a fresh property name), slow to compile (a long bounded string)
-    slow = {"type": "object", "properties": {f"slow_{uuid.uuid4().hex}": {"type": "string", "maxLength": 300}}}
-    out = engine.submit(None, ASK, SamplingParams(max_new_tokens=8, constraint=slow)).output()
+    out = engine.submit(None, ASK, SamplingParams(max_new_tokens=8, constraint=slow_schema())).output()
     assert isinstance(out.error, GrammarError) and "took longer than the limit of 0.001 s" in str(out.error)
     assert out.error.code == "schema_too_complex"
     with pytest.raises(ValueError, match="grammar_compile_timeout"):
