@@ -1,10 +1,10 @@
 """The CPU backend: paged attention that reads K/V blocks in place (no per-layer gather), in C++.
 
 `csrc/paged_attention_cpu.cpp` is built from source on first use with `torch.utils.cpp_extension`
-(g++, -O3 -march=native: this machine's vector units) and cached on disk (TORCH_EXTENSIONS_DIR,
-default ~/.cache/torch_extensions) under a name that carries the source's hash and the CPU's flags, so
-a later process loads it in about a second. Never a downloaded binary. If it does not build (no
-compiler), `available` says why and "auto" keeps the torch backend.
+(g++, -O3 -march=native: this machine's vector units) and cached on disk (`extension.py`: under
+TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions, named by a hash of the source, the CPU's flags,
+torch and Python), so a later process imports it in milliseconds. Never a downloaded binary. If it
+does not build (no compiler), `available` says why and "auto" keeps the torch backend.
 
 Each work item is (sub-request, tile of up to ROWS query rows, KV head); per query row and head the
 arithmetic is fixed (scores over one block of the pool, online softmax over blocks in ascending order,
@@ -14,7 +14,6 @@ float32 accumulation), so a row's result does not depend on the rest of the batc
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import torch
 
 from .batch import PagedBatch
 from .cpu_features import CpuFeatures
+from .extension import load_or_build
 
 logger = logging.getLogger(__name__)
 
@@ -34,11 +34,8 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def _build():
     """(module, None) once built or loaded from the cache, else (None, why)."""
     try:
-        from torch.utils.cpp_extension import load
-        f = CpuFeatures.detect()
-        tag = hashlib.sha256(SOURCE.read_bytes() + repr(f).encode()).hexdigest()[:12]
-        module = load(name=f"stateful_hf_paged_attention_{tag}", sources=[str(SOURCE)],
-                      extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+        module = load_or_build("stateful_hf_paged_attention", [SOURCE], cflags=["-O3", "-march=native", "-fopenmp"],
+                               ldflags=["-fopenmp"], key=repr(CpuFeatures.detect()))
         return module, None
     except Exception as e:                                      # noqa: BLE001 - any build failure: not available
         why = f"the C++ kernel did not build: {type(e).__name__}: {str(e).strip().splitlines()[-1][:200]}"
