@@ -12,7 +12,7 @@ from .fingerprint import model_fingerprint
 from .hidden_profile import measure_hidden_costs
 from .integration import enable
 from .kernels import select_backend
-from .options import HiddenStates, SessionStoreKwargs, SessionStoreOptions, StoreOptions, TokensOrSize, Unpack
+from .options import HiddenStates, Layout, SessionStoreKwargs, SessionStoreOptions, StoreOptions, TokensOrSize, Unpack
 from .profile import measure_cost_profile
 from .projector import kv_projector
 from .stateful_cache import StatefulCache
@@ -38,9 +38,12 @@ class SessionStore(KVStore):
                       device=param.device, block_size=o.chunk_size, windows=adapter.layer_windows)
         if o.batch_invariant:
             check_invariant(adapter, spec)
+        off = "batch_invariant=False" if o.batch_invariant is False else None if o.batch_invariant else \
+            invariant_off(adapter, spec, o)
+        if off is None:
             from .invariance import pack_weights
             pack_weights(model)
-        attn_backend = select_backend("cpu" if o.batch_invariant else o.attn_backend, spec.device, spec.dtype,
+        attn_backend = select_backend("cpu" if off is None else o.attn_backend, spec.device, spec.dtype,
                                       spec.head_dim, spec.block_size, layerwise_kv=o.layerwise_kv, layout=o.layout).name
         policy = DEFAULT_POLICY if o.policy is None else o.policy
         if isinstance(policy, str) and policy in POLICY_NAMES:
@@ -77,12 +80,32 @@ class SessionStore(KVStore):
         self.model = model
         self.adapter = adapter
         # the split of batch_invariant() every forward of this store's turns runs under; None: not invariant
-        self.invariant_split: int | None = o.chunk_size if o.batch_invariant else None
+        self.invariant_split: int | None = o.chunk_size if off is None else None
+        self.invariant_off: str | None = off      # why the store is not batch-invariant; None: it is
 
     def cache(self, session_id: str) -> StatefulCache:
         """A transformers Cache over the session (created empty if new), for generate/forward."""
         self.open(session_id)
         return StatefulCache(self, session_id)
+
+
+def invariant_off(adapter, spec: KVSpec, o: SessionStoreOptions) -> str | None:
+    """batch_invariant=None: why this store is not batch-invariant (it is then off), None: it is."""
+    if spec.dtype not in (torch.bfloat16, torch.float16):
+        return f"{str(spec.dtype).removeprefix('torch.')}: stock kernels already give stateless generate's tokens " \
+               "(on by default in bfloat16 and float16; batch_invariant=True for bitwise logits)"
+    try:
+        check_invariant(adapter, spec)
+    except ValueError as e:
+        return str(e)
+    if o.layerwise_kv or o.layout is not Layout.PAGED or o.attn_backend not in ("auto", "cpu"):
+        return f"layout={o.layout.value!r}, layerwise_kv={o.layerwise_kv}, attn_backend={o.attn_backend!r}: " \
+               "batch invariance needs the 'cpu' attention kernel over a paged pool"
+    try:
+        select_backend("cpu", spec.device, spec.dtype, spec.head_dim, spec.block_size)
+    except (ValueError, RuntimeError) as e:
+        return f"the 'cpu' attention kernel cannot serve this store: {e}"
+    return None
 
 
 def check_invariant(adapter, spec: KVSpec) -> None:

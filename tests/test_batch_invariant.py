@@ -153,7 +153,8 @@ def test_engine_equals_generate_under_the_context_bitwise(dtype):
     second a returning turn that reuses the session's KV): tokens and log-probabilities bitwise equal to
     stateless generate under the context."""
     model, oracle = tiny_llama("llama").to(dtype), tiny_llama("llama").to(dtype)
-    engine = Engine(model, device_capacity=2048, max_batch_tokens=40, batch_invariant=True)
+    on = {} if dtype is torch.bfloat16 else {"batch_invariant": True}       # bf16: the default
+    engine = Engine(model, device_capacity=2048, max_batch_tokens=40, **on)
     assert engine.store.attn_backend == "cpu" and engine.runner.packed is None
     sessions = {f"s{i}": p for i, p in enumerate(prompts(6))}
     for turn in range(2):
@@ -274,7 +275,7 @@ def test_negative_control_without_the_context_logprobs_differ():
     """The same engine-vs-generate comparison, off: the engine's stock steps and plain generate disagree
     in the last bits of some log-probability (so the bitwise tests above can fail)."""
     model, oracle = tiny_llama("llama").to(torch.bfloat16), tiny_llama("llama").to(torch.bfloat16)
-    engine = Engine(model, device_capacity=2048, max_batch_tokens=40)
+    engine = Engine(model, device_capacity=2048, max_batch_tokens=40, batch_invariant=False)
     got = engine_run(engine, {f"s{i}": p for i, p in enumerate(prompts(6))})
     differs = 0
     for i, ids in enumerate(prompts(6)):
@@ -284,6 +285,27 @@ def test_negative_control_without_the_context_logprobs_differ():
         lps = [float(torch.log_softmax(s.float(), dim=-1)[0, t]) for s, t in zip(out.logits, got[f"s{i}"][0])]
         differs += lps != got[f"s{i}"][1]
     assert differs
+
+
+def test_on_by_default_in_bf16_wherever_it_can_be_kept_and_off_with_the_reason_elsewhere():
+    def bf16(model=None):
+        return (model or tiny_llama()).to(torch.bfloat16)
+
+    on = stateful_hf.SessionStore(bf16(), 256)
+    assert on.invariant_split == on.options.chunk_size and on.invariant_off is None
+    assert on.config.attn_backend == "cpu"
+    off = {
+        "float32": stateful_hf.SessionStore(tiny_llama(), 256),
+        "sliding windows or attention softcaps": stateful_hf.SessionStore(bf16(tiny_gemma2()), 256),
+        "attn_backend='torch'": stateful_hf.SessionStore(bf16(), 256, attn_backend="torch"),
+        "layout='virtual'": stateful_hf.SessionStore(bf16(), 256, layout="virtual", max_context=256),
+        "batch_invariant=False": stateful_hf.SessionStore(bf16(), 256, batch_invariant=False),
+    }
+    for why, store in off.items():
+        assert store.invariant_split is None and why in store.invariant_off, (why, store.invariant_off)
+    packed = Engine(bf16(), device_capacity=256, prepack_weights="on")   # the engine's own GEMMs
+    assert packed.store.invariant_split is None and packed.store.invariant_off == "batch_invariant=False"
+    assert stateful_hf.SessionStore(tiny_llama(), 256, batch_invariant=True).invariant_off is None
 
 
 def test_a_thread_outside_the_context_gets_the_stock_kernels():
@@ -340,7 +362,7 @@ def test_refused_where_it_cannot_be_kept():
         stateful_hf.SessionStore(tiny_llama(), 256, batch_invariant=True, attn_backend="torch")
     with pytest.raises(ValueError, match="layerwise_kv"):
         stateful_hf.SessionStore(tiny_llama(), 256, batch_invariant=True, layerwise_kv=True, host_capacity=256)
-    with pytest.raises(ValueError, match="batch_invariant must be True or False"):
+    with pytest.raises(ValueError, match="batch_invariant must be True, False or None"):
         stateful_hf.SessionStore(tiny_llama(), 256, batch_invariant="yes")
     with pytest.raises(ValueError, match="prepack_weights='on' with a batch_invariant store"):
         Engine(tiny_llama(), device_capacity=256, batch_invariant=True, prepack_weights="on")

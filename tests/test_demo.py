@@ -38,7 +38,8 @@ def demo_url(tmp_path_factory):
     log = tmp_path_factory.mktemp("demo") / "demo.log"
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "demo", "--host", "127.0.0.1", "--port", str(port),
-                                 "--max-new-tokens", str(MAX_NEW), "--backend", "torch", "--model", "tiny-random"],
+                                 "--max-new-tokens", str(MAX_NEW), "--backend", "torch", "--model", "tiny-random",
+                                 "--dtype", "float32"],
                                 cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}/"
     try:

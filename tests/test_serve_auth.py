@@ -93,7 +93,7 @@ def test_sighup_reloads_keys_in_a_running_server(tmp_path):
     url = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "server.log", "w")  # noqa: SIM115 - closed in the finally below
     proc = subprocess.Popen([sys.executable, "-m", "stateful_hf.serve", "--model", "tiny-random", "--port", str(port),
-                             "--api-keys-file", str(keys), "--default-max-tokens", "8"],
+                             "--api-keys-file", str(keys), "--default-max-tokens", "8", "--dtype", "float32"],
                             stdout=log, stderr=subprocess.STDOUT, env=_env())
     try:
         wait_healthy(proc, url, tmp_path / "server.log")

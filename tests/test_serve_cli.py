@@ -179,7 +179,7 @@ def test_load_chat_template_is_the_one_loader(tmp_path):
     assert rendered == "<|user|>Hi\n<|assistant|>"
 
 
-def test_dtype_names_are_vllms_and_the_default_is_float32():
+def test_dtype_names_are_vllms_and_the_default_is_auto():
     for names, torch_name in ((("float32", "fp32", "float", "FP32"), "float32"), (("bfloat16", "bf16"), "bfloat16"),
                               (("float16", "fp16", "half"), "float16"), (("auto", "AUTO"), "auto")):
         assert {flags.dtype(n) for n in names} == {torch_name}
@@ -189,8 +189,10 @@ def test_dtype_names_are_vllms_and_the_default_is_float32():
     sys.path.insert(0, str(ROOT))
     from demo.app import parser as demo_parser
     from stateful_hf.serve.__main__ import parser as server_parser
-    for p in (server_parser(), demo_parser()):       # float32 until batch invariance lands, then auto
-        assert p.parse_args([]).dtype == "float32" and p.parse_args(["--dtype", "auto"]).dtype == "auto"
+    for p in (server_parser(), demo_parser()):       # auto since batch invariance is the default
+        assert p.parse_args([]).dtype == "auto" and p.parse_args(["--dtype", "float32"]).dtype == "float32"
+        assert p.parse_args([]).batch_invariant is None and p.parse_args(["--no-batch-invariant"]).batch_invariant \
+            is False
     assert flags.resolve_dtype("float32", "cpu") == ("float32", None)       # a named dtype: no start-up line
     from stateful_hf.dtypes import resolve_dtype
     chosen, reason = resolve_dtype("auto", "cpu")
@@ -201,7 +203,7 @@ def test_dtype_names_are_vllms_and_the_default_is_float32():
 def test_dtype_auto_parses_before_torch_is_imported():
     probe = subprocess.run([sys.executable, "-c", PROBE, "--dtype", "auto", "--help"], cwd=ROOT, capture_output=True,
                            text=True, timeout=60, env=_env())
-    assert "The default, float32, becomes auto with batch invariance" in " ".join(probe.stdout.split()), probe.stdout
+    assert "float16/fp16/half. Default: auto" in " ".join(probe.stdout.split()), probe.stdout
     assert probe.stdout.splitlines()[-1].split() == ["exit", "0", "False", "False"], probe.stdout + probe.stderr
 
 
@@ -239,7 +241,7 @@ def test_the_demo_shares_the_store_and_model_flags():
     assert flags.store_options(server_parser(), a) == {
         "device_capacity": "256MiB", "host_capacity": None, "disk_dir": None, "disk_capacity": None, "chunk_size": 32,
         "attn_backend": "torch", "policy": "lru", "hidden_states": "always", "hidden_capacity": "2GiB",
-        "max_sessions": None, "session_ttl": None, "max_retain": 600.0, "batch_invariant": False}
+        "max_sessions": None, "session_ttl": None, "max_retain": 600.0, "batch_invariant": None}
 
 
 # ---- a real server ----------------------------------------------------------------------------------

@@ -43,7 +43,8 @@ def server_process(tmp_path_factory):
     port = _free_port()
     log = open(tmp_path_factory.mktemp("serve") / "server.log", "w+")  # noqa: SIM115 - a file: a full pipe blocks
     proc = subprocess.Popen([sys.executable, "-m", "stateful_hf.serve", "--port", str(port), "--max-batch-tokens",
-                             "1024", "--model", "tiny-random"], stdout=log, stderr=subprocess.STDOUT, text=True)
+                             "1024", "--model", "tiny-random", "--dtype", "float32"], stdout=log,
+                            stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 90
     while True:

@@ -12,7 +12,15 @@ import torch
 
 from ..cache import SessionBusyError, UnknownSessionError
 from ..integration import check_input_ids
-from ..options import EngineConfig, EngineKwargs, GenerationConfigMode, OnBusy, Unpack, split_engine_options
+from ..options import (
+    EngineConfig,
+    EngineKwargs,
+    GenerationConfigMode,
+    OnBusy,
+    PrepackWeights,
+    Unpack,
+    split_engine_options,
+)
 from ..session_store import SessionStore
 from . import frontends
 from .admission import refusal
@@ -50,6 +58,8 @@ class Engine:
         if c.min_kept_layers is not None and not layerwise_kv:
             raise ValueError("min_kept_layers needs layerwise_kv=True")
         if store is None:
+            if c.prepack_weights is PrepackWeights.ON:      # the engine's packed GEMMs: not the invariant ones
+                store_options.setdefault("batch_invariant", False)
             store = SessionStore(model, store_options.pop("device_capacity", "1GiB"), **store_options)
         else:
             given = sorted(set(store_options) - {"layerwise_kv"})

@@ -131,17 +131,22 @@ class SessionStoreOptions(StoreOptions):
                                          "fastest restore whatever the size")
     hidden_costs: Any = option(None, "HCache: the per-layer costs the planner splits by (a HiddenCosts); None: "
                                "measured on the model")
-    batch_invariant: bool = option(
-        False, "every forward of the store's turns and steps runs under stateful_hf.batch_invariant(split="
+    batch_invariant: bool | None = option(
+        None, "every forward of the store's turns and steps runs under stateful_hf.batch_invariant(split="
         "chunk_size): K/V and logits bitwise equal to stateless generate under that context, whatever the batch, "
-        "chunking, tier or threads (the CPU, the 'cpu' attention kernel; docs/cpu.md#batch-invariance)", flag=True)
+        "chunking, tier or threads (the CPU, the 'cpu' attention kernel; docs/cpu.md#batch-invariance); None: on "
+        "for a bfloat16 or float16 model wherever the store can keep it, else off (SessionStore.invariant_off "
+        "says why); True: on in any dtype, or a ValueError saying why not", flag=True,
+        cli="batch invariance (docs/cpu.md#batch-invariance); default: on for bf16 and fp16 wherever the store "
+        "can keep it (the CPU, full causal attention, a paged layout), off elsewhere and in float32")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_int("chunk_size", self.chunk_size, 1)
         check_int("hidden_layers", self.hidden_layers, 0, none="planned")
-        if not isinstance(self.batch_invariant, bool):
-            raise ValueError(f"batch_invariant must be True or False, got {self.batch_invariant!r}")
+        if self.batch_invariant is not None and not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"batch_invariant must be True, False or None (on where supported), got "
+                             f"{self.batch_invariant!r}")
         if self.batch_invariant and (self.layerwise_kv or self.layout is not Layout.PAGED):
             raise ValueError("batch_invariant=True needs layout='paged' and no layerwise_kv (the 'cpu' attention "
                              "kernel reads the paged pool)")
@@ -204,7 +209,7 @@ class SessionStoreKwargs(StoreKwargs, total=False):
     hidden_layers: int | None
     hidden_budget: float | None
     hidden_costs: Any               # a HiddenCosts
-    batch_invariant: bool
+    batch_invariant: bool | None
 
 
 class KVStoreKwargs(StoreKwargs, total=False):

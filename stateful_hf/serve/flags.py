@@ -30,8 +30,8 @@ from ..dtypes import NAMES as DTYPES  # vLLM's --dtype names -> torch's (no torc
 from ..options import SchedulingOptions, SessionStoreOptions
 from . import chat_template
 
-# `--dtype`'s default: float32 until batch invariance lands, then auto (issue 37; docs/server-api.md)
-DEFAULT_DTYPE = "float32"
+# `--dtype`'s default: bf16 where the device has bf16 units, float32 elsewhere (docs/server-api.md)
+DEFAULT_DTYPE = "auto"
 DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")     # `name` or `org/name`
@@ -109,7 +109,7 @@ def add_model_flags(p: argparse.ArgumentParser, default_model: str, named: str) 
                    help="dtype of the model and its KV: float32/fp32/float; auto (bfloat16 on a CPU with bf16 "
                    "units, AMX-BF16 or AVX512-BF16, or on a CUDA GPU with native bf16; float32 elsewhere; said at "
                    "start); bfloat16/bf16 (on a CPU without bf16 units: emulated, slower than float32, a warning); "
-                   f"float16/fp16/half. The default, {DEFAULT_DTYPE}, becomes auto with batch invariance")
+                   f"float16/fp16/half. Default: {DEFAULT_DTYPE}")
     p.add_argument("--device", type=device, default="cpu", help="torch device of the model and the device KV tier")
     p.add_argument("--chat-template", metavar="PATH",
                    help="a Jinja chat template file that replaces the tokenizer's")
