@@ -1,15 +1,13 @@
 """The KV store: the facade over the store's parts; the one place session KV state changes.
 
-Contract: every public method takes the store lock; chunk states, slot ownership and token ids change only inside
-it, through the parts. A method that raises leaves every session's token ids as they were and the invariants of
-`check_integrity()` intact: every slot of every tier is free or owned by exactly one chunk (device blocks: by a
-DEVICE chunk, as the cached `shadow` of one HOST/HIDDEN chunk, or split by residue among LAYERED chunks). After each
-method that may change what is on disk, the facade syncs the disk index (`_sync_disk`: `DiskState.sync`, which never
-raises; a store without a disk tier has no disk state and skips it).
+Contract: every public method takes the store lock; chunk states, slot ownership and token ids change only inside it,
+through the parts. A method that raises leaves every session's token ids as they were and the invariants of
+`check_integrity()` intact: every slot of every tier is free or owned by exactly one chunk (device blocks: by a DEVICE
+chunk, as a HOST/HIDDEN chunk's cached `shadow`, or split by residue among LAYERED chunks). After each method that may
+change what is on disk, the facade syncs the disk index (`_sync_disk`: `DiskState.sync`, which never raises).
 
 The parts are built by `store_parts.assemble`, each with its collaborators; docs/store.md says what each owns and
-mutates. A method whose contract is longer than its docstring names the part's method that holds it.
-"""
+mutates. A method whose contract is longer than its docstring names the part's method that holds it."""
 
 from __future__ import annotations
 
@@ -120,8 +118,7 @@ class KVStore:
     def acquire(self, session_id: str) -> None:
         """Lease the session for one turn: it becomes busy (SessionBusyError if leased). End with `release`."""
         with self.lock:
-            _, gap = self.sessions.acquire(session_id)
-            if gap is not None:      # a conversation with history is back: the policy sees the gap
+            if (gap := self.sessions.acquire(session_id)[1]) is not None:   # back with history: the policy sees it
                 self.placement.policy.observe_return(gap)
 
     def release(self, session_id: str) -> None:
@@ -187,8 +184,7 @@ class KVStore:
     def num_tokens(self, session_id: str) -> int:
         """Tokens of the session's history; 0 for an unknown session."""
         with self.lock:
-            s = self.sessions.find(session_id)
-            return 0 if s is None else s.num_tokens
+            return getattr(self.sessions.find(session_id), "num_tokens", 0)
 
     def token_ids(self, session_id: str) -> list[int]:
         """A copy of the session's history."""
@@ -201,14 +197,19 @@ class KVStore:
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < float("inf"):
             raise ValueError(f"expected within seconds must be a number >= 0, got {seconds!r}")
         with self.lock:
-            s = self.sessions.get(session_id)
-            self.sessions.expect(s, self.sessions.clock() + min(seconds, self.config.max_retain))
+            at = self.sessions.clock() + min(seconds, self.config.max_retain)
+            self.sessions.expect(self.sessions.get(session_id), at)
+
+    def due(self, within: float) -> tuple[list[str], float]:
+        """Idle sessions whose expected turn (`expect`) comes within `within` seconds, each expectation once,
+        soonest first; and the clock time of the next expectation still pending (inf: none)."""
+        with self.lock:
+            return self.sessions.due(self.sessions.clock() + within), self.sessions.expectations.soonest()
 
     def is_busy(self, session_id: str) -> bool:
         """Whether a turn holds the session's lease (False for an unknown session)."""
         with self.lock:
-            s = self.sessions.find(session_id)
-            return s is not None and s.busy
+            return getattr(self.sessions.find(session_id), "busy", False)
 
     def places(self, session_id: str) -> tuple[Place, ...]:
         """Where each chunk of the session is (`chunk_needs.Place`)."""
@@ -303,8 +304,7 @@ class KVStore:
     def offload_layers(self, session_id: str, full: bool = False) -> int:
         """LayerKV's push-down for a running request; device blocks freed (0 without layerwise_kv)."""
         with self.lock:
-            s = self.sessions.get(session_id)
-            return 0 if self.layered is None else self.layered.offload(s, full)
+            return 0 if self.layered is None else self.layered.offload(self.sessions.get(session_id), full)
 
     # ---- movement (relocation.py, placement.py) and capacity (tier_pools.py) ------------------------
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .errors import SessionBusyError, UnknownSessionError
+from .expectations import Expectations
 from .stats import TurnStats
 from .tenant import tenant_of
 
@@ -185,6 +186,7 @@ class SessionTable:
         self._tenants: Counter[str] = Counter()     # sessions per tenant
         self._counts = usage                   # `tier_index.TierUsage`: tokens per (tier, tenant)
         self.on_change: Callable[[Iterable[str]], None] = lambda ids: None   # marked, removed: the disk index's
+        self.expectations = Expectations()     # (expected_at, id) of each expectation set: `due`
 
     def get(self, session_id: str) -> Session:
         """The session; UnknownSessionError if there is none."""
@@ -380,7 +382,18 @@ class SessionTable:
     def expect(self, s: Session, at: float) -> None:
         """The session's next turn is expected by clock time `at` (`Session.next_use`). Mutates: `expected_at`."""
         s.expected_at = at
+        self.expectations.push(at, s.session_id)
         self.mark(s.session_id)
+
+    def due(self, until: float) -> list[str]:
+        """Idle sessions whose expected turn comes by `until`, each expectation once, soonest first.
+        Mutates: `expectations`."""
+        out = []
+        for at, sid in self.expectations.pop_due(until):
+            s = self._sessions.get(sid)
+            if s is not None and s.expected_at == at and not s.busy and s.last_active < at:
+                out.append(sid)
+        return out
 
     def touch(self, s: Session, now: float) -> None:
         """The session was active at `now` (a step committed). Mutates: `last_active`."""

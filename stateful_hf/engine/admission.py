@@ -58,7 +58,7 @@ class Admission:
                  fail: Callable[[Request, CapacityError], int]):
         self.store, self.layered, self.running, self._fail = store, layered, running, fail
 
-    def ask(self, r: Request, pass_: int) -> ValueError | None:
+    def ask(self, r: Request, pass_: tuple[int, int]) -> ValueError | None:
         """Ask the store what admitting the WAITING `r` would take (`r.needs`). A cache_salt other than
         the session's leaves `r.needs` None and is returned (admission fails `r` with it)."""
         r.needs_pass = pass_
@@ -69,8 +69,8 @@ class Admission:
             return e
         return None
 
-    def admit(self, r: Request, budget: int, avail: int, reserve: int, first: bool, pass_: int, slots: int | None,
-              committed: int = 0, host_avail: int = 0) -> Verdict:
+    def admit(self, r: Request, budget: int, avail: int, reserve: int, first: bool, pass_: tuple[int, int],
+              slots: int | None, committed: int = 0, host_avail: int = 0) -> Verdict:
         """Admit `r` if its first work item fits (`first`: nothing else is in this step yet; `slots`:
         virtual layout, device slots left in this pass). With layer-wise allocation the whole prompt
         is weighed against the blocks not `committed` to running prefills: all layers if it fits, else
@@ -119,7 +119,7 @@ class Admission:
             except SessionBusyError:
                 return Verdict(skip=True)
             except StoreError:         # the session changed since `turn_needs` (another caller): ask again
-                r.needs_pass = -1
+                r.needs_pass = None
                 return Verdict(skip=True)
             r.leased = True
             r.truncated, r.reused = turn.truncated_tokens, turn.reused_tokens

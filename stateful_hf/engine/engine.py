@@ -36,6 +36,7 @@ from .slo import SloPolicy
 from .stepper import RequestRegistry, StepLoop, Stepper, ThrowawaySessions
 from .text import OutputText
 from .thread_sizing import ThreadSizer
+from .warmup import WarmUps
 
 
 class Engine:
@@ -92,12 +93,15 @@ class Engine:
                              release_thread_pool if c.release_openmp_pool else None,
                              self.thread_sizer.claim if self.thread_sizer is not None else None,
                              self._await_next_turns if c.arrival_window > 0 else None,
-                             on_wake=self._gather_burst if c.arrival_window > 0 else None)
+                             on_wake=self._gather_burst if c.arrival_window > 0 else None,
+                             wake_in=lambda: self.warmups.wake_in())
         self.throwaway = ThrowawaySessions(self.store, self.loop.cv)
         self.requests = RequestRegistry(self.loop, self.throwaway.forget)
+        self.warmups = WarmUps(self.store, self.requests, c.warm_ahead)
         self.stepper = Stepper(self.scheduler, self.runner, self.requests, self.eos, self.slo, self.ttft_slo,
                                self.tpot_slo, c.keep_step_records,
-                               self.thread_sizer.fit if self.thread_sizer is not None else None)
+                               self.thread_sizer.fit if self.thread_sizer is not None else None,
+                               before_step=lambda: self._warm_due() and self.warmups.submit_due())
         self.steps = self.stepper.records          # the last `keep_step_records` StepRecords
         self.chats = Conversations(self.submit, self.requests.when_finished, tokenizer)
         self.hints = Prefetcher(self)
@@ -162,8 +166,11 @@ class Engine:
         if never is not None:
             return self.requests.reject(handle, r, never, self.stepper.output)
 
+        # a warm-up of the session ends; this turn goes next
+        warming = session_id in self.warmups.in_flight and self.warmups.yield_to(session_id)
+
         def refuse(active_here: bool) -> bool:
-            return self.on_busy is OnBusy.REFUSE and (active_here or self.store.is_busy(session_id))
+            return self.on_busy is OnBusy.REFUSE and not warming and (active_here or self.store.is_busy(session_id))
 
         if not self.requests.add(r, handle, refuse):
             return self.requests.reject(handle, r, SessionBusyError(session_id), self.stepper.output)
@@ -178,7 +185,12 @@ class Engine:
     # ---- stepping -------------------------------------------------------------------------------
 
     def has_work(self) -> bool:
-        return self.requests.has_inbox() or self.scheduler.has_work()
+        return self.requests.has_inbox() or self.scheduler.has_work() or self._warm_due()
+
+    def _warm_due(self) -> bool:
+        """Whether a warm-up may be due (`warmup.py`); attribute reads, so a step without one runs nothing there."""
+        w = self.warmups
+        return w.ahead is not None and self.store.clock() + w.ahead >= w.next_at
 
     def step(self) -> StepRecord | None:
         """Run one engine iteration (admit, schedule, forward, sample, publish; `stepper.py`). Returns what ran."""
@@ -249,7 +261,18 @@ class Engine:
         if expected_arrival is not None:
             with contextlib.suppress(UnknownSessionError):   # the hint says "unknown session"
                 self.store.expect(session_id, expected_arrival)
+                self.warmups.expected(self.store.clock() + expected_arrival)
+                with self.loop.cv:
+                    self.loop.notify()             # an idle loop looks again when a warm-up comes due
         return h
+
+    def warm(self, session_id: str) -> RequestHandle | None:
+        """Bring the session's stored KV up to the device now: a warm-up turn (`warmup.py`) that copies
+        its lower-tier chunks up and recomputes dropped ones, batched with other work at the lowest
+        priority, and adds no tokens; a turn submitted for the session meanwhile ends it. The engine
+        does this by itself `warm_ahead` seconds before an expected turn (`hint(expected_arrival=)`,
+        `KVStore.expect`). None if there is nothing to bring up or the session is busy or unknown."""
+        return self.warmups.warm(session_id)
 
     # ---- front-ends (frontends.py) --------------------------------------------------------------
 

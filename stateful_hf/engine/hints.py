@@ -12,8 +12,9 @@ Rules that keep a hint harmless:
   SessionBusyError and the request's own step copies up the rest), when cancelled, or when the
   session is gone or changed under it. Each `store.move` is atomic under the store lock, so a
   request never sees a half-moved chunk; it sees some chunks already up, the rest still below.
-- Dropped chunks (only token ids remain) are not recomputed by a hint: the turn recomputes them
-  in its first step, batched with other work.
+- Dropped chunks (only token ids remain) are not recomputed by the prefetch: the turn recomputes them
+  in its first step, batched with other work, or, for a hint with `expected_arrival`, the engine's
+  warm-up does, `warm_ahead` seconds before that time (`warmup.py`).
 """
 
 from __future__ import annotations

@@ -91,7 +91,7 @@ class Request:
     # The store's latest answer for this turn (`TurnNeeds`): when queued, what admitting it would take;
     # once running, its continuing turn after each committed step (keep = the session's history).
     needs: TurnNeeds | None = None
-    needs_pass: int = -1                                  # the scheduler pass `needs` was asked in (queued)
+    needs_pass: tuple[int, int] | None = None             # (scheduler pass, its store epoch) `needs` was asked for
     finish_reason: str | None = None
     error: BaseException | None = None
     cancel_requested: bool = False
@@ -115,6 +115,9 @@ class Request:
     # Structured output: the matcher of the request's grammar (`grammar.Grammar`, set by `Engine.submit`
     # when sampling has a constraint), advanced by each emitted token. None: free decoding.
     grammar: object | None = None
+    # A warm-up (`warmup.py`): its prompt is the session's own history; it brings that history's KV up,
+    # discards its one sampled token and yields to any turn of the session.
+    warmup: bool = False
 
     @property
     def length(self) -> int:

@@ -73,6 +73,7 @@ class Scheduler:
         self.finished: list[Request] = []   # ended since the engine last drained them
         self.room: Room | None = None       # the store's room as the last commit or end left it; None: ask
         self.passes = 0                     # schedule() calls so far
+        self.epoch = 0                      # store changes this scheduler made that can move idle sessions' chunks
         # the layer-wise part (layer_offload.py); it reads `running`, which is never rebound
         self.layered = LayerwiseScheduling(store, layerwise, config, slo, self.running) \
             if layerwise is not None else None
@@ -81,7 +82,7 @@ class Scheduler:
     # ---- queue ----------------------------------------------------------------------------------
 
     def add(self, r: Request) -> None:
-        self.admission.ask(r, self.passes + 1)   # the coming pass admits with this answer
+        self.admission.ask(r, (self.passes + 1, self.epoch))   # the coming pass admits with it, unless the store moves
         r.short = self._is_short(r)
         self._queue(r)
 
@@ -112,6 +113,7 @@ class Scheduler:
         if r.leased:
             room = self.store.end(r.session_id, len(r.output_ids))    # the rest of last_turn: the store's
             r.leased = False
+            self.epoch += 1            # the release may have moved idle sessions' chunks (ahead-of-time swap-out)
         if r in self.waiting:
             self._unqueue(r)
         elif r in self.running:
@@ -164,6 +166,10 @@ class Scheduler:
     def schedule(self) -> list[WorkItem]:
         self.passes += 1
         self.reap_cancelled()
+        if self.waiting and not self.waiting[0].warmup:     # a turn is queued: running warm-ups yield their blocks
+            for q in [q for q in self.running if q.warmup]:
+                self.finish(q, RequestStatus.CANCELLED, "yielded")
+                self.room = None
         budget, bs = self.config.max_batch_tokens, self.store.block_size
         reserve = math.ceil(self.config.reserve_fraction * self.store.device_pool.num_blocks)
         room, self.room = self.room or self.store.room(), None      # consumed: a commit or end leaves the next
@@ -233,11 +239,15 @@ class Scheduler:
                 break
             if self._queued[r.session_id][0] is not r:   # one session's turns run in submit order, short or not
                 continue
+            stale = r.warmup and self.store.num_tokens(r.session_id) != len(r.prompt)
+            if r.warmup and (stale or len(self._queued[r.session_id]) > 1):   # a turn came, or the session changed
+                self.finish(r, RequestStatus.CANCELLED, "superseded")
+                continue
             cost = self.slo.prefill_seconds(r.prefill_rows()) if allowance < math.inf else 0.0
             if cost > allowance:       # would push a decode past its TPOT SLO: defer, FCFS
                 self.slo.deferred += 1
                 break
-            verdict = self.admission.admit(r, budget, avail, reserve, first=not items, pass_=self.passes,
+            verdict = self.admission.admit(r, budget, avail, reserve, first=not items, pass_=(self.passes, self.epoch),
                                            slots=slots, committed=committed,
                                            host_avail=self._host_left(host_taken) - host_committed)
             avail += verdict.released  # blocks a request failed in admission gave back
@@ -265,6 +275,7 @@ class Scheduler:
     def _suspend(self, r: Request) -> int:
         """Move a running request's KV down (for now: evict it) and requeue it. Returns blocks freed."""
         freed = self.store.evict(r.session_id)
+        self.epoch += 1                # moving it down may have dropped idle sessions' host chunks
         self.running.remove(r)
         r.status = RequestStatus.SUSPENDED
         r.suspensions += 1
@@ -301,6 +312,9 @@ class Scheduler:
             if not item.needs_logits:
                 continue
             t = next(sampled)
+            if r.warmup:               # the history's KV is up: its sampled token is not part of the session
+                self.room = self.finish(r, RequestStatus.FINISHED, "warmup") or self.room
+                continue
             r.output_ids.append(t)
             r.first_token_at = r.first_token_at or now
             p = r.sampling
@@ -318,9 +332,9 @@ class Scheduler:
         self.room = None
 
 
-def _order(r: Request) -> tuple[float, int]:
-    return r.arrival, r.request_id
+def _order(r: Request) -> tuple[bool, float, int]:
+    return r.warmup, r.arrival, r.request_id         # warm-ups last: in the budget, first to be suspended
 
 
-def _admit_order(r: Request) -> tuple[bool, float, int]:
-    return not r.short, r.arrival, r.request_id
+def _admit_order(r: Request) -> tuple[bool, bool, float, int]:
+    return r.warmup, not r.short, r.arrival, r.request_id

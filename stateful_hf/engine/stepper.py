@@ -36,7 +36,8 @@ after every step) and the loop thread. Collaborators, passed in: `step()` runs o
 `on_thread()` runs first on the loop thread (it claims the thread's team sizing, `thread_sizing.py`),
 and `after_step()` after each step (the engine's arrival window: it may wait on `cv` for submissions);
 `on_wake()` runs on the loop thread when work came while it was idle, before that step (the
-engine's burst window: it may wait on `cv` for more submissions).
+engine's burst window: it may wait on `cv` for more submissions); `wake_in()` says in how many seconds
+the idle loop looks again without a notify (a warm-up coming due, `warmup.py`; None: only when notified).
 Steps driven inline by a waiting thread run none of these hooks.
 """
 
@@ -61,8 +62,9 @@ from .slo import SloPolicy
 class Stepper:
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, requests: RequestRegistry,
                  eos: frozenset[int], slo: SloPolicy | None, ttft_slo: float | None, tpot_slo: float | None,
-                 keep_records: int, before_forward: Callable[[int], object] | None = None):
-        self.before_forward = before_forward
+                 keep_records: int, before_forward: Callable[[int], object] | None = None,
+                 before_step: Callable[[], object] | None = None):
+        self.before_forward, self.before_step = before_forward, before_step
         self.scheduler, self.runner, self.requests, self.eos = scheduler, runner, requests, eos
         self.slo, self.ttft_slo, self.tpot_slo = slo, ttft_slo, tpot_slo
         self.records: deque[StepRecord] = deque(maxlen=keep_records)
@@ -74,6 +76,8 @@ class Stepper:
     def step(self) -> StepRecord | None:
         """Run one engine iteration (admit, schedule, forward, sample, publish). Returns what ran."""
         with self.lock:
+            if self.before_step is not None:
+                self.before_step()
             inbox, cancels = self.requests.take_inbox()
             for r in inbox:
                 self.scheduler.add(r)
@@ -297,10 +301,11 @@ class StepLoop:
     def __init__(self, step: Callable[[], object], has_work: Callable[[], bool],
                  on_error: Callable[[Exception], None], before_start: Callable[[], object] | None = None,
                  on_thread: Callable[[], object] | None = None, after_step: Callable[[], object] | None = None,
-                 on_wake: Callable[[], object] | None = None, name: str = "stateful-hf-engine"):
+                 on_wake: Callable[[], object] | None = None, wake_in: Callable[[], float | None] = lambda: None,
+                 name: str = "stateful-hf-engine"):
         self.cv = threading.Condition()
         self._step, self._has_work, self._on_error, self._before_start = step, has_work, on_error, before_start
-        self._on_thread, self._after_step, self._on_wake = on_thread, after_step, on_wake
+        self._on_thread, self._after_step, self._on_wake, self._wake_in = on_thread, after_step, on_wake, wake_in
         self._name = name
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -355,11 +360,12 @@ class StepLoop:
         woke = True                         # a loop that starts was idle
         while True:
             with self.cv:
-                if not (self._stopping or self._has_work()):
-                    woke = True
-                    self.cv.wait_for(lambda: self._stopping or self._has_work())
                 if self._stopping:
                     return
+                if not self._has_work():       # wait for a notify or a warm-up's time, then look again
+                    woke = True
+                    self.cv.wait(timeout=self._wake_in())
+                    continue
             try:
                 if woke and self._on_wake is not None:
                     self._on_wake()

@@ -44,7 +44,8 @@ def _digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _intact(so: Path) -> bool:
+def intact(so: Path) -> bool:
+    """Whether the built module at `so` is whole: its digest file matches it."""
     digest = so.with_suffix(".sha256")
     return so.exists() and digest.exists() and digest.read_text() == _digest(so)
 
@@ -70,12 +71,12 @@ def load_or_build(name: str, sources: Sequence[Path], *, cflags: Sequence[str] =
     root = Path(root) if root is not None else default_root()
     full = versioned_name(name, sources, cflags, ldflags, key)
     so = root / f"{full}.so"
-    if _intact(so):
+    if intact(so):
         return _import(full, so)
     root.mkdir(parents=True, exist_ok=True)
     with open(root / f"{full}.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)          # released by the kernel if this process dies
-        if _intact(so):
+        if intact(so):
             return _import(full, so)              # another process built it while this one waited
         build = root / f"{full}.build"
         build.mkdir(exist_ok=True)

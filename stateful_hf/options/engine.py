@@ -63,6 +63,10 @@ class EngineConfig(SchedulingOptions):
     grammar_compile_timeout: float = option(
         5.0, "seconds a constrained request (SamplingParams.constraint) waits for its grammar to compile; "
         "longer fails the request (grammar.py); None: no limit")
+    warm_ahead: float | None = option(
+        0.25, "seconds before a session's expected turn (a hint's expected_arrival, X-Session-Retain) at which the "
+        "engine brings its KV up to the device: lower tiers copied up, dropped chunks recomputed, as a "
+        "lowest-priority warm-up that yields to any turn (warmup.py); None: never")
     prepack_weights: PrepackWeights = option(
         PrepackWeights.AUTO, "the steps multiply by MKL's (float32) or oneDNN's (bfloat16) packed copies of the "
         "linear weights, made once (extra memory about the weights' size): auto (where this CPU has a packed "
@@ -78,6 +82,7 @@ class EngineConfig(SchedulingOptions):
         check_int("keep_step_records", self.keep_step_records, 0)
         object.__setattr__(self, "ttft_slo", check_seconds("ttft_slo", self.ttft_slo))
         object.__setattr__(self, "tpot_slo", check_seconds("tpot_slo", self.tpot_slo))
+        object.__setattr__(self, "warm_ahead", check_seconds("warm_ahead", self.warm_ahead))
         object.__setattr__(self, "grammar_compile_timeout",
                            check_seconds("grammar_compile_timeout", self.grammar_compile_timeout))
         check_int("min_kept_layers", self.min_kept_layers, 0, none="derived")
@@ -104,6 +109,7 @@ class EngineConfigKwargs(TypedDict, total=False):
     generation_config: GenerationConfigMode | str
     grammar_compile_timeout: float
     prepack_weights: PrepackWeights | str
+    warm_ahead: float | None
 
 
 class EngineKwargs(EngineConfigKwargs, SessionStoreKwargs, total=False):
