@@ -256,7 +256,8 @@ class Engine:
         Returns at once with a `Hint` you may `cancel()` or `wait()` for. Harmless if no request
         follows: prefetched chunks stay evictable, and only free device blocks above the admission
         reserve are used (`hints.py`). With `expected_arrival` the store also ranks the session's KV as if
-        active then (`KVStore.expect`, clamped to `max_retain`): kept through a tool pause, never pinned."""
+        active then (`KVStore.expect`, clamped to `max_retain`): kept through a tool pause, never pinned;
+        and `warm_ahead` seconds before that time a warm-up brings the rest up, dropped chunks included (`warm`)."""
         h = self.hints.hint(session_id, expected_arrival, priority)     # checks expected_arrival
         if expected_arrival is not None:
             with contextlib.suppress(UnknownSessionError):   # the hint says "unknown session"
