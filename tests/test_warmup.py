@@ -160,3 +160,35 @@ def test_warm_ahead_option():
     assert not engine.has_work()
     engine.step()
     assert store.missing_positions("a")
+
+
+def test_a_queued_turn_survives_a_release_that_drops_its_history_in_the_same_pass():
+    """Found by the agent benchmark's warm-ups: a turn asks the store what it needs when it is queued; in the
+    same pass a release (here a cancelled turn's, whose ahead-of-time swap-out can drop idle host chunks:
+    injected) dropped that history. Admission asks again after such a change, so the turn recomputes it and
+    is exact, instead of failing with "chunk N is dropped"."""
+    model, oracle = tiny_llama(), tiny_llama()
+    engine = Engine(model, device_capacity=1024, chunk_size=16, host_capacity=1024, max_batch_tokens=64)
+    store = engine.store
+    history = _first_turn(engine, "a", 4)
+    store.move("a", range(len(store.places("a"))), "host")
+    other = engine.submit("b", list(range(3, 40)), SamplingParams(max_new_tokens=30))
+    engine.step()                                          # b holds its lease
+    end = store.end
+
+    def end_dropping_a(session_id, generated):
+        room = end(session_id, generated)
+        if session_id == "b":
+            store.move("a", range(len(store.places("a"))), "dropped")
+        return room
+
+    store.end = end_dropping_a
+    other.cancel()                                         # reaped at the next pass, after a's turn is queued
+    ids = history + [7, 8, 9, 10]
+    h = engine.submit("a", ids, SamplingParams(max_new_tokens=N))
+    _drain(engine)
+    out = h.result()
+    assert out.error is None and other.result().finish_reason == "cancelled"
+    assert list(out.token_ids) == greedy(oracle, torch.tensor([ids]), n=N)[0, len(ids):].tolist()
+    assert out.metrics.recomputed_tokens > 0               # the dropped history was recomputed, not read
+    store.check_integrity()
