@@ -15,8 +15,8 @@ Rules that keep it harmless:
   cancelled turn), and one whose session changed since it was submitted is dropped at admission;
 - it runs only for a session whose KV is not all on the device, and only once per expectation.
 
-Owns: the handle of each session's warm-up in flight, and `next_at` (the store clock time of the next
-expectation, as last asked: when the idle loop next looks).
+Owns: the handle of each session's warm-up in flight (dropped when it ends), and `next_at` (the store
+clock time of the next expectation, as last asked: when the idle loop next looks).
 """
 
 from __future__ import annotations
@@ -74,14 +74,18 @@ class WarmUps:
             return None
         with self._lock:
             self.in_flight[session_id] = handle
+        self.requests.when_finished(handle, lambda _: self._forget(session_id, handle))
         return handle
+
+    def _forget(self, session_id: str, handle: RequestHandle) -> None:
+        with self._lock:
+            if self.in_flight.get(session_id) is handle:
+                del self.in_flight[session_id]
 
     def yield_to(self, session_id: str) -> bool:
         """A turn was submitted for the session: cancel its warm-up in flight. Returns whether there was one."""
         with self._lock:
             h = self.in_flight.pop(session_id, None)
-            for sid in [s for s, x in self.in_flight.items() if x.done]:
-                del self.in_flight[sid]
         if h is None or h.done:
             return False
         h.cancel()
