@@ -32,8 +32,8 @@ import torch
 import stateful_hf
 from stateful_hf.cache import CostProfile
 from stateful_hf.cache.hidden.partition import HiddenCosts, HiddenPlan, min_hidden_layers, plan_layers
-from stateful_hf.hidden_profile import measure_hidden_costs
-from stateful_hf.integration import restore, run_step
+from stateful_hf.integration.hooks import restore, run_step
+from stateful_hf.profile.hidden import measure_hidden_costs
 
 from .models import llama_100m, n_params
 

@@ -34,7 +34,7 @@ import torch
 import transformers
 
 from stateful_hf import Engine, SamplingParams, SessionStore
-from stateful_hf.profile import measure_cost_profile
+from stateful_hf.profile.cost import measure_cost_profile
 
 ENGINES = ("base", "layerkv", "slo", "layerkv+slo")
 

@@ -26,7 +26,7 @@ import torch
 import stateful_hf
 from stateful_hf.cache import CostProfile
 from stateful_hf.cache.disk.file import identity_tags
-from stateful_hf.integration import restore, run_step
+from stateful_hf.integration.hooks import restore, run_step
 
 from .models import llama_100m, n_params
 

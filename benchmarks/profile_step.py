@@ -107,7 +107,7 @@ def read_bandwidth(nbytes: int = 256 << 20) -> float:
 def roofline(model, prompts, decode: int, max_batch_tokens: int, **engine_options) -> dict:
     """Σ step / Σ floor of the engine's steps on one thread, each step followed by its floor."""
     from stateful_hf import Engine, SamplingParams, SessionStore
-    from stateful_hf.adapter import decoder_layers
+    from stateful_hf.integration.adapter import decoder_layers
 
     store = SessionStore(model, len(prompts) * 1024, max_context=1024)
     engine = Engine(model, store=store, max_batch_tokens=max_batch_tokens, max_num_seqs=len(prompts),

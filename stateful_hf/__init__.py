@@ -12,15 +12,15 @@ from typing import TYPE_CHECKING
 from .lazy import lazy_exports
 
 if TYPE_CHECKING:   # the same names, for type checkers and IDEs
-    from .adapter import UnsupportedModelError
     from .cache import CapacityError, SessionBusyError, StoreError, UnknownSessionError
     from .engine import Engine, RequestOutput, SamplingParams
     from .engine.hints import Hint
-    from .integration import enable
-    from .invariance import batch_invariant
-    from .pipeline import StatefulTextGenerationPipeline, pipeline
-    from .session_store import SessionStore
-    from .stateful_cache import StatefulCache
+    from .integration.adapter import UnsupportedModelError
+    from .integration.hooks import enable
+    from .integration.pipeline import StatefulTextGenerationPipeline, pipeline
+    from .integration.session_store import SessionStore
+    from .integration.stateful_cache import StatefulCache
+    from .kernels.invariance import batch_invariant
 
 __all__ = [
     "CapacityError", "SessionBusyError", "SessionStore", "StatefulCache", "StoreError", "UnknownSessionError",
@@ -33,15 +33,15 @@ __version__ = "0.1.0"
 
 def _facade() -> dict:
     """The public names, imported (torch and transformers with them)."""
-    from .adapter import UnsupportedModelError
     from .cache import CapacityError, SessionBusyError, StoreError, UnknownSessionError
     from .engine import Engine, RequestOutput, SamplingParams
     from .engine.hints import Hint
-    from .integration import enable
-    from .invariance import batch_invariant
-    from .pipeline import StatefulTextGenerationPipeline, pipeline
-    from .session_store import SessionStore
-    from .stateful_cache import StatefulCache
+    from .integration.adapter import UnsupportedModelError
+    from .integration.hooks import enable
+    from .integration.pipeline import StatefulTextGenerationPipeline, pipeline
+    from .integration.session_store import SessionStore
+    from .integration.stateful_cache import StatefulCache
+    from .kernels.invariance import batch_invariant
     return {"batch_invariant": batch_invariant, "CapacityError": CapacityError,
             "SessionBusyError": SessionBusyError, "SessionStore": SessionStore,
             "StatefulCache": StatefulCache, "StoreError": StoreError, "UnknownSessionError": UnknownSessionError,

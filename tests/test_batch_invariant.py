@@ -1,4 +1,4 @@
-"""Batch invariance (stateful_hf/invariance.py, SessionStore(batch_invariant=True)): under
+"""Batch invariance (stateful_hf/kernels/invariance.py, SessionStore(batch_invariant=True)): under
 `stateful_hf.batch_invariant()` stateless `generate` is the oracle, and the engine's greedy tokens and
 log-probabilities equal it bitwise in bf16 and fp32 whatever the batch, chunking, tier or team size; a
 request's log-probabilities are bitwise the same alone and batched. Negative controls show the same
@@ -11,9 +11,9 @@ import torch
 
 import stateful_hf
 from stateful_hf import Engine, SamplingParams
-from stateful_hf.invariance import ROWS, active_split
 from stateful_hf.kernels.cpu_backend import available
 from stateful_hf.kernels.cpu_features import CpuFeatures
+from stateful_hf.kernels.invariance import ROWS, active_split
 from stateful_hf.testing import tiny_gemma2, tiny_llama
 
 pytestmark = pytest.mark.skipif(not available("cpu"), reason="the CPU attention kernel did not build")
@@ -87,7 +87,7 @@ def test_one_call_replaces_the_tiles_only_where_it_gives_their_bits(monkeypatch)
     tiles. A kernel that does not give them (negative control: float64 sums for any call that is not one
     tile) keeps the tiles. A bf16 parameter's sums are float32 (MKL_UPCAST here) and checked the same way;
     a stock bf16 GEMM is never checked (its rounding hides a different order)."""
-    from stateful_hf import invariance as inv
+    from stateful_hf.kernels import invariance as inv
 
     g = torch.Generator().manual_seed(1)
     w = torch.nn.Parameter(torch.randn(96, 64, generator=g), requires_grad=False)
@@ -344,7 +344,7 @@ def test_a_thread_outside_the_context_gets_the_stock_kernels():
 def test_a_packed_copy_goes_with_its_parameter():
     import gc
 
-    from stateful_hf import invariance as inv
+    from stateful_hf.kernels import invariance as inv
 
     w = torch.nn.Parameter(torch.randn(64, 64), requires_grad=False)
     if inv._packed_weight(w.t()) is None:
@@ -397,7 +397,7 @@ def test_seeded_sampling_gives_the_same_tokens_alone_and_batched():
 
 
 def test_float32_parameters_go_through_a_packed_copy_that_follows_the_weight():
-    from stateful_hf.invariance import _PACKED
+    from stateful_hf.kernels.invariance import _PACKED
     torch.manual_seed(0)
     lin = torch.nn.Linear(576, 1536)
     x = torch.randn(50, 576)

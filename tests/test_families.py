@@ -12,9 +12,9 @@ from test_hidden import replay_layouts
 
 import stateful_hf
 from stateful_hf import Engine
-from stateful_hf.adapter import adapter_for
 from stateful_hf.cache import CostProfile
-from stateful_hf.integration import run_step
+from stateful_hf.integration.adapter import adapter_for
+from stateful_hf.integration.hooks import run_step
 from stateful_hf.testing import TINY_FAMILIES, tiny_gemma3, tiny_phi3
 
 PROFILE = CostProfile()
@@ -91,7 +91,7 @@ def test_virtual_layout_and_layerwise_kv_exact(family, make_store):
 def test_projection_picks_each_layers_rotary_and_k_norm():
     """The HCache projection equals the K the attention itself sees, per layer (Gemma 3's sliding
     layer 0 has RoPE base 10^4, its global layer 1 base 10^6; both apply k_norm)."""
-    from stateful_hf.projector import kv_projector
+    from stateful_hf.integration.projector import kv_projector
 
     model = tiny_gemma3()
     adapter = adapter_for(model)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from stateful_hf import Engine, SamplingParams
-from stateful_hf.integration import check_pad_ids
+from stateful_hf.integration.checks import check_pad_ids
 from stateful_hf.testing import tiny_llama, tiny_opt
 
 

@@ -213,7 +213,7 @@ def test_full_disk_and_bad_moves_are_clear_and_lose_nothing(make_store, tmp_path
 
 def test_disk_profile_reads_the_disk_tier_file(tmp_path):
     from stateful_hf.cache import KVSpec
-    from stateful_hf.hidden_profile import measure_hidden_costs
+    from stateful_hf.profile.hidden import measure_hidden_costs
 
     model = FAMILIES["llama"]()
     adapter = stateful_hf.enable(model)

@@ -16,7 +16,7 @@ from stateful_hf import Engine, SamplingParams
 from stateful_hf.cache import CapacityError, ChunkState, CostProfile, KVSpec, KVStore
 from stateful_hf.cache.layerwise.residues import ResidueTable, kept_layers
 from stateful_hf.engine.layer_offload import LayerwisePolicy
-from stateful_hf.integration import run_step
+from stateful_hf.integration.hooks import run_step
 from stateful_hf.kernels import Overlay, paged_attention
 from stateful_hf.testing import tiny_llama, tiny_opt
 

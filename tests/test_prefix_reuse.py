@@ -89,7 +89,7 @@ def test_no_step_reads_a_shared_chunk_another_step_is_rebuilding():
     before a's forward filled them, the blocks would give wrong tokens."""
     import threading
 
-    from stateful_hf.integration import run_step
+    from stateful_hf.integration.hooks import run_step
 
     model, oracle = FAMILIES["opt"](), FAMILIES["opt"]()
     store = stateful_hf.SessionStore(model, device_capacity=1024, host_capacity=1024, chunk_size=BS,

@@ -1,4 +1,4 @@
-"""The step context (stateful_hf/integration.py): one current step per thread, set for exactly one
+"""The step context (stateful_hf/integration/context.py): one current step per thread, set for exactly one
 forward. A forward that raises ends and takes back its step; another thread's forward never sees it;
 the engine's thread and a plain `generate` on another thread stay exact together."""
 
@@ -12,8 +12,8 @@ from conftest import FAMILIES, Conversation, greedy
 from test_hidden import hidden_store, lay_out
 
 from stateful_hf import Engine, SamplingParams
-from stateful_hf.adapter import decoder_layers
-from stateful_hf.integration import get_step
+from stateful_hf.integration.adapter import decoder_layers
+from stateful_hf.integration.context import get_step
 
 
 def test_before_layer_runs_each_layer_once_in_order_before_it(make_store, tmp_path):

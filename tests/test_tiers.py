@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import stateful_hf
 from stateful_hf.cache import ChunkState, CostProfile, StoreError
-from stateful_hf.profile import _fit_linear
+from stateful_hf.profile.cost import _fit_linear
 from stateful_hf.testing import tiny_llama
 
 PROFILE = CostProfile()   # skip measuring in tests that do not test the profile

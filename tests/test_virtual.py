@@ -16,7 +16,7 @@ import stateful_hf
 from stateful_hf.cache import CostProfile
 from stateful_hf.cache.spec import KVSpec
 from stateful_hf.cache.virtual.pool import VirtualPool
-from stateful_hf.integration import run_step
+from stateful_hf.integration.hooks import run_step
 from stateful_hf.testing import tiny_llama
 
 PROFILE = CostProfile()

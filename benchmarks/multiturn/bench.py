@@ -13,7 +13,7 @@ import torch
 
 import stateful_hf
 from stateful_hf.cache import CostProfile
-from stateful_hf.profile import measure_cost_profile
+from stateful_hf.profile.cost import measure_cost_profile
 from stateful_hf.testing import tiny_llama
 
 from . import driver, metrics, policy
@@ -78,7 +78,7 @@ class Bench:
     def hidden_costs(self, max_context: int):
         """HCache's per-layer profile, measured once over the longest context used (whole chunks)."""
         if self.hcosts is None:
-            from stateful_hf.hidden_profile import measure_hidden_costs
+            from stateful_hf.profile.hidden import measure_hidden_costs
             store = stateful_hf.SessionStore(self.model, self.cfg.chunk * 2, policy="lru")
             tokens = -(-max_context // self.cfg.chunk) * self.cfg.chunk
             self.hcosts = measure_hidden_costs(self.model, store.adapter, store.spec, tokens=tokens,

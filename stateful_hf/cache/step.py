@@ -1,5 +1,5 @@
 """One forward step over the store: built once per step by the store's planner, then, while the
-forward runs, the current step of its thread (`stateful_hf/integration.py`), which every decoder
+forward runs, the current step of its thread (`stateful_hf/integration/context.py`), which every decoder
 layer prepares (`before_layer`) and whose attention places its rows (`write_rows`). docs/step.md.
 
 The one writer of computed K/V: every K/V row that a forward computes or a restore rebuilds

@@ -11,7 +11,8 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 import torch
 
 from ..cache import SessionBusyError, UnknownSessionError
-from ..integration import check_input_ids
+from ..integration.checks import check_input_ids
+from ..integration.session_store import SessionStore
 from ..options import (
     EngineConfig,
     EngineKwargs,
@@ -21,7 +22,6 @@ from ..options import (
     Unpack,
     split_engine_options,
 )
-from ..session_store import SessionStore
 from . import frontends
 from .admission import refusal
 from .frontends import Conversations

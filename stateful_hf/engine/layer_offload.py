@@ -4,7 +4,7 @@ the device, and when running requests' kept layers are pushed down to the host.
 x_min: the fewest kept layers whose offload still hides behind the prefill,
     T_offload(L − x) = β · (L − x) · n · (2 · Hkv · D · bytes) / BW  ≤  T_prefill(n)
 with BW a measured device -> host copy bandwidth and T_prefill(n) = Σ_chunks Cost(context) from the
-store's cost profile (Pensieve's Cost(l), `profile.py`). A prefill that does not fit with all layers
+store's cost profile (Pensieve's Cost(l), `profile/cost.py`). A prefill that does not fit with all layers
 gets the smallest keep factor f (the most layers, x = floor(L / f) at least) whose blocks fit, with
 x ≥ x_min; f = 0 (every layer on the host) when x_min = 0 and nothing else fits.
 
@@ -89,7 +89,7 @@ class LayerwisePolicy:
 def measured_policy(model, store, min_kept_layers: int | None) -> LayerwisePolicy:
     """LayerKV's policy with this machine's costs: the device -> host bandwidth of one layer's blocks
     and the prefill time model Σ Cost(context) of the store's cost profile (measured if it has none)."""
-    from ..profile import measure_cost_profile, measure_offload_bandwidth
+    from ..profile.cost import measure_cost_profile, measure_offload_bandwidth
 
     spec = store.spec
     profile = getattr(store.policy, "profile", None) or measure_cost_profile(model, spec)

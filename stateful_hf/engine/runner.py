@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cache import Committed, StepBatch
-from ..integration import invariant, run_step
+from ..integration.hooks import invariant, run_step
 from ..kernels.cpu_features import CpuFeatures
 from ..kernels.linear import LinearKernel, PackedWeights, choose
 from ..options import PrepackWeights

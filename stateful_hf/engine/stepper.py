@@ -52,7 +52,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable
 
 from ..cache import DEFAULT_TENANT, Committed, UnknownSessionError, session_key
-from ..session_store import SessionStore
+from ..integration.session_store import SessionStore
 from .request import Request, RequestHandle, RequestOutput, RequestStatus, WorkItem
 from .runner import ModelRunner, StepRecord, StepTotals
 from .scheduler import Scheduler

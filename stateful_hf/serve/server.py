@@ -8,8 +8,8 @@ import time
 
 from ..cache import FairSharePolicy
 from ..engine import Engine
+from ..integration.session_store import SessionStore
 from ..options import EngineConfig, EngineKwargs, SessionStoreOptions, Unpack, split_engine_options
-from ..session_store import SessionStore
 from .app import ServeConfig, create_app
 from .auth import Access
 from .flags import SERVER_DEFAULTS

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from .cache import CostProfile, KVSpec, KVStore
-from .integration import run_step
+from ..cache import CostProfile, KVSpec, KVStore
+from ..integration.hooks import run_step
 
 _MEASURED: dict[str, CostProfile] = {}   # memo per model geometry and device, for this process
 

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 from transformers.pipelines import PIPELINE_REGISTRY, TextGenerationPipeline
 from transformers.pipelines import pipeline as _hf_pipeline
 
-from .options import SessionStoreOptions
+from ..options import SessionStoreOptions
 from .session_store import SessionStore
 
 TASK = "stateful-text-generation"

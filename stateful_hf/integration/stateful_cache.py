@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
-from .cache import KVStore
-from .cache.step import StepBatch
+from ..cache import KVStore
+from ..cache.step import StepBatch
 
 
 class StatefulCache(Cache):

@@ -13,13 +13,13 @@ import time
 
 import torch
 
-from .adapter import ModelAdapter
-from .cache.disk.tier import DiskTier
-from .cache.hidden.partition import HiddenCosts
-from .cache.hidden.states import HiddenCapture, HiddenPool, HiddenRestore, HiddenSpec
-from .cache.pool import BlockPool
-from .cache.spec import KVSpec
-from .projector import kv_projector
+from ..cache.disk.tier import DiskTier
+from ..cache.hidden.partition import HiddenCosts
+from ..cache.hidden.states import HiddenCapture, HiddenPool, HiddenRestore, HiddenSpec
+from ..cache.pool import BlockPool
+from ..cache.spec import KVSpec
+from ..integration.adapter import ModelAdapter
+from ..integration.projector import kv_projector
 
 _MEASURED: dict[str, HiddenCosts] = {}
 

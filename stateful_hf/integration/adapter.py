@@ -14,7 +14,7 @@ What each supported family brings, and where it is honoured:
   opt                     LayerNorm (pre or post), learned positions, biased projections.
 Per-layer windows, scaling and the attention-logit softcap are what transformers passes to the
 attention interface; the registered attention honours them and checks the window against
-`layer_windows` on every call (see integration.py).
+`layer_windows` on every call (see attention.py).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def adapter_for(model: torch.nn.Module) -> ModelAdapter:
     if model_type not in SUPPORTED:
         raise UnsupportedModelError(
             f"stateful-hf supports model types {', '.join(SUPPORTED)}; got {model_type!r} "
-            f"({type(model).__name__}). Adding a family means adding an adapter in stateful_hf/adapter.py.")
+            f"({type(model).__name__}). Adding a family means adding an adapter in stateful_hf/integration/adapter.py.")
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModelError("encoder-decoder models are not supported")
     if getattr(config, "use_bidirectional_attention", False):

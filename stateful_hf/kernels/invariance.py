@@ -36,10 +36,10 @@ from contextlib import contextmanager
 
 import torch
 
-from .kernels.batch import PagedBatch
-from .kernels.cpu_backend import CpuPlan, available, unavailable_reason
-from .kernels.cpu_features import CpuFeatures
-from .kernels.linear import LinearKernel, choose, pack, sums, weight_key
+from .batch import PagedBatch
+from .cpu_backend import CpuPlan, available, unavailable_reason
+from .cpu_features import CpuFeatures
+from .linear import LinearKernel, choose, pack, sums, weight_key
 
 ROWS = 16                  # rows of every GEMM call under the context
 PACK_ROWS = 256            # MKL's packing hint: the engine's default step rows (its own packed copies' hint)

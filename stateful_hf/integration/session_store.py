@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import torch
 
-from .cache import DEFAULT_POLICY, POLICY_NAMES, EvictionPolicy, KVSpec, KVStore, make_policy
-from .cache.disk.directory import saved_hidden_layers
-from .cache.hidden.partition import HiddenPlan, min_hidden_layers, plan_layers
-from .cache.hidden.states import HiddenSpec
-from .fingerprint import model_fingerprint
-from .hidden_profile import measure_hidden_costs
-from .integration import enable
-from .kernels import select_backend
-from .options import HiddenStates, Layout, SessionStoreKwargs, SessionStoreOptions, StoreOptions, TokensOrSize, Unpack
-from .profile import measure_cost_profile
+from ..cache import DEFAULT_POLICY, POLICY_NAMES, EvictionPolicy, KVSpec, KVStore, make_policy
+from ..cache.disk.directory import saved_hidden_layers
+from ..cache.hidden.partition import HiddenPlan, min_hidden_layers, plan_layers
+from ..cache.hidden.states import HiddenSpec
+from ..fingerprint import model_fingerprint
+from ..kernels import select_backend
+from ..options import HiddenStates, Layout, SessionStoreKwargs, SessionStoreOptions, StoreOptions, TokensOrSize, Unpack
+from ..profile.cost import measure_cost_profile
+from ..profile.hidden import measure_hidden_costs
+from .hooks import enable
 from .projector import kv_projector
 from .stateful_cache import StatefulCache
 
@@ -41,7 +41,7 @@ class SessionStore(KVStore):
         off = "batch_invariant=False" if o.batch_invariant is False else None if o.batch_invariant else \
             invariant_off(adapter, spec, o)
         if off is None:
-            from .invariance import pack_weights
+            from ..kernels.invariance import pack_weights
             pack_weights(model)
         attn_backend = select_backend("cpu" if off is None else o.attn_backend, spec.device, spec.dtype,
                                       spec.head_dim, spec.block_size, layerwise_kv=o.layerwise_kv, layout=o.layout).name

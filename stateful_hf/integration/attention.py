@@ -1,0 +1,85 @@
+"""The `stateful` attention implementation registered with transformers' `AttentionInterface`.
+
+It reads this thread's step (`context.get_step`), has the step write each row's K/V (`StepBatch.write_rows`,
+the one K/V writer) and attends through the paged kernel. Without a step (any ordinary call of the same
+model) it is plain SDPA, or the model's eager attention when it softcaps logits."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from ..kernels import paged_attention
+from ..kernels.dense import dense_attention
+from ..kernels.torch_batched import softcapped_attention
+from .context import get_step
+
+NAME = "stateful"
+
+
+def stateful_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,   # [1, Hq, T, D]
+    key: torch.Tensor,     # [1, Hkv, T, D]
+    value: torch.Tensor,   # [1, Hkv, T, D]
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:  # [1, T, Hq, D]
+    """`scaling` (Gemma: query_pre_attn_scalar ** -0.5), `sliding_window` and `softcap` (Gemma 2:
+    cap * tanh(logits / cap), applied to the scaled logits before the mask) are what the model's
+    attention passes; a layer's window must be the one the store was made with (KVSpec.windows).
+    The layer's `before_layer` already ran (its decoder layer's pre-hook): its swap-ins landed and its
+    hidden chunks are rebuilt."""
+    step = get_step()
+    if step is None:
+        if kwargs.get("softcap") is not None:   # SDPA cannot softcap
+            return _softcapped(query, key, value, attention_mask, scaling, kwargs["softcap"]), None
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
+    layer = module.layer_idx
+    window, softcap = step.window(layer), kwargs.get("softcap")
+    if "sliding_window" in kwargs and kwargs["sliding_window"] != window:
+        raise RuntimeError(f"layer {layer} attends with sliding_window={kwargs['sliding_window']} but the "
+                           f"store was made for window {window}: the model's adapter is out of date")
+    if query.shape[0] != 1:
+        raise ValueError("a stateful step packs all rows into batch dimension 1")
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))   # [T, H, D]
+    key_cache, value_cache = step.pool.layer(layer)                  # [blocks, block_size, Hkv, D] views
+    overlay = step.write_rows(layer, key_cache, value_cache, k, v)
+    if step.dense_slots is not None:   # vAttention layout: contiguous per session, no block table
+        key_slots, value_slots = step.pool.dense(layer)
+        out = dense_attention(q, key_slots, value_slots, step.paged, list(step.dense_slots),
+                              scale=scaling if scaling is not None else q.shape[-1] ** -0.5,
+                              window=window, softcap=softcap)
+        return out.unsqueeze(0), None
+    out = paged_attention(q, key_cache, value_cache, step.paged, scale=scaling, backend=step.backend,
+                          window=window, validate=False, overlay=overlay, softcap=softcap, state=step.kernels)
+    return out.unsqueeze(0), None
+
+
+def _softcapped(query, key, value, attention_mask, scaling, softcap) -> torch.Tensor:   # [1, T, Hq, D]
+    """Softcapped attention of an ordinary call over the SDPA-style mask transformers built for this
+    implementation: a bool [B, 1, q, kv] mask (True = attend), or None where SDPA would use is_causal
+    (q == kv, or one query row that sees every key)."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if attention_mask is None:
+        keys = torch.arange(kv_len, device=query.device)
+        attention_mask = keys[None, :] <= torch.arange(q_len, device=query.device)[:, None] + (kv_len - q_len)
+    elif attention_mask.dtype != torch.bool:
+        attention_mask = attention_mask == 0
+    group = query.shape[1] // key.shape[1]
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    out = softcapped_attention(query, key.repeat_interleave(group, 1), value.repeat_interleave(group, 1),
+                               attention_mask, scale, softcap)
+    return out.transpose(1, 2)
+
+
+def register() -> str:
+    """Register the implementation (idempotent); returns its name for `set_attn_implementation`."""
+    AttentionInterface.register(NAME, stateful_attention)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
+    return NAME

@@ -1,0 +1,47 @@
+"""The step context, nano-vllm's forward `Context`: the step of the forward running on this thread, set once
+per forward. Who sets it: the model's forward pre-hook (`hooks._pre_forward`: a forward with a StatefulCache,
+including each forward of `generate`) and `run_step` (the engine, a restore, the profiles). Who resets it: the
+forward hook (`hooks._post_forward`, registered with `always_call`, so it also runs when the forward raises) and
+`run_step`'s `finally`. Who reads it: `stateful_attention` and the decoder-layer pre-hooks. No keyword argument
+carries the step.
+
+Thread rule: the value is a `ContextVar`, so each thread (and each asyncio task) sees its own. The engine steps on
+its own thread while other threads may call a plain or a stateful `generate` of the same model: none of them sees
+another's step. A forward of an enabled model sets the context to its step or to None before anything reads it,
+so only `model.base_model(...)` called directly, after a KeyboardInterrupt escaped a stateful forward on the same
+thread, could see a stale step."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+from ..cache import StepBatch
+
+_STEP: ContextVar[StepBatch | None] = ContextVar("stateful_hf_step", default=None)
+
+
+def get_step() -> StepBatch | None:
+    """The step of the forward running on this thread; None outside one (an ordinary call)."""
+    return _STEP.get()
+
+
+def set_step(step: StepBatch | None) -> None:
+    """Make `step` this thread's current step (None: an ordinary forward). Pair with `reset_step`."""
+    _STEP.set(step)
+
+
+def reset_step() -> None:
+    """End this thread's current step (the forward returned or raised)."""
+    _STEP.set(None)
+
+
+@contextmanager
+def stepping(step: StepBatch) -> Iterator[StepBatch]:
+    """`step` is this thread's current step inside the block, and no longer after it, however it exits."""
+    _STEP.set(step)
+    try:
+        yield step
+    finally:
+        _STEP.set(None)
