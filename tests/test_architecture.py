@@ -280,6 +280,43 @@ def test_cache_and_kernels_never_import_transformers():
     assert not offenders, "cache and kernels must not import transformers:\n  " + "\n  ".join(offenders)
 
 
+# ---- the engine's door into the store ------------------------------------------------------------------------
+
+ENGINE_DOOR = "stateful_hf.cache.doors.engine"
+STORE_MAKER = "stateful_hf.engine.engine"      # the facade builds a SessionStore when the caller gives none
+
+
+def door_breaches(graph: dict[str, dict[str, int]]) -> list[str]:
+    """`module:line target` for each import by a module of stateful_hf/engine/ of the store other than through
+    its door: any module of stateful_hf.cache but `ENGINE_DOOR`, or the seam's SessionStore outside the facade."""
+    def inside(name: str, package: str) -> bool:
+        return name == package or name.startswith(package + ".")
+
+    return sorted(f"{a}:{line} {b}" for a, edges in graph.items() if inside(a, "stateful_hf.engine")
+                  for b, line in edges.items()
+                  if (inside(b, "stateful_hf.cache") and b != ENGINE_DOOR)
+                  or (b == "stateful_hf.integration.session_store" and a != STORE_MAKER))
+
+
+def test_the_engine_reaches_the_store_only_through_its_door():
+    """The engine (scheduler, admission, runner, layer offload, warm-ups, hints) imports `EngineStore` and the
+    values that cross it from `stateful_hf/cache/doors/engine.py`, nothing else of the store: mypy (CI) checks
+    its code against the protocol, and `Engine` checks that the SessionStore it runs keeps it."""
+    graph = import_graph()
+    assert any(b == ENGINE_DOOR for a in graph if a.startswith("stateful_hf.engine") for b in graph[a])
+    breaches = door_breaches(graph)
+    assert not breaches, "the engine imports the store past its door:\n  " + "\n  ".join(breaches)
+
+
+def test_the_door_check_sees_a_breach():
+    """The negative control: an engine module importing a store part, or SessionStore, is reported."""
+    graph = {"stateful_hf.engine.scheduler": {"stateful_hf.cache.kv_store": 3, ENGINE_DOOR: 4},
+             "stateful_hf.engine.runner": {"stateful_hf.integration.session_store": 7},
+             STORE_MAKER: {"stateful_hf.integration.session_store": 9}}
+    assert door_breaches(graph) == ["stateful_hf.engine.runner:7 stateful_hf.integration.session_store",
+                                    "stateful_hf.engine.scheduler:3 stateful_hf.cache.kv_store"]
+
+
 # ---- the store's feature packages ---------------------------------------------------------------------------
 
 # Optional features of the store, each a package of stateful_hf/cache/ that runs only when its option is on.

@@ -21,7 +21,7 @@ from .spec import KVSpec, capacity_in_blocks, parse_capacity
 from .stats import SessionStats, StoreStats
 from .step import StepBatch, StepEntry
 from .tenant import DEFAULT_TENANT, TenantUsage, session_key, split_key, tenant_of
-from .turn import ChunkNeeds, Committed, Place, Room, TurnNeeds
+from .turn import ChunkNeeds, Committed, Place, PoolSizes, Room, TurnNeeds
 
 __all__ = [
     "DEFAULT_POLICY", "DEFAULT_TENANT", "POLICY_NAMES", "BlockPool", "CapacityError", "Chunk", "ChunkNeeds",
@@ -30,6 +30,6 @@ __all__ = [
     "RetentionPolicy", "ReturnAwarePolicy", "ReturnEstimator",
     "KVStore", "Session", "SessionBusyError", "SessionStats", "StepBatch", "StepEntry",
     "StoreError", "StoreStats", "TenantUsage", "TurnStats", "UnknownSessionError", "capacity_in_blocks",
-    "make_policy", "parse_capacity", "session_key", "split_key", "tenant_of", "Committed", "Place", "Room",
+    "make_policy", "parse_capacity", "session_key", "split_key", "tenant_of", "Committed", "Place", "PoolSizes", "Room",
     "TurnNeeds",
 ]

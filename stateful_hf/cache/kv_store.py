@@ -12,7 +12,7 @@ mutates. A method whose contract is longer than its docstring names the part's m
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
 from ..kernels import select_backend
@@ -29,7 +29,7 @@ from .step import StepBatch
 from .store_parts import assemble
 from .store_stats import session_stats, store_stats
 from .tenant import TenantUsage
-from .turn import ChunkNeeds, Committed, Place, Room, TurnNeeds, places_of
+from .turn import ChunkNeeds, Committed, Place, PoolSizes, Room, TurnNeeds, places_of
 
 
 class KVStore:
@@ -50,6 +50,8 @@ class KVStore:
         self.tiers, self.placement, self.swap_in, self.layered = p.tiers, p.placement, p.swap_in, p.layered
         self.relocation, self.planner, self.history, self.capacity = p.relocation, p.planner, p.history, p.capacity
         self.lock = self.sessions.lock
+        self.clock: Callable[[], float] = self.sessions.clock   # seconds; `time.monotonic` unless a test gave one
+        self.pool_sizes: PoolSizes = self.tiers.sizes()         # fixed: pools never resize
 
     # ---- the parts' objects, for callers that read them (one line each) ---------------------------
 
@@ -63,9 +65,13 @@ class KVStore:
     project = property(lambda self: self.config.project)
     residues = property(lambda self: self.tiers.residues, doc="LayerKV's residue blocks (the pools own the table)")
     page_mapper = property(lambda self: self.planner.page_mapper)
-    layerwise = property(lambda self: self.layered is not None)
+    @property
+    def layerwise(self) -> bool:
+        """Whether the store was made with layerwise_kv (LayerKV)."""
+        return self.layered is not None
+
     swap_out_threshold = property(lambda self: self.placement.swap_out_threshold)
-    clock = property(lambda self: self.sessions.clock)
+
     emulate_async = property(lambda self: self.transfer.emulate, doc="copies run under the CPU async emulator")
 
     @property
@@ -146,6 +152,11 @@ class KVStore:
         """What a step could get now."""
         with self.lock:
             return self.capacity.room()
+
+    def free_blocks(self) -> int:
+        """Device blocks on the free list now (idle sessions' blocks are not free; `room` counts them)."""
+        with self.lock:
+            return self.tiers.device.num_free
 
     def turn_needs(self, session_id: str, prompt: Sequence[int] | None = None,
                    cache_salt: str | None = None) -> TurnNeeds:
@@ -274,7 +285,7 @@ class KVStore:
             room = self.capacity.room()
             held = {e.session_id: s for e in step.entries if (s := self.sessions.find(e.session_id)) is not None}
             return Committed(room, {sid: self.history.turn_needs(s, None, room, self.capacity.has_slot(s))
-                                    for sid, s in held.items()})
+                                    for sid, s in held.items()}, self.tiers.device.num_free)
 
     def abort(self, step: StepBatch) -> None:
         """Undo `plan_step` (`StepPlanner.abort`): history and blocks as before the step."""

@@ -21,7 +21,7 @@ from .pool import BlockPool
 from .prefix.sharing import PrefixSharing
 from .session import ON_DISK, Chunk, ChunkState, Session, SessionTable
 from .tier import TierPool
-from .turn import ChunkNeeds, Room, blocks_at_most, check_factor, needs, places_of
+from .turn import ChunkNeeds, PoolSizes, Room, blocks_at_most, check_factor, needs, places_of
 
 if TYPE_CHECKING:
     from .disk.state import DiskState
@@ -51,6 +51,10 @@ class TierPools:
         self._below = {t: present[present.index(t) + 1] for t in present[:-1]}
         self._below[HIDDEN] = DISK_HIDDEN if disk_hidden is not None else DROPPED
         self._below[DISK_HIDDEN] = DROPPED
+
+    def sizes(self) -> PoolSizes:
+        """The device and host pools' sizes."""
+        return PoolSizes(self.device.num_blocks, 0 if self.host is None else self.host.num_blocks)
 
     def pool(self, state: ChunkState) -> TierPool | None:
         """The pool holding slots of chunks in `state` (None: DROPPED, or a tier this store lacks)."""

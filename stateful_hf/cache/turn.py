@@ -49,6 +49,17 @@ class Room:
 
 
 @dataclass(frozen=True, slots=True)
+class PoolSizes:
+    """How big the device and host pools are: fixed when the store is made."""
+
+    device_blocks: int          # blocks of the device pool
+    host_blocks: int            # slots of the host pool; 0 without a host tier
+
+    def __post_init__(self) -> None:
+        assert self.device_blocks > 0 and self.host_blocks >= 0, self
+
+
+@dataclass(frozen=True, slots=True)
 class TurnNeeds:
     """What a turn of one session would take: its kept history and where that history is."""
 
@@ -98,6 +109,7 @@ class Committed:
 
     room: Room
     turns: dict[str, TurnNeeds]
+    device_free: int            # device blocks on the free list after the step (idle sessions' are not free)
 
 
 DEVICE, DROPPED, HOST, LAYERED = ChunkState.DEVICE, ChunkState.DROPPED, ChunkState.HOST, ChunkState.LAYERED

@@ -36,7 +36,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from ..cache import CapacityError, KVStore, SessionBusyError, StoreError
+from ..cache.doors.engine import CapacityError, EngineStore, SessionBusyError, StoreError
 from .layer_offload import LayerwisePolicy, LayerwiseScheduling, residue_blocks
 from .request import Request, RequestStatus, WorkItem, blocks_needed, next_item
 
@@ -54,8 +54,8 @@ class Verdict:
 
 
 class Admission:
-    def __init__(self, store: KVStore, layered: LayerwiseScheduling | None, running: list[Request],
-                 fail: Callable[[Request, CapacityError], int]):
+    def __init__(self, store: EngineStore, layered: LayerwiseScheduling | None, running: list[Request],
+                 fail: Callable[[Request, Exception], int]):
         self.store, self.layered, self.running, self._fail = store, layered, running, fail
 
     def ask(self, r: Request, pass_: tuple[int, int]) -> ValueError | None:
@@ -81,13 +81,16 @@ class Admission:
             refused = self.ask(r, pass_) if r.needs_pass != pass_ or r.needs is None else None
             if refused is not None:
                 return Verdict(skip=True, released=self._fail(r, refused))
-            if r.needs.busy:
+            needs = r.needs
+            assert needs is not None       # asked above, or at an earlier pass of this one
+            if needs.busy:
                 return Verdict(skip=True)
-            keep = r.needs.keep
+            keep = needs.keep
             r.pending = r.prompt[keep:]
-            r.missing, r.missing_ids = list(r.needs.missing), list(r.needs.missing_ids)
-            held = r.needs.held
+            r.missing, r.missing_ids = list(needs.missing), list(needs.missing_ids)
+            held = needs.held
         else:                          # SUSPENDED: lease held, KV evicted (`needs` asked at the suspension)
+            assert r.needs is not None
             keep, held = r.needs.keep, 0
         item = next_item(r, budget, keep, bs)
         if item is None:
@@ -101,7 +104,7 @@ class Admission:
                 return Verdict()
             r.factor = factor
             item = replace(item, factor=factor)
-            if r.status is RequestStatus.WAITING:      # layer_factor may have moved its device chunks down
+            if r.status is RequestStatus.WAITING and r.needs is not None:   # layer_factor may have moved chunks down
                 held = r.needs.held
         need = blocks_needed(item)
         if slots is not None:          # virtual layout: running sessions not yet placed claim slots first
@@ -128,8 +131,10 @@ class Admission:
                 if len(still) < len(r.missing):
                     kept = [(p, t) for p, t in zip(r.missing, r.missing_ids, strict=True) if p in still]
                     r.missing, r.missing_ids = [p for p, _ in kept], [t for _, t in kept]
-                    item = next_item(r, budget, keep, bs)
-                    need = blocks_needed(item)
+                    again = next_item(r, budget, keep, bs)
+                    assert again is not None   # fewer rows to recompute than the item that fitted
+                    item, need = again, blocks_needed(again)
+        assert r.needs is not None
         r.swapped += r.needs.stored_below()
         return Verdict(item, need + held)
 
@@ -140,9 +145,10 @@ def least_chunks(r: Request, block_size: int) -> int:
     return -(-tokens // block_size)
 
 
-def refusal(store, layerwise: LayerwisePolicy | None, r: Request) -> CapacityError | None:
+def refusal(store: EngineStore, layerwise: LayerwisePolicy | None, r: Request) -> CapacityError | None:
     """The CapacityError to fail `r` with at submit, or None if some state of the pools serves it."""
-    bs, device = store.block_size, store.device_pool.num_blocks
+    sizes = store.pool_sizes
+    bs, device = store.block_size, sizes.device_blocks
     chunks = least_chunks(r, bs)
     if chunks <= device:
         return None
@@ -153,7 +159,7 @@ def refusal(store, layerwise: LayerwisePolicy | None, r: Request) -> CapacityErr
             f"{what} with all layers on the device, and the device pool holds {device} ({device * bs} tokens). "
             f"Raise device_capacity, or serve it with layerwise_kv=True (layer-wise KV: the layers that do not "
             f"fit live on the host tier; host_capacity of at least {chunks * bs} tokens)")
-    host = store.host_pool.num_blocks
+    host = sizes.host_blocks
     keep = 0
     if r.session_id in store:            # the history the turn shares: already on some tier
         keep = min(store.match_prefix(r.session_id, r.prompt), len(r.prompt) - 1)

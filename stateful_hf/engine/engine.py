@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 
 import torch
 
-from ..cache import SessionBusyError, UnknownSessionError
+from ..cache.doors.engine import EngineStore, SessionBusyError, UnknownSessionError
 from ..integration.checks import check_input_ids
 from ..integration.session_store import SessionStore
 from ..options import (
@@ -53,7 +53,7 @@ class Engine:
 
     def __init__(self, model: torch.nn.Module, tokenizer=None, store: SessionStore | None = None,
                  **options: Unpack[EngineKwargs]):
-        engine_options, store_options = split_engine_options(options)
+        engine_options, store_options = split_engine_options(dict(options))
         c = self.config = EngineConfig.build(**engine_options)
         layerwise_kv = bool(store_options.get("layerwise_kv", False))
         if c.min_kept_layers is not None and not layerwise_kv:
@@ -74,19 +74,20 @@ class Engine:
         # None when no SLO is set: admission weighs tokens and blocks only
         self.slo = SloPolicy(c.ttft_slo, c.tpot_slo) if (c.ttft_slo, c.tpot_slo) != (None, None) else None
         self.store = store
+        door: EngineStore = store      # the engine's parts see the store through its door (mypy: SessionStore keeps it)
         if self.store.model is not model:
             raise ValueError("the store belongs to another model")
         if layerwise_kv and not self.store.layerwise:
             raise ValueError("layerwise_kv=True needs a store made with layerwise_kv=True (or let the engine make it)")
-        self.layerwise = measured_policy(model, self.store, c.min_kept_layers) if layerwise_kv else None
+        self.layerwise = measured_policy(model, door, c.min_kept_layers) if layerwise_kv else None
         self.model, self.tokenizer, self.on_busy = model, tokenizer, c.on_busy
         self.release_openmp_pool = c.release_openmp_pool
         self.adapter = self.store.adapter
         self.eos = eos_ids(model)
-        self.scheduler = Scheduler(self.store, SchedulerConfig(c.max_batch_tokens, c.max_num_seqs, c.reserve_fraction,
+        self.scheduler = Scheduler(door, SchedulerConfig(c.max_batch_tokens, c.max_num_seqs, c.reserve_fraction,
                                                                c.short_prefill_tokens),
                                    self.adapter.max_positions, self.slo, self.layerwise)
-        self.runner = ModelRunner(model, self.store, packed_weights(model, c.prepack_weights, c.max_batch_tokens,
+        self.runner = ModelRunner(model, door, packed_weights(model, c.prepack_weights, c.max_batch_tokens,
                                                                     self.store.invariant_split is not None))
         self.thread_sizer = ThreadSizer.for_option(c.step_threads)
         self.loop = StepLoop(self.step, self.has_work, self._fail_in_flight,
@@ -95,13 +96,13 @@ class Engine:
                              self._await_next_turns if c.arrival_window > 0 else None,
                              on_wake=self._gather_burst if c.arrival_window > 0 else None,
                              wake_in=lambda: self.warmups.wake_in())
-        self.throwaway = ThrowawaySessions(self.store, self.loop.cv)
+        self.throwaway = ThrowawaySessions(door, self.loop.cv)
         self.requests = RequestRegistry(self.loop, self.throwaway.forget)
-        self.warmups = WarmUps(self.store, self.requests, c.warm_ahead)
+        self.warmups = WarmUps(door, self.requests, c.warm_ahead)
         self.stepper = Stepper(self.scheduler, self.runner, self.requests, self.eos, self.slo, self.ttft_slo,
                                self.tpot_slo, c.keep_step_records,
                                self.thread_sizer.fit if self.thread_sizer is not None else None,
-                               before_step=lambda: self._warm_due() and self.warmups.submit_due())
+                               before_step=self._before_step)
         self.steps = self.stepper.records          # the last `keep_step_records` StepRecords
         self.chats = Conversations(self.submit, self.requests.when_finished, tokenizer)
         self.hints = Prefetcher(self)
@@ -191,6 +192,11 @@ class Engine:
         """Whether a warm-up may be due (`warmup.py`); attribute reads, so a step without one runs nothing there."""
         w = self.warmups
         return w.ahead is not None and self.store.clock() + w.ahead >= w.next_at
+
+    def _before_step(self) -> None:
+        """Submit the warm-ups due now, before each step."""
+        if self._warm_due():
+            self.warmups.submit_due()
 
     def step(self) -> StepRecord | None:
         """Run one engine iteration (admit, schedule, forward, sample, publish; `stepper.py`). Returns what ran."""

@@ -88,7 +88,9 @@ async def agenerate(engine, session_ids: Sequence[str], prompts: Sequence,
 
     def wait(h: RequestHandle) -> RequestOutput:
         h.wait()
-        return h.output()
+        out = h.output()
+        assert out is not None         # wait() without a timeout returns once the request ended
+        return out
 
     return list(await asyncio.gather(*(asyncio.to_thread(wait, h) for h in handles)))
 

@@ -117,6 +117,7 @@ class Compilers:
             c = self._compiler(tokenizer)
         except GrammarError as e:
             raise GrammarError(str(e), param, e.code) from None
+        assert self._pool is not None  # made with the first compiler (`_compiler`)
         fut = c.future(constraint, self._pool)
         try:
             return fut.result(timeout), c
@@ -186,6 +187,7 @@ def constrain(r: Request, tokenizer, eos: frozenset[int], timeout: float = COMPI
     """Give queued request `r` (whose sampling has a constraint) its matcher: compile (or find) the
     grammar, stop on EOS / stop_token_ids (the tokenizer's EOS if there are none), and make those its
     stop tokens also under ignore_eos. GrammarError if the grammar cannot be had."""
+    assert r.sampling.constraint is not None, r
     compiled, c = COMPILERS.compile_for(tokenizer, r.sampling.constraint, timeout)
     stops = set(eos) | set(r.sampling.stop_token_ids)
     if not stops and c.eos is not None:
@@ -250,13 +252,12 @@ def apply_bitmask(logits: torch.Tensor, mask: torch.Tensor, rows: list[int]) -> 
     else:
         import numpy as np
         words = mask.numpy().view(np.uint8)
-        numpy_rows = logits.dtype == torch.float32
-        a = logits.numpy() if numpy_rows else None
+        a = logits.numpy() if logits.dtype == torch.float32 else None     # rows added in numpy, else in torch
         bias = np.empty(n, dtype=np.float32)
         with np.errstate(divide="ignore"):
             for r in rows:
                 np.log(np.unpackbits(words[r], count=n, bitorder="little"), out=bias, dtype=np.float32)
-                if numpy_rows:
+                if a is not None:
                     row = a[r, :n]
                     row += bias
                 else:                        # bf16 / fp16 logits: numpy has no bfloat16

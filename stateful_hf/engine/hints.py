@@ -26,7 +26,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ..cache import CapacityError, Place, SessionBusyError, StoreError
+from ..cache.doors.engine import CapacityError, Place, SessionBusyError, StoreError
 
 _BELOW = (Place.CACHED, Place.HOST, Place.LOWER)    # what a hint brings up
 
@@ -126,8 +126,7 @@ class Prefetcher:
                         del self._active[h.session_id]
 
     def _reserve_blocks(self) -> int:
-        pool = self.store.device_pool
-        return math.ceil(self.engine.scheduler.config.reserve_fraction * pool.num_blocks)
+        return math.ceil(self.engine.scheduler.config.reserve_fraction * self.store.pool_sizes.device_blocks)
 
     def _prefetch(self, h: Hint) -> str:
         store, bs = self.store, self.store.block_size
@@ -148,7 +147,7 @@ class Prefetcher:
                 return "done"
             k, place = below[0]
             cost = 0 if place is Place.CACHED else 1   # a chunk still cached on the device flips for free
-            if cost and store.device_pool.num_free - cost < self._reserve_blocks():
+            if cost and store.free_blocks() - cost < self._reserve_blocks():
                 return "no room"
             try:
                 store.move(h.session_id, [k], "device", reason="hint")

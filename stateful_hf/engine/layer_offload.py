@@ -22,8 +22,7 @@ import math
 from collections.abc import Callable
 from dataclasses import replace
 
-from ..cache import CostProfile, Place, StoreError
-from ..cache.turn import blocks_at_most
+from ..cache.doors.engine import CostProfile, EngineStore, Place, StoreError, blocks_at_most
 from .request import Request, RequestStatus, WorkItem, chunk_needs, next_item, whole_item
 
 
@@ -86,15 +85,15 @@ class LayerwisePolicy:
         return None
 
 
-def measured_policy(model, store, min_kept_layers: int | None) -> LayerwisePolicy:
+def measured_policy(model, store: EngineStore, min_kept_layers: int | None) -> LayerwisePolicy:
     """LayerKV's policy with this machine's costs: the device -> host bandwidth of one layer's blocks
     and the prefill time model Σ Cost(context) of the store's cost profile (measured if it has none)."""
-    from ..profile.cost import measure_cost_profile, measure_offload_bandwidth
+    from ..profile.cost import measure_cost_profile
 
     spec = store.spec
     profile = getattr(store.policy, "profile", None) or measure_cost_profile(model, spec)
     layer_bytes = spec.bytes_per_token // spec.num_layers        # K + V of one layer, one token
-    return LayerwisePolicy(spec.num_layers, layer_bytes, measure_offload_bandwidth(store.device_pool), profile,
+    return LayerwisePolicy(spec.num_layers, layer_bytes, store.offload_bandwidth(), profile,
                            spec.block_size, min_kept_layers)
 
 
@@ -107,7 +106,7 @@ class LayerwiseScheduling:
     only); what an item does with each chunk is its request's `TurnNeeds` (`request.chunk_needs`).
     Mutates requests' keep `factor` and, after moving their chunks, `needs` (`push_down`, `layer_factor`)."""
 
-    def __init__(self, store, layerwise: LayerwisePolicy, config, slo, running: list[Request]):
+    def __init__(self, store: EngineStore, layerwise: LayerwisePolicy, config, slo, running: list[Request]):
         self.store, self.layerwise, self.config, self.slo = store, layerwise, config, slo
         self.running = running
 
@@ -141,6 +140,7 @@ class LayerwiseScheduling:
                 and lw.choose(len(fills) + growth, room - len(swaps), x_min, residue_blocks, layered=True) is not None:
             # a returning session's own device chunks crowd its new ones out: move them to the host
             # (the session is idle until its lease), where this turn reads them in place
+            assert r.needs is not None     # a WAITING request's answer (`Admission.ask`)
             try:
                 self.store.move(r.session_id, [k for k, p in enumerate(r.needs.places) if p is Place.DEVICE], "host")
             except StoreError:     # no host room after all (or the session just turned busy): wait
@@ -233,7 +233,7 @@ class LayerwiseScheduling:
         for q in reversed(self.running):          # most recently admitted first
             if projected >= reserve:
                 break
-            if Place.LAYERED in q.needs.places:   # it may hold residue blocks
+            if q.needs is not None and Place.LAYERED in q.needs.places:   # it may hold residue blocks
                 projected += self.push_down(q, full=False)
                 pushed = True
         return pushed

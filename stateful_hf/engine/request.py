@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from ..cache import TurnNeeds
+from ..cache.doors.engine import TurnNeeds
 from .sampling import SamplingParams
 from .text import OutputText
 
@@ -209,12 +209,16 @@ def blocks_needed(item: WorkItem) -> int:
     """Device blocks the store must give this item (`TurnNeeds.blocks` of its request's turn): chunks
     up to its last row that are not on the device. A layer-wise item (factor != 1) fills its chunks
     with residue blocks, ceil(n / f) blocks at most, and reads host chunks in place."""
-    return item.request.needs.blocks(item_end(item), item.factor)
+    needs = item.request.needs
+    assert needs is not None, item     # a request with work items has the store's answer
+    return needs.blocks(item_end(item), item.factor)
 
 
 def chunk_needs(item: WorkItem):
     """The ChunkNeeds of the item: (chunks it fills, copies up, reads in place) (`TurnNeeds.needs`)."""
-    return item.request.needs.needs(item_end(item), item.factor)
+    needs = item.request.needs
+    assert needs is not None, item
+    return needs.needs(item_end(item), item.factor)
 
 
 class Loop(Protocol):
@@ -306,22 +310,24 @@ class RequestHandle:
         """The final output (also for a failed request), or None while it runs."""
         return self._output
 
-    def _next(self, kind: str, seen: int) -> tuple[list[int] | str, bool]:
-        """Block until there is more than `seen` (tokens or stable chars) or the request is done."""
-        def ready() -> bool:
-            n = len(self._tokens) if kind == "tokens" else self._stable
-            return n > seen or self._output is not None
-
-        self._wait(ready)
+    def _next_tokens(self, seen: int) -> tuple[list[int], bool]:
+        """Block until there are more than `seen` tokens or the request is done; (the new ones, done)."""
+        self._wait(lambda: len(self._tokens) > seen or self._output is not None)
         with self._cv:
-            new = self._tokens[seen:] if kind == "tokens" else self._text[seen:self._stable]
-            return new, self._output is not None and (len(new) == 0 or kind == "text")
+            new = self._tokens[seen:]
+            return new, self._output is not None and not new
+
+    def _next_text(self, seen: int) -> tuple[str, bool]:
+        """Block until there are more than `seen` stable chars or the request is done; (the new ones, done)."""
+        self._wait(lambda: self._stable > seen or self._output is not None)
+        with self._cv:
+            return self._text[seen:self._stable], self._output is not None
 
     def __iter__(self) -> Iterator[int]:
         """Generated token ids as they are sampled. Ends when the request ends (see `result()`)."""
         seen = 0
         while True:
-            new, done = self._next("tokens", seen)
+            new, done = self._next_tokens(seen)
             yield from new
             seen += len(new)
             if done or (not new and self._output is not None):
@@ -331,7 +337,7 @@ class RequestHandle:
         """Pieces of the decoded text as they become stable (needs the engine's tokenizer)."""
         seen = 0
         while True:
-            new, done = self._next("text", seen)
+            new, done = self._next_text(seen)
             if new:
                 yield new
                 seen += len(new)
@@ -348,7 +354,7 @@ class RequestHandle:
         self._loop.start()
         seen = 0
         while True:
-            new, done = await asyncio.to_thread(self._next, "tokens", seen)
+            new, done = await asyncio.to_thread(self._next_tokens, seen)
             for t in new:
                 yield t
             seen += len(new)
@@ -359,7 +365,7 @@ class RequestHandle:
         self._loop.start()
         seen = 0
         while True:
-            new, done = await asyncio.to_thread(self._next, "text", seen)
+            new, done = await asyncio.to_thread(self._next_text, seen)
             if new:
                 yield new
                 seen += len(new)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache import Committed, StepBatch
+from ..cache.doors.engine import Committed, EngineStore, StepBatch
 from ..integration.hooks import invariant, run_step
 from ..kernels.cpu_features import CpuFeatures
 from ..kernels.linear import LinearKernel, PackedWeights, choose
@@ -59,7 +59,7 @@ def packed_weights(model: torch.nn.Module, mode: PrepackWeights, rows: int,
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, store, packed: PackedWeights | None = None):
+    def __init__(self, model: torch.nn.Module, store: EngineStore, packed: PackedWeights | None = None):
         self.model, self.store = model, store
         self.packed = packed          # None: F.linear on the model's weights
 
@@ -96,14 +96,16 @@ class ModelRunner:
             accept_tokens(requests, tokens)
         return step, tokens, committed
 
-    def record(self, index: int, items: Sequence[WorkItem], seconds: float) -> StepRecord:
-        pool = self.store.device_pool
+    def record(self, index: int, items: Sequence[WorkItem], seconds: float, committed: Committed | None) -> StepRecord:
+        """The step's record; `committed`: what its commit answered (None: ask the store for the free blocks)."""
+        total = self.store.pool_sizes.device_blocks
+        free = committed.device_free if committed is not None else self.store.free_blocks()
         return StepRecord(
             index=index,
             entries=tuple((it.request.session_id, len(it.recompute), len(it.new_ids), it.needs_logits)
                           for it in items),
             num_tokens=sum(it.num_tokens for it in items), seconds=seconds,
-            used_blocks=pool.num_blocks - pool.num_free, total_blocks=pool.num_blocks,
+            used_blocks=total - free, total_blocks=total,
         )
 
 

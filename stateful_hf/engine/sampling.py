@@ -5,7 +5,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -78,7 +78,7 @@ class SamplingParams:
         unknown = set(explicit) - set(cls.__slots__)
         if unknown:
             raise TypeError(f"SamplingParams has no field(s) {sorted(unknown)}")
-        cfg, fields = generation_config, {}
+        cfg, fields = generation_config, dict[str, Any]()
         if cfg is not None:
             if getattr(cfg, "max_new_tokens", None) is not None:
                 fields["max_new_tokens"] = int(cfg.max_new_tokens)
@@ -161,9 +161,9 @@ def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], tops: Sequence[i
     """logits [R, V] (the rows `sample` drew `tokens` from) -> per row the chosen token's log-probability
     under log_softmax(logits) and the `tops[i]` most likely tokens with theirs (descending)."""
     lp = torch.log_softmax(logits.float(), dim=-1)
-    out = []
+    out: list[TokenLogprob] = []
     for i, (t, k) in enumerate(zip(tokens, tops, strict=True)):
-        alts = ()
+        alts: tuple[tuple[int, float], ...] = ()
         if k:
             v, ids = torch.topk(lp[i], k)
             alts = tuple(zip(ids.tolist(), v.tolist()))

@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 
 from sortedcontainers import SortedKeyList
 
-from ..cache import CapacityError, Committed, KVStore, Room
+from ..cache.doors.engine import Committed, EngineStore, Room
 from .admission import Admission, no_device_room, no_host_slots
 from .layer_offload import LayerwisePolicy, LayerwiseScheduling
 from .request import Request, RequestStatus, WorkItem, blocks_needed, next_item
@@ -58,7 +58,7 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, store: KVStore, config: SchedulerConfig, max_positions: int,
+    def __init__(self, store: EngineStore, config: SchedulerConfig, max_positions: int,
                  slo: SloPolicy | None = None, layerwise: LayerwisePolicy | None = None):
         if config.max_batch_tokens < store.block_size:
             raise ValueError(f"max_batch_tokens ({config.max_batch_tokens}) must be >= the store's chunk size "
@@ -122,7 +122,7 @@ class Scheduler:
         self.finished.append(r)
         return room
 
-    def _fail(self, r: Request, error: CapacityError) -> int:
+    def _fail(self, r: Request, error: Exception) -> int:
         """Fail `r` and release what it held; returns the device blocks that made available (its
         session's blocks become an idle session's, which a later admission in this pass may take)."""
         before = self.store.room().device_blocks if r.leased else 0
@@ -171,9 +171,9 @@ class Scheduler:
                 self.finish(q, RequestStatus.CANCELLED, "yielded")
                 self.room = None
         budget, bs = self.config.max_batch_tokens, self.store.block_size
-        reserve = math.ceil(self.config.reserve_fraction * self.store.device_pool.num_blocks)
+        reserve = math.ceil(self.config.reserve_fraction * self.store.pool_sizes.device_blocks)
         room, self.room = self.room or self.store.room(), None      # consumed: a commit or end leaves the next
-        if self.layerwise is not None and self.layered.project(room.device_blocks, reserve):
+        if self.layered is not None and self.layered.project(room.device_blocks, reserve):
             room = self.store.room()                                 # layers were pushed down
         avail, slots = room.device_blocks, room.device_slots
         host_taken = 0                 # host slots this pass's items fill (push-downs take theirs at once)
@@ -192,7 +192,7 @@ class Scheduler:
                 i += 1
                 continue
             need = blocks_needed(item)
-            if need > avail and self.layerwise is not None:   # push layers down before suspending anyone
+            if need > avail and self.layered is not None:   # push layers down before suspending anyone
                 for q in reversed(self.running[i + 1:]):
                     if need <= avail:
                         break
@@ -209,13 +209,14 @@ class Scheduler:
                 else:
                     avail += self._suspend(r)
                 continue
-            if item.factor != 1 and self._host_needed(r, item) > self._host_left(host_taken):
-                item = self.layered.trim_to_host(r, item, self._host_left(host_taken))
-                if item is None:       # waits for host slots; its device blocks stay unspent
+            if item.factor != 1 and self.layered is not None \
+                    and self._host_needed(r, item) > self._host_left(host_taken):
+                trimmed = self.layered.trim_to_host(r, item, self._host_left(host_taken))
+                if trimmed is None:    # waits for host slots; its device blocks stay unspent
                     starved.append(r)
                     i += 1
                     continue
-                need = blocks_needed(item)
+                item, need = trimmed, blocks_needed(trimmed)
             avail -= need
             host_taken += self._host_needed(r, item)
             budget -= item.num_tokens
@@ -228,8 +229,8 @@ class Scheduler:
             avail += self._fail(r, no_host_slots(r))
         # (2) admission, short turns first, while more than the reserve stays available and (SLO
         # policy) the admitted prefills' predicted seconds fit in min_i slack_i of the running decodes.
-        committed = self.layered.committed(items) if self.layerwise is not None else 0
-        host_committed = self.layered.host_committed(items) if self.layerwise is not None else 0
+        committed = self.layered.committed(items) if self.layered is not None else 0
+        host_committed = self.layered.host_committed(items) if self.layered is not None else 0
         allowance = self.slo.allowance(self.running) if self.slo is not None else math.inf
         after = None                   # the queue in admission order: O(what a pass admits or skips + log queued)
         while (i := 0 if after is None else self.waiting.bisect_key_right(after)) < len(self.waiting):
@@ -243,8 +244,8 @@ class Scheduler:
             if r.warmup and (stale or len(self._queued[r.session_id]) > 1):   # a turn came, or the session changed
                 self.finish(r, RequestStatus.CANCELLED, "superseded")
                 continue
-            cost = self.slo.prefill_seconds(r.prefill_rows()) if allowance < math.inf else 0.0
-            if cost > allowance:       # would push a decode past its TPOT SLO: defer, FCFS
+            cost = self.slo.prefill_seconds(r.prefill_rows()) if self.slo is not None and allowance < math.inf else 0.0
+            if cost > allowance and self.slo is not None:   # would push a decode past its TPOT SLO: defer, FCFS
                 self.slo.deferred += 1
                 break
             verdict = self.admission.admit(r, budget, avail, reserve, first=not items, pass_=(self.passes, self.epoch),
@@ -262,7 +263,7 @@ class Scheduler:
             avail -= verdict.blocks
             slots = None if slots is None else slots - 1     # its session claims a slot or keeps its own
             host_taken += self._host_needed(r, item)
-            if self.layerwise is not None:
+            if self.layered is not None:
                 committed += self.layered.future_blocks(r, item)
                 host_committed += self.layered.future_host(r, item)
             allowance -= cost

@@ -124,6 +124,7 @@ class SloPolicy:
 
     def slack(self, r: Request, now: float) -> float:
         """Δt_i of a decoding request (seconds; may be negative). Needs `tpot_slo`."""
+        assert self.tpot_slo is not None and r.first_token_at is not None, r
         n_h = len(r.output_ids)
         t_h = now - r.first_token_at
         total = self.outputs.predict_total(r.session_id, r.sampling.max_new_tokens)

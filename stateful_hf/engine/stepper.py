@@ -51,8 +51,7 @@ import uuid
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
 
-from ..cache import DEFAULT_TENANT, Committed, UnknownSessionError, session_key
-from ..integration.session_store import SessionStore
+from ..cache.doors.engine import DEFAULT_TENANT, Committed, EngineStore, UnknownSessionError, session_key
 from .request import Request, RequestHandle, RequestOutput, RequestStatus, WorkItem
 from .runner import ModelRunner, StepRecord, StepTotals
 from .scheduler import Scheduler
@@ -90,6 +89,7 @@ class Stepper:
                     it.request.scheduled_at = it.request.scheduled_at or t0
                 if self.before_forward is not None:
                     self.before_forward(sum(len(it.new_ids) for it in items))
+                committed: Committed | None
                 try:
                     _, tokens, committed = self.runner.execute(items)
                 except Exception as e:      # the step was aborted: the store is as before
@@ -98,7 +98,7 @@ class Stepper:
                 decode_rows = sum(1 for it in items if it.request.output_ids and it.new_ids)
                 if items:
                     self.scheduler.complete(items, tokens, self.eos, committed)
-                    record = self.runner.record(self.totals.steps, items, time.monotonic() - t0)
+                    record = self.runner.record(self.totals.steps, items, time.monotonic() - t0, committed)
                     self.records.append(record)
                     self.totals.add_step(items, record, decode_rows)
                     if self.slo is not None:    # prefill rows = every row but the decode ones
@@ -124,7 +124,8 @@ class Stepper:
             else:
                 ran.append(it)
                 tokens += sampled
-                committed = one if committed is None else Committed(one.room, {**committed.turns, **one.turns})
+                committed = one if committed is None else \
+                    Committed(one.room, {**committed.turns, **one.turns}, one.device_free)
         return ran, tokens, committed
 
     def _publish(self, items) -> None:
@@ -159,7 +160,7 @@ class RequestRegistry:
         self._cancels: list[Request] = []          # asked to end since the loop last took the inbox
         self._handles: dict[int, RequestHandle] = {}
         self._requests: dict[int, Request] = {}
-        self._active = Counter()                   # session id -> unfinished requests
+        self._active: Counter[str] = Counter()     # session id -> unfinished requests
         self._on_finish: dict[int, Callable[[RequestOutput], None]] = {}
         self._ids = itertools.count()
         self._queued = 0                           # requests ever queued (add)
@@ -227,7 +228,9 @@ class RequestRegistry:
             if not handle.done:
                 self._on_finish[handle.request_id] = fn
                 return
-        fn(handle.output())
+        out = handle.output()
+        assert out is not None         # done: its output is set before the handle reads as done
+        fn(out)
 
     def publish(self, items: Iterable[WorkItem], finished: Iterable[Request],
                 output: Callable[[Request], RequestOutput]) -> None:
@@ -262,7 +265,8 @@ class RequestRegistry:
         with self.cv:
             while True:
                 seen, left = self._queued, end - time.monotonic()
-                if left <= 0 or not self.cv.wait_for(lambda seen=seen: self._queued != seen, min(gap, left)):
+                if left <= 0 or not self.cv.wait_for(lambda seen=seen: self._queued != seen,   # type: ignore[misc]
+                                                     min(gap, left)):
                     return
 
     def await_arrivals(self, n: int, timeout: float) -> bool:
@@ -275,7 +279,7 @@ class RequestRegistry:
 class ThrowawaySessions:
     """Throwaway session keys of `store`, guarded by `condition` (the engine's)."""
 
-    def __init__(self, store: SessionStore, condition: threading.Condition):
+    def __init__(self, store: EngineStore, condition: threading.Condition):
         self.store, self.condition = store, condition
         self.keys: set[str] = set()          # minted, not yet deleted
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import threading
 
-from ..cache import Place, StoreError
+from ..cache.doors.engine import EngineStore, Place, StoreError
 from .request import Request, RequestHandle
 from .sampling import SamplingParams
 
@@ -32,7 +32,7 @@ WARM_SAMPLING = SamplingParams(max_new_tokens=1)    # greedy; the token is disca
 
 
 class WarmUps:
-    def __init__(self, store, requests, ahead: float | None):
+    def __init__(self, store: EngineStore, requests, ahead: float | None):
         self.store, self.requests, self.ahead = store, requests, ahead
         self._lock = threading.Lock()
         self.in_flight: dict[str, RequestHandle] = {}

@@ -11,7 +11,7 @@ from ..cache.hidden.states import HiddenSpec
 from ..fingerprint import model_fingerprint
 from ..kernels import select_backend
 from ..options import HiddenStates, Layout, SessionStoreKwargs, SessionStoreOptions, StoreOptions, TokensOrSize, Unpack
-from ..profile.cost import measure_cost_profile
+from ..profile.cost import measure_cost_profile, measure_offload_bandwidth
 from ..profile.hidden import measure_hidden_costs
 from .hooks import enable
 from .projector import kv_projector
@@ -87,6 +87,11 @@ class SessionStore(KVStore):
         """A transformers Cache over the session (created empty if new), for generate/forward."""
         self.open(session_id)
         return StatefulCache(self, session_id)
+
+    def offload_bandwidth(self) -> float:
+        """Bytes per second of one layer's device blocks copied to host memory (LayerKV's BW; measured once
+        per device, dtype and geometry, memoized)."""
+        return measure_offload_bandwidth(self.tiers.device)
 
 
 def invariant_off(adapter, spec: KVSpec, o: SessionStoreOptions) -> str | None:
