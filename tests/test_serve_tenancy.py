@@ -78,6 +78,10 @@ def test_missing_or_wrong_key_is_401(served):
     _error(r, 401, "missing_api_key")
     assert KEY_A not in httpx.get(srv.url + "/v1/models", headers={"Authorization": f"Bearer {KEY_A}z"}).text
     assert httpx.get(srv.url + "/health", timeout=10).json()["status"] == "ok"            # open
+    assert httpx.get(srv.url + "/ping", timeout=10).status_code == 200                    # open: a probe sends no key
+    for path in ("/version", "/tokenize"):                                                # vLLM's others need one
+        _error(httpx.request("GET" if path == "/version" else "POST", srv.url + path, json={"prompt": "a"},
+                             timeout=10), 401, "missing_api_key")
     _error(httpx.get(srv.url + "/metrics", timeout=10), 401, "missing_api_key")
     _error(httpx.get(srv.url + "/metrics", headers={"Authorization": f"Bearer {KEY_A}"}), 401, "invalid_api_key")
     ok = httpx.get(srv.url + "/metrics", headers={"Authorization": f"Bearer {METRICS_KEY}"}, timeout=10)

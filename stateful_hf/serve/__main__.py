@@ -1,19 +1,22 @@
-"""`python -m stateful_hf.serve [--model NAME|PATH] [--port 8000] [--ray --replicas N] [--api-keys-file FILE]`.
+"""`python -m stateful_hf.serve [MODEL] [--port 8000] [--ray --replicas N] [--api-keys-file FILE]`.
 
-Flags are checked before torch and transformers are imported where they can be (`flags.py`); a bad one
-exits with status 2 and one line."""
+MODEL (or --model): a named model, a model directory or a hub id, as `vllm serve MODEL`; vLLM's common
+flags work too (`vllm_flags.py`). Flags are checked before torch and transformers are imported where
+they can be (`flags.py`); a bad one exits with status 2 and one line, an unknown one with "did you mean"."""
 
 from __future__ import annotations
 
 import argparse
 import ipaddress
+import logging
 import os
 import re
 import signal
+import sys
 
 from ..models import DEFAULT_MODEL, SOURCES, TINY_MODEL, TINY_MODELS, TINY_QWEN3
 from ..options import SchedulingOptions, SessionStoreOptions
-from . import flags
+from . import flags, vllm_flags
 from .response_store import DEFAULT_CAP, DEFAULT_TTL, ResponseRetention
 
 
@@ -87,9 +90,11 @@ def reload_keys_on_sighup(keys) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m stateful_hf.serve", description=__doc__,
-                                usage="%(prog)s [options]   (--help lists them)",
+    p = argparse.ArgumentParser(prog="python -m stateful_hf.serve", description=__doc__, allow_abbrev=False,
+                                usage="%(prog)s [MODEL] [options]   (--help lists them)",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("model_tag", nargs="?", metavar="MODEL", default=None,
+                   help="the model, as `vllm serve MODEL` (the same as --model)")
     flags.add_model_flags(p, DEFAULT_MODEL, f"{DEFAULT_MODEL}, fetched once into $STATEFUL_HF_MODELS; {TINY_MODEL}: "
                           f"the offline fixture with RANDOM weights; {TINY_QWEN3}: a random Qwen3 with Qwen3's "
                           "chat template that thinks (<think>) first")
@@ -122,8 +127,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", type=flags.log_level, default="info", help=f"one of {', '.join(flags.LOG_LEVELS)}")
     p.add_argument("--log-prompts", action="store_true", help="log prompt and completion text (off: never logged)")
     g = p.add_argument_group("access (docs/security.md)")
-    g.add_argument("--api-key", default=os.environ.get("STATEFUL_HF_API_KEY"),
-                   help="the API key of tenant 'default' ($STATEFUL_HF_API_KEY)")
+    g.add_argument("--api-key", default=os.environ.get("STATEFUL_HF_API_KEY") or os.environ.get("VLLM_API_KEY"),
+                   help="the API key of tenant 'default' ($STATEFUL_HF_API_KEY, else $VLLM_API_KEY)")
     g.add_argument("--api-keys-file", help="`key tenant` per line; SIGHUP reloads it")
     g.add_argument("--metrics-key", help="a key /metrics then needs (none: /metrics is open)")
     g.add_argument("--allow-unauthenticated", action="store_true",
@@ -144,12 +149,31 @@ def parser() -> argparse.ArgumentParser:
                    help="request headers a cross-origin request may send (with --allowed-origins)")
     g.add_argument("--allow-credentials", action="store_true",
                    help="let browsers send cookies and Authorization to the allowed origins")
+    vllm_flags.add_vllm_flags(p)
     return p
+
+
+def parse(p: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """The command line: MODEL or --model (not two different ones); an unknown flag exits with status 2
+    naming the closest known ones (`vllm_flags.did_you_mean`). Sets `a.argv`."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    a, unknown = p.parse_known_args(argv)
+    if unknown:
+        vllm_flags.did_you_mean(p, unknown)
+    if a.model_tag is not None:
+        if any(x == "--model" or x.startswith("--model=") for x in argv) and a.model != a.model_tag:
+            p.error(f"the model is given twice: {a.model_tag} and --model {a.model}; give one")
+        a.model = a.model_tag
+    a.argv = argv
+    return a
 
 
 def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> str | None:
     """The checks that need neither torch nor transformers; returns the chat template's text. Sets
-    `a.responses` (the `ResponseRetention` of --responses-ttl and --responses-cap)."""
+    `a.responses` (the `ResponseRetention` of --responses-ttl and --responses-cap), `a.notes` (lines to
+    log: vLLM flags that change nothing, a hub id served from the bundled copy) and what the vLLM flags
+    set (`vllm_flags.check_vllm_flags`); a hub id of a named model becomes that model, served under the
+    hub id (unless --served-model-name)."""
     try:
         a.responses = ResponseRetention(a.responses_ttl, a.responses_cap)
     except ValueError as e:
@@ -163,8 +187,13 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> str | None:
         p.error("--session-wait-timeout must be > 0")
     if not 0 < a.port < 65536:
         p.error(f"--port must be in 1..65535, got {a.port}")
+    a.notes = vllm_flags.check_vllm_flags(p, a, a.argv)
     flags.engine_options(p, a)
-    flags.check_model(p, a.model, (*SOURCES, *TINY_MODELS), a.revision)
+    model = flags.check_model(p, a.model, (*SOURCES, *TINY_MODELS), a.revision)
+    if model != a.model:
+        a.notes.append(f"{a.model} is the bundled {model} (loaded from {SOURCES[model].package}, offline)")
+        a.served_model_name = a.served_model_name or a.model
+        a.model = model
     return flags.read_chat_template(p, a.chat_template)
 
 
@@ -174,10 +203,15 @@ def _one_line(e: BaseException) -> str:
 
 def main(argv=None) -> None:
     p = parser()
-    a = p.parse_args(argv)
+    a = parse(p, argv)
     template = _check(p, a)
-    from .logs import configure
+    from .logs import REQUESTS, configure
     configure(a.log_format, a.log_level.upper(), a.log_prompts)
+    log = logging.getLogger("stateful_hf.serve")
+    for line in a.notes:
+        log.warning("%s", line)
+    if "--disable-log-requests" in vllm_flags.given(a):
+        REQUESTS.setLevel(logging.WARNING)
     flags.check_device(p, a.device)         # imports torch
     dtype, line = flags.resolve_dtype(a.dtype, a.device)
     if line:
@@ -185,8 +219,12 @@ def main(argv=None) -> None:
     store, scheduling = flags.store_options(p, a), flags.engine_options(p, a)
     access = _access(p, a)                  # imports the engine (transformers)
     from .server import EngineOptions
-    options = EngineOptions(**store, **scheduling, session_wait_timeout=a.session_wait_timeout,
-                            tenant_shares=dict(a.tenant_share))
+    shared = {} if a.prefix_sharing is None else {"prefix_sharing": a.prefix_sharing}
+    try:
+        options = EngineOptions(**store, **scheduling, **shared, session_wait_timeout=a.session_wait_timeout,
+                                tenant_shares=dict(a.tenant_share))
+    except ValueError as e:
+        p.error(flags.as_flags(" ".join(str(e).split()), SessionStoreOptions, SchedulingOptions))
     hub = {"revision": a.revision, "trust_remote_code": a.trust_remote_code}
     if a.ray:
         from .cluster import run_cluster
@@ -201,6 +239,7 @@ def main(argv=None) -> None:
 
     from ..models import ModelUnavailableError
     from .chat_template import load_chat_template
+    from .reasoning import reasons
     from .server import build_local, load_model
     try:
         model, tokenizer, name = load_model(a.model, dtype, a.device, **hub)
@@ -210,6 +249,17 @@ def main(argv=None) -> None:
         load_chat_template(a.chat_template, tokenizer)
     except ValueError as e:
         p.error(f"--chat-template {a.chat_template}: {e}")
+    if "--reasoning-parser" in vllm_flags.given(a) and not reasons(tokenizer):
+        log.warning("--reasoning-parser %s: this model's chat template has no <think> block; replies are not "
+                    "split into reasoning and answer", vllm_flags.given(a)["--reasoning-parser"])
+    if a.gpu_memory_utilization is not None:
+        try:
+            size = vllm_flags.device_tier(a.gpu_memory_utilization, a.device)
+        except ValueError as e:
+            p.error(str(e))
+        options = EngineOptions(**{**options.as_dict(), "device_capacity": size})
+        log.warning("--gpu-memory-utilization %s: device tier %.2f GiB", a.gpu_memory_utilization,
+                    int(size.removesuffix("B")) / 2**30)
     try:
         app, router = build_local(model, tokenizer, a.served_model_name or name, options, a.default_max_tokens,
                                   access, max_model_len=a.max_model_len, seed=a.seed, responses=a.responses)

@@ -56,6 +56,7 @@ from .responses import install as install_responses
 from .retain import retain_of
 from .structured import constrain
 from .tool_parse import chat_prompt
+from .utility import install as install_utility
 
 SESSION_HEADER = "x-session-id"
 MAX_SESSION_ID = 128
@@ -342,6 +343,7 @@ def create_app(router, config: ServeConfig, access: Access | None = None) -> Fas
     install_responses(app, router, config, SimpleNamespace(       # /v1/responses: responses.py
         parse=_parse, encode=encode, check_model=check_model, seeded=seeded,
         check_session_id=check_session_id, header_session=header_session, limits=limits))
+    install_utility(app, config, SimpleNamespace(parse=_parse, check_model=check_model))   # /tokenize, /ping ...
 
     @app.get("/v1/models")
     async def models():

@@ -30,7 +30,7 @@ from .limits import Limits
 from .protocol import APIError
 
 log = logging.getLogger(__name__)
-OPEN_PATHS = ("/health",)
+OPEN_PATHS = ("/health", "/ping")      # probes (load balancers, SageMaker) send no key
 METRICS_PATH = "/metrics"
 
 

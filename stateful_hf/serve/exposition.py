@@ -4,7 +4,8 @@ A family is `{"name", "type", "help", "samples": [[sample name, {label: value}, 
 from what a prometheus_client registry collects (`families`). The router merges the families of its
 replicas into one family per name, each sample labelled with its replica (`merge`), adds its own,
 and `render`s the page with prometheus_client's encoders (text 0.0.4, or OpenMetrics when the
-scraper asks for it). No registry here is the process-global default one: every app, replica and
+scraper asks for it), each family followed on the page by its vLLM twins (`vllm_metrics.twins`: vLLM's
+names over the same samples). No registry here is the process-global default one: every app, replica and
 scrape has its own.
 """
 
@@ -54,8 +55,10 @@ class _Static:
 
 
 def render(fams: list[dict], accept: str | None = None) -> tuple[bytes, str]:
-    """(page, content type) in the format the Accept header asks for (default: text 0.0.4)."""
+    """(page, content type) in the format the Accept header asks for (default: text 0.0.4): `fams` and
+    their vLLM twins (`vllm_metrics.twins`)."""
+    from .vllm_metrics import twins
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Static(fams))
+    registry.register(_Static(fams + twins(fams)))
     encoder, content_type = choose_encoder(accept or "")
     return encoder(registry), content_type

@@ -165,31 +165,64 @@ def _one_of(names: tuple[str, ...]):
     return name
 
 
-def check_model(p: argparse.ArgumentParser, model: str, named: tuple[str, ...], revision: str | None = None) -> None:
-    """`--model` is a named model, a directory with a config.json, or a hub id (ORG/NAME, loaded
-    by from_pretrained); a path that does not exist is refused here, before anything loads, and so is a
-    hub id while the hub is offline (HF_HUB_OFFLINE) when the local cache does not hold it."""
+def check_model(p: argparse.ArgumentParser, model: str, named: tuple[str, ...], revision: str | None = None) -> str:
+    """The model to load for `--model` (or the positional MODEL): a named model, a directory with a
+    config.json, or a hub id (ORG/NAME, loaded by from_pretrained); a hub id of a named model is that
+    named model (`models.bundled`: `HuggingFaceTB/SmolLM2-135M-Instruct` -> `smollm2-135m-instruct`,
+    offline). Refused here, before anything loads: a path that does not exist, and a hub id the local
+    cache does not hold while the hub is offline ($HF_HUB_OFFLINE) or unreachable (no network: one TCP
+    connection tried, `models.hub_reachable`; no hub request), naming the closest known models."""
+    from ..models import bundled, hub_reachable
     if model in named:
-        return
+        return model
+    own = bundled(model)
+    if own is not None:
+        return own
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
             p.error(f"--model {model}: the directory has no config.json, so it is not a Hugging Face model "
                     "directory")
-        return
+        return model
     if path.exists():
         p.error(f"--model {model}: a file, not a model directory")
-    close = [n for n in named if n.startswith(model.lower())] or difflib.get_close_matches(model.lower(), named, n=1)
-    hint = f"; did you mean {close[0]}?" if close else ""
+    hint = _did_you_mean(model, named)
     if not HUB_ID.fullmatch(model):
         p.error(f"--model {model}: no such model path or known model: not a directory, not a named model "
                 f"({', '.join(named)}) nor a hub id (ORG/NAME){hint}")
     from huggingface_hub import constants, try_to_load_from_cache  # no torch; ~0.2 s
-    if constants.HF_HUB_OFFLINE and not isinstance(try_to_load_from_cache(model, "config.json", revision=revision),
-                                                    str):
+    if isinstance(try_to_load_from_cache(model, "config.json", revision=revision), str):
+        return model
+    why = "the hub is offline (HF_HUB_OFFLINE)" if constants.HF_HUB_OFFLINE else \
+        None if hub_reachable() else f"the hub ({constants.ENDPOINT}) cannot be reached (no network)"
+    if why is not None:
         p.error(f"--model {model}: no such model path or known model: not a directory, not a named model "
-                f"({', '.join(named)}), and as a hub id not in the local cache while the hub is offline "
-                f"(HF_HUB_OFFLINE){hint}")
+                f"({', '.join(named)}), and as a hub id not in the local cache while {why}{hint}")
+    return model
+
+
+def _did_you_mean(model: str, named: tuple[str, ...]) -> str:
+    """"; did you mean X?" over the named models, their hub ids and the hub ids the local cache holds
+    (case-insensitive), or ""."""
+    from ..models import SOURCES
+    known = {n.lower(): n for n in named} | {s.hub_id.lower(): s.hub_id for s in SOURCES.values()}
+    known |= {n.lower(): n for n in _cached_hub_ids()}
+    text = model.lower().rstrip("/")
+    close = [known[k] for k in known if k.startswith(text) or (text and k.endswith("/" + text))]
+    close = close or [known[k] for k in difflib.get_close_matches(text, list(known), n=2, cutoff=0.6)]
+    close = close or [known[k] for k in difflib.get_close_matches(text.rpartition("/")[2], list(known), n=1)]
+    return f"; did you mean {' or '.join(dict.fromkeys(close))}?" if close else ""
+
+
+def _cached_hub_ids() -> list[str]:
+    """ORG/NAME of the models in the local hub cache ($HF_HUB_CACHE: `models--ORG--NAME` directories)."""
+    from huggingface_hub import constants
+    root = Path(constants.HF_HUB_CACHE)
+    try:
+        dirs = [d.name for d in root.iterdir() if d.name.startswith("models--")]
+    except OSError:
+        return []
+    return [d.removeprefix("models--").replace("--", "/", 1) for d in dirs]
 
 
 def read_chat_template(p: argparse.ArgumentParser, path: str | None) -> str | None:

@@ -1,7 +1,8 @@
 """The router's own series (in a registry of its own): where requests went, migrations, hint lead
-times, replicas' in-flight load, and whether each replica answered the scrape. Read from the
-router's state at scrape time, except the hint lead time histogram, observed when a hinted
-session's request arrives."""
+times, replicas' in-flight load, whether each replica answered the scrape, and the served model
+(`stateful_hf_model_info{model_name}`, once the app names it: the `model_name` label of the vLLM
+names, `vllm_metrics.py`). Read from the router's state at scrape time, except the hint lead time
+histogram, observed when a hinted session's request arrives."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from .exposition import families
 from .metrics import PREFIX
+from .vllm_metrics import MODEL_INFO
 
 HINT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -50,6 +52,10 @@ class _RouterCollector:
                                   "their session because it was overloaded", value=r.stats["affinity_overridden"])
         yield GaugeMetricFamily(f"{PREFIX}_router_sessions", "Sessions whose holder the router knows",
                                 value=len(r.location))
+        if r.metrics.model_name is not None:
+            info = GaugeMetricFamily(MODEL_INFO, "The model this server serves (value 1)", labels=["model_name"])
+            info.add_metric([r.metrics.model_name], 1.0)
+            yield info
 
 
 class RouterMetrics:
@@ -62,6 +68,7 @@ class RouterMetrics:
                               "code", labelnames=["status", "code"], registry=self.registry)
         self.registry.register(_RouterCollector(router))
         self.hint_ttl = hint_ttl
+        self.model_name: str | None = None               # the served model (set by the app: utility.install)
         self.unreachable: set[str] = set()               # replicas that failed the last scrape
         self._hinted: OrderedDict[str, float] = OrderedDict()   # session -> its first unanswered hint (monotonic)
 
