@@ -75,7 +75,7 @@ import torch
 
 from stateful_hf import Engine, SamplingParams, SessionStore
 from stateful_hf.cache import ChunkState
-from stateful_hf.cache.policy import RecencyCostPolicy
+from stateful_hf.cache.eviction.policy import RecencyCostPolicy
 from stateful_hf.engine.request import RequestStatus, blocks_needed, next_item
 from stateful_hf.testing import tiny_llama
 

@@ -33,8 +33,8 @@ import torch
 
 from stateful_hf import Engine, SamplingParams, SessionStore
 from stateful_hf.cache import session_key
-from stateful_hf.cache.migration import SessionExport
-from stateful_hf.cache.policy import DEFAULT_POLICY, POLICY_NAMES, FairSharePolicy, make_policy
+from stateful_hf.cache.eviction.policy import DEFAULT_POLICY, POLICY_NAMES, FairSharePolicy, make_policy
+from stateful_hf.cache.movement.migration import SessionExport
 from stateful_hf.testing import tiny_llama
 
 

@@ -1,4 +1,4 @@
-"""The CPU async emulator (stateful_hf/cache/transfer.py) and the ordering rules it checks: destinations read
+"""The CPU async emulator (stateful_hf/cache/movement/transfer.py) and the ordering rules it checks: destinations read
 poison until their copy lands, sources are held back (lazy free) until it lands, and breaking the
 lazy free makes tiered generation wrong under the emulator."""
 

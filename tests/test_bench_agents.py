@@ -54,7 +54,7 @@ def test_retention_of_zero_seconds_is_no_retention():
 def test_belady_ranks_farthest_next_use_first():
     """The oracle's key has the shipped policies' shape (smaller first; `now - next use`): a finished agent
     (no next turn) before one back in 30 s, before one back in 2 s; inside a session, chunk order by cost."""
-    from stateful_hf.cache.session import Session
+    from stateful_hf.cache.sessions.session import Session
 
     now = 100.0
     oracle = bench_agents.Belady({"soon": now + 2, "later": now + 30})

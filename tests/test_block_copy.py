@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stateful_hf.cache.hidden.states import HiddenPool, HiddenSpec
-from stateful_hf.cache.pool import BlockPool, block_runs
+from stateful_hf.cache.movement.transfer import copy_now
+from stateful_hf.cache.pools.pool import BlockPool, block_runs
 from stateful_hf.cache.spec import KVSpec
-from stateful_hf.cache.transfer import copy_now
 
 SPEC = KVSpec(num_layers=3, num_kv_heads=2, head_dim=4, block_size=4)
 N = 12

@@ -1,4 +1,4 @@
-"""What a step could get (`Capacity`, stateful_hf/cache/tier_pools.py): `available_blocks` /
+"""What a step could get (`Capacity`, stateful_hf/cache/pools/tier_pools.py): `available_blocks` /
 `available_host_blocks` against a reference computed from the chunk tables alone (a chunk object
 held by several sessions is one block, and counts only when every session holding it is idle), with
 shared prefixes, busy holders and chunks moved to the host. Exactness of the turns is checked

@@ -25,7 +25,13 @@ from test_capacity import reference
 
 from stateful_hf import CapacityError, SessionStore
 from stateful_hf.cache import ChunkState
-from stateful_hf.cache.policy import CostProfile, FairSharePolicy, RetentionPolicy, ReturnAwarePolicy, make_policy
+from stateful_hf.cache.eviction.policy import (
+    CostProfile,
+    FairSharePolicy,
+    RetentionPolicy,
+    ReturnAwarePolicy,
+    make_policy,
+)
 
 BS = 8
 SYSTEM = torch.randint(3, 300, (1, 19), generator=torch.Generator().manual_seed(5))    # 2 full chunks + 3

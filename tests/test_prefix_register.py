@@ -9,9 +9,9 @@ import random
 
 import pytest
 
-from stateful_hf.cache.integrity import check_sharing
+from stateful_hf.cache.audit.integrity import check_sharing
 from stateful_hf.cache.prefix.sharing import PrefixSharing
-from stateful_hf.cache.session import Chunk, ChunkState, Session
+from stateful_hf.cache.sessions.session import Chunk, ChunkState, Session
 
 BS = 4
 DEVICE, DROPPED = ChunkState.DEVICE, ChunkState.DROPPED

@@ -14,7 +14,7 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from stateful_hf import SamplingParams  # noqa: E402
-from stateful_hf.cache.stats import Counters  # noqa: E402
+from stateful_hf.cache.audit.stats import Counters  # noqa: E402
 from stateful_hf.serve import LocalClient, Replica, Router  # noqa: E402
 from stateful_hf.serve.metrics import STORE_COUNTERS, STORE_STAT_COUNTERS, UNEXPORTED_COUNTERS  # noqa: E402
 from stateful_hf.serve.server import EngineOptions  # noqa: E402

@@ -143,7 +143,7 @@ def _victims(store: KVStore, state, n: int, exclude: set[str], shadowed=None, sc
 def test_fair_walk_below_the_device_puts_the_flooding_tenant_first(inner, tmp_path):
     """Negative control for the walk: on the host tier, b's two sessions are older, so the inner policy
     alone would take them first; fair share takes a's (above its half of the tier) first, and the per-tenant
-    walk (`cache/fair_walk.py`) chooses exactly as the full scan does."""
+    walk (`cache/eviction/fair_walk.py`) chooses exactly as the full scan does."""
     store, t = _fair_store(str(tmp_path), inner)
     for sid in [session_key("b", f"s{i}") for i in range(2)] + [session_key("a", f"s{i}") for i in range(10)]:
         t[0] += 1
@@ -199,7 +199,7 @@ def test_fair_walk_matches_a_full_scan(ops, inner, weights):
 def test_a_change_the_table_is_not_told_of_is_caught(tmp_path):
     """Negative control of the table's token counts: a history grown behind its back (no `recount`) fails
     `check_integrity`; told (`recount`), it holds again, and tenant_usage follows."""
-    from stateful_hf.cache.session import Chunk
+    from stateful_hf.cache.sessions.session import Chunk
 
     store, t = _fair_store(str(tmp_path), LRUPolicy, device=64)
     turn(store, session_key("a", "s"), 8)

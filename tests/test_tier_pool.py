@@ -1,4 +1,4 @@
-"""Every pool keeps the `TierPool` protocol (`stateful_hf/cache/tier.py`) and declares what callers tell
+"""Every pool keeps the `TierPool` protocol (`stateful_hf/cache/pools/tier.py`) and declares what callers tell
 pools apart by; each is given the store's transfer engine when made; every kind of copy between tiers is
 a `Transfer` method that copies exactly and is counted; nothing in the store's core probes a pool."""
 
@@ -13,9 +13,9 @@ from conftest import Conversation, greedy
 import stateful_hf
 from stateful_hf.cache import ChunkState, KVSpec
 from stateful_hf.cache.hidden.states import HiddenCapture, HiddenPool, HiddenSpec
-from stateful_hf.cache.pool import BlockPool
-from stateful_hf.cache.tier import TierPool
-from stateful_hf.cache.transfer import Transfer
+from stateful_hf.cache.movement.transfer import Transfer
+from stateful_hf.cache.pools.pool import BlockPool
+from stateful_hf.cache.pools.tier import TierPool
 from stateful_hf.cache.virtual.pool import VirtualPool
 from stateful_hf.testing import tiny_llama
 

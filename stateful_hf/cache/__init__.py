@@ -1,8 +1,8 @@
 """The tiered session KV store. Knows tensors, not transformers."""
 
+from .audit.stats import SessionStats, StoreStats
 from .errors import CapacityError, SessionBusyError, StoreError, UnknownSessionError
-from .kv_store import KVStore
-from .policy import (
+from .eviction.policy import (
     DEFAULT_POLICY,
     POLICY_NAMES,
     CostProfile,
@@ -14,13 +14,13 @@ from .policy import (
     ReturnAwarePolicy,
     make_policy,
 )
-from .pool import BlockPool
-from .returns import ReturnEstimator
-from .session import Chunk, ChunkState, Session, TurnStats
+from .eviction.returns import ReturnEstimator
+from .kv_store import KVStore
+from .pools.pool import BlockPool
+from .sessions.session import Chunk, ChunkState, Session, TurnStats
+from .sessions.tenant import DEFAULT_TENANT, TenantUsage, session_key, split_key, tenant_of
 from .spec import KVSpec, capacity_in_blocks, parse_capacity
-from .stats import SessionStats, StoreStats
 from .step import StepBatch, StepEntry
-from .tenant import DEFAULT_TENANT, TenantUsage, session_key, split_key, tenant_of
 from .turn import ChunkNeeds, Committed, Place, PoolSizes, Room, TurnNeeds
 
 __all__ = [

@@ -17,18 +17,18 @@ from contextlib import contextmanager
 
 from ..kernels import select_backend
 from ..options import KVStoreKwargs, Layout, StoreConfig, TokensOrSize, Unpack
-from .history import common_prefix
-from .integrity import check_integrity
-from .migration import SessionExport, export_session, import_sessions
-from .policy import EvictionPolicy
-from .relocation import chunk_indices, target_state
-from .session import Session
+from .audit.integrity import check_integrity
+from .audit.stats import SessionStats, StoreStats, TurnStats, summary
+from .audit.store_stats import session_stats, store_stats
+from .eviction.policy import EvictionPolicy
+from .movement.migration import SessionExport, export_session, import_sessions
+from .movement.relocation import chunk_indices, target_state
+from .sessions.history import common_prefix
+from .sessions.session import Session
+from .sessions.tenant import TenantUsage
 from .spec import KVSpec
-from .stats import SessionStats, StoreStats, TurnStats, summary
 from .step import StepBatch
 from .store_parts import assemble
-from .store_stats import session_stats, store_stats
-from .tenant import TenantUsage
 from .turn import ChunkNeeds, Committed, Place, PoolSizes, Room, TurnNeeds, places_of
 
 

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..kernels import KernelState, Overlay, PagedBatch
-from .pool import BlockPool, write_kv
-from .transfer import wait_event
+from .movement.transfer import wait_event
+from .pools.pool import BlockPool, write_kv
 
 if TYPE_CHECKING:
     from .hidden.states import StepHidden

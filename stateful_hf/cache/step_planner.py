@@ -28,14 +28,14 @@ import torch
 
 from ..kernels import KernelState, PagedBatch
 from ..options import Layout
+from .audit.stats import Counters
 from .errors import CapacityError, StoreError
-from .placement import Placement
-from .session import HIDDEN_FORMS, Chunk, ChunkState, Session, SessionTable, TurnStats
-from .stats import Counters
+from .movement.placement import Placement
+from .movement.swap_in import SwapIn
+from .movement.transfer import Transfer
+from .pools.tier_pools import TierPools, count_chunks
+from .sessions.session import HIDDEN_FORMS, Chunk, ChunkState, Session, SessionTable, TurnStats
 from .step import StepBatch, StepEntry
-from .swap_in import SwapIn
-from .tier_pools import TierPools, count_chunks
-from .transfer import Transfer
 from .turn import check_factor, entry_needs
 
 if TYPE_CHECKING:

@@ -21,27 +21,27 @@ from dataclasses import dataclass
 
 from ..kernels import KernelState
 from ..options import HiddenStates, Layout, StoreConfig
+from .audit.stats import Counters
 from .disk.state import DiskState
 from .disk.tier import DiskTier
 from .errors import StoreError
+from .eviction.policy import DEFAULT_POLICY, EvictionPolicy, make_policy
 from .hidden.tier import HiddenTier, open_hidden_tier
-from .history import History
 from .layerwise.chunks import LayeredChunks
 from .layerwise.residues import ResidueTable
-from .moves import MoveLedger
-from .placement import Placement
-from .policy import DEFAULT_POLICY, EvictionPolicy, make_policy
-from .pool import BlockPool
+from .movement.moves import MoveLedger
+from .movement.placement import Placement
+from .movement.relocation import Relocation
+from .movement.swap_in import SwapIn
+from .movement.transfer import Transfer, emulate_from_env
+from .pools.pool import BlockPool
+from .pools.tier_pools import Capacity, TierPools
 from .prefix.sharing import PrefixSharing
-from .relocation import Relocation
-from .session import INDEXED, SessionTable
+from .sessions.history import History
+from .sessions.session import INDEXED, SessionTable
+from .sessions.tier_index import TierOrder, TierUsage
 from .spec import KVSpec, capacity_in_blocks
-from .stats import Counters
 from .step_planner import StepPlanner
-from .swap_in import SwapIn
-from .tier_index import TierOrder, TierUsage
-from .tier_pools import Capacity, TierPools
-from .transfer import Transfer, emulate_from_env
 from .virtual.mapper import PageMapper
 from .virtual.pool import VirtualPool
 

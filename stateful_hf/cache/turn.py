@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from .session import Chunk, ChunkState, Session
+from .sessions.session import Chunk, ChunkState, Session
 
 
 @dataclass(frozen=True, slots=True)

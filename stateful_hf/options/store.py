@@ -43,7 +43,7 @@ class StoreOptions(Options):
                                                 flag=True, cli="the disk tier: tokens or a size; none: 1GiB with "
                                                 "--disk-dir")
     policy: Any = option(None, "eviction policy: a name (recency_cost, return_aware, pensieve, lru: "
-                         "stateful_hf.cache.policy) or an EvictionPolicy; None: recency_cost", flag=True,
+                         "stateful_hf.cache.eviction.policy) or an EvictionPolicy; None: recency_cost", flag=True,
                          metavar="NAME", cli="eviction policy (none: recency_cost)")
     cost_profile: Any = option(None, "Pensieve's Cost(l), a CostProfile, for a named policy; None: SessionStore "
                                "measures it on the model (once per geometry and device) if the policy uses it")

@@ -16,7 +16,7 @@ import torch
 from ..cache.disk.tier import DiskTier
 from ..cache.hidden.partition import HiddenCosts
 from ..cache.hidden.states import HiddenCapture, HiddenPool, HiddenRestore, HiddenSpec
-from ..cache.pool import BlockPool
+from ..cache.pools.pool import BlockPool
 from ..cache.spec import KVSpec
 from ..integration.adapter import ModelAdapter
 from ..integration.projector import kv_projector

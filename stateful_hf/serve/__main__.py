@@ -21,7 +21,7 @@ from .response_store import DEFAULT_CAP, DEFAULT_TTL, ResponseRetention
 
 
 def _share(v: str) -> tuple[str, float]:
-    from ..cache.tenant import check_tenant
+    from ..cache.sessions.tenant import check_tenant
     tenant, _, weight = v.partition("=")
     try:
         w = float(weight)

@@ -10,7 +10,7 @@ OpenAI `user` field is not a session (two conversations of one user would overwr
 Without a session id the turn runs in a throwaway session of the caller's tenant, deleted when the
 turn ends (it still reuses and feeds the shared prefixes of its tenant and `cache_salt`:
 docs/prefix-sharing.md). `session_id_of` is the one place a request's session id is resolved:
-sessions are named within the caller's tenant (`auth.py`: the API key's; `stateful_hf/cache/session.py`: the
+sessions are named within the caller's tenant (`auth.py`: the API key's; `stateful_hf/cache/sessions/session.py`: the
 store's key). `Access` (keys, limits) is enforced by
 `auth.Guard` and `limits.TenantGate`; CORS (`CorsPreflight`, in front of Guard) when origins are allowed.
 A request's parsing, chat-template rendering and tokenization run in a worker thread (`chat_turn`,
@@ -35,7 +35,7 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..cache.tenant import session_key, split_key
+from ..cache.sessions.tenant import session_key, split_key
 from .auth import Access, Guard, request_tenant
 from .limits import TenantGate
 from .protocol import (

@@ -25,7 +25,7 @@ import os
 import threading
 from dataclasses import dataclass, field
 
-from ..cache.tenant import DEFAULT_TENANT, check_tenant
+from ..cache.sessions.tenant import DEFAULT_TENANT, check_tenant
 from .limits import Limits
 from .protocol import APIError
 

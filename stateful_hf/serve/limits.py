@@ -24,7 +24,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from ..cache.tenant import split_key
+from ..cache.sessions.tenant import split_key
 from .protocol import APIError
 
 RETRY_AFTER_SECONDS = 1

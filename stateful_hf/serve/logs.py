@@ -4,7 +4,7 @@ JSON object); the text format shows the message only.
 
 - logger `stateful_hf.requests`, event "request_end": one per finished turn (`request_end`).
 - logger `stateful_hf.moves`, event "tier_move": one per batch of chunks moved between tiers
-  (`stateful_hf/cache/moves.py`).
+  (`stateful_hf/cache/movement/moves.py`).
 
 Prompt and completion text (and ids) are logged only with `--log-prompts`. The settings travel to
 Ray replicas (other processes) in environment variables (`env`, `configure_from_env`).

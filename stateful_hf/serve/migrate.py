@@ -1,5 +1,5 @@
 """KV migration between replicas: the store's own `export_session` / `import_session`
-(`stateful_hf/cache/migration.py`: what moves and how), waiting here while a turn holds the session,
+(`stateful_hf/cache/movement/migration.py`: what moves and how), waiting here while a turn holds the session,
 since the store answers a busy session with SessionBusyError at once.
 
 Between the import and the end of its moves a turn must not start on the session: the caller
@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from ..cache import SessionBusyError
-from ..cache.migration import SessionExport
+from ..cache.movement.migration import SessionExport
 
 __all__ = ["SessionExport", "export_session", "import_session"]
 

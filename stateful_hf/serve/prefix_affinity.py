@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import xxhash
 
 from ..cache.prefix.index import PrefixScope
-from ..cache.tenant import DEFAULT_TENANT
+from ..cache.sessions.tenant import DEFAULT_TENANT
 
 
 class PrefixAffinity:

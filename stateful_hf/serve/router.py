@@ -30,7 +30,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator
 
-from ..cache.tenant import DEFAULT_TENANT, split_key
+from ..cache.sessions.tenant import DEFAULT_TENANT, split_key
 from .directory import SessionDirectory
 from .exposition import merge, render
 from .prefix_affinity import PrefixAffinity

@@ -15,6 +15,7 @@ Parsing, rendering and tokenizing run in a worker thread, as the completions' do
 
 from __future__ import annotations
 
+from importlib.metadata import version as package_version
 from typing import Any
 
 from fastapi import Request
@@ -119,8 +120,7 @@ def install(app, config, kit) -> None:
 
     @app.get("/version")
     async def version():
-        from .. import __version__
-        return JSONResponse({"version": __version__})
+        return JSONResponse({"version": package_version("stateful-hf")})
 
     @app.api_route("/ping", methods=["GET", "POST"])
     async def ping():

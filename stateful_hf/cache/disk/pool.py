@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..hidden.states import HiddenPool
-from ..pool import BlockPool
+from ..pools.pool import BlockPool
 
 if TYPE_CHECKING:
     from .file import DiskFile

@@ -21,11 +21,11 @@ from array import array
 from collections.abc import Iterable
 
 from ..errors import StoreError
+from ..movement.transfer import Transfer
 from ..prefix.index import PrefixScope
 from ..prefix.sharing import PrefixSharing
-from ..session import ON_DISK, Chunk, ChunkState, Session, SessionTable
-from ..tenant import tenant_of
-from ..transfer import Transfer
+from ..sessions.session import ON_DISK, Chunk, ChunkState, Session, SessionTable
+from ..sessions.tenant import tenant_of
 from .file import identity_tags
 from .index import SessionRow, pack_ids
 from .tier import DiskTier

@@ -47,8 +47,8 @@ import sqlite3
 from dataclasses import dataclass
 
 from ..hidden.states import HiddenSpec
+from ..pools.tier import LazyFree
 from ..spec import KVSpec
-from ..tier import LazyFree
 from .directory import DiskDirectory
 from .file import DiskFile
 from .index import SessionRow, unpack_ids

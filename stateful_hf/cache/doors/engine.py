@@ -14,11 +14,11 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 from ..errors import CapacityError, SessionBusyError, StoreError, UnknownSessionError
-from ..policy import CostProfile, EvictionPolicy
-from ..session import TurnStats
+from ..eviction.policy import CostProfile, EvictionPolicy
+from ..sessions.session import TurnStats
+from ..sessions.tenant import DEFAULT_TENANT, session_key
 from ..spec import KVSpec
 from ..step import StepBatch
-from ..tenant import DEFAULT_TENANT, session_key
 from ..turn import Committed, Place, PoolSizes, Room, TurnNeeds, blocks_at_most
 
 __all__ = ["DEFAULT_TENANT", "CapacityError", "Committed", "CostProfile", "EngineStore", "EvictionPolicy", "KVSpec",

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..pool import BlockPool, block_runs, host_zeros, resident_bytes, write_kv
+from ..pools.pool import BlockPool, block_runs, host_zeros, resident_bytes, write_kv
+from ..pools.tier import LazyFree, TierPool
 from ..spec import KVSpec
-from ..tier import LazyFree, TierPool
 
 # (layer, hidden [n, D], positions [n]) -> (K, V), each [n, kv_heads, head_dim], on the hidden's device
 Projector = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]

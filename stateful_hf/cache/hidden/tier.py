@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from ...options import HiddenStates
-from ..session import HIDDEN_FORMS, ChunkState, Session
+from ..audit.stats import Counters
+from ..pools.tier import LazyFree
+from ..sessions.session import HIDDEN_FORMS, ChunkState, Session
 from ..spec import KVSpec, capacity_in_blocks
-from ..stats import Counters
-from ..tier import LazyFree
 from .states import HiddenCapture, HiddenPool, HiddenRestore, HiddenSpec, Projector, StepHidden
 
 if TYPE_CHECKING:

@@ -22,12 +22,12 @@ from __future__ import annotations
 import time
 
 from ...options import Layout
+from ..audit.stats import Counters
 from ..errors import CapacityError
-from ..placement import Items, Placement
-from ..session import Chunk, ChunkState, Session
-from ..stats import Counters
-from ..tier_pools import TierPools
-from ..transfer import Transfer
+from ..movement.placement import Items, Placement
+from ..movement.transfer import Transfer
+from ..pools.tier_pools import TierPools
+from ..sessions.session import Chunk, ChunkState, Session
 from ..turn import check_factor
 from .residues import kept_layers
 from .step import LayeredStep

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ...kernels import Overlay
-from ..pool import BlockPool, write_kv
+from ..pools.pool import BlockPool, write_kv
 
 
 @dataclass(frozen=True, slots=True)

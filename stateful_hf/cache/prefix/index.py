@@ -65,7 +65,7 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from ..tenant import DEFAULT_TENANT, check_tenant
+from ..sessions.tenant import DEFAULT_TENANT, check_tenant
 
 Digest = Callable[[bytes], bytes]
 

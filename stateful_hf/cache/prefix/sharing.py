@@ -38,8 +38,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
-from ..session import ON_DISK, Chunk, ChunkState, Session
-from ..tenant import tenant_of
+from ..sessions.session import ON_DISK, Chunk, ChunkState, Session
+from ..sessions.tenant import tenant_of
 from .index import PrefixEntry, PrefixIndex, PrefixScope
 
 DEVICE, DROPPED = ChunkState.DEVICE, ChunkState.DROPPED

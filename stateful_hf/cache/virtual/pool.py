@@ -32,8 +32,8 @@ import threading
 
 import torch
 
+from ..pools.tier import LazyFree
 from ..spec import KVSpec
-from ..tier import LazyFree
 from .reservation import CudaReservation
 
 PAGE = mmap.PAGESIZE

@@ -21,13 +21,13 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .errors import SessionBusyError, UnknownSessionError
+from ..audit.stats import TurnStats
+from ..errors import SessionBusyError, UnknownSessionError
 from .expectations import Expectations
-from .stats import TurnStats
 from .tenant import tenant_of
 
 if TYPE_CHECKING:     # annotations only: the prefix package's modules import this one
-    from .prefix.index import PrefixEntry, PrefixScope
+    from ..prefix.index import PrefixEntry, PrefixScope
 
 
 class ChunkState(enum.Enum):

@@ -41,9 +41,9 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
+from ..sessions.session import ChunkState, Session
+from ..sessions.tenant import tenant_of
 from .returns import ReturnEstimator
-from .session import ChunkState, Session
-from .tenant import tenant_of
 
 SLACK = 1e-9          # a floor's relative margin below the exact bound: floating-point rounding of the keys
 

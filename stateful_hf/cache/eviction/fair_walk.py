@@ -17,9 +17,9 @@ import heapq
 from collections.abc import Callable, Iterator
 from itertools import islice
 
+from ..prefix.sharing import PrefixSharing
+from ..sessions.session import ChunkState, Session, SessionTable
 from .policy import EvictionPolicy, FairSharePolicy
-from .prefix.sharing import PrefixSharing
-from .session import ChunkState, Session, SessionTable
 
 Items = list[tuple[Session, int]]
 

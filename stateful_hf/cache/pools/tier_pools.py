@@ -16,18 +16,18 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-from ..options import Layout
+from ...options import Layout
+from ..prefix.sharing import PrefixSharing
+from ..sessions.session import ON_DISK, Chunk, ChunkState, Session, SessionTable
+from ..turn import ChunkNeeds, PoolSizes, Room, blocks_at_most, check_factor, needs, places_of
 from .pool import BlockPool
-from .prefix.sharing import PrefixSharing
-from .session import ON_DISK, Chunk, ChunkState, Session, SessionTable
 from .tier import TierPool
-from .turn import ChunkNeeds, PoolSizes, Room, blocks_at_most, check_factor, needs, places_of
 
 if TYPE_CHECKING:
-    from .disk.state import DiskState
-    from .disk.tier import DiskTier
-    from .hidden.states import HiddenPool
-    from .layerwise.residues import ResidueTable
+    from ..disk.state import DiskState
+    from ..disk.tier import DiskTier
+    from ..hidden.states import HiddenPool
+    from ..layerwise.residues import ResidueTable
 
 DEVICE, HOST, DISK, DROPPED = ChunkState.DEVICE, ChunkState.HOST, ChunkState.DISK, ChunkState.DROPPED
 HIDDEN, DISK_HIDDEN, LAYERED = ChunkState.HIDDEN, ChunkState.DISK_HIDDEN, ChunkState.LAYERED

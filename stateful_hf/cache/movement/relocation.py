@@ -14,16 +14,16 @@ import operator
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from .errors import SessionBusyError
+from ..errors import SessionBusyError
+from ..pools.tier_pools import TierPools
+from ..sessions.session import ON_DISK, TIERS, ChunkState, Session
 from .placement import Placement
-from .session import ON_DISK, TIERS, ChunkState, Session
 from .swap_in import SwapIn
-from .tier_pools import TierPools
 from .transfer import Transfer
 
 if TYPE_CHECKING:
-    from .hidden.tier import HiddenTier
-    from .layerwise.chunks import LayeredChunks
+    from ..hidden.tier import HiddenTier
+    from ..layerwise.chunks import LayeredChunks
 
 DEVICE, HOST, HIDDEN, DISK = ChunkState.DEVICE, ChunkState.HOST, ChunkState.HIDDEN, ChunkState.DISK
 DISK_HIDDEN, DROPPED = ChunkState.DISK_HIDDEN, ChunkState.DROPPED

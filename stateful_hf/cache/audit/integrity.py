@@ -7,10 +7,10 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
-from .prefix.index import PrefixIndex
-from .session import SHADOWED, ChunkState, Session, SessionTable
-from .tenant import tenant_of
-from .tier_pools import TierPools
+from ..pools.tier_pools import TierPools
+from ..prefix.index import PrefixIndex
+from ..sessions.session import SHADOWED, ChunkState, Session, SessionTable
+from ..sessions.tenant import tenant_of
 
 DEVICE, HOST, DROPPED, LAYERED = ChunkState.DEVICE, ChunkState.HOST, ChunkState.DROPPED, ChunkState.LAYERED
 HIDDEN, DISK, DISK_HIDDEN = ChunkState.HIDDEN, ChunkState.DISK, ChunkState.DISK_HIDDEN

@@ -17,7 +17,7 @@ import mmap
 
 import torch
 
-from .spec import KVSpec
+from ..spec import KVSpec
 from .tier import LazyFree
 
 PAGE = mmap.PAGESIZE

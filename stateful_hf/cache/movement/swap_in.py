@@ -16,16 +16,16 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from ..audit.stats import Counters
+from ..pools.tier_pools import TierPools
+from ..sessions.session import HIDDEN_FORMS, ChunkState, SessionTable
 from .placement import Items, Placement
-from .session import HIDDEN_FORMS, ChunkState, SessionTable
-from .stats import Counters
-from .tier_pools import TierPools
 from .transfer import Transfer
 
 if TYPE_CHECKING:
-    from .disk.state import DiskState
-    from .hidden.states import HiddenRestore
-    from .hidden.tier import HiddenTier
+    from ..disk.state import DiskState
+    from ..hidden.states import HiddenRestore
+    from ..hidden.tier import HiddenTier
 
 DEVICE, HOST, DISK = ChunkState.DEVICE, ChunkState.HOST, ChunkState.DISK
 HIDDEN, DISK_HIDDEN = ChunkState.HIDDEN, ChunkState.DISK_HIDDEN

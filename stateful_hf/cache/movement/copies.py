@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .tier import TierPool
+from ..pools.tier import TierPool
 
 
 def poison(pool: TierPool, ids: list[int]) -> None:

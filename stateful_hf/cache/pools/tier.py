@@ -19,7 +19,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from .spec import KVSpec
+from ..spec import KVSpec
 
 
 class LazyFree(Protocol):

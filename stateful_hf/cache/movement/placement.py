@@ -27,18 +27,18 @@ import time
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
-from .errors import CapacityError, StoreError
-from .fair_walk import fair_victims, tier_victims
+from ..audit.stats import Counters
+from ..errors import CapacityError, StoreError
+from ..eviction.fair_walk import fair_victims, tier_victims
+from ..eviction.policy import EvictionPolicy, FairSharePolicy
+from ..pools.tier_pools import TierPools
+from ..sessions.session import ON_DISK, SHADOWED, Chunk, ChunkState, Session, SessionTable
 from .moves import REASONS, MoveBatch, MoveLedger
-from .policy import EvictionPolicy, FairSharePolicy
-from .session import ON_DISK, SHADOWED, Chunk, ChunkState, Session, SessionTable
-from .stats import Counters
-from .tier_pools import TierPools
 from .transfer import Transfer
 
 if TYPE_CHECKING:
-    from .disk.state import DiskState
-    from .hidden.tier import HiddenTier
+    from ..disk.state import DiskState
+    from ..hidden.tier import HiddenTier
 
 DEVICE, HOST, DROPPED = ChunkState.DEVICE, ChunkState.HOST, ChunkState.DROPPED
 HIDDEN, DISK_HIDDEN = ChunkState.HIDDEN, ChunkState.DISK_HIDDEN

@@ -15,17 +15,17 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from .errors import SessionBusyError, StoreError
-from .placement import Placement
-from .prefix.index import PrefixScope
+from ..errors import SessionBusyError, StoreError
+from ..movement.placement import Placement
+from ..pools.tier_pools import TierPools
+from ..prefix.index import PrefixScope
+from ..step_planner import StepPlanner
+from ..turn import Place, Room, TurnNeeds, places_of
 from .session import ON_DISK, ChunkState, Session, SessionTable, TurnStats
-from .step_planner import StepPlanner
 from .tenant import TenantUsage, tenant_of
-from .tier_pools import TierPools
-from .turn import Place, Room, TurnNeeds, places_of
 
 if TYPE_CHECKING:
-    from .disk.state import DiskState
+    from ..disk.state import DiskState
 
 DROPPED = ChunkState.DROPPED
 

@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .errors import CapacityError, SessionBusyError, StoreError
-from .session import HIDDEN_FORMS, Chunk, ChunkState, Session
-from .spec import KVSpec
+from ..errors import CapacityError, SessionBusyError, StoreError
+from ..sessions.session import HIDDEN_FORMS, Chunk, ChunkState, Session
+from ..spec import KVSpec
 
 if TYPE_CHECKING:
-    from .store_parts import StoreParts
+    from ..store_parts import StoreParts
 
 STORED = (ChunkState.DEVICE, ChunkState.HOST, ChunkState.DISK)    # K/V in a block of one of these pools
 

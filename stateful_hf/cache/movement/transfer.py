@@ -49,12 +49,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..pools.pool import block_runs
+from ..pools.tier import TierPool
 from .copies import Copy, EmulatedEvent, poison
-from .pool import block_runs
-from .tier import TierPool
 
 if TYPE_CHECKING:
-    from .hidden.states import HiddenCapture, HiddenPool
+    from ..hidden.states import HiddenCapture, HiddenPool
 
 ENV = "STATEFUL_HF_EMULATE_ASYNC"
 MAX_DIRECT_RUNS = 32     # a host -> device copy of at most this many runs per layer is DMA'd from the pinned pool

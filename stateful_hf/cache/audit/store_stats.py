@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-from .session import ChunkState, Session, SessionTable
+from ..pools.tier_pools import TierPools
+from ..sessions.session import ChunkState, Session, SessionTable
 from .stats import Counters, SessionStats, StoreStats
-from .tier_pools import TierPools
 
 
 def session_stats(s: Session, block_size: int) -> SessionStats:
