@@ -2,8 +2,9 @@
 
 A response runs as one turn of a session, like a chat completion. Its session: the client's
 (`X-Session-Id` or the body's `session_id`) when named; else, continuing a stored response
-(`previous_response_id`), that response's session for its first continuation and a new session for
-any later one (a fork: it starts from the prefix the store shares, `response_store.py`); else a new
+(`previous_response_id`), that response's session for its first continuation whose prompt extends the
+response's, and a new session for any other (a fork: it starts from the prefix the store shares, so a
+continuation with other `instructions` never cuts the chain's history; `response_store.py`); else a new
 session named by the server (`resp_...`), or a throwaway one when the response is not stored
 (`store: false`). The prompt is the whole conversation rendered through the chat template (tools:
 `tools.py`), so the session reuses what it holds and only the new input is prefilled.
@@ -32,7 +33,7 @@ from .auth import request_tenant
 from .protocol import APIError, max_tokens_for
 from .reasoning import reasons, reply_template, with_reasoning_tokens
 from .response_items import OutputBuilder, input_messages, item_id, reply_message, response_usage
-from .response_store import ResponseStore, StoredResponse
+from .response_store import PromptKey, ResponseStore, StoredResponse
 from .retain import retain_of
 from .structured import constrain
 from .tool_parse import ReplyParser, prompt_for
@@ -134,7 +135,7 @@ def install(app, router, config, kit) -> ResponseStore:
         if body.session_id and named is None:
             named = session_key(tenant, body.session_id)
         sid, owns = named, False
-        if sid is None and prev is not None and body.store and store.claim(prev):
+        if sid is None and prev is not None and body.store and store.claim(prev, ids):
             sid, owns = prev.session, prev.owns_session
         elif sid is None and body.store:
             sid, owns = session_key(tenant, item_id("resp")), True
@@ -154,7 +155,8 @@ def install(app, router, config, kit) -> ResponseStore:
         obj = response_object(turn, rid, created, config.model_name, builder.items, final)
         if turn.body.store:
             stored = StoredResponse(rid, turn.tenant, turn.sid, turn.owns_session,
-                                    turn.conversation + [reply_message(builder.items)], obj)
+                                    turn.conversation + [reply_message(builder.items)], obj,
+                                    prompt=PromptKey.of(turn.ids))
             dropped = store.put(stored)
             if dropped:
                 asyncio.get_running_loop().create_task(drop_sessions(dropped))
