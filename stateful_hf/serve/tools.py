@@ -23,6 +23,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .call_schema import call_schema
 from .protocol import APIError
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -213,9 +214,7 @@ def plan(tok, tools: list[dict], choice: str, parallel: bool) -> ToolPlan:
     if choice in ("auto", "none"):
         return p
     chosen = [t for t in tools if choice == "required" or t["function"]["name"] == choice]
-    p.json_schema = {"anyOf": [{"type": "object", "required": ["name", "arguments"],
-                                "properties": {"name": {"const": t["function"]["name"]},
-                                               "arguments": t["function"]["parameters"]}} for t in chosen]}
+    p.json_schema = call_schema([t["function"] for t in chosen])        # $refs rebased (call_schema.py)
     if fmt.response_template is not None and fmt.response_template.get("fields", {}).get("tool_calls", {}).get(
             "open_pattern") != json.loads(CHATML_RESPONSE.read_text())["fields"]["tool_calls"]["open_pattern"]:
         raise APIError(400, "tool_choice: this chat template's tool-call format cannot be forced (only the "
