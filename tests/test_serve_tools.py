@@ -89,6 +89,32 @@ def test_forcing_prefills_the_call_and_names_the_schema_to_constrain():
     assert _plan(parallel=False).stop == ("</tool_call>",)
 
 
+def test_the_tool_result_tags_are_stripped_from_replies_in_any_chunks():
+    """The shipped template wraps tool results in <tool_response> tags (found by a probe, result_tags.py); a
+    reply that imitates them has them stripped wherever they are (calls still parsed), with tools and with
+    tool_choice none; a template without such a wrapper strips nothing (negative control)."""
+    from stateful_hf.serve.result_tags import result_tags
+    from stateful_hf.serve.tool_parse import reply_reader
+
+    tok = tiny_tokenizer()
+    text = ('<tool_response>\nIt is <b>sunny</b>.\n</tool_response>\n<tool_call>\n{"name": "get_weather", '
+            '"arguments": {"city": "Paris"}}\n</tool_call><|im_end|>')
+    for choice, calls in (("auto", [("get_weather", '{"city": "Paris"}')]), ("none", [])):
+        p = _plan(choice)
+        prompt = tool_mod.render(tok, ASK, p)
+        for step in (1, 3, 7, len(text)):
+            r = reply_reader(tok, p, prompt).parser
+            pieces = [x for i in range(0, len(text), step) for x in r.feed(text[i:i + step])] + r.close()
+            shown = "".join(x for k, x in pieces if k == "text")
+            assert shown.startswith("It is <b>sunny</b>.") and "tool_response" not in shown, (choice, step, shown)
+            assert [(c.name, c.arguments) for k, c in pieces if k == "call_done"] == calls
+    shipped = tool_mod.CHATML_TOOLS.read_text()
+    assert result_tags(lambda chat: tok.apply_chat_template(chat, chat_template=shipped, tokenize=False)) == \
+        ("<tool_response>", "</tool_response>")
+    bare = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    assert result_tags(lambda chat: tok.apply_chat_template(chat, chat_template=bare, tokenize=False)) is None
+
+
 def test_the_shipped_template_renders_smollm2s_chats_as_its_own():
     tok = tiny_tokenizer()
     chats = [ASK, [{"role": "system", "content": "S"}, *ASK, {"role": "assistant", "content": "ok"}, *ASK]]

@@ -31,12 +31,12 @@ from ..cache.tenant import session_key
 from ..engine import SamplingParams
 from .auth import request_tenant
 from .protocol import APIError, max_tokens_for
-from .reasoning import reasons, reply_template, with_reasoning_tokens
+from .reasoning import reasons, with_reasoning_tokens
 from .response_items import OutputBuilder, input_messages, item_id, reply_message, response_usage
 from .response_store import PromptKey, ResponseStore, StoredResponse
 from .retain import retain_of
 from .structured import constrain
-from .tool_parse import ReplyParser, prompt_for
+from .tool_parse import ReplyParser, prompt_for, reply_template_of
 from .tools import ToolPlan, check_tool_choice, check_tools
 
 
@@ -176,8 +176,7 @@ def install(app, router, config, kit) -> ResponseStore:
             if first is None:
                 raise APIError(500, "no output", type="server_error")
             raise _as_input(APIError.from_dict(first["error"]))
-        template = reply_template(tok, turn.plan.format.response_template if turn.plan else None,
-                                  turn.plan is not None and turn.plan.parses)     # calls, reasoning
+        template = reply_template_of(tok, turn.plan)     # calls, reasoning, tool-result tags stripped
         parser = ReplyParser(turn.plan, turn.prompt, template) if template is not None else None
         builder = OutputBuilder()
 

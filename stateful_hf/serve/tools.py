@@ -25,6 +25,7 @@ from pathlib import Path
 
 from .call_schema import call_schema
 from .protocol import APIError
+from .result_tags import result_tags, with_strip_field
 
 TEMPLATES = Path(__file__).parent / "templates"
 CHATML_TOOLS = TEMPLATES / "chatml_tools.jinja"
@@ -45,7 +46,7 @@ class ToolFormat:
 
     template: str | None
     kwargs: dict
-    response_template: dict | None
+    response_template: dict | None     # with the field that strips the tool-result tags (result_tags.py)
     error: str | None = None
 
 
@@ -69,7 +70,8 @@ def _probe(tok) -> ToolFormat:
     try:
         if _PROBE["function"]["name"] in tok.apply_chat_template(hi, tools=[_PROBE], add_generation_prompt=True,
                                                                    tokenize=False):
-            return ToolFormat(None, {}, own)
+            tags = result_tags(lambda chat: tok.apply_chat_template(chat, tools=[_PROBE], tokenize=False))
+            return ToolFormat(None, {}, with_strip_field(own, tags))
         plain = tok.apply_chat_template(hi, add_generation_prompt=True, tokenize=False)
     except Exception as e:  # noqa: BLE001 - Jinja's errors have no common base beyond Exception
         return ToolFormat(None, {}, None, f"the chat template fails with tools: {type(e).__name__}: {e}")
@@ -77,7 +79,11 @@ def _probe(tok) -> ToolFormat:
         return ToolFormat(None, {}, None, "the model's chat template does not render tools; start the server with "
                           "--chat-template PATH naming one that does")
     system = re.match(r"<\|im_start\|>system\n(.*?)<\|im_end\|>\n", plain, re.S)
-    return ToolFormat(CHATML_TOOLS.read_text(), {"default_system": system.group(1) if system else None}, shipped)
+    kwargs = {"default_system": system.group(1) if system else None}
+    text = CHATML_TOOLS.read_text()
+    tags = result_tags(lambda chat: tok.apply_chat_template(chat, tools=[_PROBE], tokenize=False, chat_template=text,
+                                                            **kwargs))
+    return ToolFormat(text, kwargs, with_strip_field(shipped, tags))
 
 
 @dataclass
