@@ -41,8 +41,8 @@ from .tools import ToolPlan, check_tool_choice, check_tools
 
 
 class ResponsesRequest(BaseModel):
-    """A Responses API request. Unknown fields are accepted and ignored, except those that would
-    change the answer (`refuse_unsupported`)."""
+    """A Responses API request. Its fields are checked against fields.py's list first (refused ones are
+    400s naming them; unknown ones dropped with a warning, or 400s with --strict-fields)."""
 
     model_config = ConfigDict(extra="allow")
     model: str | None = None
@@ -66,15 +66,11 @@ class ResponsesRequest(BaseModel):
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
 
     def refuse_unsupported(self) -> None:
+        """A text format other than text is a 400 naming `text.format` (the other refused fields: fields.py)."""
         fmt = (self.text or {}).get("format") or {"type": "text"}
-        extra = self.model_extra or {}
-        refused = {"text.format": fmt.get("type") != "text", "conversation": bool(extra.get("conversation")),
-                   "background": bool(extra.get("background")), "prompt": bool(extra.get("prompt")),
-                   "top_logprobs": bool(extra.get("top_logprobs"))}
-        for name, asks in refused.items():
-            if asks:
-                raise APIError(400, f"`{name}` is not supported by this server; remove it from the request",
-                               param=name, code="unsupported_parameter")
+        if fmt.get("type") != "text":
+            raise APIError(400, "`text.format` is not supported by this server; remove it from the request",
+                           param="text.format", code="unsupported_parameter")
 
     def sampling(self, max_tokens: int, generation_config, stop: tuple[str, ...]) -> SamplingParams:
         given = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed}
@@ -104,7 +100,7 @@ def install(app, router, config, kit) -> ResponseStore:
     tok = config.tokenizer
 
     def prepare(raw: bytes, tenant: str, named: str | None) -> Turn:
-        body = kit.parse(raw, ResponsesRequest)
+        body = kit.parse(raw, ResponsesRequest, config.strict_fields)
         kit.check_model(body.model)
         kit.check_session_id(body.session_id)
         body.refuse_unsupported()
