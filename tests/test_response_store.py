@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from stateful_hf.serve.response_store import ResponseRetention, ResponseStore, StoredResponse
+from stateful_hf.serve.response_store import PromptKey, ResponseRetention, ResponseStore, StoredResponse
 
 
 class Clock:
@@ -17,7 +17,10 @@ class Clock:
 
 
 def response(rid: str, session: str | None = None, tenant: str = "t", owns: bool = True) -> StoredResponse:
-    return StoredResponse(rid, tenant, session or f"sess-{rid}", owns, [], {"id": rid})
+    return StoredResponse(rid, tenant, session or f"sess-{rid}", owns, [], {"id": rid}, prompt=PromptKey.of(PROMPT))
+
+
+PROMPT = [5, 6, 7, 8]
 
 
 def test_ttl_forgets_and_hands_back_the_servers_sessions():
@@ -47,7 +50,7 @@ def test_a_session_still_heading_a_response_is_kept():
     store = ResponseStore(ResponseRetention(ttl=1e9, cap=2), clock=Clock())
     first = response("a", session="s")
     store.put(first)
-    assert store.claim(first) and not store.claim(first)    # the first continuation runs in s; later ones fork
+    assert store.claim(first, PROMPT + [9]) and not store.claim(first, PROMPT)   # the first runs in s; later fork
     store.put(response("b", session="s"))                  # its answer: s now ends with b
     assert store.put(response("c")) == []                   # a goes: claimed, so s lives on with b
     assert store.put(response("d")) == ["s"]  # b goes: nothing heads s any more
@@ -74,3 +77,18 @@ def test_delete_of_an_expired_response_forgets_it():
 def test_bad_retention_names_its_field(kwargs, says):
     with pytest.raises(ValueError, match=says):
         ResponseRetention(**kwargs)
+
+
+def test_only_a_continuation_that_extends_the_prompt_claims_the_session():
+    """A continuation whose prompt does not start with the response's (other instructions) forks, and
+    leaves the session to one that does: the session's history is never cut."""
+    store = ResponseStore(ResponseRetention(ttl=1e9, cap=10), clock=Clock())
+    r = response("a", session="s")
+    store.put(r)
+    assert not store.claim(r, [1, 5, 6, 7, 8, 9])          # other instructions: a fork
+    assert not store.claim(r, PROMPT[:3])                   # shorter than the prompt
+    assert not store.claim(r, [5, 6, 7, 0, 9])             # differs inside it
+    assert not r.claimed and store.claim(r, PROMPT + [1, 2]) and not store.claim(r, PROMPT + [3])
+    unknown = StoredResponse("c", "t", "s", True, [], {})    # no prompt key: never claimed
+    assert not store.claim(unknown, PROMPT)
+    assert PromptKey.of(PROMPT).prefixes(PROMPT) and not PromptKey.of(PROMPT).prefixes([5, 6, 7, 9])

@@ -108,3 +108,39 @@ def test_a_responses_continuation_is_exact(url):
     oracle = client.responses.create(input=whole, store=False, extra_body={"cache_salt": "oracle"}, **kw)
     assert oracle.usage.input_tokens_details.cached_tokens == 0
     assert second.output_text == oracle.output_text and second.output_text
+
+
+def test_an_answer_after_a_tool_result_carries_no_template_tags(url):
+    """SmolLM2 imitates the `<tool_response>` wrapper of the tool result it just read and starts its answer
+    with it (the raw completion of the same prompt shows it: the negative control); the reply parser strips
+    the template's tool-result tags (result_tags.py), in chat (streamed or not, also with tool_choice none)
+    and in the Responses API."""
+    from transformers import AutoTokenizer
+
+    from stateful_hf.models import model_dir
+    from stateful_hf.serve import tools as tool_mod
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    history = [{"role": "system", "content": "You answer questions about the weather. Use the tools."},
+               {"role": "user", "content": ASK}, {"role": "assistant", "content": None, "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "It is sunny and 22 degrees in Paris."}]
+    tok = AutoTokenizer.from_pretrained(model_dir(DEFAULT_MODEL))
+    prompt = tool_mod.render(tok, history, tool_mod.plan(tok, [WEATHER], "auto", True))
+    raw = client.completions.create(model=DEFAULT_MODEL, prompt=prompt, max_tokens=30, temperature=0).choices[0].text
+    assert raw.startswith("<tool_response>") and "22 degrees" in raw          # what the model writes
+    expected = raw.removeprefix("<tool_response>\n").split("</tool_response>")[0].strip()
+    for choice in ("auto", "none"):
+        kw = dict(model=DEFAULT_MODEL, messages=history, tools=[WEATHER], tool_choice=choice, max_tokens=30,
+                  temperature=0)
+        whole = client.chat.completions.create(**kw).choices[0].message.content
+        streamed = "".join(ch.delta.content or "" for chunk in client.chat.completions.create(**kw, stream=True)
+                           for ch in chunk.choices)
+        assert whole.strip() == expected and streamed == whole, (choice, whole, streamed)
+    items = [{"role": "user", "content": ASK},
+             {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+             {"type": "function_call_output", "call_id": "call_1", "output": "It is sunny and 22 degrees in Paris."}]
+    r = client.responses.create(model=DEFAULT_MODEL, input=items, instructions=history[0]["content"],
+                                tools=[{"type": "function", **WEATHER["function"]}], temperature=0,
+                                max_output_tokens=30)
+    assert "<tool_response>" not in r.output_text and "22 degrees" in r.output_text, r.output_text

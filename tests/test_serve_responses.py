@@ -94,6 +94,29 @@ def test_two_continuations_of_one_response_are_separate_sessions(acme):
     assert c.output_text == _oracle(acme, whole).output_text
 
 
+def test_forks_with_and_without_instructions_keep_the_response_reusable(acme):
+    """Continuations of one response with and without `instructions`, interleaved: a continuation whose
+    prompt does not extend the response's (no instructions) forks instead of cutting the response's session,
+    so the response stays continuable with its KV reused (before: the bare continuation took the session and
+    cut it, and the next continuation with instructions reused 0 tokens). Each answer is exact."""
+    first = _create(acme, input=HELLO * 3, instructions="Be brief.")
+    history = [{"role": "user", "content": HELLO * 3}, *_items(first)]
+
+    def then(r, text: str, **kw):
+        after = _create(acme, input=text, previous_response_id=first.id, **kw)
+        assert after.output_text == _oracle(acme, [*history, {"role": "user", "content": text}], **kw).output_text
+        return after
+
+    bare = then(first, "And the stars?")                                   # other prompt: a fork
+    briefed = then(first, "And the moon?", instructions="Be brief.")        # extends first's: its session
+    assert briefed.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
+    again = then(first, "And the sun?", instructions="Be brief.")          # a fork of the same prefix
+    assert again.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens // 32 * 32 >= 64
+    bare2 = then(first, "And the rain?")                                   # shares bare's rendering
+    assert bare2.usage.input_tokens_details.cached_tokens >= 64
+    assert bare.usage.input_tokens_details.cached_tokens < 32 <= bare2.usage.input_tokens_details.cached_tokens
+
+
 def test_store_false_cannot_be_fetched_or_continued(url, acme):
     r = _create(acme, input=HELLO, store=False)
     assert r.store is False

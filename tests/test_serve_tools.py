@@ -89,6 +89,32 @@ def test_forcing_prefills_the_call_and_names_the_schema_to_constrain():
     assert _plan(parallel=False).stop == ("</tool_call>",)
 
 
+def test_the_tool_result_tags_are_stripped_from_replies_in_any_chunks():
+    """The shipped template wraps tool results in <tool_response> tags (found by a probe, result_tags.py); a
+    reply that imitates them has them stripped wherever they are (calls still parsed), with tools and with
+    tool_choice none; a template without such a wrapper strips nothing (negative control)."""
+    from stateful_hf.serve.result_tags import result_tags
+    from stateful_hf.serve.tool_parse import reply_reader
+
+    tok = tiny_tokenizer()
+    text = ('<tool_response>\nIt is <b>sunny</b>.\n</tool_response>\n<tool_call>\n{"name": "get_weather", '
+            '"arguments": {"city": "Paris"}}\n</tool_call><|im_end|>')
+    for choice, calls in (("auto", [("get_weather", '{"city": "Paris"}')]), ("none", [])):
+        p = _plan(choice)
+        prompt = tool_mod.render(tok, ASK, p)
+        for step in (1, 3, 7, len(text)):
+            r = reply_reader(tok, p, prompt).parser
+            pieces = [x for i in range(0, len(text), step) for x in r.feed(text[i:i + step])] + r.close()
+            shown = "".join(x for k, x in pieces if k == "text")
+            assert shown.startswith("It is <b>sunny</b>.") and "tool_response" not in shown, (choice, step, shown)
+            assert [(c.name, c.arguments) for k, c in pieces if k == "call_done"] == calls
+    shipped = tool_mod.CHATML_TOOLS.read_text()
+    assert result_tags(lambda chat: tok.apply_chat_template(chat, chat_template=shipped, tokenize=False)) == \
+        ("<tool_response>", "</tool_response>")
+    bare = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    assert result_tags(lambda chat: tok.apply_chat_template(chat, chat_template=bare, tokenize=False)) is None
+
+
 def test_the_shipped_template_renders_smollm2s_chats_as_its_own():
     tok = tiny_tokenizer()
     chats = [ASK, [{"role": "system", "content": "S"}, *ASK, {"role": "assistant", "content": "ok"}, *ASK]]
@@ -142,6 +168,70 @@ def test_forced_calls_follow_the_functions_schema(client):
         client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required",
                                        response_format={"type": "json_object"}, max_tokens=4)
     assert e.value.body["param"] == "response_format"
+
+
+def _pydantic_tools():
+    """Two tools whose parameters are Pydantic's `model_json_schema` (a `$ref` into root `$defs`), each with
+    its own `Place` of another shape (the same `$defs` name): bounded, so a random model's call closes."""
+    from typing import Literal
+
+    from pydantic import BaseModel, ConfigDict
+
+    def place(field: str, values: tuple):
+        return type("Place", (BaseModel,), {"__annotations__": {field: Literal[values]},
+                                            "model_config": ConfigDict(extra="forbid")})
+
+    trip = type("Trip", (BaseModel,), {"__annotations__": {"to": place("city", ("Paris", "Rome")), "by_train": bool},
+                                       "model_config": ConfigDict(extra="forbid")})
+    stay = type("Stay", (BaseModel,), {"__annotations__": {"at": place("country", ("FR", "IT"))},
+                                       "model_config": ConfigDict(extra="forbid")})
+    models = {"trip": trip, "stay": stay}
+    tools = [{"type": "function", "function": {"name": n, "parameters": m.model_json_schema()}}
+             for n, m in models.items()]
+    assert all("$defs" in t["function"]["parameters"] for t in tools)
+    return tools, models
+
+
+def test_a_merged_call_schema_keeps_each_tools_refs():
+    """`required` over several tools merges their schemas (call_schema.py): each tool's local `$ref`s are
+    rebased onto its branch, so they resolve to its own `$defs` (two `Place`s apart), and the input is unchanged."""
+    jsonschema = pytest.importorskip("jsonschema")
+    tools, _ = _pydantic_tools()
+    before = json.dumps(tools)
+    merged = _plan("required", tools=tools).json_schema
+    assert json.dumps(tools) == before
+    ok = [{"name": "trip", "arguments": {"to": {"city": "Rome"}, "by_train": True}},
+          {"name": "stay", "arguments": {"at": {"country": "FR"}}}]
+    bad = [{"name": "trip", "arguments": {"to": {"country": "FR"}, "by_train": True}},     # stay's Place
+           {"name": "stay", "arguments": {"at": {"city": "Rome"}}}]
+    for call in ok:
+        jsonschema.validate(call, merged)
+    for call in bad:
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(call, merged)
+    # negative control: merged without rebasing, the refs name the root's (absent) $defs
+    raw = {"anyOf": [{"properties": {"arguments": t["function"]["parameters"]}} for t in tools]}
+    with pytest.raises(pytest.importorskip("referencing.exceptions").Unresolvable):
+        jsonschema.validate(ok[0], raw)
+
+
+def test_pydantic_schemas_work_under_every_tool_choice(client):
+    """Tools whose parameters use `$ref` / `$defs` (Pydantic's): forced by "required" among two (their schemas
+    merged: before, a 400 "cannot be compiled") and by name, the grammar holds the random model's arguments to
+    the chosen tool's model (validated by Pydantic); "auto" is a 200 too."""
+    tools, models = _pydantic_tools()
+    for choice in ("required", {"type": "function", "function": {"name": "trip"}},
+                   {"type": "function", "function": {"name": "stay"}}):
+        r = client.chat.completions.create(model=MODEL, messages=ASK, tools=tools, tool_choice=choice,
+                                           max_tokens=400, temperature=0)
+        calls = r.choices[0].message.tool_calls
+        assert calls and r.choices[0].finish_reason == "tool_calls", (choice, r.choices[0].message.content)
+        if isinstance(choice, dict):
+            assert calls[0].function.name == choice["function"]["name"]
+        models[calls[0].function.name].model_validate_json(calls[0].function.arguments)
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=tools, tool_choice="auto", max_tokens=4,
+                                       temperature=0)
+    assert r.choices[0].finish_reason == "length"
 
 
 def test_streamed_tool_calls_reassemble_to_the_reply(client):

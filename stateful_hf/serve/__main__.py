@@ -114,6 +114,8 @@ def parser() -> argparse.ArgumentParser:
                    help="seconds a stored response of /v1/responses can be fetched and continued")
     p.add_argument("--responses-cap", type=int, default=DEFAULT_CAP,
                    help="stored responses at most, all tenants together (past it the oldest are forgotten)")
+    p.add_argument("--strict-fields", action="store_true", help="an unknown request field is a 400 naming it "
+                   "(OpenAI's behaviour; off: dropped with a warning, vLLM's); docs/server-api.md lists the fields")
     p.add_argument("--session-wait-timeout", type=float, default=30.0,
                    help="seconds a turn waits for its session's previous turn before a 409 (Retry-After: 1)")
     p.add_argument("--ray", action="store_true", help="cluster mode: engine replicas on Ray Serve")
@@ -265,6 +267,7 @@ def main(argv=None) -> None:
                                   access, max_model_len=a.max_model_len, seed=a.seed, responses=a.responses)
     except (ValueError, RuntimeError) as e:     # the store refused its options (a backend missing, ...)
         p.error(flags.as_flags(" ".join(str(e).split()), SessionStoreOptions, SchedulingOptions))
+    app.state.config.strict_fields = a.strict_fields
     _describe(router.clients[0].replica.store, app.state.config.max_model_len)
     _announce(access, a.host)
     if access.keys is not None and access.keys.keys_file is not None:

@@ -37,6 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..cache.sessions.tenant import session_key, split_key
 from .auth import Access, Guard, request_tenant
+from .fields import check as check_fields
 from .limits import TenantGate
 from .protocol import (
     APIError,
@@ -84,6 +85,7 @@ class ServeConfig:
             raise ValueError(f"max_model_len must be an int >= 2, got {max_model_len!r}")
         self.model_name, self.tokenizer = model_name, tokenizer
         self.max_model_len, self.default_max_tokens, self.seed = max_model_len, default_max_tokens, seed
+        self.strict_fields = False               # --strict-fields: an unknown request field is a 400 (fields.py)
 
 
 def request_seeds(seed: int) -> Iterator[int]:
@@ -110,8 +112,9 @@ def _error_response(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers())
 
 
-def _parse(raw: bytes, model_cls):
-    """The request body as `model_cls`; a 400 naming the field otherwise (`body`: not a JSON object)."""
+def _parse(raw: bytes, model_cls, strict_fields: bool = False):
+    """The request body as `model_cls`; a 400 naming the field otherwise (`body`: not a JSON object);
+    its fields checked against fields.py's list (`strict_fields`: an unknown one is a 400)."""
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
@@ -119,6 +122,7 @@ def _parse(raw: bytes, model_cls):
                        code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object", param="body", code="invalid_json")
+    check_fields(model_cls.__name__, body, strict_fields)
     try:
         return model_cls.model_validate(body)
     except ValidationError as e:
@@ -277,7 +281,7 @@ def create_app(router, config: ServeConfig, access: Access | None = None) -> Fas
     def chat_turn(raw: bytes):
         """(body, prompt ids, sampling) of a chat request: parsed, checked, rendered and tokenized
         (in a worker thread: the event loop keeps answering)."""
-        body = _parse(raw, ChatCompletionRequest)
+        body = _parse(raw, ChatCompletionRequest, config.strict_fields)
         check_session_id(body.session_id)
         check_model(body.model)
         body.refuse_unsupported()
@@ -298,7 +302,7 @@ def create_app(router, config: ServeConfig, access: Access | None = None) -> Fas
 
     def completion_turn(raw: bytes):
         """(body, prompt ids, sampling) of a completion request (in a worker thread, as `chat_turn`)."""
-        body = _parse(raw, CompletionRequest)
+        body = _parse(raw, CompletionRequest, config.strict_fields)
         check_session_id(body.session_id)
         check_model(body.model)
         body.refuse_unsupported()

@@ -2,17 +2,25 @@
 
 A stored response keeps what a continuation needs: the conversation through it (`messages`: the
 chain's input and output items as chat-template messages, without instructions: OpenAI does not carry
-them over) and the session whose KV holds that conversation. The first continuation of a response
-*claims* its session and runs there, so only its new input is prefilled; any later continuation of the
-same response forks: it runs in a new session, which starts from the shared prefix the store holds
-(docs/prefix-sharing.md). A response past its TTL, or the oldest one past the cap, is forgotten; the
-session it held is returned to the caller (`put`, `delete`) to be deleted when nothing else can use it.
+them over), the session whose KV holds that conversation and the key of the prompt it ran on
+(`PromptKey`). The first continuation of a response whose prompt extends that prompt *claims* its
+session and runs there, so only its new input is prefilled; any other continuation forks: it runs in a
+new session, which starts from the shared prefix the store holds (docs/prefix-sharing.md). A
+continuation whose prompt does not extend the response's (other `instructions` or tools, truncation)
+therefore never cuts the session's history: every stored response stays continuable with its KV
+reused, whatever other continuations of it did (invariant: each stored response's prompt is a prefix of
+its session's history; a claim may re-render only the reply after it, as every continuation of that
+response with the same prompt would). A response past its TTL, or the oldest one past the cap, is
+forgotten; the session it held is returned to the caller (`put`, `delete`) to be deleted when nothing
+else can use it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
+from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,6 +43,23 @@ class ResponseRetention:
             raise ValueError(f"responses_cap must be an int >= 1, got {self.cap!r}")
 
 
+@dataclass(frozen=True, slots=True)
+class PromptKey:
+    """A prompt's length and digest (BLAKE2b of its ids as int64): whether another prompt starts with
+    it, in O(length) without keeping the ids (a stored response holds 24 bytes, not its prompt)."""
+
+    length: int
+    digest: bytes
+
+    @classmethod
+    def of(cls, ids) -> PromptKey:
+        return cls(len(ids), hashlib.blake2b(array("q", ids).tobytes(), digest_size=16).digest())
+
+    def prefixes(self, ids) -> bool:
+        """Whether `ids` starts with the prompt this key was made of."""
+        return len(ids) >= self.length and PromptKey.of(ids[:self.length]) == self
+
+
 @dataclass
 class StoredResponse:
     id: str
@@ -45,6 +70,7 @@ class StoredResponse:
     body: dict                     # the response object, as returned
     created: float = field(default_factory=time.time)
     claimed: bool = False          # a continuation has run in `session` (later ones fork)
+    prompt: PromptKey | None = None   # the prompt this response ran on (None: unknown, never claimed)
 
 
 class ResponseStore:
@@ -69,10 +95,13 @@ class ResponseStore:
             item = self._items.get((tenant, rid))
             return None if item is None or item[0] <= self._clock() else item[1]
 
-    def claim(self, r: StoredResponse) -> bool:
-        """True for the first continuation of `r` (it runs in r's session); False after (a fork)."""
+    def claim(self, r: StoredResponse, ids) -> bool:
+        """True for the first continuation of `r` whose prompt `ids` extends r's (it runs in r's
+        session); False otherwise (a fork, which leaves r's session as it is)."""
         with self._lock:
-            first, r.claimed = not r.claimed, True
+            if r.claimed or r.prompt is None or not r.prompt.prefixes(ids):
+                return False
+            first, r.claimed = True, True
             if first and self._items.get((r.tenant, r.id), (0, None))[1] is r:
                 self._unhead(r.session)
             return first

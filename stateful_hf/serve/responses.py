@@ -2,8 +2,9 @@
 
 A response runs as one turn of a session, like a chat completion. Its session: the client's
 (`X-Session-Id` or the body's `session_id`) when named; else, continuing a stored response
-(`previous_response_id`), that response's session for its first continuation and a new session for
-any later one (a fork: it starts from the prefix the store shares, `response_store.py`); else a new
+(`previous_response_id`), that response's session for its first continuation whose prompt extends the
+response's, and a new session for any other (a fork: it starts from the prefix the store shares, so a
+continuation with other `instructions` never cuts the chain's history; `response_store.py`); else a new
 session named by the server (`resp_...`), or a throwaway one when the response is not stored
 (`store: false`). The prompt is the whole conversation rendered through the chat template (tools:
 `tools.py`), so the session reuses what it holds and only the new input is prefilled.
@@ -30,18 +31,18 @@ from ..cache.sessions.tenant import session_key
 from ..engine import SamplingParams
 from .auth import request_tenant
 from .protocol import APIError, max_tokens_for
-from .reasoning import reasons, reply_template, with_reasoning_tokens
+from .reasoning import reasons, with_reasoning_tokens
 from .response_items import OutputBuilder, input_messages, item_id, reply_message, response_usage
-from .response_store import ResponseStore, StoredResponse
+from .response_store import PromptKey, ResponseStore, StoredResponse
 from .retain import retain_of
 from .structured import constrain
-from .tool_parse import ReplyParser, prompt_for
+from .tool_parse import ReplyParser, prompt_for, reply_template_of
 from .tools import ToolPlan, check_tool_choice, check_tools
 
 
 class ResponsesRequest(BaseModel):
-    """A Responses API request. Unknown fields are accepted and ignored, except those that would
-    change the answer (`refuse_unsupported`)."""
+    """A Responses API request. Its fields are checked against fields.py's list first (refused ones are
+    400s naming them; unknown ones dropped with a warning, or 400s with --strict-fields)."""
 
     model_config = ConfigDict(extra="allow")
     model: str | None = None
@@ -65,15 +66,11 @@ class ResponsesRequest(BaseModel):
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
 
     def refuse_unsupported(self) -> None:
+        """A text format other than text is a 400 naming `text.format` (the other refused fields: fields.py)."""
         fmt = (self.text or {}).get("format") or {"type": "text"}
-        extra = self.model_extra or {}
-        refused = {"text.format": fmt.get("type") != "text", "conversation": bool(extra.get("conversation")),
-                   "background": bool(extra.get("background")), "prompt": bool(extra.get("prompt")),
-                   "top_logprobs": bool(extra.get("top_logprobs"))}
-        for name, asks in refused.items():
-            if asks:
-                raise APIError(400, f"`{name}` is not supported by this server; remove it from the request",
-                               param=name, code="unsupported_parameter")
+        if fmt.get("type") != "text":
+            raise APIError(400, "`text.format` is not supported by this server; remove it from the request",
+                           param="text.format", code="unsupported_parameter")
 
     def sampling(self, max_tokens: int, generation_config, stop: tuple[str, ...]) -> SamplingParams:
         given = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed}
@@ -103,7 +100,7 @@ def install(app, router, config, kit) -> ResponseStore:
     tok = config.tokenizer
 
     def prepare(raw: bytes, tenant: str, named: str | None) -> Turn:
-        body = kit.parse(raw, ResponsesRequest)
+        body = kit.parse(raw, ResponsesRequest, config.strict_fields)
         kit.check_model(body.model)
         kit.check_session_id(body.session_id)
         body.refuse_unsupported()
@@ -134,7 +131,7 @@ def install(app, router, config, kit) -> ResponseStore:
         if body.session_id and named is None:
             named = session_key(tenant, body.session_id)
         sid, owns = named, False
-        if sid is None and prev is not None and body.store and store.claim(prev):
+        if sid is None and prev is not None and body.store and store.claim(prev, ids):
             sid, owns = prev.session, prev.owns_session
         elif sid is None and body.store:
             sid, owns = session_key(tenant, item_id("resp")), True
@@ -154,7 +151,8 @@ def install(app, router, config, kit) -> ResponseStore:
         obj = response_object(turn, rid, created, config.model_name, builder.items, final)
         if turn.body.store:
             stored = StoredResponse(rid, turn.tenant, turn.sid, turn.owns_session,
-                                    turn.conversation + [reply_message(builder.items)], obj)
+                                    turn.conversation + [reply_message(builder.items)], obj,
+                                    prompt=PromptKey.of(turn.ids))
             dropped = store.put(stored)
             if dropped:
                 asyncio.get_running_loop().create_task(drop_sessions(dropped))
@@ -174,8 +172,7 @@ def install(app, router, config, kit) -> ResponseStore:
             if first is None:
                 raise APIError(500, "no output", type="server_error")
             raise _as_input(APIError.from_dict(first["error"]))
-        template = reply_template(tok, turn.plan.format.response_template if turn.plan else None,
-                                  turn.plan is not None and turn.plan.parses)     # calls, reasoning
+        template = reply_template_of(tok, turn.plan)     # calls, reasoning, tool-result tags stripped
         parser = ReplyParser(turn.plan, turn.prompt, template) if template is not None else None
         builder = OutputBuilder()
 

@@ -24,6 +24,7 @@ from transformers.utils.chat_parsing import ResponseParser
 from .call_stream import CallStream
 from .protocol import APIError
 from .reasoning import REASONING, reasons, reply_template, template_kwargs, with_reasoning_tokens
+from .result_tags import FIELD
 from .tools import (
     CALL_CLOSE,
     CALL_OPEN,
@@ -205,8 +206,19 @@ def chat_prompt(tok, body) -> tuple[str, ChatReply | None, tuple[str, ...]]:
 def reply_reader(tok, p: ToolPlan | None, prompt: str) -> ChatReply | None:
     """The reader of a chat turn's reply: calls (when the plan parses them) and reasoning (when the
     template reasons); None: the reply is plain text."""
-    template = reply_template(tok, None if p is None else p.format.response_template, p is not None and p.parses)
+    template = reply_template_of(tok, p)
     return None if template is None else ChatReply(p, prompt, template, reasons(tok))
+
+
+def reply_template_of(tok, p: ToolPlan | None) -> dict | None:
+    """The response template a turn's reply is read with (None: plain text): calls where the plan parses
+    them, reasoning where the template reasons, and, in a turn with tools or tool turns, the tool-result
+    tags stripped (`result_tags.py`) even when no calls are read (tool_choice "none")."""
+    tool_template = None if p is None else p.format.response_template
+    template = reply_template(tok, tool_template, p is not None and p.parses)
+    if template is None and tool_template is not None and FIELD in tool_template["fields"]:
+        template = {**tool_template, "fields": {k: v for k, v in tool_template["fields"].items() if k != "tool_calls"}}
+    return template
 
 
 def prompt_for(tok, messages: list[dict], tools: list[dict], choice: str, parallel: bool,

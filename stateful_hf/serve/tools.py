@@ -23,7 +23,9 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .call_schema import call_schema
 from .protocol import APIError
+from .result_tags import result_tags, with_strip_field
 
 TEMPLATES = Path(__file__).parent / "templates"
 CHATML_TOOLS = TEMPLATES / "chatml_tools.jinja"
@@ -44,7 +46,7 @@ class ToolFormat:
 
     template: str | None
     kwargs: dict
-    response_template: dict | None
+    response_template: dict | None     # with the field that strips the tool-result tags (result_tags.py)
     error: str | None = None
 
 
@@ -68,7 +70,8 @@ def _probe(tok) -> ToolFormat:
     try:
         if _PROBE["function"]["name"] in tok.apply_chat_template(hi, tools=[_PROBE], add_generation_prompt=True,
                                                                    tokenize=False):
-            return ToolFormat(None, {}, own)
+            tags = result_tags(lambda chat: tok.apply_chat_template(chat, tools=[_PROBE], tokenize=False))
+            return ToolFormat(None, {}, with_strip_field(own, tags))
         plain = tok.apply_chat_template(hi, add_generation_prompt=True, tokenize=False)
     except Exception as e:  # noqa: BLE001 - Jinja's errors have no common base beyond Exception
         return ToolFormat(None, {}, None, f"the chat template fails with tools: {type(e).__name__}: {e}")
@@ -76,7 +79,11 @@ def _probe(tok) -> ToolFormat:
         return ToolFormat(None, {}, None, "the model's chat template does not render tools; start the server with "
                           "--chat-template PATH naming one that does")
     system = re.match(r"<\|im_start\|>system\n(.*?)<\|im_end\|>\n", plain, re.S)
-    return ToolFormat(CHATML_TOOLS.read_text(), {"default_system": system.group(1) if system else None}, shipped)
+    kwargs = {"default_system": system.group(1) if system else None}
+    text = CHATML_TOOLS.read_text()
+    tags = result_tags(lambda chat: tok.apply_chat_template(chat, tools=[_PROBE], tokenize=False, chat_template=text,
+                                                            **kwargs))
+    return ToolFormat(text, kwargs, with_strip_field(shipped, tags))
 
 
 @dataclass
@@ -213,9 +220,7 @@ def plan(tok, tools: list[dict], choice: str, parallel: bool) -> ToolPlan:
     if choice in ("auto", "none"):
         return p
     chosen = [t for t in tools if choice == "required" or t["function"]["name"] == choice]
-    p.json_schema = {"anyOf": [{"type": "object", "required": ["name", "arguments"],
-                                "properties": {"name": {"const": t["function"]["name"]},
-                                               "arguments": t["function"]["parameters"]}} for t in chosen]}
+    p.json_schema = call_schema([t["function"] for t in chosen])        # $refs rebased (call_schema.py)
     if fmt.response_template is not None and fmt.response_template.get("fields", {}).get("tool_calls", {}).get(
             "open_pattern") != json.loads(CHATML_RESPONSE.read_text())["fields"]["tool_calls"]["open_pattern"]:
         raise APIError(400, "tool_choice: this chat template's tool-call format cannot be forced (only the "
