@@ -18,7 +18,7 @@ pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
 from stateful_hf.serve import ServerThread, build_local, fields  # noqa: E402
-from stateful_hf.serve.fields import Endpoint, Status  # noqa: E402
+from stateful_hf.serve.fields import Endpoint, FieldStatus  # noqa: E402
 from stateful_hf.serve.protocol import ChatCompletionRequest, CompletionRequest  # noqa: E402
 from stateful_hf.serve.responses import ResponsesRequest  # noqa: E402
 from stateful_hf.serve.tool_parse import chat_prompt  # noqa: E402
@@ -170,11 +170,11 @@ def walk(url: str, specs, cases) -> list[str]:
     baseline = {e: answer(post(url, e, BASE[e])) for e in Endpoint}
     for f in specs:
         base = BASE[f.endpoint]
-        if f.status is Status.REFUSED:
+        if f.status is FieldStatus.REFUSED:
             r = post(url, f.endpoint, {**base, f.name: f.example})
             if r.status_code != 400 or r.json()["error"]["param"] != f.name:
                 bad.append(f"{f.endpoint.value} {f.name}: refused, but {r.status_code} {r.text[:200]}")
-        elif f.status is Status.HARMLESS:
+        elif f.status is FieldStatus.HARMLESS:
             got = answer(post(url, f.endpoint, {**base, f.name: f.example}))
             if got != baseline[f.endpoint]:
                 bad.append(f"{f.endpoint.value} {f.name}: harmless, but the answer changed: {got}")
@@ -198,7 +198,7 @@ def test_every_field_keeps_its_status(server):
 
 def test_a_field_marked_implemented_but_wired_to_nothing_fails_the_walk(server, monkeypatch):
     """Negative control: `min_p` (not in the sampler) marked IMPLEMENTED, with a case built for it."""
-    spec = dataclasses.replace(fields.fields_of(Endpoint.CHAT)["min_p"], status=Status.IMPLEMENTED)
+    spec = dataclasses.replace(fields.fields_of(Endpoint.CHAT)["min_p"], status=FieldStatus.IMPLEMENTED)
     monkeypatch.setitem(fields._BY_ENDPOINT[Endpoint.CHAT], "min_p", spec)
     cases = {Endpoint.CHAT: {"min_p": (HOT, {**HOT, "min_p": 0.9}, said)}}
     assert post(server.url, Endpoint.CHAT, {**BASE[Endpoint.CHAT], "min_p": 0.9}).status_code == 200   # now accepted

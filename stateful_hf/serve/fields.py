@@ -1,5 +1,5 @@
 """Every request field of OpenAI's chat completions, completions and Responses APIs and of vLLM's
-extensions, each with what this server does with it (`Status`): the one list requests are checked against.
+extensions, each with what this server does with it (`FieldStatus`): the one list requests are checked against.
 
 - IMPLEMENTED: the server acts on it (protocol.py, tools.py, structured.py, responses.py).
 - REFUSED: not done yet; set to a value that asks for something (anything but its `inert` values) it is
@@ -26,7 +26,7 @@ from .protocol import APIError
 log = logging.getLogger(__name__)
 
 
-class Status(Enum):
+class FieldStatus(Enum):
     IMPLEMENTED = "implemented"
     REFUSED = "refused"
     HARMLESS = "harmless"
@@ -47,14 +47,14 @@ class FieldSpec:
 
     name: str
     endpoint: Endpoint
-    status: Status
+    status: FieldStatus
     origin: str
     note: str
     example: object = None
     inert: tuple = (None,)
 
 
-IMPL, REFD, HARM = Status.IMPLEMENTED, Status.REFUSED, Status.HARMLESS
+IMPL, REFD, HARM = FieldStatus.IMPLEMENTED, FieldStatus.REFUSED, FieldStatus.HARMLESS
 CHAT, COMPLETIONS, RESPONSES = Endpoint.CHAT, Endpoint.COMPLETIONS, Endpoint.RESPONSES
 _NO = (None, False, 0, 0.0, "", (), [], {})     # inert for most refused fields
 _ONE = (None, 1, 1.0)
@@ -243,7 +243,7 @@ def check(model_name: str, body: dict, strict: bool = False) -> None:
                 raise APIError(400, f"Unrecognized request argument supplied: {name}", param=name,
                                code="unknown_parameter")
             _warn_once(endpoint, name)
-        elif spec.status is Status.REFUSED and asks_for(spec, value):
+        elif spec.status is FieldStatus.REFUSED and asks_for(spec, value):
             raise APIError(400, f"`{name}` is not supported by this server ({spec.note}); remove it from the "
                            "request", param=name, code="unsupported_parameter")
 

@@ -2,7 +2,7 @@
 starts as `vllm serve MODEL ...` does, each flag with its meaning here or a one-line answer.
 
 `VLLM_FLAGS` is the hand-written list (docs/server-api.md, "Flags from vLLM", says the same), each flag
-with its `Status`:
+with its `FlagStatus`:
 - MAPPED: sets what the server has under its own name (`--swap-space 4` is `--host-capacity 4GiB`);
 - ACCEPTED: already what the server does (`--enforce-eager`: eager is what runs); one line says so;
 - CHECKED: accepted at the one value that is true here (`--block-size` = `--chunk-size`, `--kv-cache-dtype
@@ -21,7 +21,7 @@ import enum
 from dataclasses import dataclass
 
 
-class Status(enum.Enum):
+class FlagStatus(enum.Enum):
     MAPPED = "mapped"
     ACCEPTED = "accepted"
     CHECKED = "checked"
@@ -33,7 +33,7 @@ class VllmFlag:
     """One vLLM flag: its spellings, what it takes (argparse's `nargs`/`type`), its status and meaning here."""
 
     names: tuple[str, ...]
-    status: Status
+    status: FlagStatus
     meaning: str
     takes: type | None = None        # None: a switch
 
@@ -42,43 +42,43 @@ TOOL_CALL_PARSERS = ("hermes",)       # the `<tool_call>` JSON lines of tools.py
 REASONING_PARSERS = ("qwen3",)        # `<think>...</think>` first, read by reasoning.py
 
 VLLM_FLAGS: tuple[VllmFlag, ...] = (
-    VllmFlag(("--enable-prefix-caching",), Status.MAPPED, "prefix sharing on (the store's prefix_sharing; "
+    VllmFlag(("--enable-prefix-caching",), FlagStatus.MAPPED, "prefix sharing on (the store's prefix_sharing; "
              "docs/prefix-sharing.md); default: on where the store can share"),
-    VllmFlag(("--no-enable-prefix-caching",), Status.MAPPED, "prefix sharing off"),
-    VllmFlag(("--enable-auto-tool-choice",), Status.ACCEPTED, "tool_choice auto is always on (docs/agents.md)"),
-    VllmFlag(("--tool-call-parser",), Status.CHECKED, "tool calls are read in the chat template's format: the "
+    VllmFlag(("--no-enable-prefix-caching",), FlagStatus.MAPPED, "prefix sharing off"),
+    VllmFlag(("--enable-auto-tool-choice",), FlagStatus.ACCEPTED, "tool_choice auto is always on (docs/agents.md)"),
+    VllmFlag(("--tool-call-parser",), FlagStatus.CHECKED, "tool calls are read in the chat template's format: the "
              "tokenizer's response template, else Hermes `<tool_call>` JSON; names: " + ", ".join(TOOL_CALL_PARSERS),
              str),
-    VllmFlag(("--reasoning-parser",), Status.CHECKED, "`<think>` blocks are read wherever the chat template "
+    VllmFlag(("--reasoning-parser",), FlagStatus.CHECKED, "`<think>` blocks are read wherever the chat template "
              "has them; names: " + ", ".join(REASONING_PARSERS), str),
-    VllmFlag(("--gpu-memory-utilization",), Status.MAPPED, "on a GPU, the device KV tier is this share of the "
+    VllmFlag(("--gpu-memory-utilization",), FlagStatus.MAPPED, "on a GPU, the device KV tier is this share of the "
              "device's memory less what the model took at load (activations come out of the rest); "
              "no meaning on the CPU", float),
-    VllmFlag(("--swap-space",), Status.MAPPED, "the host KV tier in GiB (--host-capacity NGiB); 0: none", float),
-    VllmFlag(("--max-num-batched-tokens",), Status.MAPPED, "--max-batch-tokens", int),
-    VllmFlag(("--max-num-seqs",), Status.MAPPED, "the engine's own --max-num-seqs"),
-    VllmFlag(("--block-size",), Status.CHECKED, "must equal --chunk-size (the store's chunk is its block)", int),
-    VllmFlag(("--enable-chunked-prefill",), Status.ACCEPTED, "prefills are always chunked (to --max-batch-tokens)"),
-    VllmFlag(("--kv-cache-dtype",), Status.CHECKED, "auto only: the KV is in the model's --dtype", str),
-    VllmFlag(("--disable-log-requests",), Status.MAPPED, "no per-request log line (logger stateful_hf.requests "
+    VllmFlag(("--swap-space",), FlagStatus.MAPPED, "the host KV tier in GiB (--host-capacity NGiB); 0: none", float),
+    VllmFlag(("--max-num-batched-tokens",), FlagStatus.MAPPED, "--max-batch-tokens", int),
+    VllmFlag(("--max-num-seqs",), FlagStatus.MAPPED, "the engine's own --max-num-seqs"),
+    VllmFlag(("--block-size",), FlagStatus.CHECKED, "must equal --chunk-size (the store's chunk is its block)", int),
+    VllmFlag(("--enable-chunked-prefill",), FlagStatus.ACCEPTED, "prefills are always chunked (to --max-batch-tokens)"),
+    VllmFlag(("--kv-cache-dtype",), FlagStatus.CHECKED, "auto only: the KV is in the model's --dtype", str),
+    VllmFlag(("--disable-log-requests",), FlagStatus.MAPPED, "no per-request log line (logger stateful_hf.requests "
              "at WARNING)"),
-    VllmFlag(("--api-key",), Status.MAPPED, "the server's own --api-key (also $VLLM_API_KEY)"),
-    VllmFlag(("--enforce-eager",), Status.ACCEPTED, "eager is what runs: no CUDA graphs or torch.compile yet"),
-    VllmFlag(("--tensor-parallel-size", "-tp"), Status.CHECKED, "1 only; replicas on Ray Serve are data "
+    VllmFlag(("--api-key",), FlagStatus.MAPPED, "the server's own --api-key (also $VLLM_API_KEY)"),
+    VllmFlag(("--enforce-eager",), FlagStatus.ACCEPTED, "eager is what runs: no CUDA graphs or torch.compile yet"),
+    VllmFlag(("--tensor-parallel-size", "-tp"), FlagStatus.CHECKED, "1 only; replicas on Ray Serve are data "
              "parallelism (--ray --replicas N)", int),
-    VllmFlag(("--pipeline-parallel-size", "-pp"), Status.CHECKED, "1 only (one device per replica)", int),
-    VllmFlag(("--data-parallel-size", "-dp"), Status.CHECKED, "1 only here; data parallelism is --ray --replicas N",
+    VllmFlag(("--pipeline-parallel-size", "-pp"), FlagStatus.CHECKED, "1 only (one device per replica)", int),
+    VllmFlag(("--data-parallel-size", "-dp"), FlagStatus.CHECKED, "1 only here; data parallelism is --ray --replicas N",
              int),
-    VllmFlag(("--disable-log-stats",), Status.NO_MEANING, "there is no periodic stats line to disable (/metrics)"),
-    VllmFlag(("--uvicorn-log-level",), Status.NO_MEANING, "uvicorn logs at --log-level", str),
-    VllmFlag(("--disable-frontend-multiprocessing",), Status.NO_MEANING, "the HTTP front end and the engine share "
+    VllmFlag(("--disable-log-stats",), FlagStatus.NO_MEANING, "there is no periodic stats line to disable (/metrics)"),
+    VllmFlag(("--uvicorn-log-level",), FlagStatus.NO_MEANING, "uvicorn logs at --log-level", str),
+    VllmFlag(("--disable-frontend-multiprocessing",), FlagStatus.NO_MEANING, "the HTTP front end and the engine share "
              "one process"),
-    VllmFlag(("--disable-fastapi-docs",), Status.NO_MEANING, "the server serves no /docs pages"),
-    VllmFlag(("--max-seq-len-to-capture",), Status.NO_MEANING, "no CUDA graphs are captured", int),
-    VllmFlag(("--disable-custom-all-reduce",), Status.NO_MEANING, "no tensor parallelism, no all-reduce"),
-    VllmFlag(("--distributed-executor-backend",), Status.NO_MEANING, "one process per replica (--ray: Ray Serve)",
+    VllmFlag(("--disable-fastapi-docs",), FlagStatus.NO_MEANING, "the server serves no /docs pages"),
+    VllmFlag(("--max-seq-len-to-capture",), FlagStatus.NO_MEANING, "no CUDA graphs are captured", int),
+    VllmFlag(("--disable-custom-all-reduce",), FlagStatus.NO_MEANING, "no tensor parallelism, no all-reduce"),
+    VllmFlag(("--distributed-executor-backend",), FlagStatus.NO_MEANING, "one process per replica (--ray: Ray Serve)",
              str),
-    VllmFlag(("--enable-prompt-tokens-details",), Status.NO_MEANING, "usage always carries "
+    VllmFlag(("--enable-prompt-tokens-details",), FlagStatus.NO_MEANING, "usage always carries "
              "prompt_tokens_details.cached_tokens"),
 )
 BY_NAME = {n: f for f in VLLM_FLAGS for n in f.names}
@@ -170,9 +170,10 @@ def check_vllm_flags(p: argparse.ArgumentParser, a: argparse.Namespace, argv: li
             p.error(f"{name} {n}: not supported (one device per replica); {also}")
     for name, value in vals.items():
         f = BY_NAME[name]
-        if f.status in (Status.ACCEPTED, Status.NO_MEANING):
+        if f.status in (FlagStatus.ACCEPTED, FlagStatus.NO_MEANING):
             shown = name if f.takes is None else f"{name} {value}"
-            lines.append(f"{shown}: {'accepted' if f.status is Status.ACCEPTED else 'no meaning here'}: {f.meaning}")
+            said = "accepted" if f.status is FlagStatus.ACCEPTED else "no meaning here"
+            lines.append(f"{shown}: {said}: {f.meaning}")
     return lines
 
 
