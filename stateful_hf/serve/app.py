@@ -38,6 +38,7 @@ from ..cache.tenant import session_key, split_key
 from .auth import Access, Guard, request_tenant
 from .error_boundary import ErrorBoundary
 from .limits import TenantGate
+from .openapi import install as install_openapi
 from .protocol import (
     APIError,
     ChatCompletionRequest,
@@ -340,6 +341,7 @@ def create_app(router, config: ServeConfig, access: Access | None = None) -> Fas
         return JSONResponse({"status": "ok" if ok else "unhealthy", "model": config.model_name, "replicas": replicas},
                             status_code=200 if ok else 503)
 
+    install_openapi(app, config.model_name, SESSION_ID)       # /openapi.json: request bodies and errors (openapi.py)
     return app
 
 

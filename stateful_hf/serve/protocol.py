@@ -49,6 +49,7 @@ MAX_N = 128                  # OpenAI's bound on n
 # a top_p under float32's smallest value rounds to 0, so sampling would see nan): the turn is greedy.
 # vLLM's _SAMPLING_EPS, for temperature.
 SAMPLING_FLOOR = 1e-5
+MAX_EXPECTED_ARRIVAL = 86400.0   # a hint's expected_arrival (s): one day (the store keeps --max-retain of it)
 
 
 def sampling_params(generation_config, **explicit) -> SamplingParams:
@@ -273,7 +274,7 @@ class HintRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     session_id: str = Field(min_length=1)
-    expected_arrival: float | None = Field(default=None, ge=0)   # seconds from now, if known (finite)
+    expected_arrival: float | None = Field(default=None, ge=0, le=MAX_EXPECTED_ARRIVAL)   # seconds from now, if known
     priority: int | None = Field(default=None, ge=INT64[0], le=INT64[1])
     model: str | None = None
 
