@@ -235,7 +235,7 @@ def main(argv=None) -> None:
                     served_name=a.served_model_name, default_max_tokens=a.default_max_tokens,
                     replica_cpus=a.replica_cpus, replica_gpus=a.replica_gpus, dtype=dtype, device=a.device,
                     access=access, load=dict(hub, chat_template=template), max_model_len=a.max_model_len, seed=a.seed,
-                    router_db=a.router_db, responses=a.responses)
+                    router_db=a.router_db, responses=a.responses, strict_fields=a.strict_fields)
         return
     import uvicorn
 

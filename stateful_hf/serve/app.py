@@ -31,14 +31,14 @@ from types import SimpleNamespace
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..cache.sessions.tenant import session_key, split_key
 from .auth import Access, Guard, request_tenant
-from .fields import check as check_fields
+from .error_boundary import ErrorBoundary
 from .limits import TenantGate
+from .openapi import install as install_openapi
 from .protocol import (
     APIError,
     ChatCompletionRequest,
@@ -52,6 +52,7 @@ from .protocol import (
     new_id,
     usage,
 )
+from .request_body import parse
 from .response_store import ResponseRetention
 from .responses import install as install_responses
 from .retain import retain_of
@@ -112,26 +113,6 @@ def _error_response(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers())
 
 
-def _parse(raw: bytes, model_cls, strict_fields: bool = False):
-    """The request body as `model_cls`; a 400 naming the field otherwise (`body`: not a JSON object);
-    its fields checked against fields.py's list (`strict_fields`: an unknown one is a 400)."""
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise APIError(400, f"We could not parse the JSON body of your request: {e}", param="body",
-                       code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object", param="body", code="invalid_json")
-    check_fields(model_cls.__name__, body, strict_fields)
-    try:
-        return model_cls.model_validate(body)
-    except ValidationError as e:
-        err = e.errors()[0]
-        param = ".".join(str(p) for p in err["loc"]) or "body"
-        raise APIError(400, f"{param}: {err['msg']}", param=param,
-                       code="missing_required_parameter" if err["type"] == "missing" else "invalid_value") from None
-
-
 class CorsPreflight(CORSMiddleware):
     """Starlette's CORS middleware, whose refused preflight is a 400 in OpenAI's shape naming the
     request header at fault (Starlette's own is plain text)."""
@@ -163,6 +144,7 @@ def create_app(router, config: ServeConfig, access: Access | None = None) -> Fas
     app = FastAPI(title="stateful-hf", docs_url=None, redoc_url=None)
     app.state.router, app.state.config, app.state.access = router, config, access or Access()
     count_error = router.metrics.error                   # every error response, by status and code
+    app.add_middleware(ErrorBoundary, on_error=count_error)   # a bug's 500, the connection kept (innermost)
     app.add_middleware(Guard, access=app.state.access, on_error=count_error)
     cors = app.state.access.cors
     if cors.origins:                                     # added last: outermost, before Guard
@@ -186,10 +168,6 @@ def create_app(router, config: ServeConfig, access: Access | None = None) -> Fas
     async def _http_error(request: Request, e: StarletteHTTPException):
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         return respond(APIError(e.status_code, str(e.detail), type=kind, code=kind))
-
-    @app.exception_handler(Exception)
-    async def _server_error(request: Request, e: Exception):
-        return respond(APIError(500, f"{type(e).__name__}: {e}", type="server_error", code="internal_error"))
 
     def check_model(model: str | None) -> None:
         if model is not None and model != config.model_name:
@@ -281,7 +259,7 @@ def create_app(router, config: ServeConfig, access: Access | None = None) -> Fas
     def chat_turn(raw: bytes):
         """(body, prompt ids, sampling) of a chat request: parsed, checked, rendered and tokenized
         (in a worker thread: the event loop keeps answering)."""
-        body = _parse(raw, ChatCompletionRequest, config.strict_fields)
+        body = parse(raw, ChatCompletionRequest, config.strict_fields)
         check_session_id(body.session_id)
         check_model(body.model)
         body.refuse_unsupported()
@@ -302,7 +280,7 @@ def create_app(router, config: ServeConfig, access: Access | None = None) -> Fas
 
     def completion_turn(raw: bytes):
         """(body, prompt ids, sampling) of a completion request (in a worker thread, as `chat_turn`)."""
-        body = _parse(raw, CompletionRequest, config.strict_fields)
+        body = parse(raw, CompletionRequest, config.strict_fields)
         check_session_id(body.session_id)
         check_model(body.model)
         body.refuse_unsupported()
@@ -331,7 +309,7 @@ def create_app(router, config: ServeConfig, access: Access | None = None) -> Fas
 
     @app.post("/v1/hints")
     async def hints(request: Request):
-        body = await run_in_threadpool(_parse, await request.body(), HintRequest)
+        body = await run_in_threadpool(parse, await request.body(), HintRequest)
         check_model(body.model)
         out = await router.hint(session_id_of(request, body.session_id), body.expected_arrival, body.priority)
         return JSONResponse({**out, "session_id": body.session_id})
@@ -345,9 +323,9 @@ def create_app(router, config: ServeConfig, access: Access | None = None) -> Fas
         return JSONResponse(await router.delete_session(session_id_of(request, session_id)))
 
     install_responses(app, router, config, SimpleNamespace(       # /v1/responses: responses.py
-        parse=_parse, encode=encode, check_model=check_model, seeded=seeded,
+        parse=parse, encode=encode, check_model=check_model, seeded=seeded,
         check_session_id=check_session_id, header_session=header_session, limits=limits))
-    install_utility(app, config, SimpleNamespace(parse=_parse, check_model=check_model))   # /tokenize, /ping ...
+    install_utility(app, config, SimpleNamespace(parse=parse, check_model=check_model))   # /tokenize, /ping ...
 
     @app.get("/v1/models")
     async def models():
@@ -366,6 +344,7 @@ def create_app(router, config: ServeConfig, access: Access | None = None) -> Fas
         return JSONResponse({"status": "ok" if ok else "unhealthy", "model": config.model_name, "replicas": replicas},
                             status_code=200 if ok else 503)
 
+    install_openapi(app, config.model_name, SESSION_ID)       # /openapi.json: request bodies and errors (openapi.py)
     return app
 
 

@@ -142,9 +142,10 @@ class Ingress:
 
     def __init__(self, model_path: str | None, served_name: str | None, default_max_tokens: int | None, *replicas,
                  access=None, load: dict | None = None, max_model_len: int | None = None, seed: int | None = None,
-                 router_db: str | None = None, responses=None):
+                 router_db: str | None = None, responses=None, strict_fields: bool = False):
         """`load`: `load_model`'s keyword arguments (revision, trust_remote_code, chat_template).
-        `router_db`: the router's session directory file (SQLite; None: in memory only)."""
+        `router_db`: the router's session directory file (SQLite; None: in memory only).
+        `strict_fields`: an unknown request field is a 400 (--strict-fields)."""
         from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
         from ..models import SOURCES, TINY_MODEL, TINY_MODELS, load_tiny, model_dir, use_chat_template
@@ -170,6 +171,7 @@ class Ingress:
         self.router = Router([RayClient(h, f"replica-{i}") for i, h in enumerate(replicas)], directory=directory)
         self.config = ServeConfig(served_name or name, tokenizer, context_length(max_len, max_model_len),
                                   default_max_tokens, generation, seed, responses=responses)
+        self.config.strict_fields = strict_fields
         self.access = access        # keys file read here at deploy (SIGHUP reload: single machine only)
 
     def __serve_build_asgi_app__(self):
@@ -180,9 +182,9 @@ def build_app(model_path: str | None, options: EngineOptions, replicas: int, ser
               default_max_tokens: int | None = None, replica_cpus: float = 1.0, replica_gpus: float = 0.0,
               dtype: str = "float32", device: str = "cpu", access=None, load: dict | None = None,
               max_model_len: int | None = None, seed: int | None = None, router_db: str | None = None,
-              responses=None):
+              responses=None, strict_fields: bool = False):
     """The Serve application: `replicas` engine deployments behind the ingress. `load`: `load_model`'s
-    keyword arguments; `max_model_len`, `seed`, `responses`: `build_local`'s."""
+    keyword arguments; `max_model_len`, `seed`, `responses`: `build_local`'s; `strict_fields`: --strict-fields."""
     from ..models import SOURCES, fetch
     if model_path in SOURCES:
         fetch(model_path)                  # once, here, before the replicas load it
@@ -194,7 +196,8 @@ def build_app(model_path: str | None, options: EngineOptions, replicas: int, ser
     return Ingress.options(ray_actor_options={"num_cpus": 0}).bind(model_path, served_name, default_max_tokens,
                                                                     *engines, access=access, load=load,
                                                                     max_model_len=max_model_len, seed=seed,
-                                                                    router_db=router_db, responses=responses)
+                                                                    router_db=router_db, responses=responses,
+                                                                    strict_fields=strict_fields)
 
 
 def start(model_path: str | None, options: EngineOptions, replicas: int, *, host: str = "127.0.0.1",

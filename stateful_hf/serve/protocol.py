@@ -1,7 +1,10 @@
 """OpenAI-compatible request and response bodies, and OpenAI-style errors.
 
-Requests are validated with pydantic; anything invalid becomes an `APIError` with the status code
-and body OpenAI uses: `{"error": {"message", "type", "param", "code"}}`.
+Requests are validated with pydantic (the body first by `request_body.parse`: nesting depth, lone
+surrogates, non-finite numbers); anything invalid becomes an `APIError` with the status code and body
+OpenAI uses: `{"error": {"message", "type", "param", "code"}}`. Field ranges are declared on the models
+(so `/openapi.json` states them, `openapi.py`); `sampling_params` maps a request's sampling fields to the
+engine's, a degenerate distribution to greedy (`SAMPLING_FLOOR`).
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from ..engine import SamplingParams
 from ..engine.sampling import MAX_LOGPROBS
@@ -40,6 +43,29 @@ class APIError(Exception):
         return cls(d["status"], d["message"], d["type"], d.get("param"), d.get("code"), d.get("retry_after"))
 
 
+INT64 = (-2**63, 2**63 - 1)   # OpenAI's integer range (a seed must fit a torch generator's int64)
+MAX_N = 128                  # OpenAI's bound on n
+# Below this, a temperature or top_p leaves one token (float32 logits / temperature overflow to inf, and
+# a top_p under float32's smallest value rounds to 0, so sampling would see nan): the turn is greedy.
+# vLLM's _SAMPLING_EPS, for temperature.
+SAMPLING_FLOOR = 1e-5
+MAX_EXPECTED_ARRIVAL = 86400.0   # a hint's expected_arrival (s): one day (the store keeps --max-retain of it)
+
+
+def sampling_params(generation_config, **explicit) -> SamplingParams:
+    """`SamplingParams.from_generation_config(generation_config, **explicit)`, greedy when its
+    temperature or top_p is under `SAMPLING_FLOOR` (both would keep the top token only: docs/server-api.md).
+    A seed outside int64 is a 400 naming `seed` (models that do not bound it: the Responses API's)."""
+    seed = explicit.get("seed")
+    if seed is not None and not INT64[0] <= seed <= INT64[1]:
+        raise APIError(400, f"seed must be an int64 (in [{INT64[0]}, {INT64[1]}]), got {seed}", param="seed",
+                       code="invalid_value")
+    p = SamplingParams.from_generation_config(generation_config, **explicit)
+    if not p.greedy and (p.temperature < SAMPLING_FLOOR or p.top_p < SAMPLING_FLOOR):
+        p = dataclasses.replace(p, temperature=0.0, top_p=1.0)
+    return p
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -48,20 +74,20 @@ class _Sampling(BaseModel):
     """Fields shared by both endpoints. Extra OpenAI fields we do not act on are accepted and ignored
     (`extra="allow"`), except the ones that would change the answer's shape (checked below)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None                      # extension (vLLM spelling)
-    seed: int | None = None
+    max_tokens: int | None = Field(default=None, ge=1, le=INT64[1])
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0, le=INT64[1])   # extension (vLLM spelling); 0 = off
+    seed: int | None = Field(default=None, ge=INT64[0], le=INT64[1])
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None        # extension
     ignore_eos: bool = False                       # extension
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
-    stream_options: StreamOptions | None = None
+    stream_options: StreamOptions | None = None    # only with stream: true (as OpenAI)
     user: str | None = None
     session_id: str | None = None                  # extension: the conversation's session (see README)
     return_token_ids: bool = False                 # extension (vLLM spelling): choices[0].token_ids
@@ -73,6 +99,20 @@ class _Sampling(BaseModel):
     def _one_choice(cls, v: int) -> int:
         if v != 1:
             raise ValueError("only n=1 is supported")
+        return v
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_streamed(cls, v: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if v is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed when stream is true")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _token_ids(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and not all(0 <= t <= INT64[1] for t in v):
+            raise ValueError("token ids are non-negative int64 values")
         return v
 
     def requested_max_tokens(self) -> int | None:
@@ -100,13 +140,6 @@ class _Sampling(BaseModel):
         if max_tokens < 1:
             raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens",
                            code="invalid_value")
-        if self.temperature is not None and not 0.0 <= self.temperature <= 2.0:
-            raise APIError(400, f"temperature must be in [0, 2], got {self.temperature}", param="temperature",
-                           code="invalid_value")
-        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
-            raise APIError(400, f"top_p must be in (0, 1], got {self.top_p}", param="top_p", code="invalid_value")
-        if self.top_k is not None and self.top_k < 0:
-            raise APIError(400, f"top_k must be >= 0 (0 = off), got {self.top_k}", param="top_k", code="invalid_value")
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
         if not all(stops):
             raise APIError(400, "stop strings must be non-empty", param="stop", code="invalid_value")
@@ -115,8 +148,8 @@ class _Sampling(BaseModel):
                  "stop_token_ids": _tuple(self.stop_token_ids)}
         explicit = {k: v for k, v in given.items() if v is not None}
         try:
-            return SamplingParams.from_generation_config(generation_config, max_new_tokens=max_tokens,
-                                                         ignore_eos=self.ignore_eos, **explicit)
+            return sampling_params(generation_config, max_new_tokens=max_tokens, ignore_eos=self.ignore_eos,
+                                   **explicit)
         except ValueError as e:       # a field the checks above do not cover: named by SamplingParams' message
             field = str(e).split(" ", 1)[0]
             raise APIError(400, str(e), param=_REQUEST_FIELD.get(field, field), code="invalid_value") from None
@@ -160,26 +193,42 @@ def _asks_for(name: str, value) -> bool:
     return True
 
 
+class ContentPart(BaseModel):
+    """A part of a message's content: only `text` parts are served (`ChatMessage.text`); a text part's
+    `text` is a string."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: Any = Field(default=None, validate_default=True)
+
+    @field_validator("text")
+    @classmethod
+    def _text_is_a_string(cls, v: Any, info: ValidationInfo) -> Any:
+        if info.data.get("type") == "text" and not isinstance(v, str):
+            raise ValueError("a text part's text must be a string")
+        return v
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[ContentPart] | None = None
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         parts = []
         for p in self.content:
-            if p.get("type") != "text":
-                raise APIError(400, f"only text content parts are supported, got {p.get('type')!r}",
+            if p.type != "text":
+                raise APIError(400, f"only text content parts are supported, got {p.type!r}",
                                param="messages", code="unsupported_content")
-            parts.append(p.get("text", ""))
+            parts.append(p.text)
         return "".join(parts)
 
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT64[1])
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: Any = None                             # checked by tools.check_tools (400s name the field)
@@ -223,10 +272,10 @@ class CompletionRequest(_Sampling):
 class HintRequest(BaseModel):
     """Symphony's advisory request: `session_id` will send a turn soon."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     session_id: str = Field(min_length=1)
-    expected_arrival: float | None = Field(default=None, ge=0)   # seconds from now, if known
-    priority: int | None = None
+    expected_arrival: float | None = Field(default=None, ge=0, le=MAX_EXPECTED_ARRIVAL)   # seconds from now, if known
+    priority: int | None = Field(default=None, ge=INT64[0], le=INT64[1])
     model: str | None = None
 
 

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from ..cache import CapacityError, SessionBusyError, split_key
 from ..engine import Engine, SamplingParams
 from . import logs
+from .error_boundary import logged
 from .metrics import ReplicaMetrics
 from .migrate import SessionExport, export_session, import_session
 from .protocol import APIError
@@ -37,7 +38,7 @@ def api_error(e: BaseException) -> APIError:
         return APIError(400, str(e), param="prompt", code="capacity_exceeded")
     if isinstance(e, (ValueError, TypeError)):    # a bad prompt, or a turn under another cache_salt
         return APIError(400, str(e), param="cache_salt" if "cache_salt" in str(e) else "prompt", code="invalid_prompt")
-    return APIError(500, f"{type(e).__name__}: {e}", type="server_error", code="internal_error")
+    return logged(e, "a turn")         # a generic 500 with a request id; the exception is logged
 
 
 class Replica:

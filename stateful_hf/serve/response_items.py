@@ -45,7 +45,8 @@ def input_messages(value, earlier: list[dict], param: str = "input") -> list[dic
             raise _bad(f"{at} must be an object", at)
         kind = item.get("type", "message")
         if kind == "message":
-            role = ROLES.get(item.get("role"))
+            role = item.get("role")
+            role = ROLES.get(role) if isinstance(role, str) else None
             if role is None:
                 raise _bad(f"{at}.role must be user, system, developer or assistant; got {item.get('role')!r}",
                            f"{at}.role")
@@ -74,6 +75,8 @@ def input_messages(value, earlier: list[dict], param: str = "input") -> list[dic
             calls.add(cid)
         elif kind == "function_call_output":
             cid = item.get("call_id")
+            if not isinstance(cid, str) or not cid:
+                raise _bad(f"{at}.call_id must be a non-empty string", f"{at}.call_id")
             if cid not in calls:
                 raise _bad(f"{at}.call_id: no function call with the id {cid!r} was made earlier in the "
                            "conversation", f"{at}.call_id")
@@ -107,7 +110,10 @@ def _text(content, param: str) -> str:
             kind = p.get("type") if isinstance(p, dict) else type(p).__name__
             raise APIError(400, f"{param}.{j}: only text parts are supported, got {kind!r}", param=f"{param}.{j}.type",
                            code="unsupported_content")
-        parts.append(p.get("text", p.get("refusal", "")) or "")
+        key = "refusal" if p["type"] == "refusal" else "text"
+        if not isinstance(p.get(key), str):
+            raise _bad(f"{param}.{j}.{key} must be a string", f"{param}.{j}.{key}")
+        parts.append(p[key])
     return "".join(parts)
 
 

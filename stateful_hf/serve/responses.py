@@ -30,7 +30,7 @@ from starlette.concurrency import run_in_threadpool
 from ..cache.sessions.tenant import session_key
 from ..engine import SamplingParams
 from .auth import request_tenant
-from .protocol import APIError, max_tokens_for
+from .protocol import APIError, max_tokens_for, sampling_params
 from .reasoning import reasons, with_reasoning_tokens
 from .response_items import OutputBuilder, input_messages, item_id, reply_message, response_usage
 from .response_store import PromptKey, ResponseStore, StoredResponse
@@ -74,8 +74,8 @@ class ResponsesRequest(BaseModel):
 
     def sampling(self, max_tokens: int, generation_config, stop: tuple[str, ...]) -> SamplingParams:
         given = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed}
-        return SamplingParams.from_generation_config(generation_config, max_new_tokens=max_tokens, stop=stop,
-                                                     **{k: v for k, v in given.items() if v is not None})
+        return sampling_params(generation_config, max_new_tokens=max_tokens, stop=stop,   # the floor: protocol.py
+                               **{k: v for k, v in given.items() if v is not None})
 
 
 @dataclass
