@@ -217,9 +217,10 @@ class FakeStore:
     def offload_layers(self, session_id: str, full: bool = False) -> int:
         return 0
 
-    def expect(self, session_id: str, seconds: float) -> None:
+    def expect(self, session_id: str, seconds: float) -> float:
         self._get(session_id)
-        self.expected[session_id] = self.clock() + seconds
+        self.expected[session_id] = at = self.clock() + min(seconds, 600.0)     # max_retain's default
+        return at
 
     def due(self, within: float) -> tuple[list[str], float]:
         now = self.clock()

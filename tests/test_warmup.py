@@ -115,6 +115,20 @@ def test_the_background_loop_wakes_for_a_warm_up():
     engine.store.check_integrity()
 
 
+def test_a_hint_far_in_the_future_is_clamped_and_the_loop_keeps_serving():
+    """expected_arrival=1e300 (finite, a fuzzer's value) once overflowed the idle loop's wait and stopped the
+    engine's thread; the store clamps it to max_retain and the engine waits for what the store recorded."""
+    model = tiny_llama()
+    engine = Engine(model, device_capacity=1024, chunk_size=16, warm_ahead=1.0)
+    ids = _first_turn(engine, "a", 0)
+    with engine:
+        engine.hint("a", expected_arrival=1e300)
+        time.sleep(0.2)                                    # the idle loop waits, at most until the clamped time
+        assert engine.warmups.next_at <= engine.store.clock() + engine.store.config.max_retain + 1
+        out = engine.submit("b", ids[:40], SamplingParams(max_new_tokens=N)).result(timeout=60)
+    assert list(out.token_ids) == greedy(model, torch.tensor([ids[:40]]), N)[0, 40:].tolist()
+
+
 @pytest.mark.parametrize("steps_before", [0, 1])
 def test_a_turn_of_the_session_ends_its_warm_up_and_is_exact_even_under_refuse(steps_before):
     model, oracle = tiny_llama(), tiny_llama()

@@ -202,14 +202,16 @@ class KVStore:
         with self.lock:
             return list(self.sessions.get(session_id).token_ids)
 
-    def expect(self, session_id: str, seconds: float) -> None:
+    def expect(self, session_id: str, seconds: float) -> float:
         """The session's next turn is expected within `seconds` (clamped to `max_retain`; a tool pause): its
-        KV is ranked for eviction as if active then, a priority that never pins (`policy.py`)."""
+        KV is ranked for eviction as if active then, a priority that never pins (`policy.py`). Returns the
+        clock time it is expected at."""
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < float("inf"):
             raise ValueError(f"expected within seconds must be a number >= 0, got {seconds!r}")
         with self.lock:
             at = self.sessions.clock() + min(seconds, self.config.max_retain)
             self.sessions.expect(self.sessions.get(session_id), at)
+            return at
 
     def due(self, within: float) -> tuple[list[str], float]:
         """Idle sessions whose expected turn (`expect`) comes within `within` seconds, each expectation once,

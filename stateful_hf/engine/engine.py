@@ -267,8 +267,7 @@ class Engine:
         h = self.hints.hint(session_id, expected_arrival, priority)     # checks expected_arrival
         if expected_arrival is not None:
             with contextlib.suppress(UnknownSessionError):   # the hint says "unknown session"
-                self.store.expect(session_id, expected_arrival)
-                self.warmups.expected(self.store.clock() + expected_arrival)
+                self.warmups.expected(self.store.expect(session_id, expected_arrival))   # clamped by the store
                 with self.loop.cv:
                     self.loop.notify()             # an idle loop looks again when a warm-up comes due
         return h

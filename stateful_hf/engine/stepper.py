@@ -368,7 +368,8 @@ class StepLoop:
                     return
                 if not self._has_work():       # wait for a notify or a warm-up's time, then look again
                     woke = True
-                    self.cv.wait(timeout=self._wake_in())
+                    wake = self._wake_in()
+                    self.cv.wait(timeout=None if wake is None else min(wake, threading.TIMEOUT_MAX))
                     continue
             try:
                 if woke and self._on_wake is not None:

@@ -171,9 +171,9 @@ class EngineStore(Protocol):
         without layerwise_kv)."""
         ...
 
-    def expect(self, session_id: str, seconds: float) -> None:
-        """Changes: the session's next turn is expected within `seconds` (ranked for eviction as if active
-        then; `due` reports it)."""
+    def expect(self, session_id: str, seconds: float) -> float:
+        """Changes: the session's next turn is expected within `seconds`, clamped to the store's `max_retain`
+        (ranked for eviction as if active then; `due` reports it). Returns the clock time it is expected at."""
         ...
 
     def delete(self, session_id: str, keep_shared: bool = False) -> None:
