@@ -317,6 +317,55 @@ def test_the_door_check_sees_a_breach():
                                     "stateful_hf.engine.scheduler:3 stateful_hf.cache.kv_store"]
 
 
+# ---- one owner for request state ----------------------------------------------------------------------------
+
+REQUEST_MODULE = "stateful_hf/engine/request.py"
+_MUTATORS = {"append", "extend", "insert", "pop", "remove", "clear"}    # a Request's list fields
+
+
+def request_fields() -> set[str]:
+    """The fields of `Request` (a dataclass in request.py), read from its source."""
+    tree = parse(ROOT / REQUEST_MODULE)
+    cls = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "Request")
+    return {st.target.id for st in cls.body if isinstance(st, ast.AnnAssign) and isinstance(st.target, ast.Name)}
+
+
+def request_writes(tree: ast.Module, rel: str, fields: set[str]) -> list[str]:
+    """`rel:line target` for each assignment to, or mutating call on, a field of `Request` through another
+    object than `self` (the engine's and server's objects other than a request use other field names)."""
+    found = []
+    for node in ast.walk(tree):
+        targets: list[ast.AST] = []
+        if isinstance(node, ast.Assign):
+            targets = [e for t in node.targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])]
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _MUTATORS:
+            targets = [node.func.value]
+        found += [f"{rel}:{node.lineno} {ast.unparse(t)}" for t in targets
+                  if isinstance(t, ast.Attribute) and t.attr in fields and not _is_self(t.value)]
+    return found
+
+
+def test_a_request_changes_only_through_its_own_methods():
+    """The scheduler, admission, layer offload, the stepper, the runner and the server change a `Request`
+    through its methods (`advance`, `emit`, `suspend`, `finish`, ...), never by assigning its fields."""
+    fields = request_fields()
+    assert {"status", "needs", "pending", "output_ids", "leased"} <= fields, fields
+    modules = [m for m in package_modules().values()
+               if m.name.startswith(("stateful_hf.engine", "stateful_hf.serve")) and m.rel != REQUEST_MODULE]
+    found = [w for m in modules for w in request_writes(parse(m.path), m.rel, fields)]
+    assert not found, "a Request's fields written outside request.py:\n  " + "\n  ".join(found)
+
+
+def test_the_request_write_check_sees_writes():
+    """The negative control: the check reports an assignment, a tuple assignment and a mutating call."""
+    tree = ast.parse("def f(r, items):\n    r.status = 1\n    r.needs, r.pending = None, []\n"
+                     "    items[0].request.output_ids.append(3)\n    self.status = 2\n")
+    assert request_writes(tree, "x.py", {"status", "needs", "pending", "output_ids"}) == [
+        "x.py:2 r.status", "x.py:3 r.needs", "x.py:3 r.pending", "x.py:4 items[0].request.output_ids"]
+
+
 # ---- the store's feature packages ---------------------------------------------------------------------------
 
 # Optional features of the store, each a package of stateful_hf/cache/ that runs only when its option is on.

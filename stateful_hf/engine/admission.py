@@ -45,12 +45,14 @@ from .request import Request, RequestStatus, WorkItem, blocks_needed, next_item
 class Verdict:
     """What `Admission.admit` decided. `item` set: admitted, taking `blocks` device blocks. `item` None:
     `skip` (its session is busy, or it failed: later requests may pass) or wait (head of line: strict FCFS).
-    `released`: device blocks a failure made available (an idle session's now)."""
+    `released`: device blocks a failure made available (an idle session's now). `swapped`: kept tokens the
+    admitted request's steps bring up from below the device (the scheduler starts it with them)."""
 
     item: WorkItem | None = None
     blocks: int = 0
     skip: bool = False
     released: int = 0
+    swapped: int = 0
 
 
 class Admission:
@@ -61,11 +63,10 @@ class Admission:
     def ask(self, r: Request, pass_: tuple[int, int]) -> ValueError | None:
         """Ask the store what admitting the WAITING `r` would take (`r.needs`). A cache_salt other than
         the session's leaves `r.needs` None and is returned (admission fails `r` with it)."""
-        r.needs_pass = pass_
         try:
-            r.needs = self.store.turn_needs(r.session_id, r.prompt, r.cache_salt)
+            r.asked(self.store.turn_needs(r.session_id, r.prompt, r.cache_salt), pass_)
         except ValueError as e:
-            r.needs = None
+            r.asked(None, pass_)
             return e
         return None
 
@@ -85,10 +86,8 @@ class Admission:
             assert needs is not None       # asked above, or at an earlier pass of this one
             if needs.busy:
                 return Verdict(skip=True)
-            keep = needs.keep
-            r.pending = r.prompt[keep:]
-            r.missing, r.missing_ids = list(needs.missing), list(needs.missing_ids)
-            held = needs.held
+            keep, held = needs.keep, needs.held
+            r.prepare(needs)
         else:                          # SUSPENDED: lease held, KV evicted (`needs` asked at the suspension)
             assert r.needs is not None
             keep, held = r.needs.keep, 0
@@ -102,7 +101,7 @@ class Admission:
                 if alone:
                     return Verdict(skip=True, released=self._fail(r, no_layered_fit(r, host_avail)))
                 return Verdict()
-            r.factor = factor
+            r.set_factor(factor)
             item = replace(item, factor=factor)
             if r.status is RequestStatus.WAITING and r.needs is not None:   # layer_factor may have moved chunks down
                 held = r.needs.held
@@ -122,21 +121,16 @@ class Admission:
             except SessionBusyError:
                 return Verdict(skip=True)
             except StoreError:         # the session changed since `turn_needs` (another caller): ask again
-                r.needs_pass = None
+                r.asked(r.needs, None)
                 return Verdict(skip=True)
-            r.leased = True
-            r.truncated, r.reused = turn.truncated_tokens, turn.reused_tokens
-            if r.missing and self.layered is None:    # a cut shared chunk copied on write keeps its KV
-                still = set(store.missing_positions(r.session_id))
-                if len(still) < len(r.missing):
-                    kept = [(p, t) for p, t in zip(r.missing, r.missing_ids, strict=True) if p in still]
-                    r.missing, r.missing_ids = [p for p, _ in kept], [t for _, t in kept]
-                    again = next_item(r, budget, keep, bs)
-                    assert again is not None   # fewer rows to recompute than the item that fitted
-                    item, need = again, blocks_needed(again)
+            r.admit(turn.truncated_tokens, turn.reused_tokens)
+            # a cut shared chunk copied on write keeps its KV: fewer rows to recompute than the item that fitted
+            if r.missing and self.layered is None and r.keep_missing(set(store.missing_positions(r.session_id))):
+                again = next_item(r, budget, keep, bs)
+                assert again is not None
+                item, need = again, blocks_needed(again)
         assert r.needs is not None
-        r.swapped += r.needs.stored_below()
-        return Verdict(item, need + held)
+        return Verdict(item, need + held, swapped=r.needs.stored_below())
 
 
 def least_chunks(r: Request, block_size: int) -> int:

@@ -154,10 +154,9 @@ class Engine:
         handle = self.requests.new_handle(session_id)
         r = Request(handle.request_id, session_id, [], sampling, None, cache_salt=cache_salt)
         try:
-            r.prompt = check_input_ids(self.encode(prompt), self.adapter)
-            r.generator = make_generator(sampling, self.store.spec.device)
-            r.text = OutputText(self.tokenizer, sampling.stop, sampling.skip_special_tokens) \
-                if self.tokenizer is not None or sampling.stop else None
+            r.bind(check_input_ids(self.encode(prompt), self.adapter), make_generator(sampling, self.store.spec.device),
+                   OutputText(self.tokenizer, sampling.stop, sampling.skip_special_tokens)
+                   if self.tokenizer is not None or sampling.stop else None)
             if sampling.constraint is not None:      # structured output (grammar.py: imported only here)
                 from .grammar import constrain
                 constrain(r, self.tokenizer, self.eos, self.config.grammar_compile_timeout)

@@ -196,10 +196,9 @@ def constrain(r: Request, tokenizer, eos: frozenset[int], timeout: float = COMPI
         raise GrammarError("structured output needs a stop token: the model has no EOS id and the request "
                            "no stop_token_ids", code="structured_output_unavailable")
     stop_ids = tuple(sorted(stops))
-    r.grammar = Grammar(compiled, stop_ids, c.vocab)
     extra = tuple(t for t in stop_ids if t not in r.sampling.stop_token_ids)
-    if extra:
-        r.sampling = replace(r.sampling, stop_token_ids=r.sampling.stop_token_ids + extra)
+    r.constrain(Grammar(compiled, stop_ids, c.vocab),
+                replace(r.sampling, stop_token_ids=r.sampling.stop_token_ids + extra) if extra else r.sampling)
 
 
 _local = threading.local()

@@ -145,7 +145,7 @@ class LayerwiseScheduling:
                 self.store.move(r.session_id, [k for k, p in enumerate(r.needs.places) if p is Place.DEVICE], "host")
             except StoreError:     # no host room after all (or the session just turned busy): wait
                 return None
-            r.needs = self.store.turn_needs(r.session_id, r.prompt, r.cache_salt)
+            r.asked(self.store.turn_needs(r.session_id, r.prompt, r.cache_salt), r.needs_pass)
             return self.layer_factor(r, keep, 0, room, host_avail - held)
         if factor is not None:
             lw.layered_admissions += 1
@@ -206,9 +206,9 @@ class LayerwiseScheduling:
         """Push a running request's kept layers (and with `full` its device chunks) to the host; its
         later chunks keep no layer on the device. Returns blocks freed."""
         freed = self.store.offload_layers(q.session_id, full=full)
-        q.needs = self.store.turn_needs(q.session_id)
+        q.asked(self.store.turn_needs(q.session_id), q.needs_pass)
         if full or q.factor >= 2:
-            q.factor = 0
+            q.set_factor(0)
         self.layerwise.pushed_blocks += freed
         return freed
 

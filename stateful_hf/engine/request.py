@@ -1,5 +1,9 @@
 """A request (one turn of one session): its state, owned by the scheduler, and its results.
 
+A `Request` changes only through its own methods (`asked`, `admit`, `advance`, `emit`, `suspend`, `finish`, ...),
+called by the scheduler on the stepping thread; `request_cancel` is the one any thread may call.
+`tests/test_architecture.py` checks that no other module assigns its fields.
+
 `WorkItem`: one request's rows in one step, and how the next rows of a request are cut.
 
 `RequestHandle`: what `Engine.submit` returns. Stream tokens or text, wait, cancel; sync or async.
@@ -118,6 +122,95 @@ class Request:
     # A warm-up (`warmup.py`): its prompt is the session's own history; it brings that history's KV up,
     # discards its one sampled token and yields to any turn of the session.
     warmup: bool = False
+
+    # ---- its changes: the only writers of its fields ---------------------------------------------------
+
+    def asked(self, needs: TurnNeeds | None, pass_: tuple[int, int] | None) -> None:
+        """The store's answer for admitting it (`turn_needs`), asked in scheduler pass `pass_`; None: refused,
+        or to be asked again (`pass_` None)."""
+        self.needs, self.needs_pass = needs, pass_
+
+    def prepare(self, needs: TurnNeeds) -> None:
+        """Its rows as the store answered (queued): the prompt past the kept prefix, the dropped history."""
+        self.needs = needs
+        self.pending = self.prompt[needs.keep:]
+        self.missing, self.missing_ids = list(needs.missing), list(needs.missing_ids)
+
+    def keep_missing(self, still: set[int]) -> bool:
+        """After its turn began: only the positions in `still` are missing (a cut shared chunk copied on write
+        kept its KV). Returns whether any left the list."""
+        kept = [(p, t) for p, t in zip(self.missing, self.missing_ids, strict=True) if p in still]
+        changed = len(kept) < len(self.missing)
+        self.missing, self.missing_ids = [p for p, _ in kept], [t for _, t in kept]
+        return changed
+
+    def admit(self, truncated: int, reused: int) -> None:
+        """Its turn began in the store (`begin`): it holds the session's lease."""
+        self.leased, self.truncated, self.reused = True, truncated, reused
+
+    def start(self, swapped: int) -> None:
+        """It runs from this step on; `swapped`: kept tokens its steps bring up from below the device."""
+        self.status = RequestStatus.RUNNING
+        self.swapped += swapped
+
+    def set_factor(self, factor: int) -> None:
+        """The keep factor of the chunks it fills from now on (layerwise_kv)."""
+        self.factor = factor
+
+    def mark_short(self, short: bool) -> None:
+        """Whether it is a short turn, served before long prefills (fixed while it is queued)."""
+        self.short = short
+
+    def scheduled(self, at: float) -> None:
+        """It is in a step that started at `at` (the first one sets its queue time)."""
+        self.scheduled_at = self.scheduled_at or at
+
+    def advance(self, item: WorkItem, needs: TurnNeeds | None) -> None:
+        """A committed step ran `item`; `needs`: the store's answer for its continuing turn (None: unchanged)."""
+        self.needs = needs if needs is not None else self.needs
+        n = len(item.recompute)
+        self.missing, self.missing_ids = self.missing[n:], self.missing_ids[n:]
+        self.recomputed += n
+        self.pending = self.pending[len(item.new_ids):]
+        self.computed += item.num_tokens
+
+    def emit(self, token: int, now: float) -> None:
+        """It sampled `token` at `now`: an output id, fed to the next step unless the request ends first."""
+        self.output_ids.append(token)
+        self.first_token_at = self.first_token_at or now
+        self.pending = [token]
+
+    def add_logprob(self, entry) -> None:
+        """The log-probabilities of the token it just emitted (`sampling.TokenLogprob`)."""
+        self.logprobs.append(entry)
+
+    def suspend(self, needs: TurnNeeds) -> None:
+        """Its KV was moved down: it is requeued, its lease kept; `needs`: the store's answer after."""
+        self.status = RequestStatus.SUSPENDED
+        self.suspensions += 1
+        self.needs = needs
+        self.missing, self.missing_ids = list(needs.missing), list(needs.missing_ids)
+
+    def release(self) -> None:
+        """Its lease went back to the store (`end`)."""
+        self.leased = False
+
+    def finish(self, status: RequestStatus, reason: str, error: BaseException | None = None) -> None:
+        """It ended (FINISHED, CANCELLED or FAILED) for `reason`."""
+        assert status.done and not self.leased, (status, self.leased)
+        self.status, self.finish_reason, self.error, self.finished_at = status, reason, error, time.monotonic()
+
+    def request_cancel(self) -> None:
+        """Ask it to end after the current step: the one change any thread may make."""
+        self.cancel_requested = True
+
+    def bind(self, prompt: list[int], generator: torch.Generator | None, text: OutputText | None) -> None:
+        """At submit, before it is queued: its checked prompt ids, sampling generator and output text."""
+        self.prompt, self.generator, self.text = prompt, generator, text
+
+    def constrain(self, grammar: object, sampling: SamplingParams) -> None:
+        """At submit, before it is queued: its grammar's matcher and the sampling that stops on its stop ids."""
+        self.grammar, self.sampling = grammar, sampling
 
     @property
     def length(self) -> int:

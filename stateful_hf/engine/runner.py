@@ -117,7 +117,7 @@ def _keep_logprobs(requests, logits: torch.Tensor, tokens: list[int]) -> None:
         return
     got = token_logprobs(logits[rows], [tokens[j] for j in rows], [requests[j].sampling.logprobs for j in rows])
     for j, entry in zip(rows, got, strict=True):
-        requests[j].logprobs.append(entry)
+        requests[j].add_logprob(entry)
 
 
 @dataclass(frozen=True, slots=True)

@@ -83,7 +83,7 @@ class Scheduler:
 
     def add(self, r: Request) -> None:
         self.admission.ask(r, (self.passes + 1, self.epoch))   # the coming pass admits with it, unless the store moves
-        r.short = self._is_short(r)
+        r.mark_short(self._is_short(r))
         self._queue(r)
 
     def _queue(self, r: Request) -> None:
@@ -112,13 +112,13 @@ class Scheduler:
         room = None
         if r.leased:
             room = self.store.end(r.session_id, len(r.output_ids))    # the rest of last_turn: the store's
-            r.leased = False
+            r.release()
             self.epoch += 1            # the release may have moved idle sessions' chunks (ahead-of-time swap-out)
         if r in self.waiting:
             self._unqueue(r)
         elif r in self.running:
             self.running.remove(r)
-        r.status, r.finish_reason, r.error, r.finished_at = status, reason, error, time.monotonic()
+        r.finish(status, reason, error)
         self.finished.append(r)
         return room
 
@@ -259,7 +259,7 @@ class Scheduler:
             item = verdict.item
             self._unqueue(r)
             bisect.insort(self.running, r, key=_order)
-            r.status = RequestStatus.RUNNING
+            r.start(verdict.swapped)
             avail -= verdict.blocks
             slots = None if slots is None else slots - 1     # its session claims a slot or keeps its own
             host_taken += self._host_needed(r, item)
@@ -278,11 +278,8 @@ class Scheduler:
         freed = self.store.evict(r.session_id)
         self.epoch += 1                # moving it down may have dropped idle sessions' host chunks
         self.running.remove(r)
-        r.status = RequestStatus.SUSPENDED
-        r.suspensions += 1
-        r.needs = self.store.turn_needs(r.session_id)
-        r.missing, r.missing_ids = list(r.needs.missing), list(r.needs.missing_ids)
-        r.short = self._is_short(r)
+        r.suspend(self.store.turn_needs(r.session_id))
+        r.mark_short(self._is_short(r))
         self._queue(r)
         return freed
 
@@ -304,28 +301,20 @@ class Scheduler:
         turns = committed.turns if committed is not None else {}
         for item in items:
             r = item.request
-            r.needs = turns.get(r.session_id, r.needs)
-            n = len(item.recompute)
-            r.missing, r.missing_ids = r.missing[n:], r.missing_ids[n:]
-            r.recomputed += len(item.recompute)
-            r.pending = r.pending[len(item.new_ids):]
-            r.computed += item.num_tokens
+            r.advance(item, turns.get(r.session_id))
             if not item.needs_logits:
                 continue
             t = next(sampled)
             if r.warmup:               # the history's KV is up: its sampled token is not part of the session
                 self.room = self.finish(r, RequestStatus.FINISHED, "warmup") or self.room
                 continue
-            r.output_ids.append(t)
-            r.first_token_at = r.first_token_at or now
+            r.emit(t, now)
             p = r.sampling
             stop_string = r.text.update(r.output_ids) if r.text is not None else False
             if (t in eos and not p.ignore_eos) or t in p.stop_token_ids or stop_string:
                 self.room = self.finish(r, RequestStatus.FINISHED, "stop") or self.room
             elif len(r.output_ids) >= p.max_new_tokens or r.length >= self.max_positions:
                 self.room = self.finish(r, RequestStatus.FINISHED, "length") or self.room
-            else:
-                r.pending = [t]
 
     def fail(self, requests: Iterable[Request], error: BaseException) -> None:
         for r in list(requests):

@@ -86,7 +86,7 @@ class Stepper:
             record = None
             if items:
                 for it in items:
-                    it.request.scheduled_at = it.request.scheduled_at or t0
+                    it.request.scheduled(t0)
                 if self.before_forward is not None:
                     self.before_forward(sum(len(it.new_ids) for it in items))
                 committed: Committed | None
@@ -186,7 +186,7 @@ class RequestRegistry:
     def reject(self, handle: RequestHandle, r: Request, error: BaseException,
                output: Callable[[Request], RequestOutput]) -> RequestHandle:
         """End a request that was never queued, with `error` on its handle."""
-        r.status, r.finish_reason, r.error, r.finished_at = RequestStatus.FAILED, "error", error, time.monotonic()
+        r.finish(RequestStatus.FAILED, "error", error)
         with self.cv:
             if not self._active[r.session_id]:      # a Counter read inserts nothing
                 self._idle(r.session_id)
@@ -211,14 +211,14 @@ class RequestRegistry:
         with self.cv:
             r = self._requests.get(request_id)
             if r is not None:
-                r.cancel_requested = True
+                r.request_cancel()
                 self._cancels.append(r)
                 self.cv.notify_all()
 
     def cancel_all(self) -> None:
         with self.cv:
             for r in list(self._requests.values()):
-                r.cancel_requested = True
+                r.request_cancel()
                 self._cancels.append(r)
 
     def when_finished(self, handle: RequestHandle, fn: Callable[[RequestOutput], None]) -> None:
