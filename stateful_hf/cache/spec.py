@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.blocks import blocks_for
+
 
 @dataclass(frozen=True, slots=True)
 class KVSpec:
@@ -61,7 +63,7 @@ def capacity_in_blocks(capacity: int | str, spec: KVSpec) -> int:
     if isinstance(capacity, int):
         if capacity <= 0:
             raise ValueError(f"capacity must be positive, got {capacity} tokens")
-        return _addressable(-(-capacity // spec.block_size), capacity, spec)
+        return _addressable(blocks_for(capacity, spec.block_size), capacity, spec)
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", capacity)
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"cannot parse capacity {capacity!r}: use tokens (an int) or a size like '2GiB' or '512MB'")

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..kernels import KernelState, PagedBatch
+from ..kernels.blocks import blocks_for
 from ..options import Layout
 from .audit.stats import Counters
 from .errors import CapacityError, StoreError
@@ -249,7 +250,7 @@ class StepPlanner:
         for sid in dict.fromkeys(e.session_id for e in step.entries):
             s = self.sessions.find(sid)
             if s is not None and (s.num_tokens % bs == 0 or s.num_tokens % bs >= bs // 2):
-                out.append((sid, -(-s.num_tokens // bs)))
+                out.append((sid, blocks_for(s.num_tokens, bs)))
         return out
 
     def abort(self, step: StepBatch) -> None:
@@ -272,7 +273,7 @@ class StepPlanner:
                 if k < len(s.chunks):
                     self.tiers.release(s, k)
             del s.token_ids[e.old_len:]
-            del s.chunks[-(-e.old_len // self.block_size):]
+            del s.chunks[blocks_for(e.old_len, self.block_size):]
             self.sessions.recount(s.session_id)
             if not s.busy and self.layered is not None:
                 self.layered.settle(s)

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from ..kernels.blocks import blocks_for
 from .sessions.session import Chunk, ChunkState, Session
 
 
@@ -75,7 +76,7 @@ class TurnNeeds:
 
     def __post_init__(self) -> None:
         assert len(self.missing) == len(self.missing_ids), self
-        assert len(self.places) == -(-self.keep // self.block_size) or self.busy, self
+        assert len(self.places) == blocks_for(self.keep, self.block_size) or self.busy, self
         assert all(p < self.keep for p in self.missing), self
 
     @property
@@ -178,9 +179,9 @@ def needs(places: Sequence[Place], end: int, length: int, factor: int, block_siz
     dropped chunks are recomputed whole. The classification `entry_needs` applies at plan time,
     answered ahead of it."""
     bs = block_size
-    have = min(-(-length // bs), len(places))
+    have = min(blocks_for(length, bs), len(places))
     fills, copies, in_place = [], [], []
-    for k in range(-(-end // bs)):
+    for k in range(blocks_for(end, bs)):
         p = places[k] if k < have else Place.DROPPED
         if p is Place.DROPPED:
             fills.append(k)
@@ -210,7 +211,7 @@ def entry_needs(s: Session, ids: list[int], pos: list[int], block_size: int) -> 
                              f"history has {s.token_ids[p]}")
     rows, end = set(pos), max(pos) + 1
     fill, swap = [], []
-    for k in range(-(-end // bs)):
+    for k in range(blocks_for(end, bs)):
         place = place_of(s.chunks[k]) if k < len(s.chunks) else Place.DROPPED
         if place in RESIDENT:              # readable in place (LAYERED: layer by layer)
             continue

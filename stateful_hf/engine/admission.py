@@ -37,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from ..cache.doors.engine import CapacityError, EngineStore, SessionBusyError, StoreError
+from ..kernels.blocks import blocks_for
 from .layer_offload import LayerwisePolicy, LayerwiseScheduling, residue_blocks
 from .request import Request, RequestStatus, WorkItem, blocks_needed, next_item
 
@@ -136,7 +137,7 @@ class Admission:
 def least_chunks(r: Request, block_size: int) -> int:
     """Chunks the request needs at the least: its prompt and up to one block of decode."""
     tokens = len(r.prompt) + min(r.sampling.max_new_tokens - 1, block_size)
-    return -(-tokens // block_size)
+    return blocks_for(tokens, block_size)
 
 
 def refusal(store: EngineStore, layerwise: LayerwisePolicy | None, r: Request) -> CapacityError | None:
@@ -157,7 +158,7 @@ def refusal(store: EngineStore, layerwise: LayerwisePolicy | None, r: Request) -
     keep = 0
     if r.session_id in store:            # the history the turn shares: already on some tier
         keep = min(store.match_prefix(r.session_id, r.prompt), len(r.prompt) - 1)
-    new = chunks - -(-keep // bs)
+    new = chunks - blocks_for(keep, bs)
     x_min = layerwise.x_min(len(r.prompt) - keep, keep)
     sparsest = layerwise.factors(x_min)[-1]
     on_device = residue_blocks(sparsest, new)

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from ..cache.doors.engine import CostProfile, EngineStore, Place, StoreError, blocks_at_most
+from ..kernels.blocks import blocks_for
 from .request import Request, RequestStatus, WorkItem, chunk_needs, next_item, whole_item
 
 
@@ -37,7 +38,7 @@ def check_min_kept_layers(value, num_layers: int) -> int | None:
 
 
 class LayerwisePolicy:
-    """x_min and the keep factor of a prefill. `blocks_for(factor, chunks)` is the store's count of
+    """x_min and the keep factor of a prefill. `residue(factor, chunks)` is the store's count of
     device blocks `chunks` new chunks of that factor take."""
 
     def __init__(self, num_layers: int, layer_bytes_per_token: int, bandwidth: float, profile: CostProfile,
@@ -73,14 +74,14 @@ class LayerwisePolicy:
         out = [f for f in range(1, self.num_layers + 1) if self.num_layers // f >= x_min]
         return out + ([0] if x_min == 0 else [])
 
-    def choose(self, chunks: int, room: int, x_min: int, blocks_for: Callable[[int, int], int],
+    def choose(self, chunks: int, room: int, x_min: int, residue: Callable[[int, int], int],
                layered: bool = False) -> int | None:
         """The smallest keep factor (most layers kept) whose `chunks` fit in `room` blocks, or None.
         `layered`: factor 1 is not a choice (the caller knows all layers do not fit)."""
         for f in self.factors(x_min):
             if layered and f == 1:
                 continue
-            if blocks_for(f, chunks) <= room:
+            if residue(f, chunks) <= room:
                 return f
         return None
 
@@ -154,7 +155,7 @@ class LayerwiseScheduling:
     def future_blocks(self, r: Request, item: WorkItem) -> int:
         """Device blocks r's prefill will still take after `item` (at its keep factor)."""
         rest = len(r.pending) + len(r.missing) - item.num_tokens
-        return residue_blocks(r.factor, -(-max(rest, 0) // self.store.block_size))
+        return residue_blocks(r.factor, blocks_for(max(rest, 0), self.store.block_size))
 
     def committed(self, items: list[WorkItem]) -> int:
         """Blocks the running prefills will take after this step's items: not free for admissions."""
@@ -164,7 +165,7 @@ class LayerwiseScheduling:
             it = mine.get(q.request_id)
             rest = len(q.pending) + len(q.missing) - (it.num_tokens if it is not None else 0)
             if not q.decoding and rest > 0:
-                total += residue_blocks(q.factor, -(-rest // self.store.block_size))
+                total += residue_blocks(q.factor, blocks_for(rest, self.store.block_size))
         return total
 
     def future_host(self, r: Request, item: WorkItem) -> int:
@@ -173,7 +174,7 @@ class LayerwiseScheduling:
         if r.factor == 1:
             return 0
         rest = len(r.pending) + len(r.missing) - item.num_tokens
-        return -(-max(rest, 0) // self.store.block_size) + 1
+        return blocks_for(max(rest, 0), self.store.block_size) + 1
 
     def host_committed(self, items: list[WorkItem]) -> int:
         """Host slots the running layer-wise requests will still fill after this step's items: not
@@ -185,7 +186,7 @@ class LayerwiseScheduling:
                 continue
             it = mine.get(q.request_id)
             rest = len(q.pending) + len(q.missing) - (it.num_tokens if it is not None else 0)
-            total += -(-max(rest, 0) // self.store.block_size) + 1
+            total += blocks_for(max(rest, 0), self.store.block_size) + 1
         return total
 
     def trim_to_host(self, r: Request, item: WorkItem, slots: int) -> WorkItem | None:
@@ -228,7 +229,7 @@ class LayerwiseScheduling:
             if q.output_ids and left <= h:
                 released += self.store.held_blocks(q.session_id)
             rows = min(left, h) if q.decoding else min(len(q.pending) + len(q.missing), h * budget)
-            allocated += residue_blocks(q.factor, (n + rows - 1) // bs - (n - 1) // bs if n else -(-rows // bs))
+            allocated += residue_blocks(q.factor, (n + rows - 1) // bs - (n - 1) // bs if n else blocks_for(rows, bs))
         projected, pushed = avail + released - allocated, False
         for q in reversed(self.running):          # most recently admitted first
             if projected >= reserve:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
+from ...kernels.blocks import blocks_for
 from ..pools.tier_pools import TierPools
 from ..prefix.index import PrefixIndex
 from ..sessions.session import SHADOWED, ChunkState, Session, SessionTable
@@ -45,7 +46,7 @@ def check_integrity(sessions: SessionTable, tiers: TierPools, block_size: int) -
     held: dict[tuple[int, int], tuple[tuple[str, int], int]] = {}   # (block, residue) -> (who, factor)
     seen: set[int] = set()          # chunk objects counted: a prefix-shared chunk is one object in many tables
     for s in sessions:
-        n_chunks = -(-len(s.token_ids) // block_size)
+        n_chunks = blocks_for(len(s.token_ids), block_size)
         assert len(s.chunks) == n_chunks, f"{s.session_id}: {len(s.chunks)} chunks for {len(s.token_ids)} tokens"
         for k, c in enumerate(s.chunks):
             who = (s.session_id, k)

@@ -20,6 +20,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Iterable
 
+from ...kernels.blocks import blocks_for
 from ..errors import StoreError
 from ..movement.transfer import Transfer
 from ..prefix.index import PrefixScope
@@ -155,7 +156,7 @@ class DiskState:
             s = Session(sid, array("i", saved.token_ids), last_active=clock(), retained=saved.retained)
             at = (tenant_of(sid), saved.tenant, saved.cache_salt)
             scope = scopes[at] if at in scopes else scopes.setdefault(at, _scope(*at))
-            n = -(-len(s.token_ids) // bs)
+            n = blocks_for(len(s.token_ids), bs)
             chunks: list[Chunk | None] = [None] * n
             for k, (form, slot, checksum) in sorted(saved.chunks.items()):
                 if not 0 <= k < n:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ...kernels.blocks import blocks_for
 from ..errors import CapacityError, SessionBusyError, StoreError
 from ..sessions.session import HIDDEN_FORMS, Chunk, ChunkState, Session
 from ..spec import KVSpec
@@ -51,7 +52,7 @@ class SessionExport:
     def __post_init__(self) -> None:
         assert self.kv.shape[0] == len(self.chunks), (self.kv.shape, len(self.chunks))
         assert self.chunks == sorted(set(self.chunks)), self.chunks
-        assert all(0 <= k < -(-len(self.token_ids) // self.block_size) for k in self.chunks), self.chunks
+        assert all(0 <= k < blocks_for(len(self.token_ids), self.block_size) for k in self.chunks), self.chunks
 
     @property
     def num_tokens(self) -> int:
@@ -133,7 +134,7 @@ def import_session(p: StoreParts, spec: KVSpec, exp: SessionExport) -> int:
         p.history.delete(s, keep_shared=False)
         raise
     p.sessions.release(s)
-    absent = sorted(set(range(-(-n // spec.block_size))) - set(exp.chunks))
+    absent = sorted(set(range(blocks_for(n, spec.block_size))) - set(exp.chunks))
     if absent:
         with p.placement.moving("explicit"):
             p.relocation.move(s, absent, ChunkState.DROPPED)
@@ -205,7 +206,7 @@ def _import_into(p: StoreParts, spec: KVSpec, exps: list[SessionExport], target:
             p.sessions.acquire(exp.session_id)                  # busy: nothing moves or reads it meanwhile
             made.append((s, exp))
             s.token_ids.extend(exp.token_ids)
-            s.chunks.extend(Chunk() for _ in range(-(-len(exp.token_ids) // bs)))    # DROPPED until written
+            s.chunks.extend(Chunk() for _ in range(blocks_for(len(exp.token_ids), bs)))    # DROPPED until written
         items = [(s, k) for s, exp in made for k in exp.chunks]
         slots = p.placement.take(target, len(items), {s.session_id for s, _ in made})
         if items:

@@ -15,6 +15,7 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from ...kernels.blocks import blocks_for
 from ..errors import SessionBusyError, StoreError
 from ..movement.placement import Placement
 from ..pools.tier_pools import TierPools
@@ -168,7 +169,7 @@ class History:
         if not cut:
             return 0
         self.sessions.recount(s.session_id)
-        keep = -(-length // bs)
+        keep = blocks_for(length, bs)
         for k in range(keep, len(s.chunks)):
             self.tiers.release(s, k)
         del s.chunks[keep:]
@@ -210,6 +211,6 @@ class History:
         missing = tuple(self.missing_positions(s, None if prompt is None else keep))
         bs, ids = self.block_size, s.token_ids
         dropped = {p // bs for p in missing}       # also a cut shared chunk: the session lets go of it
-        places = tuple(Place.DROPPED if k in dropped else p for k, p in enumerate(places_of(s, -(-keep // bs))))
+        places = tuple(Place.DROPPED if k in dropped else p for k, p in enumerate(places_of(s, blocks_for(keep, bs))))
         return TurnNeeds(s.session_id, False, keep, missing, tuple(ids[p] for p in missing), places, has_slot,
                          bs, room)

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ...kernels.blocks import blocks_for
 from ..audit.stats import TurnStats
 from ..errors import SessionBusyError, UnknownSessionError
 from .expectations import Expectations
@@ -166,7 +167,7 @@ class Session:
         """Tokens per chunk state (of the first `upto`; None: all), e.g. {"device": 64, "host": 32, ...}."""
         n = len(self.token_ids) if upto is None else min(upto, len(self.token_ids))
         out = {st.value: 0 for st in ChunkState}
-        for k, c in enumerate(self.chunks[: -(-n // block_size)]):
+        for k, c in enumerate(self.chunks[: blocks_for(n, block_size)]):
             out[c.state.value] += min(block_size, n - k * block_size)
         return out
 

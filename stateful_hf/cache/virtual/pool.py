@@ -32,6 +32,7 @@ import threading
 
 import torch
 
+from ...kernels.blocks import blocks_for
 from ..pools.tier import LazyFree
 from ..spec import KVSpec
 from .reservation import CudaReservation
@@ -56,7 +57,7 @@ class VirtualPool:
                  transfer: LazyFree | None = None):
         bs = spec.block_size
         self.spec = spec
-        self.blocks_per_slot = -(-max_context // bs)
+        self.blocks_per_slot = blocks_for(max_context, bs)
         self.num_slots = capacity_blocks // self.blocks_per_slot
         if self.num_slots < 1:
             raise ValueError(f"virtual layout: the capacity ({capacity_blocks * bs} tokens) holds no slot of "
