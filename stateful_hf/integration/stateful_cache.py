@@ -12,15 +12,14 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
-from ..cache import KVStore
-from ..cache.step import StepBatch
+from ..cache.doors.seam import SeamStore, StepBatch
 
 
 class StatefulCache(Cache):
     """Batch size 1, one session. `get_seq_length()` is the session's logical length, including
     tokens whose KV still has to be restored, so `generate` feeds only the new tokens."""
 
-    def __init__(self, store: KVStore, session_id: str):
+    def __init__(self, store: SeamStore, session_id: str):
         super().__init__(layers=[])
         self.store = store
         self.session_id = session_id
