@@ -220,10 +220,11 @@ def test_disk_file_that_cannot_be_created(tmp_path):
 
 
 def test_measured_profile_is_kept_on_disk(tmp_path, monkeypatch):
-    import stateful_hf.profile as profile_mod
+    import stateful_hf.profile.cost as profile_mod
 
     monkeypatch.setenv("STATEFUL_HF_CACHE", str(tmp_path))
     monkeypatch.setattr(profile_mod, "_MEASURED", {})               # nothing measured yet in this process
+    monkeypatch.setattr(profile_mod, "BUSY_SPREAD", float("inf"))   # however busy this host: calm (saved for reuse)
     model = tiny_llama(seed=5)
     first = stateful_hf.SessionStore(model).policy.profile
     assert list((tmp_path / "cost_profiles").glob("*.json"))
@@ -236,24 +237,54 @@ def test_measured_profile_is_kept_on_disk(tmp_path, monkeypatch):
     assert stateful_hf.SessionStore(model).policy.profile == first
     spec = stateful_hf.SessionStore(model).spec
     longer_calls = []
-    monkeypatch.setattr(profile_mod, "_sweep", lambda m, s, ids, lengths, r: longer_calls.append(lengths) or
-                        [1e-3 * (1 + n / 4096) for n in lengths])
+    monkeypatch.setattr(profile_mod, "_sweep", lambda m, s, ids, lengths, r, bar: longer_calls.append(lengths) or
+                        ([1e-3 * (1 + n / 4096) for n in lengths], 0.0))
     assert profile_mod.measure_cost_profile(model, spec, max_length=first.lengths[-1]) == first   # covered: reused
     assert not longer_calls
     short = profile_mod.measure_cost_profile(model, spec, max_length=first.lengths[-1] // 4)     # shorter: reused
     assert short == first and not longer_calls
 
 
+def test_a_profile_taken_on_a_busy_host_is_measured_again_and_says_so(tmp_path, monkeypatch):
+    """Sweeps whose repeats spread widely are taken again (MAX_SWEEPS at most), the calmest kept; a profile still
+    disturbed serves this process, is not reused by the next, and `stats().cost_profile` says which it is."""
+    import stateful_hf.profile.cost as profile_mod
+
+    monkeypatch.setenv("STATEFUL_HF_CACHE", str(tmp_path))
+    monkeypatch.setattr(profile_mod, "_MEASURED", {})
+    model = tiny_llama(seed=7)
+    spec = stateful_hf.SessionStore(model, cost_profile=PROFILE).spec
+    spreads = iter([2.0, 0.9, 1.5, 2.0, 0.1])      # three busy sweeps (0.9 the calmest); later, a calm one
+    sweeps = []
+
+    def sweep(m, s, ids, lengths, r, bar):
+        spread = next(spreads) if r > 1 else 0.0    # the warm-up sweep (1 repeat) is not judged
+        sweeps.append(spread)
+        return [spread * 1e-3 * (1 + n / 4096) for n in lengths], spread
+
+    monkeypatch.setattr(profile_mod, "_sweep", sweep)
+    busy = profile_mod.measure_cost_profile(model, spec, max_length=256)
+    assert sweeps == [0.0, 2.0, 0.9, 1.5] and "spread 0.90, 3 sweeps" in busy.source and "busy" in busy.source
+    assert busy.seconds[0] == pytest.approx(0.9e-3 * (1 + 32 / 4096), rel=0.05)       # the calmest sweep's
+    assert profile_mod.measure_cost_profile(model, spec, max_length=256) == busy          # this process: memo
+    profile_mod._MEASURED.clear()                                                         # a new process
+    calm = profile_mod.measure_cost_profile(model, spec, max_length=256)
+    assert sweeps[4:] == [0.0, 2.0, 0.1] and "busy" not in calm.source                   # measured again
+    profile_mod._MEASURED.clear()
+    assert profile_mod.measure_cost_profile(model, spec, max_length=256).source.startswith("cached in")
+    assert stateful_hf.SessionStore(model, cost_profile=calm).stats().cost_profile == calm.source
+
+
 def test_profile_for_a_longer_range_is_measured_again(tmp_path, monkeypatch):
-    import stateful_hf.profile as profile_mod
+    import stateful_hf.profile.cost as profile_mod
 
     monkeypatch.setenv("STATEFUL_HF_CACHE", str(tmp_path))
     monkeypatch.setattr(profile_mod, "_MEASURED", {})
     model = tiny_llama(seed=6)
     spec = stateful_hf.SessionStore(model, cost_profile=PROFILE).spec
     swept = []
-    monkeypatch.setattr(profile_mod, "_sweep", lambda m, s, ids, lengths, r: swept.append(lengths) or
-                        [1e-3 * (1 + n / 4096) for n in lengths])
+    monkeypatch.setattr(profile_mod, "_sweep", lambda m, s, ids, lengths, r, bar: swept.append(lengths) or
+                        ([1e-3 * (1 + n / 4096) for n in lengths], 0.0))
     short = profile_mod.measure_cost_profile(model, spec, max_length=256)
     assert short.lengths[-1] == 256
     longer = profile_mod.measure_cost_profile(model, spec, max_length=1024)   # not covered: measured again

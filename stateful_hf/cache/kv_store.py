@@ -396,8 +396,11 @@ class KVStore:
 
     def stats(self, session_id: str | None = None) -> StoreStats | SessionStats:
         with self.lock:
-            return store_stats(self.sessions, self.tiers, self.counters) if session_id is None else \
-                session_stats(self.sessions.get(session_id), self.block_size)
+            if session_id is not None:
+                return session_stats(self.sessions.get(session_id), self.block_size)
+            profile = getattr(self.placement.policy, "profile", None)
+            return dataclasses.replace(store_stats(self.sessions, self.tiers, self.counters),
+                                       cost_profile=None if profile is None else profile.source)
 
     def summary(self) -> str:
         """The store's tiers and traffic, for a person."""

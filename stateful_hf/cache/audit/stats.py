@@ -72,6 +72,7 @@ class StoreStats:
     host_committed_bytes: int = 0     # ... resident pages of them (unpinned: taken as used; pinned: all)
     device_pages_released: int = 0    # virtual layout: pages given back to the OS so far
     device_kept_bytes: int = 0        # virtual layout: committed pages of free blocks kept for reuse
+    cost_profile: str | None = None   # the eviction policy's Cost(l) in use and its source; None: the policy has none
     device_blocks_prefetched: int = 0  # virtual layout: blocks mapped ahead by the background mapper
     layered_tokens: int = 0           # layerwise_kv: tokens of running requests kept per layer (host + shared device)
     disk_degraded: bool = False       # the disk tier could not make its last change durable (retried on moves)
