@@ -12,8 +12,10 @@ itself rerun eager (its K/V rewritten at the same slots): a compile failure neve
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 # A prepared 4-D mask makes transformers skip building its own (the kernel masks by position).
 MASK_UNUSED = torch.ones(1, 1, 1, 1, dtype=torch.bool)
+_IDS = itertools.count()
 WARM_UP_TOKENS = (1, 2)        # token counts traced at start: 1 (a size-1 dim is its own graph) and dynamic T
 
 
@@ -78,7 +81,7 @@ class CompiledStep:
         self.eager = base_forward(model)
         self.device = next(model.parameters()).device
         options = {"cpp.dynamic_threads": True} if backend == "inductor" and self.device.type == "cpu" else None
-        self.compiled = torch.compile(self.eager, backend=backend, fullgraph=fullgraph, dynamic=True,
+        self.compiled = torch.compile(_own_code(self.eager), backend=backend, fullgraph=fullgraph, dynamic=True,
                                       options=options)
         self.backend = backend
         self.failed: dict[int, str] = {}
@@ -106,12 +109,20 @@ class CompiledStep:
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:   # [T, D]
         return self._call(input_ids, position_ids)
 
+    @staticmethod
+    def _own(t: torch.Tensor) -> torch.Tensor:
+        """A copy of `t` of its own (microseconds for [1, T] ids): the compiler guards a view's base and an
+        input's dispatch keys (an inference tensor or not), so every call hands it the same kind of tensor."""
+        return t.clone()
+
     def _call(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         t = input_ids.shape[1]
         if t in self.failed:
             return self.eager(input_ids, position_ids)
+        input_ids, position_ids = self._own(input_ids), self._own(position_ids)
         try:
-            out = self.compiled(input_ids, position_ids)
+            with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):   # never eager while "compiled"
+                out = self.compiled(input_ids, position_ids)
         except Exception as error:
             out = self.eager(input_ids, position_ids)        # a real error of the step raises here
             self.failed[t] = f"{type(error).__name__}: {error}"
@@ -122,3 +133,10 @@ class CompiledStep:
             return out
         self.steps += 1
         return out
+
+
+def _own_code(fn: types.FunctionType) -> types.FunctionType:
+    """`fn` with a code object of its own: Dynamo keeps its graphs (and counts recompiles) per code object, so
+    each CompiledStep (one per engine, of any model) has its own cache rather than sharing one limit."""
+    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_{next(_IDS)}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
