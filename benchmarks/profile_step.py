@@ -3,6 +3,14 @@
     python -m benchmarks.profile_step                       # 8 new 360-token prompts, then 23 decode steps
     python -m benchmarks.profile_step --prompts 8 --prompt-len 360 --decode 23 --threads 2
     python -m benchmarks.profile_step --model smollm2-135m-instruct --dtype bfloat16 --prompts 24 --prompt-len 64
+    python -m benchmarks.profile_step --compute-free          # the step's host time: engine vs the model's forward
+    python -m benchmarks.profile_step --compute-free --compile   # the same with the engine's compiled step too
+
+The compute-free mode (`compute_free`): a 30-layer Llama of width 64 (compute ~0, so what a step costs is
+host time: Python, dispatch, launches), ROWS sessions decoding one token a step. Reported at 1 and 2 threads:
+the engine's decode step (`StepRecord.seconds`: planning, forward, sampling and commit; median) against the
+model's own eager forward over the same rows (a fresh copy of the model, transformers' `DynamicCache`, the
+ROWS sequences batched: median), and their ratio (issue 51's target: <= 1.1 eager, <= 0.5 compiled).
 
 The roofline (`roofline`, after the profiled runs, without the profiler; CB needs the model before the
 engine switches its attention): the engine's steps one at a time, each
@@ -168,6 +176,62 @@ def roofline(model, prompts, decode: int, max_batch_tokens: int, **engine_option
             "buckets": per_bucket}
 
 
+def compute_free_model(seed: int = 0):
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=30,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                                   eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def compute_free(threads: int, rows: int = 16, context: int = 64, decode: int = 24, compile: bool = False) -> dict:
+    """Median decode step (ms) of the engine and of the model's eager forward, `rows` sequences of `context`
+    tokens decoding `decode` tokens, at `threads` torch threads; the engine steps on this thread."""
+    from transformers import DynamicCache
+
+    from stateful_hf import Engine, SamplingParams, SessionStore
+
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(3, 512, (rows, context), generator=g)
+    plain = compute_free_model()
+    with torch.inference_mode():
+        cache = DynamicCache(config=plain.config)
+        out = plain(prompts, past_key_values=cache, use_cache=True)
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        times = []
+        for _ in range(decode):
+            t0 = time.perf_counter()
+            out = plain(nxt, past_key_values=cache, use_cache=True)
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            times.append(time.perf_counter() - t0)
+    forward_ms = 1e3 * sorted(times)[len(times) // 2]
+    result = {"threads": threads, "rows": rows, "context": context, "forward_ms": forward_ms}
+    for name, option in (("eager", False), ("compiled", True)) if compile else (("eager", False),):
+        model = compute_free_model()
+        store = SessionStore(model, rows * (context + decode + 64))
+        t0 = time.perf_counter()
+        engine = Engine(model, store=store, max_batch_tokens=max(rows * context, 64), max_num_seqs=rows,
+                        step_threads=None, compile=option, release_openmp_pool=False)
+        start_s = time.perf_counter() - t0
+        handles = [engine.submit(f"s{i}", prompts[i].tolist(), SamplingParams(max_new_tokens=decode + 1,
+                                                                              ignore_eos=True)) for i in range(rows)]
+        steps = []
+        while engine.has_work():
+            record = engine.step()
+            if record is not None and record.num_decode == rows:
+                steps.append(record.seconds)
+        assert all(h.done for h in handles)
+        step_ms = 1e3 * sorted(steps)[len(steps) // 2]
+        result[name] = {"step_ms": step_ms, "ratio": step_ms / forward_ms, "decode_steps": len(steps),
+                        "start_s": start_s, "compile": engine.stats().compile}
+    return result
+
+
 def profile_engine(model, prompts, decode: int, max_batch_tokens: int, step_threads) -> tuple[dict, dict]:
     """The engine's steps on a fresh thread, as its loop runs them (the caller's pool released first,
     the team sized before each step), under the profiler."""
@@ -262,8 +326,28 @@ def main() -> None:
                     help="the roofline once per engine prepack_weights mode, in this order")
     ap.add_argument("--no-profile", action="store_true", help="the roofline only (no profiler run, no CB)")
     ap.add_argument("--neighbour", default="quiet")
+    ap.add_argument("--compute-free", action="store_true", help="the compute-free mode only (see above)")
+    ap.add_argument("--compile", action="store_true", help="compute-free: the engine's compiled step too "
+                    "(compile=True: inductor, compiled at engine start)")
     ap.add_argument("--json")
     args = ap.parse_args()
+    if args.compute_free:
+        out = {"command": "python -m benchmarks.profile_step " + " ".join(sys.argv[1:]), "load_start": os.getloadavg(),
+               "runs": []}
+        with Neighbours(args.neighbour):
+            for threads in (1, 2):
+                r = compute_free(threads, compile=args.compile)
+                out["runs"].append(r)
+                print(f"compute-free, {threads} thread(s), {r['rows']} rows of {r['context']}+ tokens: model's eager "
+                      f"forward {r['forward_ms']:.2f} ms; " + "; ".join(
+                          f"engine {k} step {r[k]['step_ms']:.2f} ms = x{r[k]['ratio']:.2f} ({r[k]['compile']}, "
+                          f"engine made in {r[k]['start_s']:.1f} s)" for k in ("eager", "compiled") if k in r),
+                      flush=True)
+        out["load_end"] = os.getloadavg()
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=1)
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)

@@ -72,6 +72,14 @@ class StepBatch:
     def num_tokens(self) -> int:
         return self.slots.numel()
 
+    @property
+    def has_layer_work(self) -> bool:
+        """Whether some layer has work besides its attention: a swap-in event to wait for, hidden states
+        to capture or restore (`before_layer`), or LayerKV placement of its rows (`write_rows`). A step
+        without is the same graph for any data (the compiled step); one with it runs eager."""
+        return (self.hidden is not None or self.layered is not None
+                or (self.layer_events is not None and any(self.layer_events)))
+
     def before_layer(self, layer: int, hidden: torch.Tensor) -> None:
         """The step's work for decoder layer `layer`, once, before the layer runs (its pre-hook),
         given the layer's input `hidden` ([1, T, D], the residual stream of the step's rows). In order:

@@ -88,7 +88,8 @@ class Engine:
                                                                c.short_prefill_tokens),
                                    self.adapter.max_positions, self.slo, self.layerwise)
         self.runner = ModelRunner(model, door, packed_weights(model, c.prepack_weights, c.max_batch_tokens,
-                                                                    self.store.invariant_split is not None))
+                                                                    self.store.invariant_split is not None),
+                                  compile=c.compile)
         self.thread_sizer = ThreadSizer.for_option(c.step_threads)
         self.loop = StepLoop(self.step, self.has_work, self._fail_in_flight,
                              release_thread_pool if c.release_openmp_pool else None,
@@ -252,7 +253,8 @@ class Engine:
         lw = self.layerwise
         return self.stepper.totals.stats(len(self.scheduler.running), len(self.scheduler.waiting),
                                   self.slo.deferred if self.slo is not None else 0,
-                                  lw.layered_admissions if lw else 0, lw.pushed_blocks if lw else 0)
+                                  lw.layered_admissions if lw else 0, lw.pushed_blocks if lw else 0,
+                                  *self.runner.compile_stats())
 
     def hint(self, session_id: str, expected_arrival: float | None = None, priority: int | None = None) -> Hint:
         """Tell the engine that `session_id` will send a turn soon (e.g. its user started typing;

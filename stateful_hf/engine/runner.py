@@ -3,7 +3,8 @@
 The store builds the packed step (ids, positions, per-entry query ranges, block tables) once on
 the CPU; `run_step` makes it the engine thread's current step for one forward (the step context
 read by the registered attention and the decoder-layer hooks: docs/step.md) and applies the LM head
-only at the rows that need a token.
+only at the rows that need a token. With the engine's `compile` on, a step without per-layer work
+runs its forward through the `CompiledStep` made (and compiled) here; sampling runs beside it, eager.
 
 `EngineStats` and the running totals they are read from (`StepTotals`).
 """
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cache.doors.engine import Committed, EngineStore, StepBatch
+from ..integration.compiled_step import CompileDecision, CompiledStep, decide_compile
 from ..integration.hooks import invariant, run_step
 from ..kernels.cpu_features import CpuFeatures
 from ..kernels.linear import LinearKernel, PackedWeights, choose
@@ -59,9 +61,19 @@ def packed_weights(model: torch.nn.Module, mode: PrepackWeights, rows: int,
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, store: EngineStore, packed: PackedWeights | None = None):
+    def __init__(self, model: torch.nn.Module, store: EngineStore, packed: PackedWeights | None = None,
+                 compile: bool | str = False):
+        """`compile`: the engine's option; when on, the step is compiled here (`CompiledStep.warm_up`), before
+        any request; a model or store that cannot compile with compile=True raises ValueError here."""
         self.model, self.store = model, store
         self.packed = packed          # None: F.linear on the model's weights
+        self.compile: CompileDecision = decide_compile(
+            compile, next(model.parameters()).device, invariant=store.invariant_split is not None,
+            hidden_states=getattr(store, "hidden", None) is not None)
+        self.compiled: CompiledStep | None = None
+        if self.compile.enabled:
+            self.compiled = CompiledStep(model)
+            self.compiled.warm_up()
 
     def execute(self, items: Sequence[WorkItem]) -> tuple[StepBatch, list[int], Committed]:
         """Plan, run and commit one step; returns the step, one sampled token per item that needs
@@ -78,15 +90,16 @@ class ModelRunner:
             tokens: list[int] = []
             with torch.inference_mode(), (self.packed.active() if self.packed is not None else nullcontext()), \
                     invariant(self.store):
+                forward = self.compiled if self.compiled is not None and not step.has_layer_work else None
                 if want:
-                    logits = run_step(self.model, step, last[want])          # [len(want), V]
+                    logits = run_step(self.model, step, last[want], forward)          # [len(want), V]
                     if constrained:      # structured output: only a step with a constrained request imports it
                         from .grammar import mask_logits
                         mask_logits(logits, requests)
                     tokens = sample(logits, [r.sampling for r in requests], [r.generator for r in requests])
                     _keep_logprobs(requests, logits, tokens)
                 else:                                                  # prefill/recompute chunks only
-                    run_step(self.model, step)
+                    run_step(self.model, step, forward=forward)
         except BaseException:
             self.store.abort(step)
             raise
@@ -95,6 +108,10 @@ class ModelRunner:
             from .grammar import accept_tokens
             accept_tokens(requests, tokens)
         return step, tokens, committed
+
+    def compile_stats(self) -> tuple[str, int]:
+        """`EngineStats`' compile fields: how the steps run (and why), and how many forwards ran compiled."""
+        return self.compile.describe(), self.compiled.steps if self.compiled is not None else 0
 
     def record(self, index: int, items: Sequence[WorkItem], seconds: float, committed: Committed | None) -> StepRecord:
         """The step's record; `committed`: what its commit answered (None: ask the store for the free blocks)."""
@@ -143,6 +160,8 @@ class EngineStats:
     slo_deferrals: int = 0                     # steps whose admission the TPOT slack gate stopped
     layered_admissions: int = 0                # prefills admitted with fewer than all layers on the device
     pushed_blocks: int = 0                     # device blocks freed by pushing running requests' layers down
+    compile: str = ""                          # how the steps run: "inductor (...)" or "eager (the reason)"
+    compiled_steps: int = 0                    # steps whose forward ran compiled
 
 
 class StepTotals:
@@ -175,7 +194,7 @@ class StepTotals:
                 t[f"{name}_violations"] += violated
 
     def stats(self, running: int, waiting: int, slo_deferrals: int, layered_admissions: int,
-              pushed_blocks: int) -> EngineStats:
+              pushed_blocks: int, compile: str = "", compiled_steps: int = 0) -> EngineStats:
         t = self._t
         busy = t["busy_us"] / 1e6
         return EngineStats(steps=t["steps"], finished_requests=t["finished"], prompt_tokens=t["prompt"],
@@ -189,4 +208,4 @@ class StepTotals:
                            tpot_measured=t["tpot_measured"], tpot_slo_violations=t["tpot_violations"],
                            tpot_slo_violation_rate=t["tpot_violations"] / max(t["tpot_measured"], 1),
                            slo_deferrals=slo_deferrals, layered_admissions=layered_admissions,
-                           pushed_blocks=pushed_blocks)
+                           pushed_blocks=pushed_blocks, compile=compile, compiled_steps=compiled_steps)

@@ -2,7 +2,9 @@
 
 It reads this thread's step (`context.get_step`), has the step write each row's K/V (`StepBatch.write_rows`,
 the one K/V writer) and attends through the paged kernel. Without a step (any ordinary call of the same
-model) it is plain SDPA, or the model's eager attention when it softcaps logits."""
+model) it is plain SDPA, or the model's eager attention when it softcaps logits. Traced by `torch.compile`
+(the engine's compiled step) it is two opaque ops instead, `step_ops.write_kv` and `step_ops.attention`,
+whose bodies read the step outside the graph."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from ..kernels import paged_attention
 from ..kernels.dense import dense_attention
 from ..kernels.torch_batched import softcapped_attention
+from . import step_ops
 from .context import get_step
 
 NAME = "stateful"
@@ -34,6 +37,8 @@ def stateful_attention(
     attention passes; a layer's window must be the one the store was made with (KVSpec.windows).
     The layer's `before_layer` already ran (its decoder layer's pre-hook): its swap-ins landed and its
     hidden chunks are rebuilt."""
+    if torch.compiler.is_compiling():       # the compiled step: no step context read in the graph
+        return _traced(module, query, key, value, scaling, kwargs), None
     step = get_step()
     if step is None:
         if kwargs.get("softcap") is not None:   # SDPA cannot softcap
@@ -59,6 +64,19 @@ def stateful_attention(
     out = paged_attention(q, key_cache, value_cache, step.paged, scale=scaling, backend=step.backend,
                           window=window, validate=False, overlay=overlay, softcap=softcap, state=step.kernels)
     return out.unsqueeze(0), None
+
+
+def _traced(module, query, key, value, scaling, kwargs) -> torch.Tensor:   # [1, T, Hq, D]
+    """The attention as the compiled step's graph has it: the layer's write and attention as two custom ops
+    (`step_ops`), constants and tensors only."""
+    if query.shape[0] != 1:
+        raise ValueError("a stateful step packs all rows into batch dimension 1")
+    layer = module.layer_idx
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))   # [T, H, D]
+    dep = step_ops.write_kv(k, v, layer)
+    window = kwargs.get("sliding_window", step_ops.NO_WINDOW_ARG)
+    out = step_ops.attention(q, dep, layer, scaling, kwargs.get("softcap"), window)
+    return out.unsqueeze(0)
 
 
 def _softcapped(query, key, value, attention_mask, scaling, softcap) -> torch.Tensor:   # [1, T, Hq, D]

@@ -10,7 +10,7 @@ planned step. docs/step.md.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 
 import torch
@@ -19,6 +19,7 @@ from ..cache import StepBatch, TurnStats
 from .adapter import ModelAdapter, adapter_for, decoder_layers
 from .attention import register
 from .checks import check_input_ids, check_pad_ids
+from .compiled_step import base_forward
 from .context import get_step, reset_step, set_step, stepping
 from .stateful_cache import StatefulCache
 
@@ -85,8 +86,11 @@ def _post_forward(module, args, kwargs, output):
 
 
 def _before_layer(idx: int):
-    """Pre-hook of decoder layer `idx`: the current step's per-layer work, once, before the layer runs."""
+    """Pre-hook of decoder layer `idx`: the current step's per-layer work, once, before the layer runs. Traced
+    by `torch.compile` it is nothing: only a step without per-layer work runs compiled (`StepBatch.has_layer_work`)."""
     def hook(module, args, kwargs):
+        if torch.compiler.is_compiling():
+            return None
         step = get_step()
         if step is not None:
             step.before_layer(idx, args[0] if args else kwargs["hidden_states"])
@@ -94,21 +98,20 @@ def _before_layer(idx: int):
     return hook
 
 
-# A prepared 4-D mask makes transformers skip building its own (the kernel masks by position).
-_MASK_UNUSED = torch.ones(1, 1, 1, 1, dtype=torch.bool)
-
-
-def run_step(model: torch.nn.Module, step: StepBatch, logit_rows: torch.Tensor | None = None) -> torch.Tensor:
+def run_step(model: torch.nn.Module, step: StepBatch, logit_rows: torch.Tensor | None = None,
+             forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """One forward over a planned step, outside `generate`: the step is this thread's current step
-    for the forward (`stepping`); the caller commits or aborts it.
+    for the forward (`stepping`); the caller commits or aborts it. `forward`: the base forward to run
+    ((input_ids, position_ids) -> hidden [T, D]: a `CompiledStep`, for a step without per-layer work);
+    None: the eager one (`compiled_step.base_forward`).
 
     Returns the logits [len(logit_rows), vocab] of the given packed rows (with the model's final
     logit softcap, as its own forward applies it: Gemma 2), or, without `logit_rows`, the final
     hidden states [T, hidden] (no LM head: a pure restore pass).
     """
+    forward = forward if forward is not None else base_forward(model)
     with stepping(step):
-        hidden = model.base_model(input_ids=step.input_ids, position_ids=step.position_ids,
-                                  attention_mask=_MASK_UNUSED, use_cache=False).last_hidden_state[0]
+        hidden = forward(step.input_ids, step.position_ids)
     if logit_rows is None:
         return hidden
     logits = model.get_output_embeddings()(hidden[logit_rows])

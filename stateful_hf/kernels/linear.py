@@ -143,6 +143,8 @@ class _PackedForward:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m = self.module
         w = m.weight
+        if torch.compiler.is_compiling():   # a compiled step: the compiler's own GEMM of the weight, no ContextVar
+            return F.linear(x, w, m.bias)
         if (not _ACTIVE.get() or x.dtype != self.dtype or w.dtype != self.dtype or x.device.type != "cpu"
                 or x.numel() < MIN_ROWS * x.shape[-1]):
             return F.linear(x, w, m.bias)

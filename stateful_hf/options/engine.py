@@ -71,6 +71,10 @@ class EngineConfig(SchedulingOptions):
         PrepackWeights.AUTO, "the steps multiply by MKL's (float32) or oneDNN's (bfloat16) packed copies of the "
         "linear weights, made once (extra memory about the weights' size): auto (where this CPU has a packed "
         "kernel for the model's dtype), on (an error where none), off (F.linear)")
+    compile: bool | str = option(
+        "auto", "the steps without per-layer work run through torch.compile (inductor, dynamic token count), "
+        "compiled at engine start: True (an error where the model or store cannot compile), False (eager), auto "
+        "(eager for now on the CPU and under batch invariance; the reason is in stats().compile)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -86,6 +90,8 @@ class EngineConfig(SchedulingOptions):
         object.__setattr__(self, "grammar_compile_timeout",
                            check_seconds("grammar_compile_timeout", self.grammar_compile_timeout))
         check_int("min_kept_layers", self.min_kept_layers, 0, none="derived")
+        if not (self.compile is True or self.compile is False or self.compile == "auto"):
+            raise ValueError(f"compile must be 'auto', True or False, got {self.compile!r}")
         t = self.step_threads
         if not (t is None or t in STEP_THREADS or (isinstance(t, int) and not isinstance(t, bool) and t >= 1)):
             raise ValueError(f"step_threads must be 'auto', 'shrink', an int >= 1 or None, got {t!r}")
@@ -109,6 +115,7 @@ class EngineConfigKwargs(TypedDict, total=False):
     generation_config: GenerationConfigMode | str
     grammar_compile_timeout: float
     prepack_weights: PrepackWeights | str
+    compile: bool | str
     warm_ahead: float | None
 
 

@@ -1,0 +1,123 @@
+"""The compiled step (stateful_hf/integration/compiled_step.py, step_ops.py; docs/step.md): every step without
+per-layer work of the tiny families runs through `torch.compile(fullgraph=True)` (Dynamo only: backend "eager")
+with no graph break, and the engine's tokens equal stateless greedy generate; a ContextVar read or a branch on a
+tensor inside the graph is caught (negative controls) and the step falls back to eager, still exact; the
+`compile` option's refusals; one full inductor compile (CI, or STATEFUL_HF_INDUCTOR=1)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from conftest import FAMILIES, Conversation, engine_round
+
+from stateful_hf import Engine
+from stateful_hf.integration import attention
+from stateful_hf.integration.compiled_step import CompileDecision, CompiledStep
+from stateful_hf.integration.context import get_step
+from stateful_hf.testing import TINY_FAMILIES
+
+COMPILED = {**{f: FAMILIES[f] for f in ("llama", "mistral", "qwen2", "opt")}, **TINY_FAMILIES}
+
+
+def dynamo_engine(model, store, **options) -> Engine:
+    """An engine whose steps without per-layer work run through Dynamo alone, fullgraph: a graph break
+    raises inside `CompiledStep`, which records it in `failed` and reruns the step eager."""
+    engine = Engine(model, store=store, compile=False, **options)
+    engine.runner.compiled = CompiledStep(model, backend="eager", fullgraph=True)
+    engine.runner.compile = CompileDecision(True, "test: Dynamo only, fullgraph")
+    return engine
+
+
+def rounds(engine, oracle, family: str, turns: int = 3) -> None:
+    convs = {f"{family}{i}": Conversation(seed=70 + i, first=25 + 9 * i, turn=7) for i in range(3)}
+    for _ in range(turns):
+        engine_round(engine, convs, oracle, n=5)
+
+
+@pytest.mark.parametrize("family", sorted(COMPILED))
+def test_every_step_compiles_fullgraph_and_is_exact(family, make_store):
+    """Three sessions x three turns through the engine (mixed prefill + decode steps, a 40-row budget): every
+    step runs compiled without a break (none fell back) and every reply equals stateless greedy generate."""
+    model, oracle = COMPILED[family](), COMPILED[family]()
+    store = make_store(model, device_capacity=2048)
+    with dynamo_engine(model, store, max_batch_tokens=40) as engine:
+        rounds(engine, oracle, family)
+        compiled, stats = engine.runner.compiled, engine.stats()
+    assert compiled.failed == {}, compiled.failed
+    assert compiled.steps == stats.steps > 9 and stats.compiled_steps == stats.steps
+    assert stats.compile.startswith("inductor (test")
+
+
+@pytest.mark.parametrize("break_kind", ["context_var", "tensor_branch"])
+def test_a_graph_break_is_caught_and_the_step_runs_eager(break_kind, make_store, monkeypatch, caplog):
+    """Negative controls of the test above: a ContextVar read, or a Python branch on a tensor's value, inserted
+    into the traced attention breaks the graph; fullgraph turns it into an error, which CompiledStep records
+    (logged once) and answers by rerunning the step eager: no compiled step, no failed request, same tokens."""
+    traced = attention._traced
+
+    def broken(module, query, key, value, scaling, kwargs):
+        if break_kind == "context_var":
+            get_step()
+        elif query.sum() > 0:
+            query = query + 0
+        return traced(module, query, key, value, scaling, kwargs)
+    monkeypatch.setattr(attention, "_traced", broken)
+    torch._dynamo.reset()
+    model, oracle = FAMILIES["llama"](), FAMILIES["llama"]()
+    store = make_store(model, device_capacity=2048)
+    with caplog.at_level("WARNING", logger="stateful_hf.integration.compiled_step"), \
+            dynamo_engine(model, store, max_batch_tokens=40) as engine:
+        rounds(engine, oracle, "llama", turns=2)
+        compiled = engine.runner.compiled
+    torch._dynamo.reset()
+    assert compiled.steps == 0 and compiled.failed
+    why = " ".join(compiled.failed.values())
+    assert ("ContextVar" in why) if break_kind == "context_var" else ("data-dependent" in why.lower()
+                                                                      or "Unsupported" in why), why
+    assert sum("compiled step failed" in r.message for r in caplog.records) == 1
+
+
+def test_steps_with_per_layer_work_run_eager(make_store):
+    """A store keeping hidden states captures them in every layer of every step: compile=True refuses it by
+    name at engine creation; 'auto' stays eager and says why."""
+    model = FAMILIES["llama"]()
+    store = make_store(model, device_capacity=1024, host_capacity=1024, hidden_states="always", hidden_layers=1)
+    with pytest.raises(ValueError, match="compile=True is unsupported with a store that keeps hidden states"):
+        Engine(model, store=store, compile=True)
+    with Engine(model, store=store) as engine:
+        assert engine.runner.compiled is None
+        assert engine.stats().compile.startswith("eager (auto: a store that keeps hidden states")
+
+
+def test_compile_option_refusals(make_store):
+    model = FAMILIES["llama"]()
+    for bad in ("yes", 1, None):
+        with pytest.raises(ValueError, match="compile must be 'auto', True or False"):
+            Engine(model, store=make_store(model, device_capacity=512), compile=bad)
+    bf16 = FAMILIES["llama"]().to(torch.bfloat16)
+    store = make_store(bf16, device_capacity=512, batch_invariant=True)
+    with pytest.raises(ValueError, match="compile=True is unsupported with a batch-invariant store"):
+        Engine(bf16, store=store, compile=True)
+    with Engine(bf16, store=store) as engine:
+        assert engine.stats().compile.startswith("eager (auto: a batch-invariant store")
+    with Engine(model, store=make_store(model, device_capacity=512), compile=False) as engine:
+        assert engine.stats().compile == "eager (compile=False)" and engine.stats().compiled_steps == 0
+
+
+@pytest.mark.skipif(not (os.environ.get("CI") or os.environ.get("STATEFUL_HF_INDUCTOR")),
+                    reason="a cold inductor compile takes ~90 s on 2 cores (~12 s from its disk cache): "
+                           "runs in CI or with STATEFUL_HF_INDUCTOR=1")
+def test_inductor_compiled_engine_is_exact(make_store):
+    """compile=True: inductor compiles the tiny Llama's step at engine creation (1 token and a dynamic count);
+    every step of three multi-turn sessions then runs compiled, no shape recompiled or fell back, and the
+    float32 tokens equal stateless greedy generate (bits may differ by an ulp; tokens may not)."""
+    model, oracle = FAMILIES["llama"](), FAMILIES["llama"]()
+    store = make_store(model, device_capacity=2048)
+    with Engine(model, store=store, compile=True, max_batch_tokens=40) as engine:
+        compiled = engine.runner.compiled
+        assert compiled.start_seconds is not None and compiled.steps == 0     # compiled before any request
+        rounds(engine, oracle, "llama")
+        stats = engine.stats()
+    assert compiled.failed == {} and compiled.steps == stats.steps > 9
