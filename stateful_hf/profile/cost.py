@@ -125,8 +125,9 @@ def _sweep(model: torch.nn.Module, spec: KVSpec, ids: list[int], lengths: list[i
            bar: tqdm) -> tuple[list[float], float]:
     """The median of `repeats` timings of one chunk's forward at each context length, growing one
     session's context through `lengths`; and the median over points of their spread, (max - min) / median.
-    The growth is committed without running the model: a chunk's forward costs the same whatever the K/V it attends to holds (the blocks keep the pool's
-    zeros), and computing 4096 tokens of real context would cost more than all the timed runs."""
+    The growth is committed without running the model: a chunk's forward costs the same whatever the K/V it
+    attends to holds (the blocks keep the pool's zeros), and computing 4096 tokens of real context would cost
+    more than all the timed runs."""
     chunk = spec.block_size
     store = KVStore(spec, lengths[-1] + chunk, swap_out_threshold=0.0)
     store.open("p")
