@@ -52,6 +52,7 @@ class FakeStore:
     """`EngineStore` in memory (see the module docstring). Every answer is the real store's for the same calls."""
 
     layerwise = False
+    keeps_hidden = False
     invariant_split: int | None = None
     policy = None
     spec = None

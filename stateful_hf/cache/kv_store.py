@@ -66,6 +66,11 @@ class KVStore:
     residues = property(lambda self: self.tiers.residues, doc="LayerKV's residue blocks (the pools own the table)")
     page_mapper = property(lambda self: self.planner.page_mapper)
     @property
+    def keeps_hidden(self) -> bool:
+        """Whether the store keeps hidden states (HCache: hidden_states "always" or "auto" with a hidden tier)."""
+        return self.hidden is not None
+
+    @property
     def layerwise(self) -> bool:
         """Whether the store was made with layerwise_kv (LayerKV)."""
         return self.layered is not None

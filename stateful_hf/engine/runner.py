@@ -69,7 +69,7 @@ class ModelRunner:
         self.packed = packed          # None: F.linear on the model's weights
         self.compile: CompileDecision = decide_compile(
             compile, next(model.parameters()).device, invariant=store.invariant_split is not None,
-            hidden_states=getattr(store, "hidden", None) is not None)
+            hidden_states=store.keeps_hidden)
         self.compiled: CompiledStep | None = None
         if self.compile.enabled:
             self.compiled = CompiledStep(model)

@@ -48,6 +48,11 @@ class EngineStore(Protocol):
         ...
 
     @property
+    def keeps_hidden(self) -> bool:
+        """Whether the store keeps hidden states (HCache): its steps may rebuild layers, and do not compile."""
+        ...
+
+    @property
     def invariant_split(self) -> int | None:
         """The split the store's forwards run `batch_invariant` with; None: stock kernels."""
         ...
