@@ -46,6 +46,7 @@ REFUSED = [
      "--device-capacity both size the device tier"),
     (["--swap-space", "4", "--host-capacity", "1GiB"], "--swap-space and --host-capacity both size the host tier"),
     (["--enable-prefix-caching", "--no-enable-prefix-caching"], "give one"),
+    (["--enforce-eager", "--compile", "on"], "--enforce-eager and --compile on disagree: give one"),
     (["--enable-prefix-cachin"], "unrecognized arguments: --enable-prefix-cachin: --enable-prefix-cachin is not a "
      "flag of this server; did you mean --enable-prefix-caching"),
     (["--max-num-batch-tokens", "64"], "did you mean --max-num-batched-tokens"),
@@ -58,7 +59,7 @@ REFUSED = [
 @pytest.mark.parametrize(("args", "says"), REFUSED, ids=[" ".join(a) for a, _ in REFUSED])
 def test_vllm_flag_refused_before_torch(args, says):
     took, _ = _exits_2(args, says)
-    assert took < 5.0, f"{took:.2f} s"
+    assert took < 20.0, f"{took:.2f} s"      # ~0.1 s quiet: never a hub retry (~30 s); the probe below is the proof
     probe = subprocess.run([sys.executable, "-c", PROBE, *args], cwd=ROOT, capture_output=True, text=True,
                            timeout=60, env=_env())
     assert probe.stdout.split() == ["exit", "2", "False", "False"], probe.stdout + probe.stderr
@@ -83,11 +84,11 @@ def test_vllm_flags_set_the_servers_own_options():
     a = _checked(["--gpu-memory-utilization", "0.9", "--enforce-eager", "--disable-log-stats", "--uvicorn-log-level",
                   "debug", "--enable-auto-tool-choice"])
     assert a.gpu_memory_utilization is None               # the CPU: one line, no effect
+    assert a.compile == "off" and _checked([]).compile == "auto"      # --enforce-eager is --compile off
     assert a.notes == [
         "--gpu-memory-utilization has no meaning on the CPU (--device cpu): the device tier is --device-capacity "
         "(256MiB)",
         "--enable-auto-tool-choice: accepted: tool_choice auto is always on (docs/agents.md)",
-        "--enforce-eager: accepted: eager is what runs: no CUDA graphs or torch.compile yet",
         "--disable-log-stats: no meaning here: there is no periodic stats line to disable (/metrics)",
         "--uvicorn-log-level debug: no meaning here: uvicorn logs at --log-level"]
     assert cli.parse(cli.parser(), ["--model", "tiny-random"]).model == "tiny-random"      # --model still works
@@ -203,7 +204,6 @@ def test_started_with_vllm_flags_says_what_each_means(server):
     for line in ("--gpu-memory-utilization has no meaning on the CPU (--device cpu)",
                  "--enable-auto-tool-choice: accepted: tool_choice auto is always on",
                  "--enable-chunked-prefill: accepted: prefills are always chunked",
-                 "--enforce-eager: accepted: eager is what runs",
                  "--disable-log-stats: no meaning here"):
         assert text.count(line) == 1, (line, text[-3000:])
     assert "request end:" not in text                     # --disable-log-requests

@@ -114,6 +114,10 @@ def parser() -> argparse.ArgumentParser:
                    help="seconds a stored response of /v1/responses can be fetched and continued")
     p.add_argument("--responses-cap", type=int, default=DEFAULT_CAP,
                    help="stored responses at most, all tenants together (past it the oldest are forgotten)")
+    p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                   help="the engine's steps without per-layer work through torch.compile: on (an error where the model "
+                        "or store cannot compile), off (eager; vLLM's --enforce-eager), auto (eager on the CPU and "
+                        "under batch invariance for now; the reason is in the engine's stats)")
     p.add_argument("--strict-fields", action="store_true", help="an unknown request field is a 400 naming it "
                    "(OpenAI's behaviour; off: dropped with a warning, vLLM's); docs/server-api.md lists the fields")
     p.add_argument("--session-wait-timeout", type=float, default=30.0,
@@ -224,7 +228,8 @@ def main(argv=None) -> None:
     shared = {} if a.prefix_sharing is None else {"prefix_sharing": a.prefix_sharing}
     try:
         options = EngineOptions(**store, **scheduling, **shared, session_wait_timeout=a.session_wait_timeout,
-                                tenant_shares=dict(a.tenant_share))
+                                tenant_shares=dict(a.tenant_share),
+                                compile={"auto": "auto", "on": True, "off": False}[a.compile])
     except ValueError as e:
         p.error(flags.as_flags(" ".join(str(e).split()), SessionStoreOptions, SchedulingOptions))
     hub = {"revision": a.revision, "trust_remote_code": a.trust_remote_code}

@@ -4,7 +4,7 @@ starts as `vllm serve MODEL ...` does, each flag with its meaning here or a one-
 `VLLM_FLAGS` is the hand-written list (docs/server-api.md, "Flags from vLLM", says the same), each flag
 with its `FlagStatus`:
 - MAPPED: sets what the server has under its own name (`--swap-space 4` is `--host-capacity 4GiB`);
-- ACCEPTED: already what the server does (`--enforce-eager`: eager is what runs); one line says so;
+- ACCEPTED: already what the server does (`--enable-auto-tool-choice`); one line says so;
 - CHECKED: accepted at the one value that is true here (`--block-size` = `--chunk-size`, `--kv-cache-dtype
   auto`, `--tensor-parallel-size 1`), any other refused with status 2 naming it;
 - NO_MEANING: nothing here corresponds (`--disable-log-stats`); one line says so and the server starts.
@@ -63,7 +63,7 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
     VllmFlag(("--disable-log-requests",), FlagStatus.MAPPED, "no per-request log line (logger stateful_hf.requests "
              "at WARNING)"),
     VllmFlag(("--api-key",), FlagStatus.MAPPED, "the server's own --api-key (also $VLLM_API_KEY)"),
-    VllmFlag(("--enforce-eager",), FlagStatus.ACCEPTED, "eager is what runs: no CUDA graphs or torch.compile yet"),
+    VllmFlag(("--enforce-eager",), FlagStatus.MAPPED, "the engine's steps run eager: --compile off"),
     VllmFlag(("--tensor-parallel-size", "-tp"), FlagStatus.CHECKED, "1 only; replicas on Ray Serve are data "
              "parallelism (--ray --replicas N)", int),
     VllmFlag(("--pipeline-parallel-size", "-pp"), FlagStatus.CHECKED, "1 only (one device per replica)", int),
@@ -121,6 +121,10 @@ def check_vllm_flags(p: argparse.ArgumentParser, a: argparse.Namespace, argv: li
         a.prefix_sharing = True
     if "--no-enable-prefix-caching" in vals:
         a.prefix_sharing = False
+    if "--enforce-eager" in vals:
+        if "--compile" in said and a.compile != "off":
+            p.error(f"--enforce-eager and --compile {a.compile} disagree: give one")
+        a.compile = "off"
     parser = vals.get("--tool-call-parser")
     if parser is not None and parser not in TOOL_CALL_PARSERS:
         p.error(f"--tool-call-parser {parser}: not a format this server reads; supported: "
