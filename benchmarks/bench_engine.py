@@ -28,7 +28,7 @@ Throughput = generated tokens / wall time. TTFT = arrival of a turn -> its first
 round's ratio: on a shared machine one pair of runs can swing by 30%. Not run by CI.
 
 `--neighbour quiet,busy:2,bursty` runs the whole comparison once per condition, every system beside
-the same neighbour processes (benchmarks/neighbours.py: busy loops, a bursty second torch server),
+the same neighbour processes (benchmarks/harness/neighbours.py: busy loops, a bursty second torch server),
 started in fresh interpreters before the condition's first run and stopped after its last.
 `--dtype bfloat16` runs every system in bf16 and reports how many answers agree with (a) instead of
 requiring them to be identical (exactness is promised in float32, where a mismatch fails the run).
@@ -52,9 +52,9 @@ from transformers.generation.streamers import BaseStreamer
 from stateful_hf import Engine, SamplingParams, SessionStore
 from stateful_hf.engine.openmp import release_thread_pool
 
-from .closed_loop import closed_loop
-from .neighbours import Neighbours, parse
-from .threads import hold_main_pool
+from .harness.closed_loop import closed_loop
+from .harness.neighbours import Neighbours, parse
+from .harness.threads import hold_main_pool
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,7 +275,7 @@ def main() -> None:
                     help="the engine's device layout: paged blocks, or vAttention's contiguous slots")
     ap.add_argument("--neighbour", default="quiet",
                     help="comma-separated conditions, each run in full: quiet, busy:N, bursty[:N], joined by '+' "
-                         "(benchmarks/neighbours.py)")
+                         "(benchmarks/harness/neighbours.py)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="rounds of (b), (b+) and (c), in rotating order; each system's median-throughput run is "
                          "reported, with the per-round throughput ratios of (c) and their medians")

@@ -35,7 +35,7 @@ from stateful_hf.cache.hidden.partition import HiddenCosts, HiddenPlan, min_hidd
 from stateful_hf.integration.hooks import restore, run_step
 from stateful_hf.profile.hidden import measure_hidden_costs
 
-from .models import llama_100m, n_params
+from .harness.models import llama_100m, n_params
 
 NAMES = ("host hidden", "host KV", "host mix", "disk hidden", "disk KV", "disk mix", "disk mix-budget", "recompute")
 # run orders, alternated by repeat so no strategy always follows the same one. On the pure-hidden store

@@ -26,7 +26,7 @@ import torch
 from stateful_hf.engine.openmp import SpinSwitch, release_thread_pool, set_thread_team
 
 from .bench_engine import build_model
-from .neighbours import Neighbours, parse
+from .harness.neighbours import Neighbours, parse
 
 TEAMS = ("one", "throttled", "spin")
 
@@ -61,7 +61,7 @@ def measure(model, rows_list: list[int], reps: int, switch: SpinSwitch) -> dict[
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--neighbour", default="busy:2", help="comma-separated specs (benchmarks/neighbours.py)")
+    ap.add_argument("--neighbour", default="busy:2", help="comma-separated specs (benchmarks/harness/neighbours.py)")
     ap.add_argument("--rows", default="4,8,16,32,64,128,256,384,512")
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--layers", type=int, default=12)

@@ -10,8 +10,8 @@ Designs (stateful_hf/engine/openmp.py, thread_sizing.py):
   keep     the caller's pool kept (the loop's workers run throttled: they sleep between regions)
   one      release; a team of one thread
   passive  as spin, in a fresh interpreter with OMP_WAIT_POLICY=PASSIVE set before torch starts
-Every design runs beside the same neighbours (benchmarks/neighbours.py; `--neighbour` as in
-bench_engine). Before every run the main thread runs a parallel op (benchmarks/threads.py). Not run by CI.
+Every design runs beside the same neighbours (benchmarks/harness/neighbours.py; `--neighbour` as in
+bench_engine). Before every run the main thread runs a parallel op (benchmarks/harness/threads.py). Not run by CI.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import tempfile
 import torch
 
 from .bench_engine import Workload, build_model, run_engine
-from .neighbours import Neighbours, parse
-from .threads import hold_main_pool
+from .harness.neighbours import Neighbours, parse
+from .harness.threads import hold_main_pool
 
 DESIGNS = {"auto": (True, "auto"), "shrink": (True, "shrink"), "spin": (True, None), "keep": (False, None),
            "one": (True, 1)}
@@ -63,7 +63,8 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=16)
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--designs", default="auto,shrink,spin,keep,one,passive")
-    ap.add_argument("--neighbour", default="quiet,busy:1", help="comma-separated conditions (benchmarks/neighbours.py)")
+    ap.add_argument("--neighbour", default="quiet,busy:1",
+                    help="comma-separated conditions (benchmarks/harness/neighbours.py)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--json", help="write the per-run walls to this file")
     args = ap.parse_args()

@@ -28,7 +28,7 @@ from stateful_hf.cache import CostProfile
 from stateful_hf.cache.disk.file import identity_tags
 from stateful_hf.integration.hooks import restore, run_step
 
-from .models import llama_100m, n_params
+from .harness.models import llama_100m, n_params
 
 
 def _new_turn(model, store, sid: str, ids: list[int]) -> None:

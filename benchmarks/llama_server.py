@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .closed_loop import closed_loop
+from .harness.closed_loop import closed_loop
 
 
 def gguf_format(path: str) -> str:

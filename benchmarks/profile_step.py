@@ -44,7 +44,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from .bench_engine import build_model, engine_threads
-from .neighbours import Neighbours
+from .harness.neighbours import Neighbours
 
 ATTENTION = ("scaled_dot_product", "flash_attention", "index_select", "aten::index", "index_put", "index_copy",
              "_index_put_impl_")

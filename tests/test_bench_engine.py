@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from benchmarks.bench_engine import Workload, build_model, run_engine, run_stateless, run_transformers_cb
-from benchmarks.threads import hold_main_pool
+from benchmarks.harness.threads import hold_main_pool
 from stateful_hf.engine import openmp
 
 
@@ -34,7 +34,7 @@ def test_every_system_generates_the_same_tokens():
 
 
 def test_neighbour_specs_parse_and_bad_ones_fail():
-    from benchmarks.neighbours import Neighbours, parse
+    from benchmarks.harness.neighbours import Neighbours, parse
 
     assert parse("quiet") == [] and parse("busy:2+bursty") == [("busy", 2), ("bursty", 1)]
     for bad in ("busy:x", "loud", "bursty:"):

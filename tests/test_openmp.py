@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import FAMILIES
 
-from benchmarks.threads import hold_main_pool
+from benchmarks.harness.threads import hold_main_pool
 from stateful_hf import Engine, SamplingParams
 from stateful_hf.engine import openmp
 
