@@ -32,7 +32,8 @@ class TurnInfo:
     reused_tokens: int          # history served from stored KV (engine)
     recomputed_tokens: int      # history computed again (engine)
     truncated_tokens: int       # history cut: the prompt diverged from it (edit / retry / undo)
-    computed_tokens: int        # rows the model ran for this turn (engine's TurnStats)
+    computed_tokens: int        # prompt tokens the model ran (new and recomputed): reused + computed = prompt
+    generated_tokens: int       # tokens the turn generated (the store's count; = output_tokens)
     at_send_device: int
     at_send_host: int
     at_send_hidden: int
@@ -110,7 +111,8 @@ class ChatBackend:
             turn=turn, ttft_ms=None if m.ttft is None else 1e3 * m.ttft,
             latency_ms=None if m.latency is None else 1e3 * m.latency, prompt_tokens=m.prompt_tokens,
             output_tokens=m.output_tokens, reused_tokens=m.reused_tokens, recomputed_tokens=m.recomputed_tokens,
-            truncated_tokens=m.truncated_tokens, computed_tokens=last.computed_tokens,
+            truncated_tokens=m.truncated_tokens, computed_tokens=prompt_computed(last),
+            generated_tokens=last.generated_tokens,
             at_send_device=at_send["device"], at_send_host=at_send["host"], at_send_hidden=at_send.get("hidden", 0),
             at_send_disk=at_send["disk"], at_send_dropped=at_send["dropped"], hint_moved_tokens=moved,
             finish_reason=out.finish_reason)
@@ -152,21 +154,29 @@ class ChatBackend:
         if not turns:
             return "<div class='shf-turns'><i>Per-turn numbers appear after the first reply.</i></div>"
         head = ("<tr><th>turn</th><th>TTFT<br>ms</th><th>prompt</th><th>reused</th><th>host/<br>disk</th>"
-                "<th>hidden</th><th>re-<br>comp.</th><th>com-<br>puted</th><th>cut</th><th>hint</th>"
-                "<th>end</th></tr>")
+                "<th>hidden</th><th>re-<br>comp.</th><th>com-<br>puted</th><th>gen.</th><th>cut</th>"
+                "<th>hint</th><th>end</th></tr>")
         body = "".join(
             f"<tr><td>{t['turn']}</td><td>{_ms(t['ttft_ms'])}</td><td>{t['prompt_tokens']}</td>"
             f"<td>{t['reused_tokens']}</td><td>{t['at_send_host']} / {t['at_send_disk']}</td>"
             f"<td>{t['at_send_hidden']}</td><td>{t['recomputed_tokens']}</td><td>{t['computed_tokens']}</td>"
-            f"<td>{t['truncated_tokens']}</td><td>{t['hint_moved_tokens']}</td>"
+            f"<td>{t['generated_tokens']}</td><td>{t['truncated_tokens']}</td><td>{t['hint_moved_tokens']}</td>"
             f"<td class='shf-end'>{t['finish_reason'] or '–'}</td></tr>" for t in turns)
         return (f"<div class='shf-scroll'><table class='shf-turns'>{head}{body}</table></div>"
-                "<div class='shf-note'>Reused = history served "
-                "from stored KV; host / disk / hidden = where that history was when the turn was sent "
-                "(swapped in or rebuilt, not recomputed); recomp. = recomputed; cut = history dropped because "
-                "the conversation changed there (an edit, retry or undo, or a reply whose text re-tokenizes "
-                "differently); hint = tokens a typing hint moved up before the turn was sent; end = why the "
-                "reply ended (stop: the model ended it; length: the max new tokens limit).</div>")
+                "<div class='shf-note'>Prompt = tokens the turn sent = reused + computed. Reused = history "
+                "served from stored KV; host / disk / hidden = where that history was when the turn was sent "
+                "(swapped in or rebuilt, not recomputed); recomp. = recomputed (part of computed); computed = "
+                "prompt tokens the model ran (new, and recomputed history); gen. = tokens generated; cut = "
+                "history dropped because the conversation changed there (an edit, retry or undo, or a reply "
+                "whose text re-tokenizes differently); hint = tokens a typing hint moved up before the turn was "
+                "sent; end = why the reply ended (stop: the model ended it; length: the max new tokens limit).</div>")
+
+
+def prompt_computed(turn) -> int:
+    """Prompt tokens a turn computed, from its `TurnStats`: `computed_tokens` counts every row the model
+    ran, and the decode steps ran one row per generated token but the last (the first comes from the
+    prompt's last row; the last is never fed), so the prompt's rows are computed - (generated - 1)."""
+    return turn.computed_tokens - max(turn.generated_tokens - 1, 0)
 
 
 def _ms(v: float | None) -> str:

@@ -135,7 +135,7 @@ def build_app(backend: ChatBackend, random_weights: bool, hints: bool = True):
         with gr.Row(equal_height=False):
             with gr.Column(scale=4, min_width=360):
                 chatbot = gr.Chatbot(editable="user", height=440, elem_id="shf-chat", label="Chat")
-                box = gr.Textbox(placeholder="Type a message and press Enter", show_label=False,
+                box = gr.Textbox(placeholder="Type a message and press Enter", label="message", show_label=False,
                                  elem_id="shf-input")
                 with gr.Row():
                     send_btn = gr.Button("Send", variant="primary", elem_id="shf-send")
@@ -147,8 +147,9 @@ def build_app(backend: ChatBackend, random_weights: bool, hints: bool = True):
                     max_new = gr.Slider(1, 512, value=backend.max_new_tokens, step=1, label="max new tokens")
                     temperature = gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="temperature (0 = greedy)")
             with gr.Column(scale=3, min_width=320, elem_id="shf-side"):
-                turns = gr.HTML(backend.turns_html([]), elem_id="shf-turns")
-                tiers = gr.HTML(backend.tiers_html(), elem_id="shf-tiers")
+                # labels name them in the API (/send, /retry, /undo return them); the page shows none
+                turns = gr.HTML(backend.turns_html([]), label="turns", show_label=False, elem_id="shf-turns")
+                tiers = gr.HTML(backend.tiers_html(), label="store tiers", show_label=False, elem_id="shf-tiers")
                 raw = gr.JSON(label="last turn", elem_id="shf-raw")
         outputs = [chatbot, box, state, turns, tiers, raw]
         gen = [max_new, temperature]

@@ -21,6 +21,9 @@ for user in ["Hello! How are you today?", "Tell me about the sea.", "Summarize t
     reply = tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
     messages.append({"role": "assistant", "content": reply})
     turn = store.stats("alice").last_turn
+    # computed_tokens counts every row the model ran: the prompt's, then one per generated token but the last
+    computed = turn.computed_tokens - max(turn.generated_tokens - 1, 0)     # of the prompt
     print(f"user: {user}\nassistant: {reply!r}")
-    print(f"  [{turn.reused_tokens} tokens reused, {turn.computed_tokens} computed]")
+    print(f"  [prompt {ids['input_ids'].shape[1]}: {turn.reused_tokens} reused + {computed} computed; "
+          f"{turn.generated_tokens} generated]")
 print(store.stats())

@@ -22,8 +22,10 @@ for user in ["Hello! How are you today?", "Tell me about the sea.", "Summarize t
     out = chat(messages, session_id="alice", max_new_tokens=16, do_sample=False)
     messages = out[0]["generated_text"]                      # the chat, with the new assistant message
     turn = chat.store.stats("alice").last_turn
+    # computed_tokens counts every row the model ran: the prompt's, then one per generated token but the last
+    computed = turn.computed_tokens - max(turn.generated_tokens - 1, 0)     # of the prompt
     print(f"user: {user}\nassistant: {messages[-1]['content']!r}")
-    print(f"  [{turn.reused_tokens} tokens reused, {turn.computed_tokens} computed]")
+    print(f"  [{turn.reused_tokens} prompt tokens reused + {computed} computed; {turn.generated_tokens} generated]")
 
 # The same task is registered with transformers (by the first use of a stateful_hf name, above):
 same = transformers.pipeline("stateful-text-generation", model=chat.model, tokenizer=chat.tokenizer)

@@ -4,6 +4,7 @@ gradio_client, and the page in headless Chromium (Debian's chromium + chromium-d
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -84,6 +85,19 @@ def _reply(text: str) -> tuple[str, bool]:
     return body, bool(note)
 
 
+def test_the_api_names_its_endpoints_and_values(demo_url):
+    """The demo's API (what gradio_client lists) names its endpoints and every value they take and
+    return: no Gradio placeholder (`value_6`, `parameter_7`) for a component without a label."""
+    api = gradio_client.Client(demo_url, verbose=False).view_api(print_info=False, return_format="dict")
+    assert set(api["named_endpoints"]) == {"/send", "/retry", "/undo"} and not api["unnamed_endpoints"]
+    returns = ["Chat", "message", "turns", "store tiers", "last turn"]
+    for name, ep in api["named_endpoints"].items():
+        assert [r["label"] for r in ep["returns"]] == returns, (name, ep["returns"])
+        for p in ep["parameters"] + ep["returns"]:
+            assert not re.fullmatch(r"(value|parameter)_\d+", p["label"]), (name, p)
+    assert [p["label"] for p in api["named_endpoints"]["/send"]["parameters"]][0] == "message"
+
+
 def test_two_concurrent_sessions_three_turns(demo_url):
     from stateful_hf import Engine, SamplingParams
     from stateful_hf.testing import tiny_llama, tiny_tokenizer
@@ -120,6 +134,9 @@ def test_two_concurrent_sessions_three_turns(demo_url):
             assert _reply(msgs[-1][1]) == (want, raw["finish_reason"] == "length")
             assert n_updates > 3, "the reply was not streamed"
             assert raw["turn"] == i + 1 and raw["output_tokens"] > 0 and raw["ttft_ms"] > 0
+            # the table's counts add up: the prompt is reused + computed; generated tokens are apart
+            assert raw["reused_tokens"] + raw["computed_tokens"] == raw["prompt_tokens"], raw
+            assert raw["generated_tokens"] == raw["output_tokens"], raw
             if i == 0:
                 assert raw["reused_tokens"] == 0
             else:

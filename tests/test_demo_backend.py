@@ -42,6 +42,8 @@ def _turn(b: ChatBackend, oracle: Engine, sid: str, messages: list[dict], turn: 
     assert text == want.text
     assert info.reused_tokens == keep and info.truncated_tokens == max(len(history) - keep, 0)
     assert info.recomputed_tokens == 0 and info.prompt_tokens == len(ids)
+    # the table's counts add up: reused + computed = the prompt; generated apart (TurnStats' own counts)
+    assert info.reused_tokens + info.computed_tokens == len(ids) and info.generated_tokens == info.output_tokens > 1
     return text, info
 
 

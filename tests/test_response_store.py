@@ -92,3 +92,22 @@ def test_only_a_continuation_that_extends_the_prompt_claims_the_session():
     unknown = StoredResponse("c", "t", "s", True, [], {})    # no prompt key: never claimed
     assert not store.claim(unknown, PROMPT)
     assert PromptKey.of(PROMPT).prefixes(PROMPT) and not PromptKey.of(PROMPT).prefixes([5, 6, 7, 9])
+
+
+def test_a_background_response_while_running_and_once_ended():
+    """Running (no messages): stored, never claimed, its session never handed back; ended with a reply:
+    stored over it, continuable; ended without one (cancelled, failed): its own server-named session is
+    handed back at once unless a stored response heads it; the client's session never is."""
+    store = ResponseStore(ResponseRetention(ttl=1e9, cap=100), clock=Clock())
+    running = StoredResponse("bg", "t", "sess-bg", True, None, {"id": "bg", "status": "in_progress"})
+    assert store.put(running) == [] and not store.claim(running, PROMPT)
+    assert store.put(response("bg", "sess-bg")) == []                 # completed: replaces it, heads its session
+    assert store.claim(store.get("t", "bg"), PROMPT)
+    for rid, session, owns, want in [("x", "sess-x", True, ["sess-x"]), ("y", "sess-y", False, []),
+                                     ("z", "sess-h", True, [])]:
+        if rid == "z":
+            store.put(response("h", "sess-h"))                         # another response heads sess-h
+        store.put(StoredResponse(rid, "t", session, owns, None, {"id": rid, "status": "queued"}))
+        ended = StoredResponse(rid, "t", session, owns, None, {"id": rid, "status": "cancelled"})
+        assert store.put(ended) == want, rid
+        assert store.get("t", rid) is ended and not store.claim(ended, PROMPT)

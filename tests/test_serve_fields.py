@@ -90,6 +90,14 @@ def stored(url, endpoint, body):
     return httpx.get(f"{url}/v1/responses/{rid}", timeout=30).status_code
 
 
+def status_of(url, endpoint, body):
+    return post(url, endpoint, body).json()["status"]
+
+
+def logprobs_of(url, endpoint, body):
+    return [c.get("logprobs") for o in post(url, endpoint, body).json()["output"] for c in o.get("content") or ()]
+
+
 def request_of(model_cls, endpoint: Endpoint):
     """Where no tiny-model answer can show a field: what the parsed request asks the engine for."""
     def observe(url, _, body):
@@ -157,6 +165,9 @@ CASES = {
                         {"tools": [{"type": "function", **PING["function"]}], "tool_choice": "required"}, said),
         "parallel_tool_calls": ({}, {"parallel_tool_calls": False}, request_of(ResponsesRequest, Endpoint.RESPONSES)),
         "text": ({}, {"text": {"format": {"type": "json_object"}}}, said),     # refused by name: not ignored
+        "background": ({}, {"background": True}, status_of),                     # queued, not incomplete
+        "include": ({}, {"include": ["message.output_text.logprobs"]}, logprobs_of),
+        "top_logprobs": ({"include": ["message.output_text.logprobs"]}, {"top_logprobs": 2}, logprobs_of),
     },
 }
 # the completions' stop case reads the base's text

@@ -86,6 +86,7 @@ OPERATIONS = {
     ("post", "/v1/responses"): (ResponsesRequest, "Response", True, _TURN),
     ("get", "/v1/responses/{response_id}"): (None, "Response", False, ("401", "404", "500")),
     ("delete", "/v1/responses/{response_id}"): (None, "ResponseDeleted", False, ("401", "404", "500")),
+    ("post", "/v1/responses/{response_id}/cancel"): (None, "Response", False, ("400", "401", "404", "500")),
     ("post", "/v1/hints"): (HintRequest, "Hint", False, ("400", "401", "404", "413", "500")),
     ("get", "/v1/sessions/{session_id}"): (None, "Session", False, ("400", "401", "404", "500")),
     ("delete", "/v1/sessions/{session_id}"): (None, "SessionDeleted", False, ("400", "401", "404", "409", "500")),

@@ -12,7 +12,9 @@ reused, whatever other continuations of it did (invariant: each stored response'
 its session's history; a claim may re-render only the reply after it, as every continuation of that
 response with the same prompt would). A response past its TTL, or the oldest one past the cap, is
 forgotten; the session it held is returned to the caller (`put`, `delete`) to be deleted when nothing
-else can use it.
+else can use it. A background response (`responses.py`) is stored while it runs, without `messages`
+(not continuable), and stored again when it ends: with its reply, or without one (cancelled, failed:
+never continuable; its session is then returned to be deleted as above).
 """
 
 from __future__ import annotations
@@ -66,11 +68,22 @@ class StoredResponse:
     tenant: str
     session: str                   # the store key of the session whose history ends with this response
     owns_session: bool             # the server named the session (not the client's X-Session-Id)
-    messages: list[dict]           # the conversation through this response (no instructions)
+    messages: list[dict] | None    # the conversation through this response (no instructions); None: no reply
+                                   # to continue (a background response running, cancelled or failed)
     body: dict                     # the response object, as returned
     created: float = field(default_factory=time.time)
     claimed: bool = False          # a continuation has run in `session` (later ones fork)
     prompt: PromptKey | None = None   # the prompt this response ran on (None: unknown, never claimed)
+
+    @property
+    def heads(self) -> bool:
+        """Whether the end of its session's history is this response's, for a continuation to claim."""
+        return self.messages is not None and not self.claimed
+
+    @property
+    def running(self) -> bool:
+        """A background response not ended yet (its turn may hold its session)."""
+        return self.body.get("status") in ("queued", "in_progress")
 
 
 class ResponseStore:
@@ -107,14 +120,17 @@ class ResponseStore:
             return first
 
     def put(self, r: StoredResponse) -> list[str]:
-        """Store `r`; returns the sessions of the responses dropped to make room or expired that no
-        stored response still heads (to delete)."""
+        """Store `r` (replacing the one of its id); returns the sessions to delete: those of the
+        responses dropped to make room or expired, and r's own when it has ended without a reply,
+        each where no stored response still heads it."""
         with self._lock:
             key = (r.tenant, r.id)
             gone = [] if key not in self._items else [self._pop(key)]
             self._items[key] = (self._clock() + self.retention.ttl, r)
-            if not r.claimed:
+            if r.heads:
                 self._heads[r.session] += 1
+            if r.messages is None:
+                gone.append(r)
             now = self._clock()
             while self._items:
                 first, (deadline, _) = next(iter(self._items.items()))
@@ -134,7 +150,7 @@ class ResponseStore:
 
     def _pop(self, key: tuple[str, str]) -> StoredResponse:
         r = self._items.pop(key)[1]
-        if not r.claimed:
+        if r.heads:
             self._unhead(r.session)
         return r
 
@@ -144,5 +160,7 @@ class ResponseStore:
             del self._heads[session]
 
     def _orphans(self, gone: list[StoredResponse]) -> list[str]:
-        """Sessions the server named for responses in `gone`, never continued, that no stored response heads."""
-        return sorted({r.session for r in gone if r.owns_session and not r.claimed and r.session not in self._heads})
+        """Sessions the server named for responses in `gone`, never continued nor running, that no stored
+        response heads."""
+        return sorted({r.session for r in gone if r.owns_session and not r.claimed and not r.running
+                       and r.session not in self._heads})
