@@ -16,6 +16,7 @@ from pydantic.json_schema import models_json_schema
 
 from .protocol import ChatCompletionRequest, CompletionRequest, HintRequest
 from .responses import ResponsesRequest
+from .utility import DetokenizeRequest, TokenizeRequest
 
 REF = "#/components/schemas/{model}"
 
@@ -73,6 +74,12 @@ RESPONSES = {   # success bodies, by component name
                                        "data": {"type": "string", "description": "a JSON object (a chunk, an "
                                                 "event or an error), or `[DONE]` ending a chat or completion "
                                                 "stream"}}},
+    "Tokenized": {"type": "object", "required": ["count", "max_model_len", "tokens"],
+                  "properties": {"count": {"type": "integer"}, "max_model_len": {"type": "integer"},
+                                 "tokens": {"type": "array", "items": {"type": "integer"}},
+                                 "token_strs": {"type": "array", "items": {"type": "string"}}}},
+    "Detokenized": {"type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+    "Version": {"type": "object", "required": ["version"], "properties": {"version": {"type": "string"}}},
     "Health": {"type": "object", "required": ["status", "model", "replicas"],
                "properties": {"status": {"enum": ["ok", "unhealthy"]}, "model": {"type": "string"},
                               "replicas": {"type": "array"}}},
@@ -93,10 +100,16 @@ OPERATIONS = {
     ("get", "/v1/models"): (None, "ModelList", False, ("401", "500")),
     ("get", "/metrics"): (None, None, False, ("401", "500")),
     ("get", "/health"): (None, "Health", False, ("500",)),
+    ("post", "/tokenize"): (TokenizeRequest, "Tokenized", False, ("400", "401", "404", "413", "500")),
+    ("post", "/detokenize"): (DetokenizeRequest, "Detokenized", False, ("400", "401", "404", "413", "500")),
+    ("get", "/version"): (None, "Version", False, ("401", "500")),
+    ("get", "/ping"): (None, "", False, ("500",)),
+    ("post", "/ping"): (None, "", False, ("500",)),
 }
 
 
-REQUEST_MODELS = (ChatCompletionRequest, CompletionRequest, HintRequest, ResponsesRequest)
+REQUEST_MODELS = (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, HintRequest, ResponsesRequest,
+                  TokenizeRequest)
 
 
 def document(app, model_name: str, session_id: re.Pattern) -> dict:
@@ -121,12 +134,16 @@ def document(app, model_name: str, session_id: re.Pattern) -> dict:
         if success is None:                         # /metrics: Prometheus or OpenMetrics text
             ok = {"text/plain": {"schema": {"type": "string"}},
                   "application/openmetrics-text": {"schema": {"type": "string"}}}
+        elif success == "":                         # /ping: an empty body, the status is the answer
+            ok = {}
         else:
             ok = {"application/json": {"schema": {"$ref": REF.format(model=success)}}, **(_STREAMS if streams else {})}
         op["responses"] = {"200": {"description": "OK" + (" (server-sent events with `stream: true`)" if streams
-                                                           else ""), "content": ok},
+                                                           else ""), **({"content": ok} if ok else {})},
                            **{s: {"description": STATUS[s], "content": {"application/json": {"schema": {
                                "$ref": REF.format(model="Error")}}}} for s in errors}}
+        if path == "/ping":
+            op["responses"]["503"] = {"description": STATUS["503"]}
         if path == "/health":
             op["responses"]["503"] = {"description": STATUS["503"], "content": {"application/json": {"schema": {
                 "$ref": REF.format(model="Health")}}}}
