@@ -33,7 +33,7 @@ import time
 
 import torch
 
-from ..models import build, kv_bytes_per_token, n_params
+from ..harness.models import build, kv_bytes_per_token, n_params
 from . import report
 from .arrivals import Arrivals
 from .bench import ALL_SYSTEMS, SHARING_SYSTEMS, Bench, Config, budget_for, experiment, policy_budget_for, warm_up

@@ -9,7 +9,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..threads import hold_main_pool
+from ..harness.threads import hold_main_pool
 from .workload import Conversation, Workload
 
 

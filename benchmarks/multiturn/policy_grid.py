@@ -55,7 +55,7 @@ def parse(argv=None) -> argparse.Namespace:
 
 def measured_profile(max_context: int):
     """Cost(l) of the main benchmark's model, as `python -m benchmarks.multiturn` measures it."""
-    from ..models import llama_100m
+    from ..harness.models import llama_100m
     from .bench import Bench, Config
 
     return Bench(llama_100m(), Config(budget_tokens=64), progress=False).cost_profile(max_context)
