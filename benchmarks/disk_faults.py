@@ -1,7 +1,7 @@
 """Crash the disk tier and count wrong turns: there must be none.
 
     python -m benchmarks.disk_faults loop [--seconds 300] [--dir D] [--seed 0]
-    python -m benchmarks.disk_faults points [--script shared]
+    python -m benchmarks.disk_faults points [--script shared|behind]
     python -m benchmarks.disk_faults worker --dir D --seed S [--crash-at N] [--turns T] [--capacities 96 160]
 
 `worker` (always a fresh interpreter: a process that has run torch is never forked) plays
@@ -50,11 +50,17 @@ def _model():
     return tiny_llama(seed=0)
 
 
-def _store(model, directory, capacity):
+def _store(model, directory, capacity, **kw):
+    """The workers' store; `kw`: options over STORE (the fixed scripts pass disk_write="evict" or a write-behind
+    delay they never reach: their durability points are numbered, so nothing may run in the background)."""
     import stateful_hf
     from stateful_hf.cache import CostProfile
     return stateful_hf.SessionStore(model, disk_dir=directory, disk_capacity=capacity,
-                                    cost_profile=CostProfile(), **STORE)
+                                    cost_profile=CostProfile(), **{**STORE, **kw})
+
+
+EVICT = {"disk_write": "evict"}       # the scripts of the eviction path
+BEHIND = {"write_behind_delay": 0.05}   # the random worker: write-behind runs between its turns and moves
 
 
 def _greedy(model, ids: list[int], n: int, cache=None) -> list[int]:
@@ -99,7 +105,7 @@ def worker(directory: str, seed: int, crash_at: int | None, turns: int, capaciti
     model = _model()
     print("opening", flush=True)
     for capacity in itertools.islice(itertools.cycle(capacities), phases):
-        store = _store(model, directory, capacity)
+        store = _store(model, directory, capacity, **BEHIND)
         print("ready", flush=True)
         convs = {sid: list(store.session(sid).token_ids) if sid in store else [] for sid in SESSIONS}
         for _ in range(turns):
@@ -142,12 +148,12 @@ def scripted(directory: str) -> None:
             store.move(sid, [k for k, c in enumerate(store.session(sid).chunks) if c.state.value != "dropped"], "disk")
         store.check_integrity()
 
-    store = _store(model, directory, 64)
+    store = _store(model, directory, 64, **EVICT)
     print("ready", flush=True)
     turn_then_disk(store, "s0")
     turn_then_disk(store, "s1")
     store.close()
-    store = _store(model, directory, 48)
+    store = _store(model, directory, 48, **EVICT)
     print("ready", flush=True)
     turn_then_disk(store, "s1")
     turn_then_disk(store, "s0")
@@ -182,7 +188,7 @@ def scripted_shared(directory: str) -> None:
                   if c.entry is not None and len(c.entry.holders) > 1 and c.state.value == "disk"}
         print(f"shared on disk {len(shared)}", flush=True)
 
-    store = _store(model, directory, 96)
+    store = _store(model, directory, 96, **EVICT)
     print("ready", flush=True)
     turn(store, "s0", 5)
     turn(store, "s1", 7)
@@ -194,7 +200,7 @@ def scripted_shared(directory: str) -> None:
     store.delete("s0")
     store.check_integrity()
     store.close()
-    store = _store(model, directory, 64)
+    store = _store(model, directory, 64, **EVICT)
     print("ready", flush=True)
     to_disk(store, "s1")
     turn(store, "s1", 3)
@@ -203,6 +209,44 @@ def scripted_shared(directory: str) -> None:
     to_disk(store, "s3")
     store.close()
     print("done", flush=True)
+
+
+def scripted_behind(directory: str) -> None:
+    """The crash test's scenario of write-behind and the flush (8 slots): s0's turn, its chunks written
+    behind (the partial last one too); another turn (that copy goes stale: freed through limbo, the grown
+    chunk written again); s1 likewise; s0 evicted to disk onto its copies (no write); s1's turn; close
+    (the flush writes what is left); reopen; turns written behind; close. Write-behind runs in this
+    thread (`write_due(now=True)`; the writer's own delay is never reached), so the points are numbered."""
+    model, rng = _model(), random.Random(13)
+    convs = {sid: [rng.randrange(3, 300) for _ in range(30)] for sid in ("s0", "s1")}
+
+    def turn(store, sid, behind=True):
+        ids = convs[sid] + ([rng.randrange(3, 300) for _ in range(5)] if sid in store else [])
+        ok, convs[sid] = exact_turn(model, store, sid, ids)
+        print("turn ok" if ok else f"turn WRONG {sid}", flush=True)
+        if behind:
+            store.writer.write_due(now=True)
+            print(f"written behind {store.writer.stats.written}", flush=True)
+        store.check_integrity()
+
+    store = _store(model, directory, 128, write_behind_delay=3600)
+    print("ready", flush=True)
+    turn(store, "s0")
+    turn(store, "s0")
+    turn(store, "s1")
+    store.move("s0", [k for k, c in enumerate(store.session("s0").chunks) if c.state.value != "dropped"], "disk")
+    store.check_integrity()
+    turn(store, "s1", behind=False)
+    store.close()
+    store = _store(model, directory, 128, write_behind_delay=3600)
+    print("ready", flush=True)
+    turn(store, "s0")
+    turn(store, "s1")
+    store.close()
+    print("done", flush=True)
+
+
+SCRIPTS = {"plain": scripted, "shared": scripted_shared, "behind": scripted_behind}
 
 
 def start_worker(directory, seed: int = 0, crash_at: int | None = None, turns: int = 10_000,
@@ -260,7 +304,7 @@ def check_dir(model, directory, capacity: int, seed: int = 0, prefix: list[int] 
 
 def crash_sweep(model, points, directory, concurrency: int = 4, script: str = "plain"
                 ) -> list[tuple[int, str, int, int]]:
-    """Run the scripted worker (`script`: "plain" or "shared") once per point in `points`, SIGKILLed
+    """Run the scripted worker (`script`: "plain", "shared" or "behind") once per point in `points`, SIGKILLed
     there (up to `concurrency` at a time), then reopen and check each directory (for "shared", a new
     session with the shared prompt too). Returns (point, its name, turns checked, wrong turns,
     counting the worker's own) per point."""
@@ -333,10 +377,10 @@ def main() -> None:
     w.add_argument("--turns", type=int, default=10_000)
     w.add_argument("--capacities", type=int, nargs="+", default=[96, 160, 64])
     w.add_argument("--phases", type=int, help="store lifetimes, cycling through the capacities (default: one each)")
-    w.add_argument("--script", choices=["plain", "shared"], help="a crash test's fixed scenario (`scripted`, "
-                   "`scripted_shared`)")
+    w.add_argument("--script", choices=list(SCRIPTS), help="a crash test's fixed scenario (`scripted`, "
+                   "`scripted_shared`, `scripted_behind`)")
     pts = sub.add_parser("points", help="crash the scripted worker at every one of its durability points")
-    pts.add_argument("--script", choices=["plain", "shared"], default="plain")
+    pts.add_argument("--script", choices=list(SCRIPTS), default="plain")
     loop = sub.add_parser("loop")
     loop.add_argument("--seconds", type=float, default=300)
     loop.add_argument("--dir")
@@ -345,7 +389,7 @@ def main() -> None:
     if args.cmd == "worker":
         if args.script:
             _crash_hook(args.crash_at)
-            (scripted_shared if args.script == "shared" else scripted)(args.dir)
+            SCRIPTS[args.script](args.dir)
         else:
             worker(args.dir, args.seed, args.crash_at, args.turns, args.capacities, args.phases or len(args.capacities),
                    args.crash_kind)

@@ -12,8 +12,10 @@ mutates. A method whose contract is longer than its docstring names the part's m
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 from ..kernels import select_backend
 from ..options import KVStoreKwargs, Layout, StoreConfig, TokensOrSize, Unpack
@@ -30,6 +32,9 @@ from .spec import KVSpec
 from .step import StepBatch
 from .store_parts import assemble
 from .turn import ChunkNeeds, Committed, Place, PoolSizes, Room, TurnNeeds, places_of
+
+if TYPE_CHECKING:
+    from .disk.writer import FlushReport
 
 
 class KVStore:
@@ -49,6 +54,7 @@ class KVStore:
         self.sessions, self.sharing, self.hidden, self.disk_state = p.sessions, p.sharing, p.hidden, p.disk_state
         self.tiers, self.placement, self.swap_in, self.layered = p.tiers, p.placement, p.swap_in, p.layered
         self.relocation, self.planner, self.history, self.capacity = p.relocation, p.planner, p.history, p.capacity
+        self.writer = p.writer        # the disk writer (write-behind, the flush); None without a disk tier
         self.lock = self.sessions.lock
         self.clock: Callable[[], float] = self.sessions.clock   # seconds; `time.monotonic` unless a test gave one
         self.pool_sizes: PoolSizes = self.tiers.sizes()         # fixed: pools never resize
@@ -141,6 +147,8 @@ class KVStore:
                 self.layered.settle(s)
             self.sessions.release(s)
             self.maintain()
+            if self.writer is not None:        # write-behind: its chunks' disk copies are due after the delay
+                self.writer.note(session_id)
 
     @contextmanager
     def lease(self, session_id: str) -> Iterator[None]:
@@ -411,11 +419,30 @@ class KVStore:
         """The store's tiers and traffic, for a person."""
         return summary(self.stats())
 
-    def close(self) -> None:
-        """Land every copy, write the disk index, release the disk tier (device and host contents are lost)."""
+    def flush(self, timeout: float = 10.0) -> FlushReport | None:
+        """Write to disk the device and host KV chunks of idle sessions that are not on disk yet (the partial
+        last chunks too), most recently active sessions first, within `timeout` seconds, then commit the index:
+        what a restart on the same disk_dir finds (`DiskWriter.flush`; what is left is logged in one line and
+        recomputed after a restart). None without a disk tier."""
+        if self.writer is None or self.tiers.disk.directory.index is None:    # no disk tier, or closed
+            return None
+        deadline = time.monotonic() + timeout
+        self.transfer.synchronize()
+        with self.lock:
+            return self.writer.flush(deadline)
+
+    def close(self, flush: bool = True, timeout: float = 10.0) -> FlushReport | None:
+        """Stop write-behind, land every copy, `flush` (with `flush`: within `timeout` seconds; False: what is
+        not on disk yet is lost, the behaviour before write-behind), write the disk index, release the disk
+        tier. The device and host contents are gone afterwards. Returns the flush's report (None: none)."""
+        if self.writer is not None:
+            self.writer.stop()
+        report = self.flush(timeout) if flush else None
         self.transfer.synchronize()
         self.planner.stop_mapping()
         with self.lock:
             if self.disk_state is not None:
                 self.disk_state.sync(force=True)      # best effort: the last committed index stays true
+                self.disk_state.copies.clear()
                 self.tiers.disk.close()
+        return report

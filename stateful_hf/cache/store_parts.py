@@ -21,9 +21,11 @@ from dataclasses import dataclass
 
 from ..kernels import KernelState
 from ..options import HiddenStates, Layout, StoreConfig
+from ..options.store import DiskWrite
 from .audit.stats import Counters
 from .disk.state import DiskState
 from .disk.tier import DiskTier
+from .disk.writer import DiskWriter
 from .errors import StoreError
 from .eviction.policy import DEFAULT_POLICY, EvictionPolicy, make_policy
 from .hidden.tier import HiddenTier, open_hidden_tier
@@ -97,6 +99,7 @@ class StoreParts:
     planner: StepPlanner
     history: History
     capacity: Capacity
+    writer: DiskWriter | None      # None: no disk tier; else the flush on close and (disk_write=behind) write-behind
 
 
 def _policy(c: StoreConfig) -> EvictionPolicy:
@@ -158,6 +161,9 @@ def _assemble(spec: KVSpec, c: StoreConfig) -> StoreParts:
                               else None)
         history = History(sessions, tiers, placement, disk_state, planner)
         capacity = Capacity(sessions, tiers, c.layout)
+        writer = None if disk_state is None else DiskWriter(
+            sessions.lock, sessions, tiers, disk_state, c.disk_write is DiskWrite.BEHIND, c.write_behind_delay,
+            capacity_in_blocks(c.write_behind_queue, spec))
     except BaseException:
         if disk is not None:
             disk.close()
@@ -166,4 +172,4 @@ def _assemble(spec: KVSpec, c: StoreConfig) -> StoreParts:
         sessions.on_change = disk_state.mark_changed     # who the table marks or removes: rows to commit
         disk_state.load(sharing)
     return StoreParts(kernels, transfer, counters, moves, sessions, sharing, hidden, disk_state, tiers, placement,
-                      swap_in, layered, relocation, planner, history, capacity)
+                      swap_in, layered, relocation, planner, history, capacity, writer)

@@ -19,9 +19,16 @@ from dataclasses import dataclass
 from typing import Any, TypedDict
 
 from .declare import Options, TokensOrSize, check_capacity, check_fraction, check_int, check_seconds, option
-from .modes import HiddenStates, Layout
+from .modes import HiddenStates, Layout, Mode
 
 CAPACITIES = ("host_capacity", "disk_capacity", "hidden_capacity", "hidden_disk_capacity")   # None: the default
+
+
+class DiskWrite(Mode):
+    """When the disk tier gets a chunk's KV (docs/tiers.md, docs/durability.md)."""
+
+    BEHIND = "behind"      # copied in the background once a turn ended (the serving copy stays above) and on eviction
+    EVICT = "evict"        # only when the chunk is evicted to disk
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,6 +100,15 @@ class StoreOptions(Options):
     max_retain: float = option(600.0, "the furthest ahead, in seconds, a session's expected next turn (a hint's "
                                "expected_arrival, an X-Session-Retain header) ranks it for eviction; longer ones "
                                "are clamped", flag=True)
+    disk_write: DiskWrite = option(
+        DiskWrite.BEHIND, "with a disk tier: behind (a background writer copies each session's chunks to disk "
+        "write_behind_delay after its turn ended, keeping the serving copy on the device or host, so a restart "
+        "finds them) or evict (a chunk reaches disk only when evicted there)")
+    write_behind_delay: float = option(1.0, "seconds a finished turn waits before its chunks' disk copies are "
+                                       "queued (a session that starts its next turn sooner waits again)")
+    write_behind_queue: TokensOrSize = option("64MiB", "the write-behind queue's cap (tokens or a size): chunks "
+                                              "staged for disk at once; a copy that does not fit is skipped and "
+                                              "counted, never waited for")
     prefix_sharing: bool | None = option(None, "full chunks of identical prefixes (same tenant and cache_salt) "
                                          "are held once (docs/prefix-sharing.md); None: on where it can be "
                                          "(the paged layout, no layerwise_kv)")
@@ -103,6 +119,12 @@ class StoreOptions(Options):
             if getattr(self, name) is not None:
                 check_capacity(name, getattr(self, name))
         check_capacity("keep_freed", self.keep_freed, zero=True)
+        check_capacity("write_behind_queue", self.write_behind_queue)
+        object.__setattr__(self, "disk_write", DiskWrite.of("disk_write", self.disk_write))
+        if isinstance(self.write_behind_delay, bool) or not isinstance(self.write_behind_delay, (int, float)) or \
+                not 0 <= self.write_behind_delay < float("inf"):
+            raise ValueError(f"write_behind_delay must be a number of seconds >= 0, got {self.write_behind_delay!r}")
+        object.__setattr__(self, "write_behind_delay", float(self.write_behind_delay))
         check_fraction("swap_out_threshold", self.swap_out_threshold)
         check_int("max_context", self.max_context, 1, none="the model's")
         check_int("max_sessions", self.max_sessions, 1, none="no bound")
@@ -200,6 +222,9 @@ class StoreKwargs(TypedDict, total=False):
     session_ttl: float | None
     max_retain: float
     prefix_sharing: bool | None
+    disk_write: DiskWrite | str
+    write_behind_delay: float
+    write_behind_queue: TokensOrSize
 
 
 class SessionStoreKwargs(StoreKwargs, total=False):

@@ -24,7 +24,10 @@ def check_integrity(sessions: SessionTable, tiers: TierPools, block_size: int) -
     and by nothing else. A disk slot is owned by one chunk object; the disk index's rows naming it
     (one per holder of a shared chunk) all name that object, at one chunk index, with one checksum.
     Shared chunks agree with their holders and the prefix index (`check_sharing`). The table's
-    `device_sessions()` are exactly the sessions holding device blocks, its `retained()` the retained ones."""
+    `device_sessions()` are exactly the sessions holding device blocks, its `retained()` the retained ones.
+    A chunk held in two tiers (served from above, with a disk copy: `disk/copies.py`) counts its disk
+    slot as the copy's, owned by nothing else, with a checksum (a copy being written: none yet); the
+    index names it only while the copy is valid (`DiskState.session_rows`, compared by `check`)."""
     owners: dict[ChunkState, dict[int, tuple[str, int]]] = {DEVICE: {}, HOST: {}, HIDDEN: {}, DISK: {}, DISK_HIDDEN: {}}
 
     def own(tier, slot, who):
@@ -83,6 +86,12 @@ def check_integrity(sessions: SessionTable, tiers: TierPools, block_size: int) -
                 listed.add((block, r))
         own(DEVICE, block, ("residue block", block))
     assert listed == set(held), f"residues not in the table: {sorted(set(held) - listed)[:4]}"
+    pending: set[int] = set()
+    if tiers.disk_state is not None:      # a chunk held in two tiers: its disk copy's slot is the copy's alone
+        copies = tiers.disk_state.copies
+        pending = set(copies.pending)
+        for slot in copies.slots() | pending:
+            own(DISK, slot, ("disk copy", slot))
     if tiers.disk is not None:
         _check_disk_rows(sessions, tiers)
         tiers.disk_state.check()
@@ -94,7 +103,7 @@ def check_integrity(sessions: SessionTable, tiers: TierPools, block_size: int) -
         pool = tiers.pool(tier)
         if pool is not None:
             try:
-                pool.check(set(owned))
+                pool.check(set(owned), pending) if tier is DISK else pool.check(set(owned))
             except AssertionError as e:
                 raise AssertionError(f"{tier.value} tier: {e}") from None
 

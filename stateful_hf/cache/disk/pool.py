@@ -90,12 +90,13 @@ class Quarantined:
         else:
             self.data = _empty(self.data)
 
-    def check(self, owned: set[int]) -> None:
+    def check(self, owned: set[int], pending: set[int] = frozenset()) -> None:
+        """`owned`: slots chunks (or disk copies) own; `pending`: those of them being written (no checksum yet)."""
         waiting = set(self.limbo)
         assert len(waiting) == len(self.limbo), "a disk slot is in limbo twice"
         assert not waiting & set(self.free_ids()), "a disk slot is both free and in limbo"
         assert not waiting & owned, f"disk slots both owned and in limbo: {sorted(waiting & owned)[:8]}"
-        known = self.checksums.slots()
+        known = self.checksums.slots() | set(pending)
         assert known == owned, (f"disk slots owned without a checksum {sorted(owned - known)[:8]} or checksums of "
                                 f"slots no chunk owns {sorted(known - owned)[:8]}")
         BlockPool.check(self, owned | waiting)

@@ -27,6 +27,7 @@ from ..prefix.index import PrefixScope
 from ..prefix.sharing import PrefixSharing
 from ..sessions.session import ON_DISK, Chunk, ChunkState, Session, SessionTable
 from ..sessions.tenant import tenant_of
+from .copies import DiskCopies
 from .file import identity_tags
 from .index import SessionRow, pack_ids
 from .tier import DiskTier
@@ -42,6 +43,7 @@ class DiskState:
         self.sessions, self.disk, self.transfer, self.block_size = sessions, disk, transfer, block_size
         self._changed = False                  # rows of sessions not in `_dirty` may have changed: commit them all
         self._dirty: set[str] = set()          # sessions whose rows may have changed since the last commit
+        self.copies = DiskCopies(sessions, disk.pool, block_size, self.mark_changed)   # chunks in two tiers
 
     def mark_changed(self, session_ids: Iterable[str] | None = None) -> None:
         """A disk slot was filled or freed, or a session's ids up to a disk chunk changed: of these
@@ -55,13 +57,19 @@ class DiskState:
         """The index of one session now: its ids up to its last disk chunk, its scope and whether it is
         retained (None without a disk chunk), and (form, slot, checksum) per such chunk (chunks
         rebuilding from a disk hidden slot name that slot: a crash before the step commits finds
-        them there). A chunk shared by several sessions is a row of each, naming one slot."""
+        them there; a chunk served from above with a valid disk copy names the copy's slot: `disk/copies.py`).
+        A chunk shared by several sessions is a row of each, naming one slot."""
         rows, last = {}, -1
+        copies = self.copies.valid_in(s) if self.copies.held(s) else {}
         for k, c in enumerate(s.chunks):
             at = (c.state, c.loc) if c.state in ON_DISK else c.source
             if at is not None and at[0] in ON_DISK:
                 form = FORM[at[0]]
                 rows[k] = (form, at[1], self.disk.pool_of(form).checksums[at[1]])
+                last = k
+            elif k in copies:
+                rows[k] = ("kv", copies[k].slot, self.disk.pool.checksums[copies[k].slot])
+                copies[k].named.add(s.session_id)       # recommitted when the copy goes (a holder may leave)
                 last = k
         if last < 0:
             return None, rows
@@ -93,10 +101,28 @@ class DiskState:
         return ok
 
     def check(self) -> None:
-        """Integrity: with nothing left to commit, the committed index is the state's (`rows`)."""
+        """Integrity: with nothing left to commit, the committed index is the state's (`rows`), but for the
+        sessions whose rows involve a disk copy (`disk/copies.py`: one that went stale since, its chunk let go
+        of, cut or grown, rule 3; or a shared copied chunk a holder let go of or adopted): their committed rows
+        that differ need only be true (each names a slot a recorded copy owns, with that slot's checksum) until
+        they are committed again."""
         index = self.disk.directory.index          # None once the tier is closed
-        if not (self._changed or self._dirty) and not self.disk.degraded and index is not None:
-            assert index.read() == self.rows(), "the disk index differs from the sessions' state"
+        if (self._changed or self._dirty) or self.disk.degraded or index is None:
+            return
+        (c_sessions, c_rows), (sessions, rows) = index.read(), self.rows()
+        copied = self.copies.slots()
+        # sessions whose rows involve a copy: a stale one not swept yet, or a row naming a copy's slot (committed
+        # or now: a holder of a shared copied chunk may have let go of it or adopted it since)
+        involved = self.copies.stale_holders() | {sid for (sid, _), r in (*c_rows.items(), *rows.items())
+                                                  if r[0] == "kv" and r[1] in copied}
+        assert {k: v for k, v in c_sessions.items() if k not in involved} == \
+            {k: v for k, v in sessions.items() if k not in involved}, "the disk index differs from the sessions' state"
+        assert {k: v for k, v in c_rows.items() if k[0] not in involved} == \
+            {k: v for k, v in rows.items() if k[0] not in involved}, "the disk index differs from the sessions' state"
+        for (sid, k), (form, slot, checksum) in c_rows.items():
+            if sid in involved and rows.get((sid, k)) != (form, slot, checksum):
+                assert form == "kv" and slot in copied and self.disk.pool.checksums.get(slot) == checksum, (
+                    f"the disk index names {form} slot {slot} for ({sid!r}, {k}): neither the state's nor a copy's")
 
     def usable(self, strict: bool) -> bool:
         """Before a move to disk: a degraded tier retries its commit first. If it still fails, the
@@ -107,6 +133,20 @@ class DiskState:
             raise StoreError(f"the disk tier {str(self.disk.dir)!r} is degraded (it cannot flush its data or commit "
                              "its index: full or failing filesystem); nothing was moved. Turns go on without it")
         return False
+
+    def copied(self, items: list[tuple[Session, int]]) -> list[tuple[Session, int]]:
+        """Those of `items` (chunks served from above) whose disk copy is valid: evicting them to disk
+        takes the copy's slot, no write (`DiskCopies.take`)."""
+        if not len(self.copies):
+            return []
+        valid: dict[str, dict] = {}
+        out = []
+        for s, k in items:
+            if s.session_id not in valid:
+                valid[s.session_id] = self.copies.valid_in(s)
+            if k in valid[s.session_id]:
+                out.append((s, k))
+        return out
 
     def written(self, items: list[tuple[Session, int]], target: ChunkState, slots: list[int]) -> bool:
         """After `items` were copied into `slots` of the disk `target`: flush, record checksums. The

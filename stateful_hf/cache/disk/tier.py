@@ -175,6 +175,10 @@ class DiskTier:
                 pool.release_limbo()
         return True
 
+    def failed(self, step: str) -> None:
+        """A durability step ("flush", "commit") failed outside the tier (the writer's own flush): degraded."""
+        self._failed(step)
+
     def _failed(self, step: str) -> None:
         self.failing.add(step)
         self.write_failures += 1

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from ..hidden.tier import HiddenTier
 
 DEVICE, HOST, DROPPED = ChunkState.DEVICE, ChunkState.HOST, ChunkState.DROPPED
-HIDDEN, DISK_HIDDEN = ChunkState.HIDDEN, ChunkState.DISK_HIDDEN
+HIDDEN, DISK, DISK_HIDDEN = ChunkState.HIDDEN, ChunkState.DISK, ChunkState.DISK_HIDDEN
 
 Items = list[tuple[Session, int]]       # (session, chunk index) pairs
 
@@ -194,6 +194,9 @@ class Placement:
                 self._free_slots(pool.slots_needed(owners), exclude)
         if n > pool.num_free and state in ON_DISK and pool.limbo:
             self.disk_state.sync(force=True)      # freed disk slots are reusable once the index forgets them
+        if n > pool.num_free and state is DISK and len(self.disk_state.copies):
+            self.disk_state.copies.release(n - pool.num_free)    # copies written behind are redundant: first out
+            self.disk_state.sync(force=True)
         if n > pool.num_free:
             self.make_room(state, n - pool.num_free, exclude)
             if n > pool.num_free and state in ON_DISK:
@@ -273,6 +276,12 @@ class Placement:
                 return
         target = target or self.tiers.below(state)
         exclude = exclude | {s.session_id for s, _ in items}
+        if target is DISK and (copied := self.disk_state.copied(items)):   # already on disk behind: no write
+            self._onto_copies(copied, state)
+            done = {(id(s), k) for s, k in copied}
+            items = [(s, k) for s, k in items if (id(s), k) not in done]
+            if not items:
+                return
         if target in ON_DISK and not self.disk_state.usable(strict):
             target = DROPPED
         if target is not DROPPED:
@@ -284,10 +293,13 @@ class Placement:
                 target, slots = DROPPED, []
         t0 = time.perf_counter()
         if target is DROPPED:                  # a shared chunk is never dropped shared: one holder drops it
+            holders = self.tiers.sharing.holder_ids(items) if self.disk_state is not None else ()
             items = self.tiers.sharing.unshare(items)
             for s, k in items:
                 self.drop(s, k)
             self.record(state, DROPPED, items, t0)
+            for sid in holders:                # the other holders' chunks are DROPPED too: their disk rows change
+                self.sessions.mark(sid)
             return
         src = [s.chunks[k].loc for s, k in items]
         if target is HIDDEN:
@@ -309,6 +321,20 @@ class Placement:
             s.chunks[k].assign(target, slot)
             self._count_out(target, s.chunk_len(k, self.block_size))
         for sid in self.tiers.sharing.holder_ids(items):    # in place: for every holder (the disk index's too)
+            self.sessions.mark(sid)
+
+    def _onto_copies(self, items: Items, state: ChunkState) -> None:
+        """Chunks in `state` with a valid disk copy (`disk/copies.py`) become DISK chunks on their copy's slot:
+        their place above is freed, nothing is written (the index row is the copy's already)."""
+        t0 = time.perf_counter()
+        for s, k in items:
+            c = s.chunks[k]
+            slot = self.disk_state.copies.take(c)
+            self.tiers.vacate(c)
+            c.assign(DISK, slot)
+            self._count_out(DISK, s.chunk_len(k, self.block_size))
+        self.record(state, DISK, items, t0)
+        for sid in self.tiers.sharing.holder_ids(items):
             self.sessions.mark(sid)
 
     def _count_out(self, target: ChunkState, n: int) -> None:

@@ -152,6 +152,19 @@ class Transfer:
                 self._last = c
             return c.events
 
+    def copy_out(self, src: TierPool, src_ids: list[int], dst: TierPool, dst_ids: list[int]) -> list | None:
+        """`copy`, for a copy kept while its source goes on serving (a disk copy written behind): its
+        source blocks must not change before it has read them. On CUDA the compute stream then waits for
+        the copy stream (later steps writing those blocks come after it); the emulator performs it now."""
+        events = self.copy(src, src_ids, dst, dst_ids)
+        if events is not None:
+            with self._lock:
+                if self.emulate:
+                    self.settle(dst)
+                else:
+                    torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        return events
+
     def copy_layers(self, src: TierPool, dst: TierPool, moves: list[tuple[int, list[int], list[int]]]) -> None:
         """For each (layer, src_ids, dst_ids) of `moves`, that layer of blocks src_ids of `src` to
         dst_ids of `dst` (LayerKV: the layers a residue block keeps, to their host slots). Synchronous."""
