@@ -106,8 +106,8 @@ def test_turn_waiting_past_the_timeout_gets_409_with_retry_after(served):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("logit_bias", {"5": 10}),
-    ("presence_penalty", 0.5),
+    ("best_of", 2),
+    ("guided_regex", "a+"),
     ("functions", [{"name": "f", "parameters": {}}]),
 ])
 def test_unsupported_chat_fields_are_refused_by_name(served, field, value):

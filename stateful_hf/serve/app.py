@@ -271,7 +271,7 @@ def create_app(router, config: ServeConfig, access: Access | None = None) -> Fas
         text, reply, stops = chat_prompt(tok, body)         # tools: tools.py, tool_parse.py
         n, ids = encode(tok, text, config.max_model_len)     # = apply_chat_template(tokenize=True)
         sampling = body.sampling(max_tokens_for(requested, n, config.max_model_len, config.default_max_tokens,
-                                                "messages", budget), config.generation_config)
+                                                "messages", budget), config.generation_config, len(tok))
         limits.check_prompt(n, config.max_model_len, "messages")
         sampling = constrain(dataclasses.replace(sampling, stop=sampling.stop + stops),   # its grammar compiled here
                              (body.model_extra or {}).get("response_format"), tok, config.grammar_compile_timeout,
@@ -291,7 +291,7 @@ def create_app(router, config: ServeConfig, access: Access | None = None) -> Fas
             raise APIError(400, "the prompt has no tokens", param="prompt", code="invalid_value")
         # OpenAI's default for completions is 16 tokens (less if the context has less room)
         sampling = body.sampling(max_tokens_for(requested, n, config.max_model_len, 16, "prompt"),
-                                 config.generation_config)
+                                 config.generation_config, len(tok))
         limits.check_prompt(n, config.max_model_len, "prompt")
         return body, ids, sampling
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from ..engine import SamplingParams
-from ..engine.sampling import MAX_LOGPROBS
+from ..engine.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY
 
 
 class APIError(Exception):
@@ -85,6 +85,13 @@ class _Sampling(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None        # extension
     ignore_eos: bool = False                       # extension
+    # penalties and filters (engine/sampling.py; unset: the model's generation config, then off)
+    presence_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    logit_bias: dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = None
+    repetition_penalty: float | None = Field(default=None, gt=0.0)   # extensions (vLLM spelling)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    min_tokens: int | None = Field(default=None, ge=0, le=INT64[1])
     n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None    # only with stream: true (as OpenAI)
@@ -123,20 +130,13 @@ class _Sampling(BaseModel):
         return self.max_tokens
 
     def refuse_unsupported(self) -> None:
-        """A 400 naming the first field that asks for something this server does not do (rather than
-        a 200 that silently ignores it)."""
-        extra = self.model_extra or {}
-        for name, what in _UNSUPPORTED.items():
-            if name in _SUPPORTED_BY.get(type(self).__name__, ()):
-                continue
-            value = getattr(self, name, extra.get(name))
-            if _asks_for(name, value):
-                raise APIError(400, f"`{name}` is not supported by this server ({what}); remove it from the "
-                               "request", param=name, code="unsupported_parameter")
+        """A 400 naming a field whose combination with others asks for what this server does not do
+        (each field alone is checked against fields.py's list, when the body is parsed)."""
 
-    def sampling(self, max_tokens: int, generation_config=None) -> SamplingParams:
+    def sampling(self, max_tokens: int, generation_config=None, vocab_size: int | None = None) -> SamplingParams:
         """The turn's SamplingParams. Precedence (docs/errors.md): the fields this request set, then
-        the model's generation config (greedy unless it sets do_sample=True), then library defaults."""
+        the model's generation config (greedy unless it sets do_sample=True), then library defaults.
+        `vocab_size`: the tokenizer's; a `logit_bias` token id at or past it is a 400 naming the field."""
         if max_tokens < 1:
             raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens",
                            code="invalid_value")
@@ -145,14 +145,20 @@ class _Sampling(BaseModel):
             raise APIError(400, "stop strings must be non-empty", param="stop", code="invalid_value")
         given = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
                  "stop": (self.stop,) if isinstance(self.stop, str) else _tuple(self.stop),
-                 "stop_token_ids": _tuple(self.stop_token_ids)}
+                 "stop_token_ids": _tuple(self.stop_token_ids), "presence_penalty": self.presence_penalty,
+                 "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty,
+                 "min_p": self.min_p, "min_tokens": self.min_tokens, "logit_bias": self.logit_bias}
         explicit = {k: v for k, v in given.items() if v is not None}
         try:
-            return sampling_params(generation_config, max_new_tokens=max_tokens, ignore_eos=self.ignore_eos,
-                                   **explicit)
+            p = sampling_params(generation_config, max_new_tokens=max_tokens, ignore_eos=self.ignore_eos, **explicit)
         except ValueError as e:       # a field the checks above do not cover: named by SamplingParams' message
             field = str(e).split(" ", 1)[0]
             raise APIError(400, str(e), param=_REQUEST_FIELD.get(field, field), code="invalid_value") from None
+        outside = [t for t, _ in p.logit_bias if vocab_size is not None and t >= vocab_size]
+        if outside:
+            raise APIError(400, f"logit_bias: token id {outside[0]} is out of the vocabulary (ids 0..{vocab_size - 1})",
+                           param="logit_bias", code="invalid_value")
+        return p
 
 
 # SamplingParams' field -> the request's
@@ -161,36 +167,6 @@ _REQUEST_FIELD = {"max_new_tokens": "max_tokens", "logprobs": "top_logprobs", "s
 
 def _tuple(values: list | None) -> tuple | None:
     return None if values is None else tuple(values)
-
-
-# Fields that would change the answer or its shape, and why they are refused. A field is refused when
-# it asks for something (see `_asks_for`): `tool_choice: "none"`, `logprobs: false`, `response_format:
-# {"type": "text"}`, zero penalties and empty lists are what the server does anyway.
-_UNSUPPORTED = {
-    "tools": "no tool calling", "tool_choice": "no tool calling", "functions": "no function calling",
-    "function_call": "no function calling", "response_format": "no constrained decoding (JSON mode or schema)",
-    "logprobs": "no log probabilities for completions (chat has them)",
-    "logit_bias": "no logit bias", "presence_penalty": "no penalties", "frequency_penalty": "no penalties",
-    "best_of": "one candidate per request", "suffix": "no insertion", "echo": "the prompt is not echoed",
-}
-
-
-# implemented there (see its fields; response_format: structured.py, from the app's chat_turn)
-_SUPPORTED_BY = {"ChatCompletionRequest": ("logprobs", "tools", "tool_choice", "response_format")}
-
-
-def _asks_for(name: str, value) -> bool:
-    if value is None or value is False or value == [] or value == {}:
-        return False
-    if name in ("tool_choice", "function_call"):
-        return value != "none"
-    if name == "response_format":
-        return not (isinstance(value, dict) and value.get("type") == "text")
-    if name in ("presence_penalty", "frequency_penalty", "top_logprobs"):
-        return value != 0
-    if name == "best_of":
-        return value != 1
-    return True
 
 
 class ContentPart(BaseModel):
@@ -240,8 +216,8 @@ class ChatCompletionRequest(_Sampling):
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
 
-    def sampling(self, max_tokens: int, generation_config=None) -> SamplingParams:
-        p = super().sampling(max_tokens, generation_config)
+    def sampling(self, max_tokens: int, generation_config=None, vocab_size: int | None = None) -> SamplingParams:
+        p = super().sampling(max_tokens, generation_config, vocab_size)
         return dataclasses.replace(p, logprobs=self.top_logprobs or 0) if self.logprobs else p
 
     def requested_max_tokens(self) -> int | None:
