@@ -77,6 +77,10 @@ def said(url, endpoint, body):
     return answer(post(url, endpoint, body))
 
 
+def text_of(url, endpoint, body):
+    return post(url, endpoint, body).json()["choices"][0]["text"]
+
+
 def reuse(url, endpoint, body):          # whether it reuses stored KV (the base prompt was sent before)
     return cached(post(url, endpoint, body)) > 0
 
@@ -153,6 +157,8 @@ CASES = {
     Endpoint.COMPLETIONS: {
         **_sampling_cases(Endpoint.COMPLETIONS, CompletionRequest, "max_tokens"),
         "prompt": ({}, {"prompt": "Hi"}, said),
+        "echo": ({}, {"echo": True}, text_of),
+        "logprobs": ({}, {"logprobs": 2}, said),
     },
     Endpoint.RESPONSES: {
         **_sampling_cases(Endpoint.RESPONSES, ResponsesRequest, "max_output_tokens"),

@@ -73,3 +73,48 @@ def test_bad_sampler_values_are_400s_naming_the_field(server, fields, param):
         r = httpx.post(server.url + endpoint, json={"model": MODEL, "max_tokens": 4, **body, **fields}, timeout=60)
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"].split(".")[0] == param, r.text
+
+
+def test_completion_logprobs_in_the_legacy_shape_and_echo(server):
+    """`logprobs: k` (OpenAI's legacy shape) holds the model's log_softmax of each generated token with k
+    alternatives (and the chosen one); `echo` puts the prompt's text first (streamed too); with logprobs it
+    is a 400 naming `echo` (no prompt log-probabilities), and logprobs with stream a 400 naming `logprobs`."""
+    import torch
+
+    oracle, tok = tiny_llama(), tiny_tokenizer()
+    ids = Conversation(seed=72).ids[0].tolist()
+    r = complete(server.url, {"prompt": ids, "ignore_eos": True, "logprobs": 3, "max_tokens": 5})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    lp = choice["logprobs"]
+    gen = oracle.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                          max_new_tokens=5, do_sample=False, output_logits=True, return_dict_in_generate=True,
+                          eos_token_id=None, pad_token_id=0)
+    want = gen.sequences[0, len(ids):].tolist()
+    assert choice["token_ids"] == want and lp["tokens"] == [tok.decode([t]) for t in want]
+    assert "".join(lp["tokens"]) == choice["text"]
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:k]) for k in range(5)]
+    for k, t in enumerate(want):
+        dist = torch.log_softmax(gen.logits[k][0].float(), -1)
+        assert lp["token_logprobs"][k] == pytest.approx(dist[t].item(), abs=1e-4)
+        top = torch.topk(dist, 3)            # by text: two ids with one text (a partial UTF-8 piece) are one key
+        wanted = {tok.decode([a]): v for v, a in zip(top.values.tolist(), top.indices.tolist(), strict=True)}
+        got = lp["top_logprobs"][k]
+        assert got.keys() == wanted.keys() and [got[x] for x in wanted] == pytest.approx(list(wanted.values()),
+                                                                                         abs=1e-4)
+    assert complete(server.url, {"prompt": ids, "max_tokens": 2}).json()["choices"][0]["logprobs"] is None
+
+    text = "Tell me about the sea"
+    plain = complete(server.url, {"prompt": text, "max_tokens": 4}).json()["choices"][0]["text"]
+    echoed = complete(server.url, {"prompt": text, "max_tokens": 4, "echo": True}).json()["choices"][0]["text"]
+    assert echoed == text + plain
+    with httpx.stream("POST", server.url + "/v1/completions", json={"model": MODEL, "prompt": text, "max_tokens": 4,
+                                                                     "temperature": 0, "echo": True, "stream": True},
+                      timeout=60) as s:
+        chunks = [line[6:] for line in s.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
+    import json
+    assert "".join(json.loads(c)["choices"][0]["text"] for c in chunks) == echoed
+    for fields, param in (({"echo": True, "logprobs": 1}, "echo"), ({"stream": True, "logprobs": 1}, "logprobs"),
+                          ({"logprobs": 21}, "logprobs")):
+        r = complete(server.url, {"prompt": text, **fields})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

@@ -184,7 +184,8 @@ def create_app(router, config: ServeConfig, access: Access | None = None) -> Fas
             return sampling
         return dataclasses.replace(sampling, seed=next(seeds))
 
-    async def run(request: Request, body, ids, sampling, kind: str, reply=None):
+    async def run(request: Request, body, ids, sampling, kind: str, reply=None, echo: str | None = None):
+        """One turn answered as a response or a stream; `echo`: a completion's prompt text, sent first."""
         sid, retain = header_session(request), retain_of(request)
         if sid is None and body.session_id:
             sid = session_id_of(request, body.session_id)
@@ -210,7 +211,8 @@ def create_app(router, config: ServeConfig, access: Access | None = None) -> Fas
                 raise _as_chat(APIError.from_dict(final["error"]), kind)
             if kept is not None:
                 await kept(sid, retain)
-            body = (chat_response if kind == "chat" else completion_response)(rid, model, final, token_ids, tok)
+            body = chat_response(rid, model, final, token_ids, tok) if kind == "chat" else \
+                completion_response(rid, model, final, token_ids, tok, echo)
             if reply is not None:                          # tools: the message's content and tool_calls
                 choice = body["choices"][0]
                 choice["message"], choice["finish_reason"] = reply.message(final["text"], final["finish_reason"])
@@ -227,6 +229,8 @@ def create_app(router, config: ServeConfig, access: Access | None = None) -> Fas
             async with contextlib.aclosing(events):
                 if kind == "chat":
                     yield _sse(chat_chunk(rid, model, created, {"role": "assistant", "content": ""}))
+                elif echo:
+                    yield _sse(piece(echo))
                 ev = first
                 while ev is not None:
                     if ev["type"] == "delta" and ev["text"] and reply is not None:
@@ -263,9 +267,7 @@ def create_app(router, config: ServeConfig, access: Access | None = None) -> Fas
         check_session_id(body.session_id)
         check_model(body.model)
         body.refuse_unsupported()
-        if body.logprobs and body.stream:
-            raise APIError(400, "logprobs are returned by non-streaming requests only; set stream to false",
-                           param="logprobs", code="unsupported_parameter")
+        refuse_streamed_logprobs(body)
         budget = "max_completion_tokens" if body.max_tokens is None and body.max_completion_tokens else "max_tokens"
         requested = body.requested_max_tokens()
         text, reply, stops = chat_prompt(tok, body)         # tools: tools.py, tool_parse.py
@@ -284,6 +286,7 @@ def create_app(router, config: ServeConfig, access: Access | None = None) -> Fas
         check_session_id(body.session_id)
         check_model(body.model)
         body.refuse_unsupported()
+        refuse_streamed_logprobs(body)
         requested = body.requested_max_tokens()
         prompt = body.prompt_one()
         n, ids = encode(tok, prompt, config.max_model_len) if isinstance(prompt, str) else (len(prompt), list(prompt))
@@ -293,7 +296,8 @@ def create_app(router, config: ServeConfig, access: Access | None = None) -> Fas
         sampling = body.sampling(max_tokens_for(requested, n, config.max_model_len, 16, "prompt"),
                                  config.generation_config, len(tok))
         limits.check_prompt(n, config.max_model_len, "prompt")
-        return body, ids, sampling
+        echo = (prompt if isinstance(prompt, str) else tok.decode(ids)) if body.echo else None
+        return body, ids, sampling, echo
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -304,8 +308,8 @@ def create_app(router, config: ServeConfig, access: Access | None = None) -> Fas
     @app.post("/v1/completions")
     async def completions(request: Request):
         header_session(request)
-        body, ids, sampling = await run_in_threadpool(completion_turn, await request.body())
-        return await run(request, body, ids, sampling, "completion")
+        body, ids, sampling, echo = await run_in_threadpool(completion_turn, await request.body())
+        return await run(request, body, ids, sampling, "completion", echo=echo)
 
     @app.post("/v1/hints")
     async def hints(request: Request):
@@ -346,6 +350,14 @@ def create_app(router, config: ServeConfig, access: Access | None = None) -> Fas
 
     install_openapi(app, config.model_name, SESSION_ID)       # /openapi.json: request bodies and errors (openapi.py)
     return app
+
+
+def refuse_streamed_logprobs(body) -> None:
+    """logprobs come with the whole answer only (the engine's stream carries tokens and text): with
+    `stream: true` they are a 400 naming `logprobs`."""
+    if body.logprobs not in (None, False) and body.stream:
+        raise APIError(400, "logprobs are returned by non-streaming requests only; set stream to false",
+                       param="logprobs", code="unsupported_parameter")
 
 
 def check_session_id(named: str | None, param: str = "session_id") -> None:

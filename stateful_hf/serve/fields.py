@@ -151,8 +151,10 @@ _CHAT = [
 ]
 _COMPLETIONS = [
     ("prompt", IMPL, "openai", "a string or token ids (one prompt: a list of several is a 400)", None, (None,)),
-    ("echo", REFD, "openai", "the prompt is not echoed", True, _NO),
-    ("logprobs", REFD, "openai", "no log-probabilities for completions yet (chat has them)", 1, (None,)),
+    ("echo", IMPL, "openai", "the prompt's text before the completion's (not with logprobs: a 400)", True,
+     (None, False)),
+    ("logprobs", IMPL, "openai", "0-20: the legacy shape, with that many alternatives (not with stream: a 400)", 1,
+     (None,)),
     ("suffix", REFD, "openai", "no insertion", "x", _NO),
     ("response_format", REFD, "vllm", "constrained decoding on chat only", {"type": "json_object"},
      (None, {"type": "text"})),

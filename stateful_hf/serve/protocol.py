@@ -231,6 +231,18 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False                            # the prompt's text before the completion's
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)   # legacy: that many alternatives
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.echo and self.logprobs is not None:
+            raise APIError(400, "echo with logprobs asks for the prompt's log-probabilities, which this server does "
+                           "not compute; drop echo or logprobs", param="echo", code="unsupported_parameter")
+
+    def sampling(self, max_tokens: int, generation_config=None, vocab_size: int | None = None) -> SamplingParams:
+        p = super().sampling(max_tokens, generation_config, vocab_size)
+        return p if self.logprobs is None else dataclasses.replace(p, logprobs=self.logprobs)
 
     def prompt_one(self) -> str | list[int]:
         """The single prompt (a string or token ids); lists of prompts are refused."""
@@ -331,8 +343,30 @@ def chat_response(rid: str, model: str, out: dict, token_ids: bool = False, toke
             "choices": [choice], "usage": usage(out)}
 
 
-def completion_response(rid: str, model: str, out: dict, token_ids: bool = False, tokenizer=None) -> dict:
-    choice = {"index": 0, "text": out["text"], "logprobs": None, "finish_reason": out["finish_reason"]}
+def completion_logprobs(out: dict, tokenizer, offset: int = 0) -> dict | None:
+    """OpenAI's legacy choice.logprobs of a completion (None when the request did not ask): per
+    generated token its text, log-probability, the most likely alternatives with the chosen token
+    (a text -> logprob map, as vLLM) and its text's offset (from `offset`: an echoed prompt's length)."""
+    if out.get("logprobs") is None:
+        return None
+    tokens, lps, tops, offsets = [], [], [], []
+    for t, lp, alts in out["logprobs"]:
+        text = tokenizer.decode([t])
+        top = {tokenizer.decode([a]): alp for a, alp in alts}
+        top.setdefault(text, lp)
+        tokens.append(text)
+        lps.append(lp)
+        tops.append(top)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def completion_response(rid: str, model: str, out: dict, token_ids: bool = False, tokenizer=None,
+                        echo: str | None = None) -> dict:
+    """`echo`: the prompt's text, put before the completion's."""
+    choice = {"index": 0, "text": (echo or "") + out["text"], "logprobs": completion_logprobs(out, tokenizer),
+              "finish_reason": out["finish_reason"]}
     if token_ids:
         choice["token_ids"] = out["token_ids"]
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
