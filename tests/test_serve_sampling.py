@@ -118,3 +118,49 @@ def test_completion_logprobs_in_the_legacy_shape_and_echo(server):
                           ({"logprobs": 21}, "logprobs")):
         r = complete(server.url, {"prompt": text, **fields})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def _events(url: str, body: dict) -> list[dict]:
+    import json
+    with httpx.stream("POST", url + "/v1/completions", json={"model": MODEL, "temperature": 0, **body},
+                      timeout=60) as s:
+        return [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+def test_a_list_of_prompts_is_one_choice_each_in_order(server):
+    """Each choice equals the prompt sent alone (`index` in prompt order, usage summed), answered and streamed
+    (chunks of the choices interleaved, one finish each, then the summed usage); a list with a session, or of
+    more than 128 prompts, or with a prompt too long, is a 400 naming `prompt`."""
+    prompts = ["Tell me about the sea", "Chunks of thirty-two tokens move", "Hello! How are you today?"]
+    alone = [complete(server.url, {"prompt": p, "max_tokens": 5}).json() for p in prompts]
+    both = complete(server.url, {"prompt": prompts, "max_tokens": 5, "echo": True})
+    assert both.status_code == 200, both.text
+    body = both.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    for i, (c, one) in enumerate(zip(body["choices"], alone, strict=True)):
+        want = one["choices"][0]
+        assert c["token_ids"] == want["token_ids"] and c["finish_reason"] == want["finish_reason"]
+        assert c["text"] == prompts[i] + want["text"]
+    for k in ("prompt_tokens", "completion_tokens"):
+        assert body["usage"][k] == sum(one["usage"][k] for one in alone)
+    ids = [Conversation(seed=73 + i).ids[0].tolist() for i in range(2)]          # token prompts alike
+    assert [c["token_ids"] for c in complete(server.url, {"prompt": ids, "max_tokens": 4}).json()["choices"]] == \
+        [complete(server.url, {"prompt": p, "max_tokens": 4}).json()["choices"][0]["token_ids"] for p in ids]
+    events = _events(server.url, {"prompt": prompts, "max_tokens": 5, "stream": True,
+                                  "stream_options": {"include_usage": True}})
+    texts, reasons = ["", "", ""], [None, None, None]
+    for ev in events[:-1]:
+        (c,) = ev["choices"]
+        texts[c["index"]] += c["text"]
+        if c["finish_reason"] is not None:
+            assert reasons[c["index"]] is None
+            reasons[c["index"]] = c["finish_reason"]
+    assert texts == [one["choices"][0]["text"] for one in alone]
+    assert reasons == [one["choices"][0]["finish_reason"] for one in alone]
+    assert events[-1]["choices"] == [] and events[-1]["usage"] == body["usage"]
+    for fields in ({"session_id": "many"}, {"prompt": ["a"] * 129}, {"prompt": [[5] * 3, [5] * 5000]}):
+        r = complete(server.url, {"prompt": prompts, "max_tokens": 2, **fields})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": prompts, "max_tokens": 2},
+                   headers={"X-Session-Id": "many"}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text

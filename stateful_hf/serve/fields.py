@@ -150,7 +150,8 @@ _CHAT = [
     ("include_reasoning", REFD, "vllm", "reasoning_content is always returned", False, (None, True)),
 ]
 _COMPLETIONS = [
-    ("prompt", IMPL, "openai", "a string or token ids (one prompt: a list of several is a 400)", None, (None,)),
+    ("prompt", IMPL, "openai", "a string or token ids, or a list of up to 128: one choice each (no session)", None,
+     (None,)),
     ("echo", IMPL, "openai", "the prompt's text before the completion's (not with logprobs: a 400)", True,
      (None, False)),
     ("logprobs", IMPL, "openai", "0-20: the legacy shape, with that many alternatives (not with stream: a 400)", 1,

@@ -45,6 +45,7 @@ class APIError(Exception):
 
 INT64 = (-2**63, 2**63 - 1)   # OpenAI's integer range (a seed must fit a torch generator's int64)
 MAX_N = 128                  # OpenAI's bound on n
+MAX_PROMPTS = 128            # prompts in one completions request (each its own turn)
 # Below this, a temperature or top_p leaves one token (float32 logits / temperature overflow to inf, and
 # a top_p under float32's smallest value rounds to 0, so sampling would see nan): the turn is greedy.
 # vLLM's _SAMPLING_EPS, for temperature.
@@ -244,17 +245,17 @@ class CompletionRequest(_Sampling):
         p = super().sampling(max_tokens, generation_config, vocab_size)
         return p if self.logprobs is None else dataclasses.replace(p, logprobs=self.logprobs)
 
-    def prompt_one(self) -> str | list[int]:
-        """The single prompt (a string or token ids); lists of prompts are refused."""
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts (each a string or token ids): one, or a list of 1 to `MAX_PROMPTS`, each answered
+        as its own choice."""
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise APIError(400, "one prompt per request (got a list of prompts)", param="prompt",
-                               code="unsupported")
-            p = p[0]
-        if not p:
+        many = p if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
+        if len(many) > MAX_PROMPTS:
+            raise APIError(400, f"at most {MAX_PROMPTS} prompts per request, got {len(many)}", param="prompt",
+                           code="invalid_value")
+        if not all(many):
             raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
-        return p
+        return many
 
 
 class HintRequest(BaseModel):
@@ -312,9 +313,9 @@ def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: s
 
 
 def completion_chunk(rid: str, model: str, created: int, text: str, finish_reason: str | None = None,
-                     use: dict | None = None, choices: bool = True) -> dict:
+                     use: dict | None = None, choices: bool = True, index: int = 0) -> dict:
     body = {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]
+            "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}]
             if choices else []}
     if use is not None:
         body["usage"] = use
