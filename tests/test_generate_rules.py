@@ -111,8 +111,14 @@ def test_sampling_defaults_precedence():
     g.top_k = None                                                              # generate's global default
     assert SamplingParams.from_generation_config(g).top_k == 50
     assert SamplingParams.from_generation_config(g, temperature=0.0).greedy     # explicit greedy wins
-    g.repetition_penalty = 1.3
-    with pytest.warns(UserWarning, match="repetition_penalty"):
+    g.repetition_penalty, g.min_p, g.min_new_tokens = 1.3, 0.1, 9                # implemented: taken, no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        p = SamplingParams.from_generation_config(g)
+    assert (p.repetition_penalty, p.min_p, p.min_tokens) == (1.3, 0.1, 7)      # min_tokens within max_new_tokens
+    assert SamplingParams.from_generation_config(g, max_new_tokens=20).min_tokens == 9
+    g.no_repeat_ngram_size = 3
+    with pytest.warns(UserWarning, match="no_repeat_ngram_size"):
         SamplingParams.from_generation_config(g)
     with pytest.raises(TypeError, match="no field"):
         SamplingParams.from_generation_config(g, max_tokens=3)

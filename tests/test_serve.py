@@ -163,7 +163,8 @@ def test_every_400_names_its_param(server):
                         ({**chat, "top_logprobs": 3}, "top_logprobs"), ({**chat, "cache_salt": ""}, "cache_salt"),
                         ({**chat, "session_id": "a b"}, "session_id"), ("{not json", "body"), ("[1]", "body")):
         assert _error(_post(server, "/v1/chat/completions", body), 400)["param"] == param, body
-    assert _error(_post(server, "/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}), 400)["param"] == "prompt"
+    many = {"model": MODEL, "prompt": ["a", "b"], "session_id": "s"}      # a list of prompts runs without a session
+    assert _error(_post(server, "/v1/completions", many), 400)["param"] == "prompt"
     assert _error(_post(server, "/v1/hints", {"session_id": "x/y"}), 400)["param"] == "session_id"
     salted = {**chat, "session_id": "salted", "cache_salt": "one"}
     assert _post(server, "/v1/chat/completions", salted).status_code == 200

@@ -2,7 +2,7 @@
 float32 model, greedy): every REFUSED field set to a value that asks for something is a 400 naming it;
 every HARMLESS field is accepted and changes no token; every IMPLEMENTED field has a case built for it
 whose answer (or request, where no tiny-model answer can show it) differs with the field set. A field
-marked IMPLEMENTED but wired to nothing fails the walk (the negative control, `min_p`). Unknown fields:
+marked IMPLEMENTED but wired to nothing fails the walk (the negative control, `allowed_token_ids`). Unknown fields:
 dropped with a warning, a 400 under --strict-fields. docs/server-api.md holds the list's table.
 """
 
@@ -33,6 +33,7 @@ BASE = {Endpoint.CHAT: {"model": MODEL, "messages": ASK, "max_tokens": 6, "tempe
         Endpoint.RESPONSES: {"model": MODEL, "input": ASK[0]["content"] * 2, "max_output_tokens": 6,
                              "temperature": 0}}
 HOT = {"temperature": 1.5, "seed": 1}
+LONG = {"max_tokens": 16}           # penalties over the generated tokens need some
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "server-api.md"
 
 
@@ -74,6 +75,10 @@ def cached(r: httpx.Response) -> int:
 
 def said(url, endpoint, body):
     return answer(post(url, endpoint, body))
+
+
+def text_of(url, endpoint, body):
+    return post(url, endpoint, body).json()["choices"][0]["text"]
 
 
 def reuse(url, endpoint, body):          # whether it reuses stored KV (the base prompt was sent before)
@@ -132,7 +137,15 @@ def _sampling_cases(endpoint: Endpoint, model_cls, budget: str) -> dict:
             "stream_options": ({"stream": True}, {"stream": True, "stream_options": {"include_usage": True}}, said),
             "stop_token_ids": ({}, lambda base: {"stop_token_ids": [base["choices"][0]["token_ids"][2]]}, said),
             "ignore_eos": ({}, {"ignore_eos": True}, request_of(model_cls, endpoint)),
-            "return_token_ids": ({}, {"return_token_ids": False}, said)}),
+            "return_token_ids": ({}, {"return_token_ids": False}, said),
+            # the sampler's fields: each changes the greedy (or seeded) tokens of its case
+            "repetition_penalty": (LONG, {**LONG, "repetition_penalty": 2.0}, said),
+            "presence_penalty": (LONG, {**LONG, "presence_penalty": 2.0}, said),
+            "frequency_penalty": (LONG, {**LONG, "frequency_penalty": 2.0}, said),
+            "min_p": (HOT, {**HOT, "min_p": 0.9}, said),
+            "min_tokens": (lambda base: {"stop_token_ids": [base["choices"][0]["token_ids"][1]]}, {"min_tokens": 4},
+                           said),
+            "logit_bias": ({}, lambda base: {"logit_bias": {str(base["choices"][0]["token_ids"][0]): -100}}, said)}),
     }
 
 
@@ -152,6 +165,8 @@ CASES = {
     Endpoint.COMPLETIONS: {
         **_sampling_cases(Endpoint.COMPLETIONS, CompletionRequest, "max_tokens"),
         "prompt": ({}, {"prompt": "Hi"}, said),
+        "echo": ({}, {"echo": True}, text_of),
+        "logprobs": ({}, {"logprobs": 2}, said),
     },
     Endpoint.RESPONSES: {
         **_sampling_cases(Endpoint.RESPONSES, ResponsesRequest, "max_output_tokens"),
@@ -195,6 +210,8 @@ def walk(url: str, specs, cases) -> list[str]:
                 bad.append(f"{f.endpoint.value} {f.name}: implemented, but the walk has no case for it")
                 continue
             before, after, observe = case
+            if callable(before):
+                before = before(post(url, f.endpoint, base).json())
             first = {**base, **before}
             if callable(after):
                 after = after(post(url, f.endpoint, first).json())
@@ -208,13 +225,14 @@ def test_every_field_keeps_its_status(server):
 
 
 def test_a_field_marked_implemented_but_wired_to_nothing_fails_the_walk(server, monkeypatch):
-    """Negative control: `min_p` (not in the sampler) marked IMPLEMENTED, with a case built for it."""
-    spec = dataclasses.replace(fields.fields_of(Endpoint.CHAT)["min_p"], status=FieldStatus.IMPLEMENTED)
-    monkeypatch.setitem(fields._BY_ENDPOINT[Endpoint.CHAT], "min_p", spec)
-    cases = {Endpoint.CHAT: {"min_p": (HOT, {**HOT, "min_p": 0.9}, said)}}
-    assert post(server.url, Endpoint.CHAT, {**BASE[Endpoint.CHAT], "min_p": 0.9}).status_code == 200   # now accepted
+    """Negative control: `allowed_token_ids` (not in the sampler) marked IMPLEMENTED, with a case built for it."""
+    name = "allowed_token_ids"
+    spec = dataclasses.replace(fields.fields_of(Endpoint.CHAT)[name], status=FieldStatus.IMPLEMENTED)
+    monkeypatch.setitem(fields._BY_ENDPOINT[Endpoint.CHAT], name, spec)
+    cases = {Endpoint.CHAT: {name: ({}, {name: [5, 6]}, said)}}
+    assert post(server.url, Endpoint.CHAT, {**BASE[Endpoint.CHAT], name: [5, 6]}).status_code == 200   # now accepted
     failures = walk(server.url, [spec], cases)
-    assert len(failures) == 1 and "min_p: implemented, but setting it changed nothing" in failures[0]
+    assert len(failures) == 1 and f"{name}: implemented, but setting it changed nothing" in failures[0]
 
 
 def test_unknown_fields_are_dropped_with_a_warning_or_refused_when_strict(server, caplog, monkeypatch):
@@ -232,7 +250,8 @@ def test_unknown_fields_are_dropped_with_a_warning_or_refused_when_strict(server
 
 
 def test_inert_values_of_refused_fields_are_accepted(server):
-    """A refused field set to what the server does anyway (n: 1, presence_penalty: 0, ...) is accepted."""
+    """A refused field set to what the server does anyway (n: 1, echo: false, ...) is accepted, and so are the
+    sampler's fields at their neutral values."""
     for endpoint in (Endpoint.CHAT, Endpoint.COMPLETIONS):
         body = {**BASE[endpoint], "n": 1, "presence_penalty": 0, "frequency_penalty": 0.0, "best_of": 1,
                 "repetition_penalty": 1.0, "min_p": 0, "echo": False, "logit_bias": {}}

@@ -25,7 +25,7 @@ from ..kernels.cpu_features import CpuFeatures
 from ..kernels.linear import LinearKernel, PackedWeights, choose
 from ..options import PrepackWeights
 from .request import RequestOutput, WorkItem
-from .sampling import sample, token_logprobs
+from .sampling import eos_ids, sample, token_logprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +96,8 @@ class ModelRunner:
                     if constrained:      # structured output: only a step with a constrained request imports it
                         from .grammar import mask_logits
                         mask_logits(logits, requests)
-                    tokens = sample(logits, [r.sampling for r in requests], [r.generator for r in requests])
+                    tokens = sample(logits, [r.sampling for r in requests], [r.generator for r in requests],
+                                    [r.prompt for r in requests], [r.output_ids for r in requests], eos_ids(self.model))
                     _keep_logprobs(requests, logits, tokens)
                 else:                                                  # prefill/recompute chunks only
                     run_step(self.model, step, forward=forward)

@@ -19,8 +19,10 @@ A request's parsing, chat-template rendering and tokenization run in a worker th
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import random
 import re
@@ -184,7 +186,8 @@ def create_app(router, config: ServeConfig, access: Access | None = None) -> Fas
             return sampling
         return dataclasses.replace(sampling, seed=next(seeds))
 
-    async def run(request: Request, body, ids, sampling, kind: str, reply=None):
+    async def run(request: Request, body, ids, sampling, kind: str, reply=None, echo: str | None = None):
+        """One turn answered as a response or a stream; `echo`: a completion's prompt text, sent first."""
         sid, retain = header_session(request), retain_of(request)
         if sid is None and body.session_id:
             sid = session_id_of(request, body.session_id)
@@ -210,7 +213,8 @@ def create_app(router, config: ServeConfig, access: Access | None = None) -> Fas
                 raise _as_chat(APIError.from_dict(final["error"]), kind)
             if kept is not None:
                 await kept(sid, retain)
-            body = (chat_response if kind == "chat" else completion_response)(rid, model, final, token_ids, tok)
+            body = chat_response(rid, model, final, token_ids, tok) if kind == "chat" else \
+                completion_response(rid, model, final, token_ids, tok, echo)
             if reply is not None:                          # tools: the message's content and tool_calls
                 choice = body["choices"][0]
                 choice["message"], choice["finish_reason"] = reply.message(final["text"], final["finish_reason"])
@@ -227,6 +231,8 @@ def create_app(router, config: ServeConfig, access: Access | None = None) -> Fas
             async with contextlib.aclosing(events):
                 if kind == "chat":
                     yield _sse(chat_chunk(rid, model, created, {"role": "assistant", "content": ""}))
+                elif echo:
+                    yield _sse(piece(echo))
                 ev = first
                 while ev is not None:
                     if ev["type"] == "delta" and ev["text"] and reply is not None:
@@ -263,15 +269,13 @@ def create_app(router, config: ServeConfig, access: Access | None = None) -> Fas
         check_session_id(body.session_id)
         check_model(body.model)
         body.refuse_unsupported()
-        if body.logprobs and body.stream:
-            raise APIError(400, "logprobs are returned by non-streaming requests only; set stream to false",
-                           param="logprobs", code="unsupported_parameter")
+        refuse_streamed_logprobs(body)
         budget = "max_completion_tokens" if body.max_tokens is None and body.max_completion_tokens else "max_tokens"
         requested = body.requested_max_tokens()
         text, reply, stops = chat_prompt(tok, body)         # tools: tools.py, tool_parse.py
         n, ids = encode(tok, text, config.max_model_len)     # = apply_chat_template(tokenize=True)
         sampling = body.sampling(max_tokens_for(requested, n, config.max_model_len, config.default_max_tokens,
-                                                "messages", budget), config.generation_config)
+                                                "messages", budget), config.generation_config, len(tok))
         limits.check_prompt(n, config.max_model_len, "messages")
         sampling = constrain(dataclasses.replace(sampling, stop=sampling.stop + stops),   # its grammar compiled here
                              (body.model_extra or {}).get("response_format"), tok, config.grammar_compile_timeout,
@@ -279,21 +283,27 @@ def create_app(router, config: ServeConfig, access: Access | None = None) -> Fas
         return body, ids, sampling, reply
 
     def completion_turn(raw: bytes):
-        """(body, prompt ids, sampling) of a completion request (in a worker thread, as `chat_turn`)."""
+        """(body, [(prompt ids, sampling, echo text or None) per prompt]) of a completion request (in a
+        worker thread, as `chat_turn`)."""
         body = parse(raw, CompletionRequest, config.strict_fields)
         check_session_id(body.session_id)
         check_model(body.model)
         body.refuse_unsupported()
+        refuse_streamed_logprobs(body)
         requested = body.requested_max_tokens()
-        prompt = body.prompt_one()
-        n, ids = encode(tok, prompt, config.max_model_len) if isinstance(prompt, str) else (len(prompt), list(prompt))
-        if not n:
-            raise APIError(400, "the prompt has no tokens", param="prompt", code="invalid_value")
-        # OpenAI's default for completions is 16 tokens (less if the context has less room)
-        sampling = body.sampling(max_tokens_for(requested, n, config.max_model_len, 16, "prompt"),
-                                 config.generation_config)
-        limits.check_prompt(n, config.max_model_len, "prompt")
-        return body, ids, sampling
+        turns = []
+        for prompt in body.prompts():
+            n, ids = encode(tok, prompt, config.max_model_len) if isinstance(prompt, str) else (len(prompt),
+                                                                                                list(prompt))
+            if not n:
+                raise APIError(400, "the prompt has no tokens", param="prompt", code="invalid_value")
+            # OpenAI's default for completions is 16 tokens (less if the context has less room)
+            sampling = body.sampling(max_tokens_for(requested, n, config.max_model_len, 16, "prompt"),
+                                     config.generation_config, len(tok))
+            limits.check_prompt(n, config.max_model_len, "prompt")
+            turns.append((ids, sampling, (prompt if isinstance(prompt, str) else tok.decode(ids)) if body.echo
+                          else None))
+        return body, turns
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -304,8 +314,93 @@ def create_app(router, config: ServeConfig, access: Access | None = None) -> Fas
     @app.post("/v1/completions")
     async def completions(request: Request):
         header_session(request)
-        body, ids, sampling = await run_in_threadpool(completion_turn, await request.body())
-        return await run(request, body, ids, sampling, "completion")
+        body, turns = await run_in_threadpool(completion_turn, await request.body())
+        if len(turns) == 1:
+            return await run(request, body, *turns[0][:2], "completion", echo=turns[0][2])
+        if header_session(request) is not None or body.session_id:
+            raise APIError(400, "a list of prompts runs without a session (a session holds one conversation); send "
+                           "one prompt per request with a session id", param="prompt", code="invalid_value")
+        return await run_many(request, body, turns)
+
+    async def run_many(request: Request, body, turns: list):
+        """A list of prompts: one turn each, run together in throwaway sessions of the caller's tenant; one
+        choice each, `index` in prompt order; usage sums them. A stream interleaves the choices' chunks."""
+        rid, model, created, tenant = new_id("cmpl"), config.model_name, int(time.time()), request_tenant(request)
+
+        async def turn(ids, sampling, put) -> None:
+            """One prompt's events to `put` (an error: APIError)."""
+            events = router.stream(None, ids, seeded(body, sampling), cache_salt=body.cache_salt, tenant=tenant)
+            async with contextlib.aclosing(events):
+                async for ev in events:
+                    if ev["type"] == "error":
+                        raise APIError.from_dict(ev["error"])
+                    await put(ev)
+
+        def total(finals: list[dict]) -> dict:
+            return usage({k: sum(f[k] for f in finals) for k in ("prompt_tokens", "completion_tokens",
+                                                                  "reused_tokens")})
+
+        if not body.stream:
+            finals: list[dict] = [{} for _ in turns]
+
+            async def keep(i: int, ev: dict) -> None:
+                if ev["type"] == "done":
+                    finals[i] = ev
+            tasks = [asyncio.create_task(turn(ids, sampling, functools.partial(keep, i)))
+                     for i, (ids, sampling, _) in enumerate(turns)]
+            try:
+                await asyncio.gather(*tasks)          # the first error is the answer; the other turns are cancelled
+            finally:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+            choices = []
+            for i, (final, (_, _, echo)) in enumerate(zip(finals, turns, strict=True)):
+                choice = completion_response(rid, model, final, body.return_token_ids, tok, echo)["choices"][0]
+                choices.append({**choice, "index": i})
+            return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                                 "choices": choices, "usage": total(finals)})
+
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+        async def sse() -> AsyncIterator[str]:
+            queue: asyncio.Queue = asyncio.Queue()
+
+            async def feed(i: int, ids, sampling) -> None:
+                try:
+                    await turn(ids, sampling, lambda ev: queue.put((i, ev)))
+                except APIError as e:
+                    await queue.put((i, {"type": "error", "error": e.to_dict()}))
+                finally:
+                    await queue.put((i, None))
+            tasks = [asyncio.create_task(feed(i, ids, sampling)) for i, (ids, sampling, _) in enumerate(turns)]
+            try:
+                for i, (_, _, echo) in enumerate(turns):
+                    if echo:
+                        yield _sse(completion_chunk(rid, model, created, echo, index=i))
+                finals, left = [], len(tasks)
+                while left:
+                    i, ev = await queue.get()
+                    if ev is None:
+                        left -= 1
+                    elif ev["type"] == "delta" and ev["text"]:
+                        yield _sse(completion_chunk(rid, model, created, ev["text"], index=i))
+                    elif ev["type"] == "error":
+                        yield _sse(APIError.from_dict(ev["error"]).body())
+                        break
+                    elif ev["type"] == "done":
+                        finals.append(ev)
+                        yield _sse(completion_chunk(rid, model, created, "", ev["finish_reason"], index=i))
+                else:
+                    if include_usage:
+                        yield _sse(completion_chunk(rid, model, created, "", use=total(finals), choices=False))
+                yield "data: [DONE]\n\n"
+            finally:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+        return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     @app.post("/v1/hints")
     async def hints(request: Request):
@@ -346,6 +441,14 @@ def create_app(router, config: ServeConfig, access: Access | None = None) -> Fas
 
     install_openapi(app, config.model_name, SESSION_ID)       # /openapi.json: request bodies and errors (openapi.py)
     return app
+
+
+def refuse_streamed_logprobs(body) -> None:
+    """logprobs come with the whole answer only (the engine's stream carries tokens and text): with
+    `stream: true` they are a 400 naming `logprobs`."""
+    if body.logprobs not in (None, False) and body.stream:
+        raise APIError(400, "logprobs are returned by non-streaming requests only; set stream to false",
+                       param="logprobs", code="unsupported_parameter")
 
 
 def check_session_id(named: str | None, param: str = "session_id") -> None:

@@ -12,12 +12,12 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from ..engine import SamplingParams
-from ..engine.sampling import MAX_LOGPROBS
+from ..engine.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY
 
 
 class APIError(Exception):
@@ -45,6 +45,7 @@ class APIError(Exception):
 
 INT64 = (-2**63, 2**63 - 1)   # OpenAI's integer range (a seed must fit a torch generator's int64)
 MAX_N = 128                  # OpenAI's bound on n
+MAX_PROMPTS = 128            # prompts in one completions request (each its own turn)
 # Below this, a temperature or top_p leaves one token (float32 logits / temperature overflow to inf, and
 # a top_p under float32's smallest value rounds to 0, so sampling would see nan): the turn is greedy.
 # vLLM's _SAMPLING_EPS, for temperature.
@@ -85,6 +86,13 @@ class _Sampling(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None        # extension
     ignore_eos: bool = False                       # extension
+    # penalties and filters (engine/sampling.py; unset: the model's generation config, then off)
+    presence_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    logit_bias: dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = None
+    repetition_penalty: float | None = Field(default=None, gt=0.0)   # extensions (vLLM spelling)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    min_tokens: int | None = Field(default=None, ge=0, le=INT64[1])
     n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None    # only with stream: true (as OpenAI)
@@ -123,20 +131,13 @@ class _Sampling(BaseModel):
         return self.max_tokens
 
     def refuse_unsupported(self) -> None:
-        """A 400 naming the first field that asks for something this server does not do (rather than
-        a 200 that silently ignores it)."""
-        extra = self.model_extra or {}
-        for name, what in _UNSUPPORTED.items():
-            if name in _SUPPORTED_BY.get(type(self).__name__, ()):
-                continue
-            value = getattr(self, name, extra.get(name))
-            if _asks_for(name, value):
-                raise APIError(400, f"`{name}` is not supported by this server ({what}); remove it from the "
-                               "request", param=name, code="unsupported_parameter")
+        """A 400 naming a field whose combination with others asks for what this server does not do
+        (each field alone is checked against fields.py's list, when the body is parsed)."""
 
-    def sampling(self, max_tokens: int, generation_config=None) -> SamplingParams:
+    def sampling(self, max_tokens: int, generation_config=None, vocab_size: int | None = None) -> SamplingParams:
         """The turn's SamplingParams. Precedence (docs/errors.md): the fields this request set, then
-        the model's generation config (greedy unless it sets do_sample=True), then library defaults."""
+        the model's generation config (greedy unless it sets do_sample=True), then library defaults.
+        `vocab_size`: the tokenizer's; a `logit_bias` token id at or past it is a 400 naming the field."""
         if max_tokens < 1:
             raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens",
                            code="invalid_value")
@@ -145,14 +146,20 @@ class _Sampling(BaseModel):
             raise APIError(400, "stop strings must be non-empty", param="stop", code="invalid_value")
         given = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
                  "stop": (self.stop,) if isinstance(self.stop, str) else _tuple(self.stop),
-                 "stop_token_ids": _tuple(self.stop_token_ids)}
+                 "stop_token_ids": _tuple(self.stop_token_ids), "presence_penalty": self.presence_penalty,
+                 "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty,
+                 "min_p": self.min_p, "min_tokens": self.min_tokens, "logit_bias": self.logit_bias}
         explicit = {k: v for k, v in given.items() if v is not None}
         try:
-            return sampling_params(generation_config, max_new_tokens=max_tokens, ignore_eos=self.ignore_eos,
-                                   **explicit)
+            p = sampling_params(generation_config, max_new_tokens=max_tokens, ignore_eos=self.ignore_eos, **explicit)
         except ValueError as e:       # a field the checks above do not cover: named by SamplingParams' message
             field = str(e).split(" ", 1)[0]
             raise APIError(400, str(e), param=_REQUEST_FIELD.get(field, field), code="invalid_value") from None
+        outside = [t for t, _ in p.logit_bias if vocab_size is not None and t >= vocab_size]
+        if outside:
+            raise APIError(400, f"logit_bias: token id {outside[0]} is out of the vocabulary (ids 0..{vocab_size - 1})",
+                           param="logit_bias", code="invalid_value")
+        return p
 
 
 # SamplingParams' field -> the request's
@@ -161,36 +168,6 @@ _REQUEST_FIELD = {"max_new_tokens": "max_tokens", "logprobs": "top_logprobs", "s
 
 def _tuple(values: list | None) -> tuple | None:
     return None if values is None else tuple(values)
-
-
-# Fields that would change the answer or its shape, and why they are refused. A field is refused when
-# it asks for something (see `_asks_for`): `tool_choice: "none"`, `logprobs: false`, `response_format:
-# {"type": "text"}`, zero penalties and empty lists are what the server does anyway.
-_UNSUPPORTED = {
-    "tools": "no tool calling", "tool_choice": "no tool calling", "functions": "no function calling",
-    "function_call": "no function calling", "response_format": "no constrained decoding (JSON mode or schema)",
-    "logprobs": "no log probabilities for completions (chat has them)",
-    "logit_bias": "no logit bias", "presence_penalty": "no penalties", "frequency_penalty": "no penalties",
-    "best_of": "one candidate per request", "suffix": "no insertion", "echo": "the prompt is not echoed",
-}
-
-
-# implemented there (see its fields; response_format: structured.py, from the app's chat_turn)
-_SUPPORTED_BY = {"ChatCompletionRequest": ("logprobs", "tools", "tool_choice", "response_format")}
-
-
-def _asks_for(name: str, value) -> bool:
-    if value is None or value is False or value == [] or value == {}:
-        return False
-    if name in ("tool_choice", "function_call"):
-        return value != "none"
-    if name == "response_format":
-        return not (isinstance(value, dict) and value.get("type") == "text")
-    if name in ("presence_penalty", "frequency_penalty", "top_logprobs"):
-        return value != 0
-    if name == "best_of":
-        return value != 1
-    return True
 
 
 class ContentPart(BaseModel):
@@ -240,8 +217,8 @@ class ChatCompletionRequest(_Sampling):
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
 
-    def sampling(self, max_tokens: int, generation_config=None) -> SamplingParams:
-        p = super().sampling(max_tokens, generation_config)
+    def sampling(self, max_tokens: int, generation_config=None, vocab_size: int | None = None) -> SamplingParams:
+        p = super().sampling(max_tokens, generation_config, vocab_size)
         return dataclasses.replace(p, logprobs=self.top_logprobs or 0) if self.logprobs else p
 
     def requested_max_tokens(self) -> int | None:
@@ -255,18 +232,30 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False                            # the prompt's text before the completion's
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)   # legacy: that many alternatives
 
-    def prompt_one(self) -> str | list[int]:
-        """The single prompt (a string or token ids); lists of prompts are refused."""
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.echo and self.logprobs is not None:
+            raise APIError(400, "echo with logprobs asks for the prompt's log-probabilities, which this server does "
+                           "not compute; drop echo or logprobs", param="echo", code="unsupported_parameter")
+
+    def sampling(self, max_tokens: int, generation_config=None, vocab_size: int | None = None) -> SamplingParams:
+        p = super().sampling(max_tokens, generation_config, vocab_size)
+        return p if self.logprobs is None else dataclasses.replace(p, logprobs=self.logprobs)
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts (each a string or token ids): one, or a list of 1 to `MAX_PROMPTS`, each answered
+        as its own choice."""
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise APIError(400, "one prompt per request (got a list of prompts)", param="prompt",
-                               code="unsupported")
-            p = p[0]
-        if not p:
+        many = p if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
+        if len(many) > MAX_PROMPTS:
+            raise APIError(400, f"at most {MAX_PROMPTS} prompts per request, got {len(many)}", param="prompt",
+                           code="invalid_value")
+        if not all(many):
             raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
-        return p
+        return many
 
 
 class HintRequest(BaseModel):
@@ -324,9 +313,9 @@ def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: s
 
 
 def completion_chunk(rid: str, model: str, created: int, text: str, finish_reason: str | None = None,
-                     use: dict | None = None, choices: bool = True) -> dict:
+                     use: dict | None = None, choices: bool = True, index: int = 0) -> dict:
     body = {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]
+            "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}]
             if choices else []}
     if use is not None:
         body["usage"] = use
@@ -355,8 +344,30 @@ def chat_response(rid: str, model: str, out: dict, token_ids: bool = False, toke
             "choices": [choice], "usage": usage(out)}
 
 
-def completion_response(rid: str, model: str, out: dict, token_ids: bool = False, tokenizer=None) -> dict:
-    choice = {"index": 0, "text": out["text"], "logprobs": None, "finish_reason": out["finish_reason"]}
+def completion_logprobs(out: dict, tokenizer, offset: int = 0) -> dict | None:
+    """OpenAI's legacy choice.logprobs of a completion (None when the request did not ask): per
+    generated token its text, log-probability, the most likely alternatives with the chosen token
+    (a text -> logprob map, as vLLM) and its text's offset (from `offset`: an echoed prompt's length)."""
+    if out.get("logprobs") is None:
+        return None
+    tokens, lps, tops, offsets = [], [], [], []
+    for t, lp, alts in out["logprobs"]:
+        text = tokenizer.decode([t])
+        top = {tokenizer.decode([a]): alp for a, alp in alts}
+        top.setdefault(text, lp)
+        tokens.append(text)
+        lps.append(lp)
+        tops.append(top)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def completion_response(rid: str, model: str, out: dict, token_ids: bool = False, tokenizer=None,
+                        echo: str | None = None) -> dict:
+    """`echo`: the prompt's text, put before the completion's."""
+    choice = {"index": 0, "text": (echo or "") + out["text"], "logprobs": completion_logprobs(out, tokenizer),
+              "finish_reason": out["finish_reason"]}
     if token_ids:
         choice["token_ids"] = out["token_ids"]
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
