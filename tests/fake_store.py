@@ -230,6 +230,9 @@ class FakeStore:
             del self.expected[sid]
         return [sid for _, sid in due], min(self.expected.values(), default=math.inf)
 
+    def flush(self, timeout: float = 10.0) -> None:
+        return None                     # no disk tier
+
     def delete(self, session_id: str, keep_shared: bool = False) -> None:
         if self._get(session_id).busy:
             raise SessionBusyError(f"session {session_id!r} is busy")

@@ -181,6 +181,30 @@ def test_engine_sessions_are_flushed_on_close(tmp_path):
     store.close(flush=False)
 
 
+@pytest.mark.parametrize("flush", [10.0, None])
+def test_engine_stop_flushes_and_a_restart_reuses_the_sessions(tmp_path, flush):
+    """Engine.stop() writes what is not on disk (the server's SIGTERM path: `Replica.shutdown`); a store that is
+    then dropped without its own flush (a process ending) reopens with every session. flush=None: the control,
+    nothing written by the stop, nothing reused after it."""
+    from conftest import engine_round
+
+    model, oracle = models()
+    store = open_store(model, tmp_path / "d", disk_write="evict")
+    engine = stateful_hf.Engine(model, store=store)
+    convs = conversations(3)
+    engine_round(engine, convs, oracle, 4)
+    engine.stop(flush=flush)
+    held = {sid: store.num_tokens(sid) for sid in convs}
+    store.close(flush=False)
+    store = open_store(model, tmp_path / "d", disk_write="evict")
+    turns = play(store, convs, oracle)
+    if flush is None:
+        assert all(turns[sid].reused_tokens == 0 for sid in convs), turns
+    else:
+        assert all(turns[sid].reused_tokens >= 0.99 * held[sid] for sid in convs), (turns, held)
+    store.close(flush=False)
+
+
 @pytest.fixture
 def behind_store(tmp_path):
     model, _ = models()

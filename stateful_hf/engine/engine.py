@@ -75,6 +75,7 @@ class Engine:
         self.slo = SloPolicy(c.ttft_slo, c.tpot_slo) if (c.ttft_slo, c.tpot_slo) != (None, None) else None
         self.store = store
         door: EngineStore = store      # the engine's parts see the store through its door (mypy: SessionStore keeps it)
+        self.door = door
         if self.store.model is not model:
             raise ValueError("the store belongs to another model")
         if layerwise_kv and not self.store.layerwise:
@@ -214,11 +215,15 @@ class Engine:
         self.loop.start()
         return self
 
-    def stop(self, cancel: bool = False, timeout: float | None = None) -> None:
-        """Stop the loop after the requests in flight finish (or are cancelled, with `cancel`)."""
+    def stop(self, cancel: bool = False, timeout: float | None = None, flush: float | None = 10.0) -> None:
+        """Stop the loop after the requests in flight finish (or are cancelled, with `cancel`); then, with a disk
+        tier, write what is not on disk yet within `flush` seconds (`KVStore.flush`; None: write nothing), so a
+        restart on the same disk keeps the live sessions."""
         if cancel:
             self.requests.cancel_all()
         self.loop.stop(timeout)
+        if flush is not None:
+            self.door.flush(flush)
         if self.thread_sizer is not None:
             self.thread_sizer.close()
 

@@ -27,6 +27,8 @@ MAX_PENALTY = 2.0          # OpenAI's bound on |presence_penalty| and |frequency
 MAX_LOGIT_BIAS = 100.0     # OpenAI's bound on |logit_bias| values
 
 
+DEFAULT_MAX_NEW_TOKENS = 64      # SamplingParams.max_new_tokens's default
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How one turn is decoded.
@@ -38,7 +40,7 @@ class SamplingParams:
     and sampled turns alike (module docstring: their order).
     """
 
-    max_new_tokens: int = 64
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0                           # 0 = no top-k filter
@@ -147,7 +149,7 @@ class SamplingParams:
                               "implement: its tokens can differ from generate's", stacklevel=2)
         fields.update(explicit)
         if "min_tokens" in fields and "min_tokens" not in explicit:     # the config's, within the turn's budget
-            fields["min_tokens"] = min(fields["min_tokens"], fields.get("max_new_tokens", cls.max_new_tokens))
+            fields["min_tokens"] = min(fields["min_tokens"], fields.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS))
         return cls(**fields)
 
 
@@ -269,9 +271,9 @@ def process(logits: torch.Tensor, params: Sequence[SamplingParams], prompts: Seq
     if biased:
         pairs = [(j, t, b) for j, i in enumerate(biased) for t, b in params[i].logit_bias if t < V]
         if pairs:
-            rows, ids, vals = zip(*pairs, strict=True)
+            b_rows, b_ids, b_vals = zip(*pairs, strict=True)
             bias = torch.zeros(len(biased), V, dtype=torch.float32, device=dev)
-            bias[torch.tensor(rows, device=dev), torch.tensor(ids, device=dev)] = torch.tensor(vals, device=dev)
+            bias[torch.tensor(b_rows, device=dev), torch.tensor(b_ids, device=dev)] = torch.tensor(b_vals, device=dev)
             x[biased] = x[biased] + bias
     rep = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
     if rep:
@@ -279,8 +281,8 @@ def process(logits: torch.Tensor, params: Sequence[SamplingParams], prompts: Seq
             raise ValueError("process: repetition_penalty needs the rows' prompts and outputs")
         seen = torch.zeros(len(rep), V, dtype=torch.bool, device=dev)
         for lists in (prompts, outputs):
-            row, ids = _rows_tokens(rep, lists, V, dev)
-            seen[row, ids] = True
+            r_rows, r_ids = _rows_tokens(rep, lists, V, dev)
+            seen[r_rows, r_ids] = True
         pen = _column([params[i].repetition_penalty for i in rep], dev)
         sub = x[rep]
         x[rep] = torch.where(seen, torch.where(sub < 0, sub * pen, sub / pen), sub)
@@ -288,13 +290,13 @@ def process(logits: torch.Tensor, params: Sequence[SamplingParams], prompts: Seq
     if early:
         if outputs is None:
             raise ValueError("process: min_tokens needs the rows' outputs")
-        pairs = [(i, t) for i in early if len(outputs[i]) < params[i].min_tokens
+        stops = [(i, t) for i in early if len(outputs[i]) < params[i].min_tokens
                  for t in (set(params[i].stop_token_ids) | (set() if params[i].ignore_eos else set(eos))) if 0 <= t < V]
-        if pairs:
-            rows, ids = zip(*pairs, strict=True)
-            dead = sorted(set(rows))
+        if stops:
+            m_rows, m_ids = zip(*stops, strict=True)
+            dead = sorted(set(m_rows))
             before = x[dead]
-            x[torch.tensor(rows, device=dev), torch.tensor(ids, device=dev)] = -math.inf
+            x[torch.tensor(m_rows, device=dev), torch.tensor(m_ids, device=dev)] = -math.inf
             lost = ~torch.isfinite(x[dead].amax(-1))
             if bool(lost.any()):      # every allowed token was a stop (a grammar's end): stopping beats nothing
                 x[dead] = torch.where(lost.unsqueeze(1), before, x[dead])
@@ -302,9 +304,9 @@ def process(logits: torch.Tensor, params: Sequence[SamplingParams], prompts: Seq
     if counted:
         if outputs is None:
             raise ValueError("process: presence_penalty / frequency_penalty need the rows' outputs")
-        row, ids = _rows_tokens(counted, outputs, V, dev)
+        c_rows, c_ids = _rows_tokens(counted, outputs, V, dev)
         counts = torch.zeros(len(counted), V, dtype=torch.float32, device=dev)
-        counts.index_put_((row, ids), torch.ones_like(ids, dtype=torch.float32), accumulate=True)
+        counts.index_put_((c_rows, c_ids), torch.ones_like(c_ids, dtype=torch.float32), accumulate=True)
         freq = _column([params[i].frequency_penalty for i in counted], dev)
         pres = _column([params[i].presence_penalty for i in counted], dev)
         x[counted] = x[counted] - freq * counts - pres * (counts > 0).float()

@@ -11,7 +11,7 @@ step and each stepped session's continuing turn), `TurnStats` (a turn's counts, 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from ..errors import CapacityError, SessionBusyError, StoreError, UnknownSessionError
 from ..eviction.policy import CostProfile, EvictionPolicy
@@ -20,6 +20,9 @@ from ..sessions.tenant import DEFAULT_TENANT, session_key
 from ..spec import KVSpec
 from ..step import StepBatch
 from ..turn import Committed, Place, PoolSizes, Room, TurnNeeds, blocks_at_most
+
+if TYPE_CHECKING:
+    from ..disk.writer import FlushReport
 
 __all__ = ["DEFAULT_TENANT", "CapacityError", "Committed", "CostProfile", "EngineStore", "EvictionPolicy", "KVSpec",
            "Place", "PoolSizes", "Room", "SessionBusyError", "StepBatch", "StoreError", "TurnNeeds", "TurnStats",
@@ -183,4 +186,9 @@ class EngineStore(Protocol):
 
     def delete(self, session_id: str, keep_shared: bool = False) -> None:
         """Changes: forgets the session and frees what only it holds."""
+        ...
+
+    def flush(self, timeout: float = 10.0) -> FlushReport | None:
+        """Changes: writes to disk, within `timeout` seconds, the idle sessions' chunks not on disk yet, then
+        commits the index (what a restart on the same disk finds). None without a disk tier."""
         ...
