@@ -50,7 +50,9 @@ def test_readme_python_blocks_run_on_the_real_model(tmp_path):
                           timeout=1200)
     assert proc.returncode == 0, f"a README block failed:\n{proc.stderr[-4000:]}"
     assert "Paris" in proc.stdout, proc.stdout[-2000:]
-    assert re.search(r"\[([1-9]\d*) tokens reused", proc.stdout), "the second turn reused nothing:\n" + proc.stdout
+    assert re.search(r"\[prompt \d+: ([1-9]\d*) reused", proc.stdout), "the second turn reused nothing:\n" + proc.stdout
+    for prompt, reused, computed in re.findall(r"\[prompt (\d+): (\d+) reused \+ (\d+) computed", proc.stdout):
+        assert int(reused) + int(computed) == int(prompt), proc.stdout        # the counters add up
 
 
 def test_relative_links_point_at_files():

@@ -148,6 +148,3 @@ class DiskCopies:
             self._free(cp)
         return min(len(order), max(n, 0))
 
-    def clear(self) -> None:
-        """Forget every copy without freeing (the tier is closing)."""
-        self._by_chunk, self._by_slot = {}, {}
