@@ -28,6 +28,7 @@ from stateful_hf.cache.doors.engine import (
     TurnStats,
     UnknownSessionError,
 )
+from stateful_hf.cache.sessions.history import common_prefix, kept_prefix  # the keep rule, one copy
 
 BROKEN_RULES = ("room_ignores_idle", "end_keeps_lease", "abort_keeps_ids")
 
@@ -97,7 +98,7 @@ class FakeStore:
         return [p for p in range(end) if s.places[p // bs] is Place.DROPPED]
 
     def match_prefix(self, session_id: str, token_ids: Sequence[int]) -> int:
-        return _common_prefix(self._get(session_id).tokens, token_ids)
+        return common_prefix(self._get(session_id).tokens, token_ids)
 
     def free_blocks(self) -> int:
         return self.pool_sizes.device_blocks - sum(p is Place.DEVICE for s in self.sessions.values() for p in s.places)
@@ -123,7 +124,7 @@ class FakeStore:
         bs = self.block_size
         if s.busy and prompt is not None:
             return TurnNeeds(session_id, True, 0, (), (), (), None, bs, self.room())
-        keep = len(s.tokens) if prompt is None else max(min(_common_prefix(s.tokens, prompt), len(prompt) - 1), 0)
+        keep = len(s.tokens) if prompt is None else kept_prefix(s.tokens, prompt)
         missing = tuple(self.missing_positions(session_id, keep))
         return TurnNeeds(session_id, False, keep, missing, tuple(s.tokens[p] for p in missing),
                          tuple(s.places[:math.ceil(keep / bs)]), None, bs, self.room())
@@ -133,7 +134,7 @@ class FakeStore:
         s = self._get(session_id)                       # `turn_needs` opens a session
         if s.busy:
             raise SessionBusyError(f"session {session_id!r} is busy")
-        kept = max(min(_common_prefix(s.tokens, prompt), len(prompt) - 1), 0)
+        kept = kept_prefix(s.tokens, prompt)
         if keep is not None and keep != kept:
             raise StoreError(f"session {session_id!r} changed: the turn keeps {kept} tokens, not {keep}")
         s.busy, s.used = True, next(self._uses)
@@ -237,12 +238,3 @@ class FakeStore:
         if self._get(session_id).busy:
             raise SessionBusyError(f"session {session_id!r} is busy")
         del self.sessions[session_id]
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n

@@ -75,7 +75,6 @@ class Engine:
         self.slo = SloPolicy(c.ttft_slo, c.tpot_slo) if (c.ttft_slo, c.tpot_slo) != (None, None) else None
         self.store = store
         door: EngineStore = store      # the engine's parts see the store through its door (mypy: SessionStore keeps it)
-        self.door = door
         if self.store.model is not model:
             raise ValueError("the store belongs to another model")
         if layerwise_kv and not self.store.layerwise:
@@ -223,7 +222,7 @@ class Engine:
             self.requests.cancel_all()
         self.loop.stop(timeout)
         if flush is not None:
-            self.door.flush(flush)
+            self.store.flush(flush)
         if self.thread_sizer is not None:
             self.thread_sizer.close()
 
