@@ -214,10 +214,14 @@ def behind_store(tmp_path):
 
 
 def wait_written(store, n, seconds=20.0):
+    """Wait until n copies are recorded; the stats are read under the store lock, so a batch the writer is
+    recording (`written` counted, its commit and `batches` not yet) is read whole."""
     t0 = time.monotonic()
-    while store.writer.stats.written < n and time.monotonic() - t0 < seconds:
+    while True:
+        with store.writer.lock:
+            if store.writer.stats.written >= n or time.monotonic() - t0 >= seconds:
+                return store.writer.stats.written
         time.sleep(0.02)
-    return store.writer.stats.written
 
 
 def chunks_of(store, sids):
