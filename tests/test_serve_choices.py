@@ -196,3 +196,12 @@ def test_a_client_that_leaves_mid_stream_frees_the_forks(served):
     replica.store.check_integrity()
     out = complete(srv, {"prompt": ids, "max_tokens": 3, "temperature": 0}, "forks-left")   # the session goes on
     assert out["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_the_held_choice_a_prompt_continues():
+    from stateful_hf.serve.choices import HeldForks
+    held = HeldForks(("s", "s#t.1", "s#t.2"), (1, 2, 3), ((7, 8, 9), (7, 5, 6), (4, 4)))
+    assert held.best([1, 2, 3, 7, 5, 6, 0]) == 1                  # the answer sent back
+    assert held.best([1, 2, 3, 4, 4, 0]) == 2
+    assert held.best([1, 2, 3, 7, 0]) == 0                        # 0 and 1 tie: the lowest index
+    assert held.best([1, 2, 9, 4, 4]) == 0                        # an edited prompt: no choice is continued

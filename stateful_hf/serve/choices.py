@@ -34,6 +34,7 @@ from .protocol import APIError, chat_chunk, chat_response, completion_chunk, com
 FORK_MARK = "#"                   # in fork sessions' ids; never in a client's (app.SESSION_ID)
 _INT64 = 2**63
 FREE_TRIES, FREE_WAIT = 100, 0.1  # freeing a fork whose turn is still ending: tries, seconds between
+MAX_HELD = 10_000                 # sessions whose choices are held, all tenants (past it the oldest's go)
 
 
 def choice_seed(seed: int | None, i: int) -> int | None:
@@ -66,22 +67,28 @@ class ChoiceGroup:
 
 @dataclass(frozen=True, slots=True)
 class HeldForks:
-    """A session's choices after its n > 1 turn: each one's session key (choice 0: the session itself)
-    and history (prompt + the choice's tokens), in choice order."""
+    """A session's choices after its n > 1 turn: each one's session key (choice 0: the session itself),
+    the turn's prompt and each choice's tokens, in choice order (a choice's history: prompt + its tokens)."""
 
     keys: tuple[str, ...]
-    histories: tuple[tuple[int, ...], ...]
+    prompt: tuple[int, ...]
+    answers: tuple[tuple[int, ...], ...]
 
     def best(self, prompt: Sequence[int]) -> int:
         """The choice whose history shares the longest prefix with `prompt`; ties: the lowest index."""
-        return max(range(len(self.keys)), key=lambda i: (common_prefix(self.histories[i], prompt), -i))
+        n = len(self.prompt)
+        if common_prefix(self.prompt, prompt) < n:
+            return 0
+        rest = prompt[n:]
+        return max(range(len(self.keys)), key=lambda i: (common_prefix(self.answers[i], rest), -i))
 
 
 class SessionForks:
     """The router (`Router` or the `TenantGate` over it), holding the choices of each session's last
     n > 1 turn until its next turn (module docstring); everything else passes through.
-    `_held`: session key -> its `HeldForks`; `_open`: session key -> the mark of its n > 1 turn in
-    flight (any other turn of the session clears it: that turn's forks are then freed, not held)."""
+    `_held`: session key -> its `HeldForks`, oldest first (past `MAX_HELD` sessions the oldest's forks
+    go); `_open`: session key -> the mark of its n > 1 turn in flight (any other turn of the session
+    clears it: that turn's forks are then freed, not held)."""
 
     def __init__(self, router):
         self.router = router
@@ -148,6 +155,8 @@ class SessionForks:
         if self._open.get(session_id) is mark:
             del self._open[session_id]
             self._held[session_id] = forks
+            if len(self._held) > MAX_HELD:
+                self.free_later(self._held.pop(next(iter(self._held))).keys[1:])
         else:
             self.free_later(forks.keys[1:])
 
@@ -157,8 +166,8 @@ class SessionForks:
             del self._open[session_id]
         self.free_later(forks)
 
-    async def free(self, keys: Sequence[str]) -> None:
-        """Delete these sessions now (one already gone or still busy is left to `free_later`'s retries)."""
+    async def _delete(self, keys: Sequence[str]) -> list[str]:
+        """Delete these sessions (one already gone is fine); returns those still busy (a turn in flight)."""
         busy = []
         for key in keys:
             try:
@@ -166,8 +175,11 @@ class SessionForks:
             except APIError as e:
                 if e.status == 409:
                     busy.append(key)
-        if busy:
-            self.free_later(busy)
+        return busy
+
+    async def free(self, keys: Sequence[str]) -> None:
+        """Delete these sessions now; those still busy are left to `free_later`."""
+        self.free_later(await self._delete(keys))
 
     def free_later(self, keys: Sequence[str]) -> None:
         """Delete these sessions once their turns have ended (a cancelled choice ends within a step),
@@ -178,16 +190,9 @@ class SessionForks:
         async def run() -> None:
             left = list(keys)
             for _ in range(FREE_TRIES):
-                busy = []
-                for key in left:
-                    try:
-                        await self.router.delete_session(key)
-                    except APIError as e:
-                        if e.status == 409:
-                            busy.append(key)
-                if not busy:
+                left = await self._delete(left)
+                if not left:
                     return
-                left = busy
                 await asyncio.sleep(FREE_WAIT)
         task = asyncio.get_running_loop().create_task(run())
         self._freeing.add(task)
@@ -195,8 +200,13 @@ class SessionForks:
 
     async def delete_session(self, sid: str) -> dict:
         """`Router.delete_session`, freeing the session's held choices too."""
-        held = self._held.pop(sid, None)
-        out = await self.router.delete_session(sid)
+        try:
+            out = await self.router.delete_session(sid)
+        except APIError as e:
+            if e.status == 404 and sid in self._held:      # gone (collected by the session bounds): forks too
+                await self.free(self._held.pop(sid).keys[1:])
+            raise
+        held = self._held.pop(sid, None)                  # busy (409): the forks stay held with it
         if held is not None:
             await self.free(held.keys[1:])
         return out
@@ -269,8 +279,8 @@ async def stream_choices(forks: SessionForks, groups: Sequence[ChoiceGroup], *, 
         for g, mark, keys in marks:
             assert g.session is not None
             if len(finals) == total:
-                forks.hold(g.session, mark, HeldForks((g.session, *keys), tuple(
-                    (*g.ids, *finals[g.first + i]["token_ids"]) for i in range(g.n))))
+                forks.hold(g.session, mark, HeldForks((g.session, *keys), g.ids, tuple(
+                    tuple(finals[g.first + i]["token_ids"]) for i in range(g.n))))
             else:
                 forks.close(g.session, mark, keys)
         for t in starters + tasks:
