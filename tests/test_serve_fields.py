@@ -99,6 +99,10 @@ def status_of(url, endpoint, body):
     return post(url, endpoint, body).json()["status"]
 
 
+def choices_of(url, endpoint, body):
+    return len(post(url, endpoint, body).json()["choices"])
+
+
 def logprobs_of(url, endpoint, body):
     return [c.get("logprobs") for o in post(url, endpoint, body).json()["output"] for c in o.get("content") or ()]
 
@@ -130,6 +134,7 @@ def _sampling_cases(endpoint: Endpoint, model_cls, budget: str) -> dict:
         "top_k": (HOT, {**HOT, "top_k": 1}, said),
         "seed": (HOT, {**HOT, "seed": 2}, said),
         "stream": ({}, {"stream": True}, said),
+        **({} if endpoint is Endpoint.RESPONSES else {"n": ({}, {"n": 2}, choices_of)}),
         "cache_salt": ({}, {"cache_salt": "walk-salt"}, reuse),    # a new salt: nothing to reuse
         "session_id": ({}, {"session_id": f"walk-{endpoint.name.lower()}"}, session_kept),
         budget: ({}, {budget: 3}, said),

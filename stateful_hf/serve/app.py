@@ -38,6 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..cache.sessions.tenant import session_key, split_key
 from .auth import Access, Guard, request_tenant
+from .choices import ChoiceGroup, ChoiceShape, SessionForks, answer
 from .error_boundary import ErrorBoundary
 from .limits import TenantGate
 from .openapi import install as install_openapi
@@ -59,7 +60,7 @@ from .response_store import ResponseRetention
 from .responses import install as install_responses
 from .retain import retain_of
 from .structured import constrain
-from .tool_parse import chat_prompt
+from .tool_parse import chat_prompt, reply_reader
 from .utility import install as install_utility
 
 SESSION_HEADER = "x-session-id"
@@ -154,7 +155,7 @@ def create_app(router, config: ServeConfig, access: Access | None = None) -> Fas
                            allow_headers=list(cors.headers), allow_credentials=cors.credentials,
                            expose_headers=["X-Session-Id", "X-Replica", "Retry-After"])
     limits = app.state.access.limits
-    router = TenantGate(router, limits)
+    router = SessionForks(TenantGate(router, limits))      # a session's n > 1 choices, held (choices.py)
     tok = config.tokenizer
     seeds = None if config.seed is None else request_seeds(config.seed)
 
@@ -273,6 +274,8 @@ def create_app(router, config: ServeConfig, access: Access | None = None) -> Fas
         budget = "max_completion_tokens" if body.max_tokens is None and body.max_completion_tokens else "max_tokens"
         requested = body.requested_max_tokens()
         text, reply, stops = chat_prompt(tok, body)         # tools: tools.py, tool_parse.py
+        if reply is not None and body.n > 1:                 # n choices: a reader each
+            reply = [reply] + [reply_reader(tok, reply.plan, text) for _ in range(body.n - 1)]
         n, ids = encode(tok, text, config.max_model_len)     # = apply_chat_template(tokenize=True)
         sampling = body.sampling(max_tokens_for(requested, n, config.max_model_len, config.default_max_tokens,
                                                 "messages", budget), config.generation_config, len(tok))
@@ -309,18 +312,48 @@ def create_app(router, config: ServeConfig, access: Access | None = None) -> Fas
     async def chat_completions(request: Request):
         header_session(request)                          # a bad header is refused before any work
         body, ids, sampling, reply = await run_in_threadpool(chat_turn, await request.body())
+        if body.n > 1:
+            return await run_choices(request, body, [(ids, sampling, None)], "chat", reply)
         return await run(request, body, ids, sampling, "chat", reply)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         header_session(request)
         body, turns = await run_in_threadpool(completion_turn, await request.body())
+        if body.n > 1 and (len(turns) == 1 or not (header_session(request) or body.session_id)):
+            return await run_choices(request, body, turns, "completion")
         if len(turns) == 1:
             return await run(request, body, *turns[0][:2], "completion", echo=turns[0][2])
         if header_session(request) is not None or body.session_id:
             raise APIError(400, "a list of prompts runs without a session (a session holds one conversation); send "
                            "one prompt per request with a session id", param="prompt", code="invalid_value")
         return await run_many(request, body, turns)
+
+    async def run_choices(request: Request, body, turns: list, kind: str, readers: list | None = None):
+        """`n` > 1 (choices.py): each prompt's n choices as forks of it, `index` prompt-major; with a
+        session id (one prompt) its choices are held until the session's next turn."""
+        sid, retain = header_session(request), retain_of(request)
+        if sid is None and body.session_id:
+            sid = session_id_of(request, body.session_id)
+        n = body.n
+        groups = [ChoiceGroup(tuple(ids), seeded(body, sampling), n, sid, p * n, echo)
+                  for p, (ids, sampling, echo) in enumerate(turns)]
+
+        async def on_done() -> None:          # X-Session-Retain: the session and its held choices
+            held = router.held(sid)
+            for key in (held.keys if held is not None else (sid,)):
+                await router.retain(key, retain)
+        shape = ChoiceShape(kind, config.model_name, tok, body.return_token_ids,
+                            bool(body.stream_options and body.stream_options.include_usage), readers,
+                            on_done if sid is not None and retain is not None else None)
+        out, events = await answer(router, groups, shape, body.stream, rid=new_id("chatcmpl" if kind == "chat"
+                                                                                  else "cmpl"),
+                                   cache_salt=body.cache_salt, tenant=request_tenant(request) if sid is None else None)
+        if events is None:
+            return JSONResponse(out, headers={"X-Replica": out.pop("replica")})
+        shown = split_key(sid)[1] if sid else ""
+        return StreamingResponse(events, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Session-Id": shown})
 
     async def run_many(request: Request, body, turns: list):
         """A list of prompts: one turn each, run together in throwaway sessions of the caller's tenant; one

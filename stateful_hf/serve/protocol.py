@@ -102,13 +102,6 @@ class _Sampling(BaseModel):
     # vLLM's: will scope prefix sharing across sessions (not built yet); validated, no effect today
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
 
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("only n=1 is supported")
-        return v
-
     @field_validator("stream_options")
     @classmethod
     def _only_streamed(cls, v: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
