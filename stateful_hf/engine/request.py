@@ -318,7 +318,7 @@ def chunk_needs(item: WorkItem):
 @dataclass(frozen=True, slots=True)
 class Progress:
     """A handle's published state, read at once (`RequestHandle.progress`). `logprobs` and `ends` are
-    index-aligned with `tokens` (`logprobs` empty unless the request asked; `ends` empty without a
+    index-aligned with `tokens` (both empty unless the request asked for logprobs; `ends` also without a
     tokenizer): `ends[i]` is where token i's text ends in the decoded output (`text.OutputText.ends`)."""
 
     tokens: tuple[int, ...]
@@ -365,7 +365,7 @@ class RequestHandle:
         self._text = ""
         self._stable = 0                      # chars of _text that may be streamed
         self._logprobs: tuple = ()            # one per token (with SamplingParams.logprobs)
-        self._ends: tuple[int, ...] = ()      # per token: where its text ends in _text (with a tokenizer)
+        self._ends: tuple[int, ...] = ()      # per token: where its text ends in _text (with logprobs)
         self._output: RequestOutput | None = None
 
     def __repr__(self) -> str:

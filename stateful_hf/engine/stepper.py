@@ -242,8 +242,9 @@ class RequestRegistry:
                 r = it.request
                 if not r.status.done and it.needs_logits:
                     text = r.text.text if r.text else ""
+                    ends = r.text.ends if r.text and r.sampling.logprobs is not None else ()   # they align logprobs
                     self._handles[r.request_id].publish(r.output_ids, text, r.text.stable if r.text else 0,
-                                                        logprobs=r.logprobs, ends=r.text.ends if r.text else ())
+                                                        logprobs=r.logprobs, ends=ends)
             for r in finished:
                 if r.text is not None:
                     r.text.finish()
@@ -256,8 +257,9 @@ class RequestRegistry:
                 if not self._active[r.session_id]:
                     del self._active[r.session_id]
                     self._idle(r.session_id)    # before the handle reads as done
+                ends = r.text.ends if r.text and r.sampling.logprobs is not None else ()
                 self._handles.pop(r.request_id).publish(r.output_ids, out.text or "", len(out.text or ""), out,
-                                                        out.logprobs or (), r.text.ends if r.text else ())
+                                                        out.logprobs or (), ends)
             self._queued_at_publish = self._queued
             self.cv.notify_all()
 
