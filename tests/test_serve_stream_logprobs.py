@@ -187,3 +187,15 @@ def test_covered_takes_tokens_in_order_whose_text_was_sent():
     assert covered(ends, 0, 3, 5) == 3 and covered(ends, 3, 6, 5) == 3 and covered(ends, 3, 9, 5) == 5
     assert covered(ends, 0, 9, 4) == 4      # never past the entries published
     assert covered((), 0, 9, 3) == 0        # no text ends (no tokenizer): the entries wait for the end
+
+
+def test_the_responses_builder_keeps_each_deltas_entries_in_the_part():
+    from stateful_hf.serve.response_items import OutputBuilder
+
+    b, one, two = OutputBuilder(), {"token": "ab", "logprob": -1.0}, {"token": "<eos>", "logprob": -2.0}
+    deltas = [e for e in b.add([("text", "ab")], [one]) + b.add([("text", "")], [two])
+              if e["type"] == "response.output_text.delta"]
+    assert [e["logprobs"] for e in deltas] == [[one], [two]]         # the EOS's in a last, empty delta
+    done = next(e for e in b.close() if e["type"] == "response.output_text.done")
+    assert done["logprobs"] == [one, two] == b.items[0]["content"][0]["logprobs"]
+    assert OutputBuilder().add([("text", "x")])[-1]["logprobs"] == []     # none asked: empty lists, as before
