@@ -129,7 +129,6 @@ def test_background_refusals_name_the_field(url):
                         ({"background": True, "store": False}, "background"),
                         ({"include": ["reasoning.encrypted_content"]}, "include.0"),
                         ({"include": [LOGPROBS, "nope"]}, "include.1"),
-                        ({"include": [LOGPROBS], "stream": True}, "include"),
                         ({"top_logprobs": 21, "include": [LOGPROBS]}, "top_logprobs")]:
         r = httpx.post(url + "/v1/responses", json={"model": MODEL, "input": "hi", "max_output_tokens": 2, **body},
                        headers={"Authorization": "Bearer key-acme"}, timeout=60)

@@ -180,6 +180,34 @@ def test_streamed_chunks_carry_their_choice_index(served):
     replica.store.check_integrity()
 
 
+def test_streamed_choices_carry_their_own_logprobs(served):
+    """Each choice's streamed logprobs concatenate to its non-streamed ones (chat and completions); the
+    choices differ (seed + i), so entries put on the wrong choice would fail."""
+    srv, replica = served
+    messages = [{"role": "user", "content": "Name a colour"}]
+    body = {"messages": messages, "n": 2, "max_tokens": 6, "seed": 9, "logprobs": True, "top_logprobs": 2, **HOT}
+    whole = chat(srv, body)
+    got: list[list] = [[], []]
+    for c in sse(srv, "/v1/chat/completions", body):
+        (choice,) = c["choices"]
+        got[choice["index"]] += (choice.get("logprobs") or {}).get("content") or []
+    want = [c["logprobs"]["content"] for c in whole["choices"]]
+    assert want[0] != want[1] and got == want
+    ids = Conversation(seed=314, first=30).ids[0].tolist()
+    body = {"prompt": ids, "n": 2, "max_tokens": 6, "seed": 5, "logprobs": 2, **HOT}
+    whole = complete(srv, body)
+    tokens: list[list] = [[], []]
+    values: list[list] = [[], []]
+    for c in sse(srv, "/v1/completions", body):
+        (choice,) = c["choices"]
+        lp = choice.get("logprobs") or {}
+        tokens[choice["index"]] += lp.get("tokens") or []
+        values[choice["index"]] += lp.get("token_logprobs") or []
+    assert tokens == [c["logprobs"]["tokens"] for c in whole["choices"]]
+    assert values == [c["logprobs"]["token_logprobs"] for c in whole["choices"]]
+    replica.store.check_integrity()
+
+
 def test_a_client_that_leaves_mid_stream_frees_the_forks(served):
     srv, replica = served
     ids = Conversation(seed=313, first=40).ids[0].tolist()

@@ -82,12 +82,17 @@ def test_hint_migrates_session_between_ray_replicas(cluster):
         assert _metric(http, cluster, "store_recomputed_tokens_total", replica=b) == 0
         assert _metric(http, cluster, "migrations_in_total", replica=b) == 1
         assert _metric(http, cluster, "migrated_tokens_total", replica=b) > 0
-        # streaming through the cluster with the openai client
+        # streaming through the cluster with the openai client, logprobs too (they cross Ray in the delta events)
         client = openai.OpenAI(base_url=cluster + "/v1", api_key="unused", timeout=60, max_retries=0)
-        text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-            model=TINY_NAME, messages=msgs, max_tokens=N, temperature=0, stream=True,
-            extra_body={"session_id": "zed"}) if c.choices)
-        assert text == choice["message"]["content"]
+        chunks = [c for c in client.chat.completions.create(
+            model=TINY_NAME, messages=msgs, max_tokens=N, temperature=0, stream=True, logprobs=True, top_logprobs=2,
+            extra_body={"session_id": "zed"}) if c.choices]
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == choice["message"]["content"]
+        streamed = [e for c in chunks if c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+        whole = client.chat.completions.create(model=TINY_NAME, messages=msgs, max_tokens=N, temperature=0,
+                                               logprobs=True, top_logprobs=2).choices[0].logprobs.content
+        assert [e.token for e in streamed] == [e.token for e in whole] and len(whole) == N
+        assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in whole], abs=1e-5)
 
 
 def test_skewed_sessions_balanced_across_ray_replicas(cluster):

@@ -78,7 +78,7 @@ def test_bad_sampler_values_are_400s_naming_the_field(server, fields, param):
 def test_completion_logprobs_in_the_legacy_shape_and_echo(server):
     """`logprobs: k` (OpenAI's legacy shape) holds the model's log_softmax of each generated token with k
     alternatives (and the chosen one); `echo` puts the prompt's text first (streamed too); with logprobs it
-    is a 400 naming `echo` (no prompt log-probabilities), and logprobs with stream a 400 naming `logprobs`."""
+    is a 400 naming `echo` (no prompt log-probabilities). Streamed logprobs: tests/test_serve_stream_logprobs.py."""
     import torch
 
     oracle, tok = tiny_llama(), tiny_tokenizer()
@@ -114,8 +114,7 @@ def test_completion_logprobs_in_the_legacy_shape_and_echo(server):
         chunks = [line[6:] for line in s.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
     import json
     assert "".join(json.loads(c)["choices"][0]["text"] for c in chunks) == echoed
-    for fields, param in (({"echo": True, "logprobs": 1}, "echo"), ({"stream": True, "logprobs": 1}, "logprobs"),
-                          ({"logprobs": 21}, "logprobs")):
+    for fields, param in (({"echo": True, "logprobs": 1}, "echo"), ({"logprobs": 21}, "logprobs")):
         r = complete(server.url, {"prompt": text, **fields})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 

@@ -7,6 +7,7 @@ called by the scheduler on the stepping thread; `request_cancel` is the one any 
 `WorkItem`: one request's rows in one step, and how the next rows of a request are cut.
 
 `RequestHandle`: what `Engine.submit` returns. Stream tokens or text, wait, cancel; sync or async.
+`Progress`: one consistent read of a handle's published state (what a server's stream sends from).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import asyncio
 import enum
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -314,6 +315,19 @@ def chunk_needs(item: WorkItem):
     return needs.needs(item_end(item), item.factor)
 
 
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """A handle's published state, read at once (`RequestHandle.progress`). `logprobs` and `ends` are
+    index-aligned with `tokens` (both empty unless the request asked for logprobs; `ends` also without a
+    tokenizer): `ends[i]` is where token i's text ends in the decoded output (`text.OutputText.ends`)."""
+
+    tokens: tuple[int, ...]
+    text: str                          # the stable text: what may be streamed now
+    logprobs: tuple                    # one sampling.TokenLogprob per token (with SamplingParams.logprobs)
+    ends: tuple[int, ...]
+    output: RequestOutput | None       # the final output once the request has ended
+
+
 class Loop(Protocol):
     """What a handle needs of the engine's step loop (`stepper.StepLoop`)."""
 
@@ -350,6 +364,8 @@ class RequestHandle:
         self._tokens: list[int] = []
         self._text = ""
         self._stable = 0                      # chars of _text that may be streamed
+        self._logprobs: tuple = ()            # one per token (with SamplingParams.logprobs)
+        self._ends: tuple[int, ...] = ()      # per token: where its text ends in _text (with logprobs)
         self._output: RequestOutput | None = None
 
     def __repr__(self) -> str:
@@ -358,11 +374,14 @@ class RequestHandle:
 
     # ---- engine side ----------------------------------------------------------------------------
 
-    def publish(self, tokens: list[int], text: str, stable: int, output: RequestOutput | None = None) -> None:
-        """The engine's stepping thread: the tokens and text so far (`stable` chars may be streamed);
-        `output` once the request has ended. The only writer of this handle's state."""
+    def publish(self, tokens: list[int], text: str, stable: int, output: RequestOutput | None = None,
+                logprobs: Sequence = (), ends: Sequence[int] = ()) -> None:
+        """The engine's stepping thread: the tokens and text so far (`stable` chars may be streamed), their
+        log-probabilities and text ends (`Progress`); `output` once the request has ended. The only writer
+        of this handle's state."""
         with self._cv:
             self._tokens, self._text, self._stable = list(tokens), text, stable
+            self._logprobs, self._ends = tuple(logprobs), tuple(ends)
             if output is not None:
                 self._output = output
             self._cv.notify_all()
@@ -377,6 +396,11 @@ class RequestHandle:
         """(tokens so far, the stable text so far, the final output or None), read consistently."""
         with self._cv:
             return list(self._tokens), self._text[:self._stable], self._output
+
+    def progress(self) -> Progress:
+        """Tokens, stable text, log-probabilities and text ends so far, and the final output, read consistently."""
+        with self._cv:
+            return Progress(tuple(self._tokens), self._text[:self._stable], self._logprobs, self._ends, self._output)
 
     def cancel(self) -> None:
         """Ask the engine to stop this request after the current step (no-op if already done)."""

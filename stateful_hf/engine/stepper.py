@@ -234,14 +234,17 @@ class RequestRegistry:
 
     def publish(self, items: Iterable[WorkItem], finished: Iterable[Request],
                 output: Callable[[Request], RequestOutput]) -> None:
-        """The stepping thread, after a step: the tokens of the items that sampled one, then every
-        finished request's output (`output(r)` also accounts it), its callback first; wakes waiters."""
+        """The stepping thread, after a step: the tokens (their logprobs, text ends) of the items that
+        sampled one, then every finished request's output (`output(r)` also accounts it), its callback
+        first; wakes waiters."""
         with self.cv:
             for it in items:
                 r = it.request
                 if not r.status.done and it.needs_logits:
                     text = r.text.text if r.text else ""
-                    self._handles[r.request_id].publish(r.output_ids, text, r.text.stable if r.text else 0)
+                    ends = r.text.ends if r.text and r.sampling.logprobs is not None else ()   # they align logprobs
+                    self._handles[r.request_id].publish(r.output_ids, text, r.text.stable if r.text else 0,
+                                                        logprobs=r.logprobs, ends=ends)
             for r in finished:
                 if r.text is not None:
                     r.text.finish()
@@ -254,7 +257,9 @@ class RequestRegistry:
                 if not self._active[r.session_id]:
                     del self._active[r.session_id]
                     self._idle(r.session_id)    # before the handle reads as done
-                self._handles.pop(r.request_id).publish(r.output_ids, out.text or "", len(out.text or ""), out)
+                ends = r.text.ends if r.text and r.sampling.logprobs is not None else ()
+                self._handles.pop(r.request_id).publish(r.output_ids, out.text or "", len(out.text or ""), out,
+                                                        out.logprobs or (), ends)
             self._queued_at_publish = self._queued
             self.cv.notify_all()
 

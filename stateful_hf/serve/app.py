@@ -47,6 +47,7 @@ from .protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     HintRequest,
+    StreamLogprobs,
     chat_chunk,
     chat_response,
     completion_chunk,
@@ -221,26 +222,33 @@ def create_app(router, config: ServeConfig, access: Access | None = None) -> Fas
                 choice["message"], choice["finish_reason"] = reply.message(final["text"], final["finish_reason"])
                 body["usage"] = usage(reply.counted(tok, final))
             return JSONResponse(body, headers={"X-Replica": str(final.get("replica", ""))})
+        # logprobs: each chunk carries those of the tokens delivered since the last chunk (StreamLogprobs)
+        lp = StreamLogprobs(kind == "chat", tok, sampling.logprobs is not None)
         if kind == "chat":
-            piece = lambda text, reason=None, use=None, choices=True: chat_chunk(
-                rid, model, created, {"content": text} if text or reason is None else {}, reason, use, choices)
+            piece = lambda text, reason=None, use=None, choices=True, logprobs=None: chat_chunk(
+                rid, model, created, {"content": text} if text or reason is None else {}, reason, use, choices,
+                logprobs)
         else:
-            piece = lambda text, reason=None, use=None, choices=True: completion_chunk(
-                rid, model, created, text, reason, use, choices)
+            piece = lambda text, reason=None, use=None, choices=True, logprobs=None: completion_chunk(
+                rid, model, created, text, reason, use, choices, logprobs=logprobs)
 
         async def sse() -> AsyncIterator[str]:
             async with contextlib.aclosing(events):
                 if kind == "chat":
                     yield _sse(chat_chunk(rid, model, created, {"role": "assistant", "content": ""}))
+                    for delta in reply.deltas("") if reply is not None else ():   # a call the prefill wrote whole
+                        yield _sse(chat_chunk(rid, model, created, delta, logprobs=lp.take()))
                 elif echo:
                     yield _sse(piece(echo))
                 ev = first
                 while ev is not None:
+                    if ev["type"] == "delta":
+                        lp.add(ev)
                     if ev["type"] == "delta" and ev["text"] and reply is not None:
-                        for delta in reply.deltas(ev["text"]):
-                            yield _sse(chat_chunk(rid, model, created, delta))
+                        for delta in reply.deltas(ev["text"]):     # held text: its logprobs wait with it
+                            yield _sse(chat_chunk(rid, model, created, delta, logprobs=lp.take()))
                     elif ev["type"] == "delta" and ev["text"]:
-                        yield _sse(piece(ev["text"]))
+                        yield _sse(piece(ev["text"], logprobs=lp.take()))
                     elif ev["type"] == "error":
                         yield _sse(_as_chat(APIError.from_dict(ev["error"]), kind).body())
                         break
@@ -249,8 +257,8 @@ def create_app(router, config: ServeConfig, access: Access | None = None) -> Fas
                         if reply is not None:
                             deltas, reason = reply.close(reason)
                             for delta in deltas:
-                                yield _sse(chat_chunk(rid, model, created, delta))
-                        yield _sse(piece("", reason))
+                                yield _sse(chat_chunk(rid, model, created, delta, logprobs=lp.take()))
+                        yield _sse(piece("", reason, logprobs=lp.take()))   # the rest (EOS, a stop's token)
                         if include_usage:
                             yield _sse(piece("", use=usage(ev if reply is None else reply.counted(tok, ev)),
                                              choices=False))
@@ -270,7 +278,6 @@ def create_app(router, config: ServeConfig, access: Access | None = None) -> Fas
         check_session_id(body.session_id)
         check_model(body.model)
         body.refuse_unsupported()
-        refuse_streamed_logprobs(body)
         budget = "max_completion_tokens" if body.max_tokens is None and body.max_completion_tokens else "max_tokens"
         requested = body.requested_max_tokens()
         text, reply, stops = chat_prompt(tok, body)         # tools: tools.py, tool_parse.py
@@ -292,7 +299,6 @@ def create_app(router, config: ServeConfig, access: Access | None = None) -> Fas
         check_session_id(body.session_id)
         check_model(body.model)
         body.refuse_unsupported()
-        refuse_streamed_logprobs(body)
         requested = body.requested_max_tokens()
         turns = []
         for prompt in body.prompts():
@@ -407,6 +413,7 @@ def create_app(router, config: ServeConfig, access: Access | None = None) -> Fas
                 finally:
                     await queue.put((i, None))
             tasks = [asyncio.create_task(feed(i, ids, sampling)) for i, (ids, sampling, _) in enumerate(turns)]
+            lps = [StreamLogprobs(False, tok, sampling.logprobs is not None) for _, sampling, _ in turns]
             try:
                 for i, (_, _, echo) in enumerate(turns):
                     if echo:
@@ -416,14 +423,18 @@ def create_app(router, config: ServeConfig, access: Access | None = None) -> Fas
                     i, ev = await queue.get()
                     if ev is None:
                         left -= 1
-                    elif ev["type"] == "delta" and ev["text"]:
-                        yield _sse(completion_chunk(rid, model, created, ev["text"], index=i))
+                    elif ev["type"] == "delta":
+                        lps[i].add(ev)
+                        if ev["text"]:
+                            yield _sse(completion_chunk(rid, model, created, ev["text"], index=i,
+                                                        logprobs=lps[i].take()))
                     elif ev["type"] == "error":
                         yield _sse(APIError.from_dict(ev["error"]).body())
                         break
                     elif ev["type"] == "done":
                         finals.append(ev)
-                        yield _sse(completion_chunk(rid, model, created, "", ev["finish_reason"], index=i))
+                        yield _sse(completion_chunk(rid, model, created, "", ev["finish_reason"], index=i,
+                                                    logprobs=lps[i].take()))
                 else:
                     if include_usage:
                         yield _sse(completion_chunk(rid, model, created, "", use=total(finals), choices=False))
@@ -474,14 +485,6 @@ def create_app(router, config: ServeConfig, access: Access | None = None) -> Fas
 
     install_openapi(app, config.model_name, SESSION_ID)       # /openapi.json: request bodies and errors (openapi.py)
     return app
-
-
-def refuse_streamed_logprobs(body) -> None:
-    """logprobs come with the whole answer only (the engine's stream carries tokens and text): with
-    `stream: true` they are a 400 naming `logprobs`."""
-    if body.logprobs not in (None, False) and body.stream:
-        raise APIError(400, "logprobs are returned by non-streaming requests only; set stream to false",
-                       param="logprobs", code="unsupported_parameter")
 
 
 def check_session_id(named: str | None, param: str = "session_id") -> None:

@@ -29,7 +29,15 @@ from dataclasses import dataclass, replace
 from ..cache.sessions.history import common_prefix
 from ..cache.sessions.tenant import session_key, split_key
 from ..engine import SamplingParams
-from .protocol import APIError, chat_chunk, chat_response, completion_chunk, completion_response, usage
+from .protocol import (
+    APIError,
+    StreamLogprobs,
+    chat_chunk,
+    chat_response,
+    completion_chunk,
+    completion_response,
+    usage,
+)
 
 FORK_MARK = "#"                   # in fork sessions' ids; never in a client's (app.SESSION_ID)
 _INT64 = 2**63
@@ -365,15 +373,20 @@ def _choice(groups: Sequence[ChoiceGroup], finals: dict[int, dict], shape: Choic
 
 async def _sse(events: AsyncIterator[tuple[int, dict]], first: tuple[int, dict], groups: Sequence[ChoiceGroup],
                shape: ChoiceShape, rid: str, created: int) -> AsyncIterator[str]:
-    """The answer's server-sent events: every chunk carries its choice's `index`."""
+    """The answer's server-sent events: every chunk carries its choice's `index` and, when asked, the
+    logprobs of the tokens its text completes (one `StreamLogprobs` per choice, as a single choice's)."""
     chat, model, finals = shape.kind == "chat", shape.model, {}
+    lps = {i: StreamLogprobs(chat, shape.tokenizer, g.sampling.logprobs is not None)
+           for g in groups for i in range(g.first, g.first + g.n)}
 
-    def piece(i: int, text: str = "", reason: str | None = None, delta: dict | None = None) -> str:
+    def piece(i: int, text: str = "", reason: str | None = None, delta: dict | None = None,
+              logprobs: bool = True) -> str:
+        lp = lps[i].take() if logprobs else None
         if chat:
             body = chat_chunk(rid, model, created, delta if delta is not None else
-                              ({"content": text} if text or reason is None else {}), reason)
+                              ({"content": text} if text or reason is None else {}), reason, logprobs=lp)
         else:
-            body = completion_chunk(rid, model, created, text, reason, index=i)
+            body = completion_chunk(rid, model, created, text, reason, index=i, logprobs=lp)
         body["choices"][0]["index"] = i
         return _data(body)
 
@@ -381,13 +394,15 @@ async def _sse(events: AsyncIterator[tuple[int, dict]], first: tuple[int, dict],
         for g in groups:
             for i in range(g.first, g.first + g.n):
                 if chat:
-                    yield piece(i, delta={"role": "assistant", "content": ""})
+                    yield piece(i, delta={"role": "assistant", "content": ""}, logprobs=False)
                 elif g.echo:
-                    yield piece(i, g.echo)
+                    yield piece(i, g.echo, logprobs=False)
         item: tuple[int, dict] | None = first
         while item is not None:
             i, ev = item
             reader = shape.readers[i] if shape.readers is not None else None
+            if ev["type"] == "delta":
+                lps[i].add(ev)
             if ev["type"] == "delta" and ev["text"]:
                 if reader is not None:
                     for delta in reader.deltas(ev["text"]):

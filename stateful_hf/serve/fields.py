@@ -9,7 +9,7 @@ extensions, each with what this server does with it (`FieldStatus`): the one lis
 
 A field in none of the lists of its endpoint is dropped with a warning naming it, once per field name
 (vLLM's behaviour); with `--strict-fields` it is a 400 naming it (OpenAI's). `check` runs on the raw JSON
-object before the request model parses it (app.py's `_parse`). Combinations (`logprobs` with `stream`,
+object before the request model parses it (app.py's `_parse`). Combinations (`echo` with `logprobs`,
 `top_logprobs` without `logprobs`) and values (ranges) are the request models' checks, not this list's.
 docs/server-api.md lists the fields (checked against this list by tests/test_serve_fields.py).
 """
@@ -119,7 +119,7 @@ _SAMPLING = [     # chat and completions alike
 _CHAT = [
     ("messages", IMPL, "openai", "text content parts; tool turns", None, (None,)),
     ("max_completion_tokens", IMPL, "openai", "as max_tokens", 3, (None,)),
-    ("logprobs", IMPL, "openai", "per-token log-probabilities (not with stream yet: a 400)", True, (None, False)),
+    ("logprobs", IMPL, "openai", "per-token log-probabilities, streamed too", True, (None, False)),
     ("top_logprobs", IMPL, "openai", "0-20 alternatives, with logprobs", 2, (None,)),
     ("tools", IMPL, "openai", "function tools (docs/agents.md)", None, (None,)),
     ("tool_choice", IMPL, "openai", "auto, none, required or a named function", None, (None,)),
@@ -155,7 +155,7 @@ _COMPLETIONS = [
      (None,)),
     ("echo", IMPL, "openai", "the prompt's text before the completion's (not with logprobs: a 400)", True,
      (None, False)),
-    ("logprobs", IMPL, "openai", "0-20: the legacy shape, with that many alternatives (not with stream: a 400)", 1,
+    ("logprobs", IMPL, "openai", "0-20: the legacy shape, with that many alternatives; streamed too", 1,
      (None,)),
     ("suffix", REFD, "openai", "no insertion", "x", _NO),
     ("response_format", REFD, "vllm", "constrained decoding on chat only", {"type": "json_object"},
@@ -192,8 +192,8 @@ _RESPONSES = [
      (None, False)),
     ("conversation", REFD, "openai", "no conversations API", "conv_1", _NO),
     ("prompt", REFD, "openai", "no prompt templates", {"id": "p"}, _NO),
-    ("include", IMPL, "openai", "message.output_text.logprobs (plain-text replies, not streamed); other values: "
-     "a 400", ["message.output_text.logprobs"], (None,)),
+    ("include", IMPL, "openai", "message.output_text.logprobs (plain-text replies, streamed too); other "
+     "values: a 400", ["message.output_text.logprobs"], (None,)),
     ("top_logprobs", IMPL, "openai", "0-20 alternatives per token, with the logprobs include", 2, (None,)),
     ("reasoning", REFD, "openai", "no effort control", {"effort": "low"}, (None, {}, {"effort": None})),
     ("max_tool_calls", REFD, "openai", "no limit on calls", 1, (None,)),

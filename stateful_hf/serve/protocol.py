@@ -296,9 +296,10 @@ def usage(out: dict) -> dict:
 
 
 def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: str | None = None,
-               use: dict | None = None, choices: bool = True) -> dict:
+               use: dict | None = None, choices: bool = True, logprobs: dict | None = None) -> dict:
+    """`logprobs`: the choice's, of the tokens whose text this chunk completes (`chat_logprobs`)."""
     body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
             if choices else []}
     if use is not None:
         body["usage"] = use
@@ -306,9 +307,11 @@ def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: s
 
 
 def completion_chunk(rid: str, model: str, created: int, text: str, finish_reason: str | None = None,
-                     use: dict | None = None, choices: bool = True, index: int = 0) -> dict:
+                     use: dict | None = None, choices: bool = True, index: int = 0,
+                     logprobs: dict | None = None) -> dict:
+    """`logprobs`: the choice's, of the tokens whose text this chunk completes (`completion_logprobs`)."""
     body = {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}]
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]
             if choices else []}
     if use is not None:
         body["usage"] = use
@@ -326,6 +329,32 @@ def chat_logprobs(out: dict, tokenizer) -> dict | None:
         return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
     return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in alts]}
                         for t, lp, alts in out["logprobs"]], "refusal": None}
+
+
+class StreamLogprobs:
+    """The logprobs of one streamed choice: the entries its delta events deliver (`"logprobs"`: the tokens
+    whose text the event's text completes) wait for the choice's next chunk, which takes them all, in the
+    endpoint's shape (`chat_logprobs`, or `completion_logprobs` with the text offsets running on); so the
+    chunks' logprobs concatenate to the non-streaming answer's. `asked` False: every chunk's is None."""
+
+    def __init__(self, chat: bool, tokenizer, asked: bool):
+        self.chat, self.tokenizer, self.asked = chat, tokenizer, asked
+        self.pending: list = []            # wire entries delivered, not yet in a chunk
+        self.offset = 0                    # completions: the text offset of the next token
+
+    def add(self, event: dict) -> None:
+        self.pending += event.get("logprobs") or ()
+
+    def take(self) -> dict | None:
+        if not self.asked:
+            return None
+        entries, self.pending = self.pending, []
+        if self.chat:
+            return chat_logprobs({"logprobs": entries}, self.tokenizer)
+        out = completion_logprobs({"logprobs": entries}, self.tokenizer, self.offset)
+        assert out is not None
+        self.offset += sum(map(len, out["tokens"]))
+        return out
 
 
 def chat_response(rid: str, model: str, out: dict, token_ids: bool = False, tokenizer=None) -> dict:

@@ -1,10 +1,12 @@
 """`Replica`: one engine behind the server (the single-machine server has one; a cluster N).
 
 Streams a turn as plain-dict events (so they cross process boundaries unchanged):
-`{"type": "delta", "text", "token_ids"}`..., then `{"type": "done", ...final...}` or
-`{"type": "error", "error": APIError.to_dict()}`. Also hints, session export/import (migration),
-load and metrics. Everything is async-friendly: no request parks a thread; one watcher thread
-(`stream_hub.py`) wakes after each engine step and forwards progress to the waiting coroutines.
+`{"type": "delta", "text", "token_ids"}`... (with `"logprobs"` when the sampling asks: those of the
+tokens whose text the delta's text completes, so the deltas' logprobs concatenate to the final ones),
+then `{"type": "done", ...final...}` or `{"type": "error", "error": APIError.to_dict()}`. Also hints,
+session export/import (migration), load and metrics. Everything is async-friendly: no request parks a
+thread; one watcher thread (`stream_hub.py`) wakes after each engine step and forwards progress to the
+waiting coroutines.
 """
 
 from __future__ import annotations
@@ -39,6 +41,23 @@ def api_error(e: BaseException) -> APIError:
     if isinstance(e, (ValueError, TypeError)):    # a bad prompt, or a turn under another cache_salt
         return APIError(400, str(e), param="cache_salt" if "cache_salt" in str(e) else "prompt", code="invalid_prompt")
     return logged(e, "a turn")         # a generic 500 with a request id; the exception is logged
+
+
+def wire_logprobs(entries) -> list:
+    """`sampling.TokenLogprob`s as plain lists (events cross process boundaries): [[token, logprob,
+    [[alternative, logprob], ...]], ...]."""
+    return [[t, lp, [list(a) for a in alts]] for t, lp, alts in entries]
+
+
+def covered(ends, start: int, chars: int, n: int) -> int:
+    """One past the last of the `n` tokens, from `start` on, whose text ends within the first `chars`
+    chars streamed (`ends[i]`: where token i's text ends; tokens past `ends`, as without a tokenizer,
+    wait for the end). Tokens are taken in order: one whose text is held back (a stop string forming, an
+    incomplete UTF-8 sequence) holds back those after it, so each token is sent once, with its text."""
+    k = start
+    while k < min(n, len(ends)) and ends[k] <= chars:
+        k += 1
+    return k
 
 
 class Replica:
@@ -97,12 +116,13 @@ class Replica:
                 self.turns.release(sid)
             raise
         st = self.hub.open(handle)
-        sent_text, sent_tok = 0, 0
+        sent_text, sent_tok, sent_lp = 0, 0, 0
         try:
             while True:
                 await st.event.wait()
                 st.event.clear()
-                tokens, text, out = st.latest
+                p = st.latest                  # a request.Progress
+                tokens, text, out, lps = p.tokens, p.text, p.output, p.logprobs
                 if out is not None:
                     if out.error is not None:
                         done = True
@@ -110,8 +130,13 @@ class Replica:
                         yield {"type": "error", "error": api_error(out.error).to_dict()}
                         return
                     text = out.text or ""
-                if len(text) > sent_text or len(tokens) > sent_tok:
-                    yield {"type": "delta", "text": text[sent_text:], "token_ids": tokens[sent_tok:]}
+                if len(text) > sent_text or len(tokens) > sent_tok or (out is not None and len(lps) > sent_lp):
+                    ev = {"type": "delta", "text": text[sent_text:], "token_ids": list(tokens[sent_tok:])}
+                    if sampling.logprobs is not None:      # the tokens whose text this delta completes
+                        upto = len(lps) if out is not None else covered(p.ends, sent_lp, len(text), len(lps)) \
+                            if len(text) > sent_text else sent_lp
+                        ev["logprobs"], sent_lp = wire_logprobs(lps[sent_lp:upto]), upto
+                    yield ev
                     sent_text, sent_tok = len(text), len(tokens)
                 if out is not None:
                     done = True
@@ -147,8 +172,7 @@ class Replica:
                 "prompt_tokens": m.prompt_tokens, "completion_tokens": m.output_tokens,
                 "reused_tokens": m.reused_tokens, "recomputed_tokens": m.recomputed_tokens,
                 "ttft": m.ttft, "tpot": m.tpot, "replica": self.name,
-                "logprobs": None if out.logprobs is None else [[t, lp, [list(a) for a in alts]]
-                                                                for t, lp, alts in out.logprobs]}
+                "logprobs": None if out.logprobs is None else wire_logprobs(out.logprobs)}
 
     def _moved(self, batch) -> None:
         """A store move batch (engine thread, store lock held): metrics, and per-turn restored tokens."""

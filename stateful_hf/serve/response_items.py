@@ -140,11 +140,14 @@ class OutputBuilder:
         self.message: dict | None = None           # the message or reasoning item being written
         self.call: dict | None = None              # the function_call item being written
 
-    def add(self, pieces) -> list[dict]:
+    def add(self, pieces, logprobs: list | None = None) -> list[dict]:
+        """The events of `pieces`; `logprobs`: entries (chat's shape) of the tokens whose text the first
+        text piece completes: its delta event carries them and the message's part keeps them."""
         events: list[dict] = []
         for kind, p in pieces:
             if kind in ("text", "reasoning"):
-                events += self._text(p, kind)
+                events += self._text(p, kind, logprobs if kind == "text" else None)
+                logprobs = None if kind == "text" else logprobs
             elif kind == "call":
                 events += self._close_message() + self._call(p)
             elif kind == "args":
@@ -157,7 +160,7 @@ class OutputBuilder:
     def close(self) -> list[dict]:
         return self._close_message()
 
-    def _text(self, delta: str, kind: str = "text") -> list[dict]:
+    def _text(self, delta: str, kind: str = "text", logprobs: list | None = None) -> list[dict]:
         events = []
         if self.message is not None and (self.message["type"] == "reasoning") != (kind == "reasoning"):
             events += self._close_message()
@@ -177,8 +180,10 @@ class OutputBuilder:
             events.append({**self._at(), "type": "response.content_part.added", "content_index": 0,
                            "part": dict(part)})
         self.message["content"][0]["text"] += delta
+        if logprobs:
+            self.message["content"][0]["logprobs"] += logprobs
         events.append({**self._at(), "type": f"response.{self._kind()}.delta", "content_index": 0, "delta": delta,
-                       **({} if kind == "reasoning" else {"logprobs": []})})
+                       **({} if kind == "reasoning" else {"logprobs": list(logprobs or ())})})
         return events
 
     def _kind(self) -> str:
@@ -188,7 +193,7 @@ class OutputBuilder:
         if self.message is None:
             return []
         part = self.message["content"][0]
-        extra = {} if self.message["type"] == "reasoning" else {"logprobs": []}
+        extra = {} if self.message["type"] == "reasoning" else {"logprobs": list(part["logprobs"])}
         events = [{**self._at(), "type": f"response.{self._kind()}.done", "content_index": 0, "text": part["text"],
                    **extra},
                   {**self._at(), "type": "response.content_part.done", "content_index": 0, "part": dict(part)}]

@@ -13,7 +13,9 @@ A background response (`background: true`) is stored as `queued` when it is crea
 the event loop (`in_progress` from its first output), and ends `completed` / `incomplete` (continuable as
 any stored response), `failed` or `cancelled` (`POST /v1/responses/{id}/cancel`; neither is
 continuable). `include: ["message.output_text.logprobs"]` with `top_logprobs` returns the reply's
-log-probabilities in its output_text part (plain-text replies, not streamed).
+log-probabilities in its output_text part (plain-text replies); streamed, each `output_text.delta`
+carries those of the tokens whose text it completes (the rest, an EOS's, in a last empty delta), and
+`output_text.done` all of them.
 
 Items and events: `response_items.py`; stored responses: `response_store.py`.
 """
@@ -38,7 +40,7 @@ from ..cache.sessions.tenant import session_key
 from ..engine import SamplingParams
 from ..engine.sampling import MAX_LOGPROBS
 from .auth import request_tenant
-from .protocol import APIError, chat_logprobs, max_tokens_for, sampling_params
+from .protocol import APIError, StreamLogprobs, chat_logprobs, max_tokens_for, sampling_params
 from .reasoning import reasons, with_reasoning_tokens
 from .response_items import OutputBuilder, input_messages, item_id, reply_message, response_usage
 from .response_store import PromptKey, ResponseStore, StoredResponse
@@ -100,9 +102,6 @@ class ResponsesRequest(BaseModel):
             if value != LOGPROBS:
                 raise APIError(400, f"include.{i}: unknown value {value[:80]!r} (supported: {LOGPROBS!r})",
                                param=f"include.{i}", code="invalid_value")
-        if self.logprobs is not None and self.stream:
-            raise APIError(400, "log-probabilities are returned by non-streaming responses only; set stream to "
-                           "false or remove the logprobs include", param="include", code="unsupported_parameter")
         if self.background and self.stream:
             raise APIError(400, "a background response is polled with GET /v1/responses/{id}, not streamed; set "
                            "stream to false", param="background", code="unsupported_parameter")
@@ -354,17 +353,26 @@ def install(app, router, config, kit) -> ResponseStore:
             started = response_object(turn, rid, created, config.model_name, [], None)
             yield emit({"type": "response.created", "response": started})
             yield emit({"type": "response.in_progress", "response": started})
+            lp = StreamLogprobs(True, tok, turn.sampling.logprobs is not None)    # plain text only (prepare)
+
+            def entries() -> list | None:
+                got = lp.take()
+                return None if got is None else got["content"]
             async with contextlib.aclosing(events):
                 ev = first
                 while ev is not None:
                     if ev["type"] == "delta":
-                        for e in builder.add(pieces(ev["text"])):
+                        lp.add(ev)
+                        for e in builder.add(pieces(ev["text"]), entries() if ev["text"] else None):
                             yield emit(e)
                     elif ev["type"] == "error":
                         err = _as_input(APIError.from_dict(ev["error"]))
                         yield emit({"type": "error", "code": err.code, "message": err.message, "param": err.param})
                         return
                     elif ev["type"] == "done":
+                        if lp.pending and builder.message is not None:   # the tokens without text (an EOS)
+                            for e in builder.add([("text", "")], entries()):
+                                yield emit(e)
                         for e in builder.add(parser.close() if parser else []) + builder.close():
                             yield emit(e)
                         obj = finish(turn, rid, created, builder, counted(ev, parser))

@@ -2,7 +2,7 @@
 
 Owns: the open streams (one per turn being streamed: its handle, its event loop, an asyncio event
 and the last snapshot seen) and one daemon thread for all of them. It may mutate only its streams;
-it reads each handle's published state (`RequestHandle.snapshot`) under the engine's condition,
+it reads each handle's published state (`RequestHandle.progress`) under the engine's condition,
 which the engine notifies after every step. A stream is delivered on its own loop
 (`call_soon_threadsafe`): the coroutine waits on `event`, then reads `latest`.
 """
@@ -16,7 +16,8 @@ from ..engine import Engine
 
 
 class _Stream:
-    """One streamed turn: `event` is set on `loop` when `latest` (tokens, text, output) changed."""
+    """One streamed turn: `event` is set on `loop` when `latest` (a `Progress`: tokens, stable text,
+    logprobs, text ends, output) changed."""
 
     __slots__ = ("handle", "loop", "event", "seen", "latest")
 
@@ -75,11 +76,11 @@ class StreamHub:
     def _collect(streams):
         out = []
         for st in streams:      # the handle's published state (RequestHandle.publish), read under engine.condition
-            tokens, text, output = st.handle.snapshot()
-            key = (len(tokens), len(text), output is not None)
+            snap = st.handle.progress()
+            key = (len(snap.tokens), len(snap.text), snap.output is not None)
             if key != st.seen:
                 st.seen = key
-                out.append((st, (tokens, text, output)))
+                out.append((st, snap))
         return out
 
     @staticmethod
