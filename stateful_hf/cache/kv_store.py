@@ -22,7 +22,7 @@ from ..options import KVStoreKwargs, Layout, StoreConfig, TokensOrSize, Unpack
 from .audit.integrity import check_integrity
 from .audit.stats import SessionStats, StoreStats, TurnStats, summary
 from .audit.store_stats import session_stats, store_stats
-from .eviction.policy import EvictionPolicy
+from .eviction.policy import CostProfile, EvictionPolicy
 from .movement.migration import SessionExport, export_session, import_sessions
 from .movement.relocation import chunk_indices, target_state
 from .sessions.history import common_prefix
@@ -101,6 +101,11 @@ class KVStore:
     def policy(self, policy: EvictionPolicy) -> None:  # noqa: F811 (the property above, given its setter)
         with self.lock:
             self.placement.policy = policy
+
+    def use_cost_profile(self, profile: CostProfile) -> None:
+        """The eviction policy's keys read `profile` from now on (the engine's online correction)."""
+        with self.lock:
+            self.placement.policy.use_profile(profile)
 
     # ---- sessions and their history (history.py) -------------------------------------------------
 
@@ -411,7 +416,7 @@ class KVStore:
         with self.lock:
             if session_id is not None:
                 return session_stats(self.sessions.get(session_id), self.block_size)
-            profile = getattr(self.placement.policy, "profile", None)
+            profile = self.placement.policy.profile
             return dataclasses.replace(store_stats(self.sessions, self.tiers, self.counters),
                                        cost_profile=None if profile is None else profile.source)
 

@@ -22,6 +22,7 @@ from ..options import (
     Unpack,
     split_engine_options,
 )
+from ..profile.correction import CostCorrection, StepRows
 from . import frontends
 from .admission import refusal
 from .frontends import Conversations
@@ -100,10 +101,12 @@ class Engine:
         self.throwaway = ThrowawaySessions(door, self.loop.cv)
         self.requests = RequestRegistry(self.loop, self.throwaway.forget)
         self.warmups = WarmUps(door, self.requests, c.warm_ahead)
+        base = door.policy.profile or (self.layerwise.profile if self.layerwise is not None else None)
+        self.cost = CostCorrection(base, door.block_size) if base is not None else None
         self.stepper = Stepper(self.scheduler, self.runner, self.requests, self.eos, self.slo, self.ttft_slo,
                                self.tpot_slo, c.keep_step_records,
                                self.thread_sizer.fit if self.thread_sizer is not None else None,
-                               before_step=self._before_step)
+                               before_step=self._before_step, observe_cost=self._observe_cost if base else None)
         self.steps = self.stepper.records          # the last `keep_step_records` StepRecords
         self.chats = Conversations(self.submit, self.requests.when_finished, tokenizer)
         self.hints = Prefetcher(self)
@@ -197,6 +200,16 @@ class Engine:
         """Submit the warm-ups due now, before each step."""
         if self._warm_due():
             self.warmups.submit_due()
+
+    def _observe_cost(self, rows: StepRows, seconds: float) -> None:
+        """A step's time against the cost profile: a correction (`profile/correction.py`) goes to the store's
+        eviction policy and to LayerKV's policy (stepping thread)."""
+        assert self.cost is not None
+        profile = self.cost.observe(rows, seconds)
+        if profile is not None:
+            self.store.use_cost_profile(profile)
+            if self.layerwise is not None:
+                self.layerwise.profile = profile
 
     def step(self) -> StepRecord | None:
         """Run one engine iteration (admit, schedule, forward, sample, publish; `stepper.py`). Returns what ran."""

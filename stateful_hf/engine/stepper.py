@@ -52,6 +52,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable
 
 from ..cache.doors.engine import DEFAULT_TENANT, Committed, EngineStore, UnknownSessionError, session_key
+from ..profile.correction import StepRows, step_rows
 from .request import Request, RequestHandle, RequestOutput, RequestStatus, WorkItem
 from .runner import ModelRunner, StepRecord, StepTotals
 from .scheduler import Scheduler
@@ -62,8 +63,10 @@ class Stepper:
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, requests: RequestRegistry,
                  eos: frozenset[int], slo: SloPolicy | None, ttft_slo: float | None, tpot_slo: float | None,
                  keep_records: int, before_forward: Callable[[int], object] | None = None,
-                 before_step: Callable[[], object] | None = None):
+                 before_step: Callable[[], object] | None = None,
+                 observe_cost: Callable[[StepRows, float], object] | None = None):
         self.before_forward, self.before_step = before_forward, before_step
+        self.observe_cost = observe_cost         # the cost profile's online correction (None: no profile)
         self.scheduler, self.runner, self.requests, self.eos = scheduler, runner, requests, eos
         self.slo, self.ttft_slo, self.tpot_slo = slo, ttft_slo, tpot_slo
         self.records: deque[StepRecord] = deque(maxlen=keep_records)
@@ -96,6 +99,8 @@ class Stepper:
                     items, tokens, committed = self._isolate(items, e)
                 # rows feeding a sampled token (decode) vs prompt rows, told apart before `complete`
                 decode_rows = sum(1 for it in items if it.request.output_ids and it.new_ids)
+                rows = step_rows([(it.recompute, it.start, len(it.new_ids), bool(it.request.output_ids))
+                                  for it in items]) if self.observe_cost is not None and items else None
                 if items:
                     self.scheduler.complete(items, tokens, self.eos, committed)
                     record = self.runner.record(self.totals.steps, items, time.monotonic() - t0, committed)
@@ -103,6 +108,8 @@ class Stepper:
                     self.totals.add_step(items, record, decode_rows)
                     if self.slo is not None:    # prefill rows = every row but the decode ones
                         self.slo.observe_step(record.num_tokens - decode_rows, decode_rows, record.seconds)
+                    if rows is not None and self.observe_cost is not None:
+                        self.observe_cost(rows, record.seconds)
             self.last_seconds = record.seconds if record is not None else 0.0
             self._publish(items)
             return record

@@ -65,6 +65,11 @@ class EngineStore(Protocol):
         """The eviction policy (reads: its cost profile, where it has one)."""
         ...
 
+    def use_cost_profile(self, profile: CostProfile) -> None:
+        """Changes: the cost profile the eviction policy's keys read (the engine's online correction); a
+        policy whose keys read none ignores it."""
+        ...
+
     @property
     def clock(self) -> Callable[[], float]:
         """The store's clock, in seconds (the time `expect` and `due` speak in)."""

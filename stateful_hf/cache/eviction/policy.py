@@ -86,9 +86,16 @@ class EvictionPolicy:
     each ranking; both are no-ops unless a policy learns from them."""
 
     name = "base"
+    profile: CostProfile | None = None     # Cost(l), for the policies whose keys read it
 
     def key(self, session: Session, k: int, block_size: int, now: float) -> tuple:
         raise NotImplementedError
+
+    def use_profile(self, profile: CostProfile) -> None:
+        """Later keys read `profile` (the engine's online correction, `profile/correction.py`); a policy
+        whose keys read no cost profile ignores it."""
+        if self.profile is not None:
+            self.profile = profile
 
     def observe_return(self, gap: float) -> None:
         """A conversation idle for `gap` seconds started a turn."""
@@ -239,6 +246,13 @@ class FairSharePolicy(EvictionPolicy):
         self._sessions: list[Session] = []
         self._now = 0.0
         self._rank: dict[tuple[str, int], tuple[int, float]] | None = {}
+
+    @property
+    def profile(self):                 # the inner policy's (its keys are the ones that read it)
+        return self.inner.profile
+
+    def use_profile(self, profile):
+        self.inner.use_profile(profile)
 
     def observe_return(self, gap):
         self.inner.observe_return(gap)
