@@ -8,8 +8,9 @@ shutdown costs.
 Rounds, on one --disk-dir:
 1. warm-up: every session's first `--turns` turns, in bursts (all sessions at once, `--concurrency` in flight);
    the server-side TTFT of each session's last returning turn is the reference ("before").
-2. each of `--kills` rounds: the sessions keep taking turns (a random pause of 0-`--think` s between two turns of a
-   session) and the server is SIGKILLed at a random moment of that traffic; each session's last completion time
+2. each of `--kills` rounds: the sessions keep taking turns (a random pause of 0-`--think` s before each turn of a
+   session, so at the kill some are idle since the warm-up, some in flight, some just done) and the server is
+   SIGKILLed at a random moment of that traffic (`--kill-after`); each session's last completion time
    is recorded against the kill's. Restart; every session sends its next turn (its last completed conversation
    plus a user message). A session is kept whole when that turn reuses every token the server held after its
    last completed turn (prompt + answer - 1: the answer's last token has no KV yet). Target: every session whose
@@ -24,7 +25,8 @@ Rounds, on one --disk-dir:
 Wrong answers: every returning turn after a restart is compared, token for token, with stateless greedy
 `generate` (transformers, float32) on the same ids in this process, after the servers are down (`--verify`
 limits the sessions that send a turn after the SIGTERM restart: a random sample, for `--sessions 10000`).
-The cheap mode for many sessions: `--model tiny-random --turns 1 --answer 1 --kills 0 --streams 0`.
+The cheap mode for many sessions: `--model tiny-random --turns 1 --answer 1 --kills 0 --streams 0 --verify 200
+--device-tokens 65536`.
 """
 
 from __future__ import annotations
@@ -342,7 +344,7 @@ def main(argv=None) -> None:
     p.add_argument("--kills", type=int, default=1)
     p.add_argument("--kill-after", type=float, nargs=2, default=(4.0, 10.0), metavar=("MIN", "MAX"),
                    help="seconds of traffic before a kill: uniform in [MIN, MAX]")
-    p.add_argument("--think", type=float, default=4.0, help="a session's pause between turns in a kill round: "
+    p.add_argument("--think", type=float, default=12.0, help="a session's pause between turns in a kill round: "
                    "0-THINK s")
     p.add_argument("--streams", type=int, default=4)
     p.add_argument("--stream-tokens", type=int, default=1900)
@@ -353,6 +355,8 @@ def main(argv=None) -> None:
     p.add_argument("--drain", type=float, default=1.0, help="the queue drain allowed on top of the delay")
     p.add_argument("--shutdown-flush-timeout", type=float, default=4.0)
     p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--device-tokens", type=int, help="the device tier (none: room for every session); smaller: the "
+                   "older sessions live on disk (write-behind's copies), as 10^4 sessions would")
     p.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS of the server")
     p.add_argument("--skip-oracle", action="store_true")
     p.add_argument("--oracle-threads", type=int, default=1, help="torch threads of the oracle's generate")
@@ -367,8 +371,9 @@ def main(argv=None) -> None:
     _, tok = load(args.model)
     sessions = [Session(f"s{i}", first_prompt(tok, i, args.words)) for i in range(args.sessions)]
     longest = max(len(s.ids) for s in sessions) + (args.turns + 3 * args.kills + 8) * (args.answer + 32)
-    args.device_tokens = args.sessions * (longest + 64) + (args.streams + 1) * (args.stream_tokens + 128) + 4096
-    args.disk_tokens = 2 * args.device_tokens
+    if args.device_tokens is None:         # every session on the device
+        args.device_tokens = args.sessions * (longest + 64) + (args.streams + 1) * (args.stream_tokens + 128) + 4096
+    args.disk_tokens = 2 * max(args.device_tokens, args.sessions * (longest + 64))     # room for every session
     disk = Path(args.dir or f"/tmp/restart_drill_{os.getpid()}") / "disk"
     logs = disk.parent
     logs.mkdir(parents=True, exist_ok=True)
