@@ -114,7 +114,8 @@ def test_store_flags_are_the_options_marked_as_flags():
     marked = [f for f in fields(SessionStoreOptions) if f.metadata.get("flag")]
     assert {f.name for f in marked} == {"device_capacity", "host_capacity", "disk_dir", "disk_capacity", "policy",
                                         "attn_backend", "hidden_states", "hidden_capacity", "chunk_size",
-                                        "max_sessions", "session_ttl", "max_retain", "batch_invariant"}
+                                        "max_sessions", "session_ttl", "max_retain", "write_behind_delay",
+                                        "batch_invariant"}
     for f in marked:
         action = dests[f.name]
         assert action.help.startswith(f.metadata.get("cli") or f.metadata["help"]), (f.name, action.help)

@@ -241,7 +241,8 @@ def test_the_demo_shares_the_store_and_model_flags():
     assert flags.store_options(server_parser(), a) == {
         "device_capacity": "256MiB", "host_capacity": None, "disk_dir": None, "disk_capacity": None, "chunk_size": 32,
         "attn_backend": "torch", "policy": "lru", "hidden_states": "always", "hidden_capacity": "2GiB",
-        "max_sessions": None, "session_ttl": None, "max_retain": 600.0, "batch_invariant": None}
+        "max_sessions": None, "session_ttl": None, "max_retain": 600.0, "write_behind_delay": 1.0,
+        "batch_invariant": None}
 
 
 # ---- a real server ----------------------------------------------------------------------------------

@@ -105,7 +105,7 @@ class StoreOptions(Options):
         "write_behind_delay after its turn ended, keeping the serving copy on the device or host, so a restart "
         "finds them) or evict (a chunk reaches disk only when evicted there)")
     write_behind_delay: float = option(1.0, "seconds a finished turn waits before its chunks' disk copies are "
-                                       "queued (a session that starts its next turn sooner waits again)")
+                                       "queued (a session that starts its next turn sooner waits again)", flag=True)
     write_behind_queue: TokensOrSize = option("64MiB", "the write-behind queue's cap (tokens or a size): chunks "
                                               "staged for disk at once; a copy that does not fit is skipped and "
                                               "counted, never waited for")

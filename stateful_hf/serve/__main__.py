@@ -122,6 +122,10 @@ def parser() -> argparse.ArgumentParser:
                    "(OpenAI's behaviour; off: dropped with a warning, vLLM's); docs/server-api.md lists the fields")
     p.add_argument("--session-wait-timeout", type=float, default=30.0,
                    help="seconds a turn waits for its session's previous turn before a 409 (Retry-After: 1)")
+    p.add_argument("--shutdown-flush-timeout", type=float, default=4.0, metavar="SECONDS",
+                   help="on SIGTERM or Ctrl-C, after the turns in flight are cancelled: seconds each replica gives "
+                   "writing what is not on disk yet to --disk-dir, so a restart keeps the sessions; 0: nothing "
+                   "(write-behind's copies only); docs/durability.md")
     p.add_argument("--ray", action="store_true", help="cluster mode: engine replicas on Ray Serve")
     p.add_argument("--replicas", type=int, default=2, help="with --ray: engine replicas")
     p.add_argument("--ray-address", default="auto", help="with --ray: the cluster (`ray start --head` first)")
@@ -191,6 +195,8 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> str | None:
             p.error(f"{flag} must be >= {least}, got {value}")
     if not a.session_wait_timeout > 0:
         p.error("--session-wait-timeout must be > 0")
+    if not 0 <= a.shutdown_flush_timeout < float("inf"):
+        p.error(f"--shutdown-flush-timeout must be a number of seconds >= 0, got {a.shutdown_flush_timeout}")
     if not 0 < a.port < 65536:
         p.error(f"--port must be in 1..65535, got {a.port}")
     a.notes = vllm_flags.check_vllm_flags(p, a, a.argv)
@@ -228,7 +234,7 @@ def main(argv=None) -> None:
     shared = {} if a.prefix_sharing is None else {"prefix_sharing": a.prefix_sharing}
     try:
         options = EngineOptions(**store, **scheduling, **shared, session_wait_timeout=a.session_wait_timeout,
-                                tenant_shares=dict(a.tenant_share),
+                                tenant_shares=dict(a.tenant_share), shutdown_flush_timeout=a.shutdown_flush_timeout,
                                 compile={"auto": "auto", "on": True, "off": False}[a.compile])
     except ValueError as e:
         p.error(flags.as_flags(" ".join(str(e).split()), SessionStoreOptions, SchedulingOptions))
@@ -242,12 +248,10 @@ def main(argv=None) -> None:
                     access=access, load=dict(hub, chat_template=template), max_model_len=a.max_model_len, seed=a.seed,
                     router_db=a.router_db, responses=a.responses, strict_fields=a.strict_fields)
         return
-    import uvicorn
-
     from ..models import ModelUnavailableError
     from .chat_template import load_chat_template
     from .reasoning import reasons
-    from .server import build_local, load_model
+    from .server import build_local, load_model, serve
     try:
         model, tokenizer, name = load_model(a.model, dtype, a.device, **hub)
     except (OSError, ValueError, ImportError, ModelUnavailableError) as e:
@@ -278,7 +282,7 @@ def main(argv=None) -> None:
     if access.keys is not None and access.keys.keys_file is not None:
         reload_keys_on_sighup(access.keys)
     print(f"stateful-hf serving {a.served_model_name or name!r} on http://{a.host}:{a.port}/v1", flush=True)
-    uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, log_config=None)   # our handler
+    serve(app, router, a.host, a.port, a.log_level)     # our log handler; SIGTERM: cancel, flush, exit
 
 
 if __name__ == "__main__":

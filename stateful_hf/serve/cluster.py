@@ -78,6 +78,13 @@ class EngineReplica:
     async def health(self) -> dict:
         return self.replica.health()
 
+    def __del__(self):
+        """Serve stopping this replica: the single-machine server's shutdown (turns cancelled, the disk tier
+        flushed within `shutdown_flush_timeout`, the store closed)."""
+        replica = getattr(self, "replica", None)       # None: __init__ failed
+        if replica is not None:
+            replica.shutdown()
+
 
 class RayClient:
     """A replica deployment's handle with the `LocalClient` interface."""

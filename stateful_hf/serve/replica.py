@@ -12,9 +12,12 @@ waiting coroutines.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..cache import CapacityError, SessionBusyError, split_key
 from ..engine import Engine, SamplingParams
@@ -25,6 +28,25 @@ from .migrate import SessionExport, export_session, import_session
 from .protocol import APIError
 from .session_queue import SessionQueue
 from .stream_hub import StreamHub
+
+if TYPE_CHECKING:
+    from ..cache.disk.writer import FlushReport
+
+log = logging.getLogger("stateful_hf.serve")
+CANCEL_TIMEOUT = 5.0           # seconds the shutdown waits for the cancelled turns to end (the loop to stop)
+
+
+@dataclass(frozen=True, slots=True)
+class ShutdownReport:
+    """What a replica's shutdown did, in its order: turns cancelled (in flight at the signal) and the loop stopped
+    (`cancel_s`), the flush (`flush`: the store's FlushReport, None without a disk tier; `flush_s`), the store
+    closed (`close_s`)."""
+
+    cancelled: int
+    cancel_s: float
+    flush: FlushReport | None
+    flush_s: float
+    close_s: float
 
 
 def api_error(e: BaseException) -> APIError:
@@ -62,10 +84,15 @@ def covered(ends, start: int, chars: int, n: int) -> int:
 
 class Replica:
     """An engine (started here) plus what the server needs around it. `name` labels its metrics.
-    Turns of one session queue in arrival order, each waiting at most `session_wait_timeout` s."""
+    Turns of one session queue in arrival order, each waiting at most `session_wait_timeout` s.
+    `shutdown_flush_timeout`: the seconds `shutdown` gives the disk tier's flush (0: none; what write-behind
+    has not written is recomputed after a restart)."""
 
-    def __init__(self, engine: Engine, name: str = "0", session_wait_timeout: float = 30.0):
+    def __init__(self, engine: Engine, name: str = "0", session_wait_timeout: float = 30.0,
+                 shutdown_flush_timeout: float = 4.0):
         self.engine, self.name = engine.start(), name
+        self.shutdown_flush_timeout = shutdown_flush_timeout
+        self.cancelled = 0                             # turns cancelled by `cancel_turns` (the shutdown's)
         self.store = engine.store
         self.metrics = ReplicaMetrics(self.store, engine)
         # tokens brought up to the device by steps, per session with a turn here, by source tier (for logs)
@@ -323,6 +350,40 @@ class Replica:
     def health(self) -> dict:
         return {"replica": self.name, "engine_running": self.engine.running, "inflight": self.inflight}
 
-    def shutdown(self) -> None:
-        self.engine.stop(cancel=True, timeout=5, flush=4.0)   # cancel, then write what is not on disk: ~10 s in all
+    def cancel_turns(self) -> int:
+        """Cancel every turn in flight (their streams end with finish_reason "cancelled" at the next step);
+        the number cancelled, also added to `cancelled`. Any thread (the server calls it as its exit signal
+        arrives, before the connections close)."""
+        stats = self.engine.stats()
+        self.engine.requests.cancel_all()
+        self.cancelled += stats.running + stats.waiting
+        return stats.running + stats.waiting
+
+    def shutdown(self) -> ShutdownReport:
+        """Cancel the turns in flight and stop the engine (at most `CANCEL_TIMEOUT` s), flush the disk tier within
+        `shutdown_flush_timeout` s (what it leaves is said in one log line, `DiskWriter.flush`), close the store
+        (write-behind stopped, the index committed). One log line says each phase's time."""
+        t0 = time.monotonic()
+        self.cancel_turns()
+        cancelled = self.cancelled
+        self.engine.stop(cancel=True, timeout=CANCEL_TIMEOUT, flush=None)
+        t1 = time.monotonic()
+        report = self.store.flush(self.shutdown_flush_timeout)
+        t2 = time.monotonic()
+        self.store.close(flush=False)                   # write-behind stopped: nothing is written after the flush
         self.hub.shutdown()
+        done = ShutdownReport(cancelled, t1 - t0, report, t2 - t1, time.monotonic() - t2)
+        wrote = "no disk tier" if report is None else (
+            f"flush wrote {report.chunks_written} chunks ({report.tokens_written} tokens), left {report.chunks_left} "
+            f"({report.tokens_left} tokens)")
+        log.info("replica %s shut down: %d turns cancelled and the engine stopped in %.3f s; %s in %.3f s (budget "
+                 "%.1f s); store closed in %.3f s", self.name, cancelled, done.cancel_s, wrote, done.flush_s,
+                 self.shutdown_flush_timeout, done.close_s,
+                 extra={"event": "replica_shutdown", "replica": self.name, "cancelled": cancelled,
+                        "cancel_s": round(done.cancel_s, 6), "flush_s": round(done.flush_s, 6),
+                        "close_s": round(done.close_s, 6), "flush_budget_s": self.shutdown_flush_timeout,
+                        "chunks_written": None if report is None else report.chunks_written,
+                        "tokens_written": None if report is None else report.tokens_written,
+                        "chunks_left": None if report is None else report.chunks_left,
+                        "tokens_left": None if report is None else report.tokens_left})
+        return done

@@ -1,10 +1,15 @@
-"""Building the single-machine server, and running uvicorn in a thread (tests, notebooks)."""
+"""Building the single-machine server, running it until SIGTERM or Ctrl-C (`serve`: the in-flight turns
+cancelled, the replicas' disk tiers flushed, then exit), and running uvicorn in a thread (tests, notebooks)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import math
 import threading
 import time
+
+import uvicorn
 
 from ..cache import FairSharePolicy
 from ..engine import Engine
@@ -19,6 +24,11 @@ from .router import Router
 
 log = logging.getLogger(__name__)
 TINY_NAME = "stateful-hf/tiny-llama-random"
+# The shutdown's budget (docs/durability.md, "Shutdown"): the exit signal cancels the turns in flight, their
+# streams end and the connections close within DRAIN_TIMEOUT s, then each replica stops its engine and flushes
+# its disk tier within --shutdown-flush-timeout s (default SHUTDOWN_FLUSH_TIMEOUT): cancel + flush + exit <= 10 s.
+DRAIN_TIMEOUT = 3.0
+SHUTDOWN_FLUSH_TIMEOUT = 4.0
 
 
 class EngineOptions:
@@ -26,13 +36,15 @@ class EngineOptions:
     store's, declared in `stateful_hf/options/`; `SERVER_DEFAULTS` under them), checked here (TypeError
     for an unknown one, ValueError for a bad value), and the server's own: `session_wait_timeout`
     (seconds a turn waits for its session's previous turn; then 409), `fair_share` (tenants above their
-    share of a tier are evicted first) and `tenant_shares` (tenant -> weight, default 1). Plain data:
+    share of a tier are evicted first), `tenant_shares` (tenant -> weight, default 1) and
+    `shutdown_flush_timeout` (seconds a replica's shutdown gives the disk tier's flush; 0: none). Plain data:
     `as_dict()` crosses to Ray replicas and `EngineOptions(**d)` makes it again."""
 
-    __slots__ = ("engine", "session_wait_timeout", "fair_share", "tenant_shares")
+    __slots__ = ("engine", "session_wait_timeout", "fair_share", "tenant_shares", "shutdown_flush_timeout")
 
     def __init__(self, *, session_wait_timeout: float = 30.0, fair_share: bool = True,
-                 tenant_shares: dict | None = None, **engine: Unpack[EngineKwargs]):
+                 tenant_shares: dict | None = None, shutdown_flush_timeout: float = SHUTDOWN_FLUSH_TIMEOUT,
+                 **engine: Unpack[EngineKwargs]):
         merged = {**SERVER_DEFAULTS, **engine}
         engine_options, store_options = split_engine_options(merged)
         EngineConfig.build(**engine_options)
@@ -40,12 +52,16 @@ class EngineOptions:
         SessionStoreOptions.build(**{"disk_dir": "replica", **store_options})
         if not (isinstance(session_wait_timeout, (int, float)) and session_wait_timeout > 0):
             raise ValueError(f"session_wait_timeout must be > 0 seconds, got {session_wait_timeout!r}")
+        if isinstance(shutdown_flush_timeout, bool) or not isinstance(shutdown_flush_timeout, (int, float)) or \
+                not 0 <= shutdown_flush_timeout < math.inf:
+            raise ValueError(f"shutdown_flush_timeout must be a number of seconds >= 0, got {shutdown_flush_timeout!r}")
         self.engine, self.session_wait_timeout = merged, float(session_wait_timeout)
         self.fair_share, self.tenant_shares = bool(fair_share), dict(tenant_shares or {})
+        self.shutdown_flush_timeout = float(shutdown_flush_timeout)
 
     def as_dict(self) -> dict:
         return {**self.engine, "session_wait_timeout": self.session_wait_timeout, "fair_share": self.fair_share,
-                "tenant_shares": dict(self.tenant_shares)}
+                "tenant_shares": dict(self.tenant_shares), "shutdown_flush_timeout": self.shutdown_flush_timeout}
 
     def __repr__(self) -> str:
         return f"EngineOptions({', '.join(f'{k}={v!r}' for k, v in self.as_dict().items())})"
@@ -65,7 +81,8 @@ class EngineOptions:
         return Engine(model, tokenizer, store, **engine_options)
 
     def replica(self, model, tokenizer, name: str = "0", disk_dir: str | None = None) -> Replica:
-        return Replica(self.build(model, tokenizer, disk_dir), name, self.session_wait_timeout)
+        return Replica(self.build(model, tokenizer, disk_dir), name, self.session_wait_timeout,
+                       self.shutdown_flush_timeout)
 
 
 def load_model(path: str | None, dtype: str = "float32", device: str = "cpu", *, revision: str | None = None,
@@ -119,7 +136,6 @@ class ServerThread:
     """uvicorn serving `app` on host:port (0: a free port) in a daemon thread. `url` once started."""
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
-        import uvicorn
         self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                                     timeout_graceful_shutdown=5))
         self.thread = threading.Thread(target=self.server.run, name="stateful-hf-uvicorn", daemon=True)
@@ -150,3 +166,47 @@ class ServerThread:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+
+class SignalledServer(uvicorn.Server):
+    """uvicorn's server whose exit signal first cancels the `replicas`' turns in flight, and whose shutdown
+    ends with each replica's (`serve`)."""
+
+    def __init__(self, config: uvicorn.Config, replicas: list[Replica]):
+        super().__init__(config)
+        self.replicas, self.signalled = replicas, None
+
+    def handle_exit(self, sig, frame) -> None:
+        """The signal handler (the main thread, between two bytecodes, which may hold the engine's lock: the
+        cancel runs in a thread of its own)."""
+        if self.signalled is None:
+            self.signalled = time.monotonic()
+            threading.Thread(target=lambda: [r.cancel_turns() for r in self.replicas], name="stateful-hf-cancel",
+                             daemon=True).start()
+        super().handle_exit(sig, frame)
+
+    async def shutdown(self, sockets=None) -> None:
+        t0 = self.signalled or time.monotonic()
+        await super().shutdown(sockets)             # the connections close (their turns were cancelled)
+        t1 = time.monotonic()
+        reports = await asyncio.gather(*(asyncio.to_thread(r.shutdown) for r in self.replicas))
+        t2 = time.monotonic()
+        log.info("shutdown: %d turns cancelled and the connections closed in %.3f s from the signal, replicas "
+                 "stopped and flushed in %.3f s (%.3f s in all; the process exits now)",
+                 sum(r.cancelled for r in reports), t1 - t0, t2 - t1, t2 - t0,
+                 extra={"event": "shutdown", "drain_s": round(t1 - t0, 6), "replicas_s": round(t2 - t1, 6),
+                        "total_s": round(t2 - t0, 6)})
+
+
+def serve(app, router: Router, host: str, port: int, log_level: str = "info") -> None:
+    """Serve `app` with uvicorn until SIGTERM or SIGINT (`python -m stateful_hf.serve`). The signal cancels every
+    turn in flight at once (so the graceful shutdown does not wait for long streams: each ends with finish_reason
+    "cancelled"); the connections close (at most `DRAIN_TIMEOUT` s); then each local replica shuts down
+    (`Replica.shutdown`: the engine stopped, the disk tier flushed within its `shutdown_flush_timeout`, the
+    store closed) and one line logs the phases' times; then the process exits as the signal asks (uvicorn
+    raises it again)."""
+    replicas = [c.replica for c in router.clients if isinstance(c, LocalClient)]
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, log_config=None,
+                            timeout_graceful_shutdown=DRAIN_TIMEOUT)
+    SignalledServer(config, replicas).run()
