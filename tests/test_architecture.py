@@ -470,6 +470,25 @@ def test_the_feature_probe_sees_features_that_are_on(tmp_path):
     assert any(f.startswith("stateful_hf/cache/disk/") for f in disk), disk
 
 
+def test_a_default_store_registers_no_feature(tmp_path):
+    """The registry the core loops over (`StoreParts.features`) is empty for a default store, and each
+    feature's option registers its part (the control), so the probe above has something to miss."""
+    from stateful_hf import SessionStore  # imported here: the other tests of this file need no torch
+    from stateful_hf.testing import tiny_llama
+
+    def registered(**options) -> list[str]:
+        store = SessionStore(tiny_llama(), **options)
+        try:
+            return [type(f).__name__ for f in store.parts.features]
+        finally:
+            store.close()
+
+    assert registered() == []
+    assert registered(host_capacity=1024, hidden_states="always", hidden_layers=1) == ["HiddenSteps"]
+    assert registered(host_capacity=1024, layerwise_kv=True) == ["LayeredChunks"]
+    assert registered(disk_dir=tmp_path / "disk", disk_capacity=1024) == ["DiskWriter"]
+
+
 MAX_STORE_CALLS = 5          # per admitted turn, besides plan_step/commit/abort once per step
 PER_STEP = frozenset({"plan_step", "commit", "abort"})
 STORE_FILES = ("stateful_hf/cache/", "stateful_hf/integration/session_store.py")

@@ -15,11 +15,17 @@ from conftest import FAMILIES, Conversation, engine_round, greedy
 import stateful_hf
 from stateful_hf.cache import CostProfile
 from stateful_hf.cache.spec import KVSpec
+from stateful_hf.cache.virtual.mapper import PageMapper
 from stateful_hf.cache.virtual.pool import VirtualPool
 from stateful_hf.integration.hooks import run_step
 from stateful_hf.testing import tiny_llama
 
 PROFILE = CostProfile()
+
+
+def page_mapper(store) -> PageMapper:
+    """The store's background page mapper: its registered feature (layout="virtual", map_ahead)."""
+    return next(f for f in store.parts.features if isinstance(f, PageMapper))
 
 
 @pytest.mark.parametrize("family", ["llama", "opt"])
@@ -83,7 +89,7 @@ def test_resident_memory_follows_committed_kv(make_store):
         step = store.plan_step([(f"s{i}", ids, range(896))])
         run_step(model, step)
         store.commit(step)
-    store.page_mapper.drain()                          # the background mapper has mapped what it was sent
+    page_mapper(store).drain()                          # the background mapper has mapped what it was sent
     kv = 7 * 896 * store.spec.bytes_per_token
     committed = pool.committed_bytes()
     grown = _rss() - before
@@ -93,7 +99,7 @@ def test_resident_memory_follows_committed_kv(make_store):
     assert st.device_committed_bytes == committed and st.device_reserved_bytes == pool.reserved_bytes
     for i in range(7):
         store.delete(f"s{i}")
-    store.page_mapper.drain()
+    page_mapper(store).drain()
     kept = store.stats().device_kept_bytes            # deferred reclamation keeps up to keep_freed committed
     assert 0 < kept <= 64 * 2**20 and pool.committed_bytes() <= kept + 2**20, (kept, pool.committed_bytes())
     assert store.reclaim() == kept and store.stats().device_kept_bytes == 0
@@ -164,7 +170,7 @@ def test_background_mapper_maps_the_next_block_ahead(make_store):
     conv = Conversation(seed=3, first=20)                 # 20 + 10 generated = 30 tokens: block 0 past half
     out = greedy(model, conv.ids, cache=store.cache("a"))
     assert torch.equal(out, greedy(oracle, conv.ids))
-    store.page_mapper.drain()
+    page_mapper(store).drain()
     slot = pool.slot_of("a")
     n = store.session("a").num_tokens
     assert n % 32 >= 16 and pool.blocks_prefetched >= 1 and (slot * pool.blocks_per_slot + 1) in pool._cached
@@ -173,7 +179,7 @@ def test_background_mapper_maps_the_next_block_ahead(make_store):
     conv.reply(out)
     out = greedy(model, conv.ids, cache=store.cache("a"))                               # grows into block 1
     assert torch.equal(out, greedy(oracle, conv.ids))
-    assert store.page_mapper.error is None and store.stats().device_blocks_prefetched == pool.blocks_prefetched
+    assert page_mapper(store).error is None and store.stats().device_blocks_prefetched == pool.blocks_prefetched
 
 
 def test_bad_virtual_configuration(make_store):

@@ -4,7 +4,7 @@ Contract: every public method takes the store lock; chunk states, slot ownership
 through the parts. A method that raises leaves every session's token ids as they were and the invariants of
 `check_integrity()` intact: every slot of every tier is free or owned by exactly one chunk (device blocks: by a DEVICE
 chunk, as a HOST/HIDDEN chunk's cached `shadow`, or split by residue among LAYERED chunks). After each method that may
-change what is on disk, the facade syncs the disk index (`_sync_disk`: `DiskState.sync`, which never raises).
+change what is on disk, the facade syncs the registered features (`_sync`: the disk index, which never raises).
 
 The parts are built by `store_parts.assemble`, each with its collaborators; docs/store.md says what each owns and
 mutates. A method whose contract is longer than its docstring names the part's method that holds it."""
@@ -34,7 +34,7 @@ from .store_parts import assemble
 from .turn import ChunkNeeds, Committed, Place, PoolSizes, Room, TurnNeeds, places_of
 
 if TYPE_CHECKING:
-    from .disk.writer import FlushReport
+    from .audit.stats import FlushReport
 
 
 class KVStore:
@@ -55,6 +55,7 @@ class KVStore:
         self.tiers, self.placement, self.swap_in, self.layered = p.tiers, p.placement, p.swap_in, p.layered
         self.relocation, self.planner, self.history, self.capacity = p.relocation, p.planner, p.history, p.capacity
         self.writer = p.writer        # the disk writer (write-behind, the flush); None without a disk tier
+        self.features = p.features    # the registered features (`feature.StoreFeature`); () for a default store
         self.lock = self.sessions.lock
         self.clock: Callable[[], float] = self.sessions.clock   # seconds; `time.monotonic` unless a test gave one
         self.pool_sizes: PoolSizes = self.tiers.sizes()         # fixed: pools never resize
@@ -66,20 +67,19 @@ class KVStore:
     disk = property(lambda self: self.tiers.disk)
     hidden_pool = property(lambda self: self.tiers.hidden)
     disk_hidden_pool = property(lambda self: self.tiers.disk_hidden)
-    capture = property(lambda self: None if self.hidden is None else self.hidden.capture)
+    capture = property(lambda self: self.hidden.capture)
     hidden_spec = property(lambda self: self.config.hidden_spec)
     project = property(lambda self: self.config.project)
     residues = property(lambda self: self.tiers.residues, doc="LayerKV's residue blocks (the pools own the table)")
-    page_mapper = property(lambda self: self.planner.page_mapper)
     @property
     def keeps_hidden(self) -> bool:
         """Whether the store keeps hidden states (HCache: hidden_states "always" or "auto" with a hidden tier)."""
-        return self.hidden is not None
+        return self.tiers.hidden is not None       # the hidden tier's pool: only a store with one has it
 
     @property
     def layerwise(self) -> bool:
         """Whether the store was made with layerwise_kv (LayerKV)."""
-        return self.layered is not None
+        return self.config.layerwise_kv
 
     swap_out_threshold = property(lambda self: self.placement.swap_out_threshold)
 
@@ -88,12 +88,11 @@ class KVStore:
     @property
     def layerwise_stage(self) -> bool | None:
         """LayerKV's staging choice (`LayeredChunks.stage`); None and not settable without layerwise_kv."""
-        return None if self.layered is None else self.layered.stage
+        return self.layered.stage
 
     @layerwise_stage.setter
     def layerwise_stage(self, stage: bool | None) -> None:
-        if self.layered is not None:       # without layerwise_kv no step is layer-wise: nothing to stage
-            self.layered.stage = stage
+        self.layered.stage = stage         # without layerwise_kv (`NoLayers`) nothing to stage: ignored
 
     policy = property(lambda self: self.placement.policy, doc="the eviction policy (set under the lock)")
 
@@ -135,7 +134,7 @@ class KVStore:
         """Forget the session and free what only it holds (`keep_shared`: see `History.delete`)."""
         with self.lock:
             self.history.delete(self.sessions.get(session_id), keep_shared)
-            self._sync_disk()
+            self._sync()
 
     def acquire(self, session_id: str) -> None:
         """Lease the session for one turn: it becomes busy (SessionBusyError if leased). End with `release`."""
@@ -148,12 +147,12 @@ class KVStore:
         device blocks fell under the threshold."""
         with self.lock:
             s = self.sessions.get(session_id)
-            if self.layered is not None:       # its layered chunks become HOST before the table marks it
-                self.layered.settle(s)
+            for f in self.features:            # e.g. its layered chunks become HOST before the table marks it
+                f.settle(s)
             self.sessions.release(s)
             self.maintain()
-            if self.writer is not None:        # write-behind: its chunks' disk copies are due after the delay
-                self.writer.note(session_id)
+            for f in self.features:            # e.g. write-behind: its chunks' disk copies are due after the delay
+                f.released(s)
 
     @contextmanager
     def lease(self, session_id: str) -> Iterator[None]:
@@ -196,7 +195,7 @@ class KVStore:
             self.acquire(session_id)
             try:
                 turn = self.history.begin_turn(self.sessions.get(session_id), prompt, cache_salt, keep)
-                self._sync_disk()
+                self._sync()
                 return turn
             except BaseException:
                 self.release(session_id)
@@ -251,7 +250,7 @@ class KVStore:
         """A turn of the leased session starts with `prompt`, the whole conversation (`History.begin_turn`)."""
         with self.lock:
             turn = self.history.begin_turn(self.sessions.get(session_id), prompt, cache_salt)
-            self._sync_disk()
+            self._sync()
             return turn
 
     def add_generated(self, session_id: str, n: int) -> None:
@@ -273,7 +272,7 @@ class KVStore:
         """Cut the session's history to its first `length` tokens; returns how many were cut."""
         with self.lock:
             cut = self.history.truncate(self.sessions.get(session_id), length)
-            self._sync_disk()
+            self._sync()
             return cut
 
     def missing_positions(self, session_id: str, cut: int | None = None) -> list[int]:
@@ -294,7 +293,7 @@ class KVStore:
         and describe it; the contract is `StepPlanner.plan`'s."""
         with self.lock:
             step = self.planner.plan(requests, factors)
-            self._sync_disk()
+            self._sync()
             return step
 
     def commit(self, step: StepBatch) -> Committed:
@@ -335,7 +334,7 @@ class KVStore:
     def offload_layers(self, session_id: str, full: bool = False) -> int:
         """LayerKV's push-down for a running request; device blocks freed (0 without layerwise_kv)."""
         with self.lock:
-            return 0 if self.layered is None else self.layered.offload(self.sessions.get(session_id), full)
+            return self.layered.offload(self.sessions.get(session_id), full)
 
     # ---- movement (relocation.py, placement.py) and capacity (tier_pools.py) ------------------------
 
@@ -345,13 +344,13 @@ class KVStore:
         target, chunks = target_state(tier), chunk_indices(chunks)
         with self.lock, self.placement.moving(reason):
             self.relocation.move(self.sessions.get(session_id), chunks, target)
-            self._sync_disk()
+            self._sync()
 
     def evict(self, session_id: str) -> int:
         """The session's device chunks one tier down, also when busy; device blocks freed (`Relocation.evict`)."""
         with self.lock, self.placement.moving("evict"):
             freed = self.relocation.evict(self.sessions.get(session_id))
-            self._sync_disk()
+            self._sync()
             return freed
 
     def available_blocks(self) -> int:
@@ -380,7 +379,7 @@ class KVStore:
             self.history.forget_idle(self.config.max_sessions, self.config.session_ttl)
             self.placement.swap_out_ahead()
             self.history.collect_retained()
-            self._sync_disk()
+            self._sync()
 
     def export_session(self, session_id: str) -> SessionExport:
         """The idle session's token ids and stored KV (SessionBusyError while leased; `migration.py`)."""
@@ -400,10 +399,10 @@ class KVStore:
             finally:
                 self.maintain()
 
-    def _sync_disk(self) -> None:
-        """Commit the disk index if it changed (`DiskState.sync`: never raises; no disk tier: nothing). Lock held."""
-        if self.disk_state is not None:
-            self.disk_state.sync()
+    def _sync(self) -> None:
+        """Each feature makes durable what changed (the disk index; `StoreFeature.sync`, never raises). Lock held."""
+        for f in self.features:
+            f.sync()
 
     # ---- integrity and statistics ---------------------------------------------------------------
 
@@ -428,25 +427,24 @@ class KVStore:
         """Write to disk the device and host KV chunks of idle sessions that are not on disk yet (the partial
         last chunks too), most recently active sessions first, within `timeout` seconds, then commit the index:
         what a restart on the same disk_dir finds (`DiskWriter.flush`; what is left is logged in one line and
-        recomputed after a restart). None without a disk tier."""
-        if self.writer is None or self.tiers.disk.directory.index is None:    # no disk tier, or closed
+        recomputed after a restart). None without a disk tier, or once it is closed (`StoreFeature.flush`)."""
+        if not self.features:
             return None
         deadline = time.monotonic() + timeout
         self.transfer.synchronize()
         with self.lock:
-            return self.writer.flush(deadline)
+            reports = [f.flush(deadline) for f in self.features]
+        return next((r for r in reports if r is not None), None)
 
     def close(self, flush: bool = True, timeout: float = 10.0) -> FlushReport | None:
         """Stop write-behind, land every copy, `flush` (with `flush`: within `timeout` seconds; False: what is
         not on disk yet is lost, the behaviour before write-behind), write the disk index, release the disk
         tier. The device and host contents are gone afterwards. Returns the flush's report (None: none)."""
-        if self.writer is not None:
-            self.writer.stop()
+        for f in self.features:
+            f.stop()                                  # write-behind, the page mapper's thread
         report = self.flush(timeout) if flush else None
         self.transfer.synchronize()
-        self.planner.stop_mapping()
         with self.lock:
-            if self.disk_state is not None:
-                self.disk_state.sync(force=True)      # best effort: the last committed index stays true
-                self.tiers.disk.close()               # the copies keep their slots, as disk chunks do: integrity holds
+            for f in self.features:
+                f.close()                             # the disk index committed, the tier released
         return report

@@ -21,7 +21,7 @@ layer before anything reads those blocks) and by the tier moves that call it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -33,6 +33,12 @@ if TYPE_CHECKING:
     from .hidden.states import StepHidden
     from .layerwise.step import LayeredStep
 
+
+
+class LayerWork(Protocol):
+    """A store feature with work before each decoder layer of a step (`feature.StoreFeature.before_layer`)."""
+
+    def before_layer(self, step: StepBatch, layer: int, hidden: torch.Tensor) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +73,7 @@ class StepBatch:
     dense_slots: tuple[int, ...] | None = None  # virtual layout: each entry's slot (dense kernels, no table)
     layered: LayeredStep | None = None  # layer-wise residency of rows and context (LAYERED chunks), else None
     kernels: KernelState | None = None  # the store's long-lived kernel state (FlashInfer workspace + wrapper)
+    features: tuple[LayerWork, ...] = ()   # the store's features with per-layer work (`feature.StoreFeature`)
 
     @property
     def num_tokens(self) -> int:
@@ -77,7 +84,7 @@ class StepBatch:
         """Whether some layer has work besides its attention: a swap-in event to wait for, hidden states
         to capture or restore (`before_layer`), or LayerKV placement of its rows (`write_rows`). A step
         without is the same graph for any data (the compiled step); one with it runs eager."""
-        return (self.hidden is not None or self.layered is not None
+        return (bool(self.features) or self.layered is not None
                 or (self.layer_events is not None and any(self.layer_events)))
 
     def before_layer(self, layer: int, hidden: torch.Tensor) -> None:
@@ -85,17 +92,15 @@ class StepBatch:
         given the layer's input `hidden` ([1, T, D], the residual stream of the step's rows). In order:
         1. wait for the layer's swap-in copies (transfer rule 2: no read of a destination before its
            event; emulated copies are performed here);
-        2. capture `hidden` at the rows' slots (stores with hidden states, layers [0, L_H));
-        3. rebuild this layer's K/V of the context's hidden chunks (HCache), through the K/V writer;
-           its capture of those chunks leaves the rows step 2 wrote alone.
-        Mutates the device pool's layer `layer` (restored blocks) and the capture buffer, nothing else."""
+        2. each feature's work of the layer (`StoreFeature.before_layer`; hidden states: capture `hidden` at
+           the rows' slots, layers [0, L_H), then rebuild this layer's K/V of the context's hidden chunks,
+           HCache, through the K/V writer, leaving the captured rows alone).
+        Mutates the device pool's layer `layer` (restored blocks) and the features' buffers, nothing else."""
         if self.layer_events is not None:
             for event in self.layer_events[layer]:
                 wait_event(event, self.pool.device)
-        if self.hidden is not None:
-            self.hidden.capture(layer, hidden)
-            if self.hidden.restore is not None:
-                self.hidden.restore.run(layer, self.pool)
+        for f in self.features:
+            f.before_layer(self, layer, hidden)
 
     def write_rows(self, layer: int, key_cache: torch.Tensor, value_cache: torch.Tensor,
                    key: torch.Tensor, value: torch.Tensor) -> Overlay | None:

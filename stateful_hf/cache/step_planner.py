@@ -7,14 +7,15 @@ the new tokens to the history and describes the step; `commit` makes it permanen
 back. Raising leaves the store unchanged.
 
 Collaborators: the session table, the pools, placement, swap-in, the hidden tier and the layered
-chunks (each None when the store lacks the feature: skipped), the page mapper (virtual layout with
-map_ahead, else None), the transfer engine (end of step), the counters (written: recomputed,
-device_hits).
+chunks (`feature.py`'s null parts when the store lacks them), the registered features (`StoreFeature`:
+per-layer work, commit, abort, settle), the transfer engine (end of step), the counters (written:
+recomputed, device_hits).
 Mutates: the step's sessions' token ids and chunk tables, and `last_turn` (`begin_turn` sets it and
 `in_turn`, `commit` adds the computed and recomputed rows of a session in a turn, `add_generated`
 the generated tokens).
-Ordering: `commit`/`abort` first end the transfer engine's step (emulated copies land), then flush
-captured hidden rows and staged layers, then settle hidden rebuilds; only then are slots freed.
+Ordering: `commit`/`abort` first end the transfer engine's step (emulated copies land), then call the
+features in registration order (hidden states: captured rows flushed, rebuilds settled; LayerKV: staged
+layers flushed or discarded; the page mapper: blocks to map ahead); only then are slots freed.
 Every method runs with the store lock held.
 """
 
@@ -40,10 +41,10 @@ from .step import StepBatch, StepEntry
 from .turn import check_factor, entry_needs
 
 if TYPE_CHECKING:
+    from .feature import NoHiddenStates, NoLayers, StoreFeature
     from .hidden.states import HiddenRestore
     from .hidden.tier import HiddenTier
     from .layerwise.chunks import LayeredChunks
-    from .virtual.mapper import PageMapper
 
 DEVICE, DROPPED, HOST, LAYERED = ChunkState.DEVICE, ChunkState.DROPPED, ChunkState.HOST, ChunkState.LAYERED
 DISK = ChunkState.DISK
@@ -51,22 +52,18 @@ DISK = ChunkState.DISK
 
 class StepPlanner:
     def __init__(self, sessions: SessionTable, tiers: TierPools, placement: Placement, swap_in: SwapIn,
-                 hidden: HiddenTier | None, layered: LayeredChunks | None, transfer: Transfer, counters: Counters,
-                 kernels: KernelState, *, layout: Layout, attn_backend: str, page_mapper: PageMapper | None):
+                 hidden: HiddenTier | NoHiddenStates, layered: LayeredChunks | NoLayers, transfer: Transfer,
+                 counters: Counters, kernels: KernelState, *, layout: Layout, attn_backend: str):
         self.sessions, self.tiers, self.placement, self.swap_in = sessions, tiers, placement, swap_in
         self.hidden, self.layered, self.transfer, self.counters = hidden, layered, transfer, counters
-        self.kernels, self.layout, self.attn_backend, self.page_mapper = kernels, layout, attn_backend, page_mapper
+        self.kernels, self.layout, self.attn_backend = kernels, layout, attn_backend
+        self.features: tuple[StoreFeature, ...] = ()      # registered by `store_parts.assemble`
+        self.layer_features: tuple[StoreFeature, ...] = ()   # those with per-layer work, carried by each step
         self.spec = tiers.device.spec
         self.block_size = self.spec.block_size
         # notified when a step commits or aborts: its hidden rebuilds are settled (`_await_rebuilds`)
         self.settled = threading.Condition(sessions.lock)
         self.rebuild_wait = 120.0       # seconds a step waits for another step's rebuild of a shared chunk
-
-    def stop_mapping(self) -> None:
-        """Stop the virtual layout's background mapper (at close). Mutates: `page_mapper`."""
-        if self.page_mapper is not None:
-            self.page_mapper.close()
-            self.page_mapper = None
 
     # ---- turns: the one writer of last_turn -------------------------------------------------------
 
@@ -119,13 +116,11 @@ class StepPlanner:
         factors = [1] * len(requests) if factors is None else [check_factor(f, self.spec.num_layers) for f in factors]
         if len(factors) != len(requests):
             raise ValueError(f"plan_step: {len(factors)} factors for {len(requests)} entries")
-        if self.layered is None and any(f != 1 for f in factors):
-            raise ValueError("plan_step: keep factors other than 1 need a store made with layerwise_kv=True")
+        self.layered.check_factors(factors)
         bs, device = self.block_size, self.tiers.device
         self._await_rebuilds(sessions)
-        if self.tiers.disk is not None:
-            for s, (_, _, pos) in zip(sessions, requests):     # disk chunks are proven before they are read
-                self.placement.prove(s, range(min(len(s.chunks), -(-(max(pos, default=-1) + 1) // bs))))
+        for s, (_, _, pos) in zip(sessions, requests):     # disk chunks are proven before they are read
+            self.placement.prove(s, range(min(len(s.chunks), -(-(max(pos, default=-1) + 1) // bs))))
         plans = [entry_needs(s, list(ids), list(pos), bs) for s, (_, ids, pos) in zip(sessions, requests)]
         for s, f, (_, swap) in zip(sessions, factors, plans):
             if f != 1:     # layer-wise entry: its host chunks are read in place, not copied up
@@ -143,7 +138,7 @@ class StepPlanner:
         n_fill = sum(len(f) for fac, (f, _) in zip(factors, plans) if fac == 1)
         if fresh > device.num_free:
             self.placement.make_room(DEVICE, fresh - device.num_free, exclude)
-        restore = None if self.hidden is None else self.hidden.new_restore(self.counters)
+        restore = self.hidden.new_restore(self.counters)
         try:
             ups = [(s, k) for s, (_, sw) in zip(sessions, plans) for k in sw]
             events = []                    # nothing below the device: no copy, no move recorded
@@ -167,7 +162,7 @@ class StepPlanner:
                     self.layered.discard(c)
             self._unplan_swap_in(restore)
             raise
-        entries, capture = [], None if self.hidden is None else self.hidden.capture
+        entries, hidden = [], self.hidden
         for s, fac, (_, ids, pos), (fill, swap), made in zip(sessions, factors, requests, plans, layered):
             if fac != 1:
                 for k in range(min(len(s.chunks), -(-(max(pos) + 1) // bs))):
@@ -187,8 +182,7 @@ class StepPlanner:
             for k in fill:
                 self.tiers.release(s, k)
                 s.chunks[k] = Chunk(DEVICE, next(fills)) if fac == 1 else next(made)
-                if capture is not None:     # every token of it is computed while capturing
-                    capture.valid[s.chunks[k].loc] = True
+                hidden.computed(s.chunks[k].loc, captured=True)    # every token of it is computed (captured)
             entries.append(StepEntry(s.session_id, tuple(ids), tuple(pos), old_len, tuple(fill)))
         for s in sessions:          # their chunks are on the device now (making room above prunes the set)
             self.sessions.mark(s.session_id)
@@ -218,14 +212,8 @@ class StepPlanner:
     def commit(self, step: StepBatch) -> None:
         """`KVStore.commit`. Also adds the step's rows to each leased session's last_turn."""
         self.transfer.end_step()                 # the forward is over (emulator: pending copies land)
-        if step.hidden is not None:
-            step.hidden.flush()                  # captured rows (CUDA: side-stream copies) reach the buffer
-        if step.layered is not None:
-            step.layered.flush()                 # staged mode: rows of host layers reach the host now
-        restore = step.hidden.restore if step.hidden is not None else None
-        if restore is not None:
-            restore.finish(self.tiers.device)    # layers a forward did not reach, if any
-            self.swap_in.settle(restore, ok=True)
+        for f in self.features:
+            f.commit(step)
         now = self.sessions.clock()
         for e in step.entries:
             s = self.sessions.find(e.session_id)
@@ -237,34 +225,18 @@ class StepPlanner:
                 turn = s.last_turn
                 turn.computed_tokens += len(e.positions)
                 turn.recomputed_tokens += sum(1 for p in e.positions if p < e.old_len)
-            if not s.busy and self.layered is not None:    # LAYERED chunks live only within a turn
-                self.layered.settle(s)
+            if not s.busy:                       # e.g. LAYERED chunks live only within a turn
+                for f in self.features:
+                    f.settle(s)
         self.settled.notify_all()
-        if self.page_mapper is not None:
-            self.page_mapper.submit(self._growth_blocks(step))
-
-    def _growth_blocks(self, step: StepBatch) -> list[tuple[str, int]]:
-        """(session, chunk) of the block each session of the step grows into next, once its last
-        block is at least half full (or full): what the background mapper maps ahead."""
-        bs, out = self.block_size, []
-        for sid in dict.fromkeys(e.session_id for e in step.entries):
-            s = self.sessions.find(sid)
-            if s is not None and (s.num_tokens % bs == 0 or s.num_tokens % bs >= bs // 2):
-                out.append((sid, blocks_for(s.num_tokens, bs)))
-        return out
 
     def abort(self, step: StepBatch) -> None:
         """`KVStore.abort`: undo `plan`: new tokens leave the history, chunks filled in the step are
         dropped again (chunks it copied up stay on the device: their KV is valid; chunks whose K/V was
         being rebuilt from hidden states stay on the device only if every layer was rebuilt)."""
         self.transfer.end_step()
-        if step.hidden is not None:
-            step.hidden.flush()
-        if step.layered is not None:
-            step.layered.discard()
-        restore = step.hidden.restore if step.hidden is not None else None
-        if restore is not None:
-            self.swap_in.settle(restore, ok=restore.complete)
+        for f in self.features:
+            f.abort(step)
         for e in step.entries:
             s = self.sessions.find(e.session_id)
             if s is None:
@@ -275,8 +247,9 @@ class StepPlanner:
             del s.token_ids[e.old_len:]
             del s.chunks[blocks_for(e.old_len, self.block_size):]
             self.sessions.recount(s.session_id)
-            if not s.busy and self.layered is not None:
-                self.layered.settle(s)
+            if not s.busy:
+                for f in self.features:
+                    f.settle(s)
         self.settled.notify_all()
 
     def _build(self, sessions: list[Session], entries: list[StepEntry], events: list,
@@ -305,13 +278,12 @@ class StepPlanner:
         layer_events = None
         if events:   # per layer, the events of every copy group
             layer_events = tuple(tuple(group[layer] for group in events) for layer in range(self.spec.num_layers))
-        layered = self.layered.step_map(sessions, [e.positions for e in entries], tables) \
-            if self.layered is not None else None
+        layered = self.layered.step_map(sessions, [e.positions for e in entries], tables)
         return StepBatch(
             entries=tuple(entries), paged=paged.to(dev), slots=torch.tensor(slots, dtype=torch.int64, device=dev),
             input_ids=torch.tensor([ids], dtype=torch.long, device=dev),
             position_ids=torch.tensor([pos], dtype=torch.long, device=dev),
             pool=device, backend=self.attn_backend, windows=self.spec.windows, layer_events=layer_events,
             dense_slots=dense_slots, layered=layered, kernels=self.kernels,
-            hidden=None if self.hidden is None else self.hidden.step_hidden(slots, restore),
+            hidden=self.hidden.step_hidden(slots, restore), features=self.layer_features,
         )

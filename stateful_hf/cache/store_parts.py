@@ -3,8 +3,10 @@ in `stateful_hf/options/store.py`) opens the pools (`open_pools`) and builds eac
 collaborators, in dependency order (docs/store.md), into one frozen `StoreParts`.
 
 The one module that builds the feature packages' parts (`disk/`, `hidden/`, `layerwise/`,
-`virtual/`): a feature that is off has no part (None) and the core skips it, so with the default
-options none of their code runs; the core imports them for annotations only.
+`virtual/`) and registers them (`StoreParts.features`, the `StoreFeature` hooks the core calls in a
+loop). A feature that is off has no part: nothing is registered for it, and where the core needs one
+of its answers it gets the null part of `feature.py` (`NoDisk`, `NoHiddenStates`, `NoLayers`), so with
+the default options none of the feature packages' code runs; the core imports them for annotations only.
 
 Owns nothing after it returns: the parts own their state, the facade (`kv_store.py`) holds the
 parts. If a part refuses the configuration, the disk tier opened before it is closed and the error
@@ -28,7 +30,8 @@ from .disk.tier import DiskTier
 from .disk.writer import DiskWriter
 from .errors import StoreError
 from .eviction.policy import DEFAULT_POLICY, EvictionPolicy, make_policy
-from .hidden.tier import HiddenTier, open_hidden_tier
+from .feature import NoDisk, NoHiddenStates, NoLayers, StoreFeature
+from .hidden.tier import HiddenSteps, HiddenTier, open_hidden_tier
 from .layerwise.chunks import LayeredChunks
 from .layerwise.residues import ResidueTable
 from .movement.moves import MoveLedger
@@ -89,17 +92,18 @@ class StoreParts:
     moves: MoveLedger              # chunk moves between tiers (moves.py)
     sessions: SessionTable
     sharing: PrefixSharing
-    hidden: HiddenTier | None      # None: the store captures no hidden states (the default)
-    disk_state: DiskState | None   # None: no disk tier (the default)
+    hidden: HiddenTier | NoHiddenStates      # NoHiddenStates: the store captures none (the default)
+    disk_state: DiskState | NoDisk           # NoDisk: no disk tier (the default)
     tiers: TierPools
     placement: Placement
     swap_in: SwapIn
-    layered: LayeredChunks | None  # None: no layerwise_kv (the default)
+    layered: LayeredChunks | NoLayers        # NoLayers: no layerwise_kv (the default)
     relocation: Relocation
     planner: StepPlanner
     history: History
     capacity: Capacity
     writer: DiskWriter | None      # None: no disk tier; else the flush on close and (disk_write=behind) write-behind
+    features: tuple[StoreFeature, ...]   # the registered features, in build order; () for a default store
 
 
 def _policy(c: StoreConfig) -> EvictionPolicy:
@@ -139,37 +143,47 @@ def _assemble(spec: KVSpec, c: StoreConfig) -> StoreParts:
                             c.prefix_sharing is not False and c.layout is Layout.PAGED and not c.layerwise_kv,
                             sessions.recount)
     try:
-        hidden = None if c.hidden_states is HiddenStates.NEVER else open_hidden_tier(
+        hidden_tier = None if c.hidden_states is HiddenStates.NEVER else open_hidden_tier(
             c.hidden_states, c.hidden_spec, c.project, spec, device_pool.num_blocks, c.hidden_capacity,
             c.host_capacity, disk, c.hidden_disk_capacity if c.hidden_disk_capacity is not None else c.disk_capacity,
             transfer)
-        disk_state = None if disk is None else DiskState(sessions, disk, transfer, spec.block_size)
-        tiers = TierPools(device_pool, host_pool, disk, hidden.pool if hidden is not None else None,
-                          hidden.disk_pool if hidden is not None else None, disk_state, sharing,
+        hidden = NoHiddenStates() if hidden_tier is None else hidden_tier
+        disk_state = NoDisk() if disk is None else DiskState(sessions, disk, transfer, spec.block_size)
+        tiers = TierPools(device_pool, host_pool, disk, hidden.pool,
+                          None if hidden_tier is None else hidden_tier.disk_pool, disk_state, sharing,
                           ResidueTable() if c.layerwise_kv else None, sessions.mark, sessions.recount)
         placement = Placement(sessions, tiers, transfer, disk_state, hidden, _policy(c),
                               moves, counters, c.swap_out_threshold)
         swap_in = SwapIn(sessions, tiers, placement, transfer, hidden, disk_state, counters)
-        layered = None if not c.layerwise_kv else LayeredChunks(
+        layered = NoLayers() if not c.layerwise_kv else LayeredChunks(
             tiers, placement, transfer, counters, layout=c.layout, attn_backend=c.attn_backend,
-            capturing=hidden is not None)
-        relocation = Relocation(tiers, placement, swap_in, hidden, layered, transfer)
+            capturing=hidden_tier is not None)
+        relocation = Relocation(tiers, placement, swap_in, hidden, transfer)
         kernels = KernelState()
         planner = StepPlanner(sessions, tiers, placement, swap_in, hidden, layered, transfer, counters, kernels,
-                              layout=c.layout, attn_backend=c.attn_backend,
-                              page_mapper=PageMapper(device_pool) if c.layout is Layout.VIRTUAL and c.map_ahead
-                              else None)
+                              layout=c.layout, attn_backend=c.attn_backend)
         history = History(sessions, tiers, placement, disk_state, planner)
         capacity = Capacity(sessions, tiers, c.layout)
-        writer = None if disk_state is None else DiskWriter(
+        writer = None if disk is None else DiskWriter(
             sessions.lock, sessions, tiers, disk_state, c.disk_write is DiskWrite.BEHIND, c.write_behind_delay,
             capacity_in_blocks(c.write_behind_queue, spec))
     except BaseException:
         if disk is not None:
             disk.close()
         raise
-    if disk_state is not None:
+    if writer is not None:
         sessions.on_change = disk_state.mark_changed     # who the table marks or removes: rows to commit
         disk_state.load(sharing)
+    features: list[StoreFeature] = []        # the order the core calls them in (commit: hidden rows first)
+    if hidden_tier is not None:
+        features.append(HiddenSteps(swap_in.settle))
+    if isinstance(layered, LayeredChunks):
+        features.append(layered)
+    if c.layout is Layout.VIRTUAL and c.map_ahead:
+        features.append(PageMapper(device_pool, sessions))    # its thread starts here, once nothing can fail
+    if writer is not None:
+        features.append(writer)
+    planner.features = relocation.features = tuple(features)
+    planner.layer_features = tuple(f for f in features if f.per_layer)
     return StoreParts(kernels, transfer, counters, moves, sessions, sharing, hidden, disk_state, tiers, placement,
-                      swap_in, layered, relocation, planner, history, capacity, writer)
+                      swap_in, layered, relocation, planner, history, capacity, writer, tuple(features))

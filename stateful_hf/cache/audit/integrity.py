@@ -87,12 +87,11 @@ def check_integrity(sessions: SessionTable, tiers: TierPools, block_size: int) -
         own(DEVICE, block, ("residue block", block))
     assert listed == set(held), f"residues not in the table: {sorted(set(held) - listed)[:4]}"
     pending: set[int] = set()
-    if tiers.disk_state is not None:      # a chunk held in two tiers: its disk copy's slot is the copy's alone
+    if tiers.disk is not None:            # a chunk held in two tiers: its disk copy's slot is the copy's alone
         copies = tiers.disk_state.copies
         pending = set(copies.pending)
         for slot in copies.slots() | pending:
             own(DISK, slot, ("disk copy", slot))
-    if tiers.disk is not None:
         _check_disk_rows(sessions, tiers)
         tiers.disk_state.check()
     check_sharing(list(sessions), tiers.sharing.index, block_size, tiers.sharing.epoch)

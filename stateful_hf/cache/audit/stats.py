@@ -5,6 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True, slots=True)
+class FlushReport:
+    """What a flush wrote (chunks, tokens), what it left for recomputation after a restart, and its time."""
+
+    chunks_written: int
+    tokens_written: int
+    chunks_left: int
+    tokens_left: int
+    seconds: float
+
+
 @dataclass(slots=True)
 class TurnStats:
     """What the last turn of a session cost (tokens)."""

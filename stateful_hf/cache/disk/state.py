@@ -167,6 +167,11 @@ class DiskState:
         tags = identity_tags(s.token_ids, self.block_size)
         return [k for k in ks if not self.disk.verify(FORM[s.chunks[k].state], s.chunks[k].loc, tags[k])]
 
+    @staticmethod
+    def row_holders(items: list[tuple[Session, int]], sharing: PrefixSharing) -> set[str]:
+        """The sessions whose disk rows change when `items` are dropped: every holder of each."""
+        return sharing.holder_ids(items)
+
     def cut(self, s: Session, k: int, old_ids: list[int]) -> bool:
         """Chunk k, on disk, lost its last tokens (a truncation inside it; `old_ids`: the ids up to its
         old end): checksum it under its new identity tag. False if it does not hold what it should (the

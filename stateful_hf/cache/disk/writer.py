@@ -23,6 +23,10 @@ was flushed, and a slot a committed index names is never rewritten (copies free 
 The flush (`flush`, from `KVStore.close` / `KVStore.flush`): the same copies, synchronously under the
 store lock, most recently active sessions first, in batches (one `fdatasync` each) until `deadline`;
 then one commit. What is left is said in one log line and recomputed after a restart.
+
+The writer is the disk tier's registered feature (`StoreFeature`): a lease's end notes the session
+(`released`), a store method that may change the disk state commits its index (`sync`), the store's
+close stops write-behind (`stop`) and, after its flush, commits and closes the tier (`close`).
 """
 
 from __future__ import annotations
@@ -34,7 +38,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..audit.stats import FlushReport
 from ..errors import StoreError
+from ..feature import StoreFeature
 from ..pools.pool import BlockPool
 from ..pools.tier_pools import TierPools
 from ..sessions.session import Chunk, ChunkState, Session, SessionTable
@@ -49,17 +55,6 @@ FLUSH_BATCH = 256          # chunks per flush batch: one fdatasync each, the dea
 Item = tuple[Session, int, Chunk, bytes]     # (session, chunk index, the chunk object, its identity tag)
 
 
-@dataclass(frozen=True, slots=True)
-class FlushReport:
-    """What a flush wrote (chunks, tokens), what it left for recomputation after a restart, and its time."""
-
-    chunks_written: int
-    tokens_written: int
-    chunks_left: int
-    tokens_left: int
-    seconds: float
-
-
 @dataclass(slots=True)
 class WriterStats:
     """The writer's counters (chunks): copied behind, skipped (queue or disk full), dropped (their chunk
@@ -72,7 +67,7 @@ class WriterStats:
     batches: int = 0
 
 
-class DiskWriter:
+class DiskWriter(StoreFeature):
     """Copies chunks served from above to the disk tier (`state.copies`). `behind`: write-behind runs
     (else only `flush`). `queue_blocks`: the staging pool's slots (the queue's cap). Methods marked
     "lock held" run under the store lock `lock`; the thread takes it itself."""
@@ -90,6 +85,18 @@ class DiskWriter:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._stopped = False
+
+    # ---- the disk tier's hooks (`StoreFeature`) ------------------------------------------------
+
+    def released(self, s: Session) -> None:
+        self.note(s.session_id)            # write-behind: its chunks' disk copies are due after the delay
+
+    def sync(self) -> None:
+        self.state.sync()                  # never raises: a failed commit degrades the tier
+
+    def close(self) -> None:
+        self.state.sync(force=True)        # best effort: the last committed index stays true
+        self.disk.close()                  # the copies keep their slots, as disk chunks do: integrity holds
 
     # ---- write-behind --------------------------------------------------------------------------
 
@@ -239,10 +246,12 @@ class DiskWriter:
 
     # ---- the flush -----------------------------------------------------------------------------
 
-    def flush(self, deadline: float) -> FlushReport:
+    def flush(self, deadline: float) -> FlushReport | None:
         """Copy every idle session's device and host KV chunks without a valid copy to disk, most
         recently active sessions first, until `deadline` (time.monotonic()); commit; log what is left
-        (lock held; the thread stopped or between batches)."""
+        (lock held; the thread stopped or between batches). None once the tier is closed."""
+        if self.disk.directory.index is None:
+            return None
         t0, bs = time.monotonic(), self.block_size
         self.copies.sweep()
         if self.disk.pool.limbo:

@@ -22,7 +22,7 @@ from ..step import StepBatch
 from ..turn import Committed, Place, PoolSizes, Room, TurnNeeds, blocks_at_most
 
 if TYPE_CHECKING:
-    from ..disk.writer import FlushReport
+    from ..audit.stats import FlushReport
 
 __all__ = ["DEFAULT_TENANT", "CapacityError", "Committed", "CostProfile", "EngineStore", "EvictionPolicy", "KVSpec",
            "Place", "PoolSizes", "Room", "SessionBusyError", "StepBatch", "StoreError", "TurnNeeds", "TurnStats",

@@ -14,12 +14,14 @@ that captures nothing (`hidden_states="never"`, the default) has no hidden tier:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
 from ...options import HiddenStates
 from ..audit.stats import Counters
+from ..feature import StoreFeature
 from ..pools.tier import LazyFree
 from ..sessions.session import HIDDEN_FORMS, ChunkState, Session
 from ..spec import KVSpec, capacity_in_blocks
@@ -27,6 +29,7 @@ from .states import HiddenCapture, HiddenPool, HiddenRestore, HiddenSpec, Projec
 
 if TYPE_CHECKING:
     from ..disk.tier import DiskTier
+    from ..step import StepBatch
 
 HIDDEN_MODES = tuple(HiddenStates)
 DEVICE, HIDDEN, DISK, DROPPED = ChunkState.DEVICE, ChunkState.HIDDEN, ChunkState.DISK, ChunkState.DROPPED
@@ -75,6 +78,16 @@ class HiddenTier:
         """Whether device block `block` holds K/V whose hidden states were captured."""
         return bool(self.capture.valid[block])
 
+    def computed(self, block: int, captured: bool) -> None:
+        """Device block `block` got K/V computed while capturing (`captured`), or copied up or in (its hidden
+        states unknown). Mutates: the capture's valid flag of the block."""
+        self.capture.valid[block] = captured
+
+    def copy_block(self, old: int, new: int) -> None:
+        """Block `old`'s K/V was copied to `new` (copy on write): its captured hidden states go with it."""
+        self.capture.data[:, new] = self.capture.data[:, old]
+        self.capture.valid[new] = self.capture.valid[old]
+
     def new_restore(self, counters: Counters) -> HiddenRestore:
         """An empty restore for a step."""
         return HiddenRestore(self.capture, self.project, counters)
@@ -109,3 +122,30 @@ class HiddenTier:
         if target not in (DEVICE, DISK, HIDDEN, DROPPED) and any(s.chunks[k].state in HIDDEN_FORMS for k in ks):
             raise ValueError(f"session {s.session_id!r}: hidden chunks move to the device (their K/V is rebuilt "
                              "there), to disk (as hidden states) or are dropped")
+
+
+class HiddenSteps(StoreFeature):
+    """The hidden tier's part in each step (registered by `store_parts.assemble`): per layer, capture the
+    rows' hidden states and rebuild the context's hidden chunks (`StepHidden`); at commit or abort, the
+    captured rows reach the buffer and swap-in settles the rebuilds (`settle`: `SwapIn.settle`)."""
+
+    per_layer = True
+
+    def __init__(self, settle: Callable[[HiddenRestore, bool], None]):
+        self.settle_rebuilds = settle
+
+    def before_layer(self, step: StepBatch, layer: int, hidden: torch.Tensor) -> None:
+        step.hidden.capture(layer, hidden)
+        if step.hidden.restore is not None:
+            step.hidden.restore.run(layer, step.pool)
+
+    def commit(self, step: StepBatch) -> None:
+        step.hidden.flush()                  # captured rows (CUDA: side-stream copies) reach the buffer
+        if step.hidden.restore is not None:
+            step.hidden.restore.finish(step.pool)     # layers a forward did not reach, if any
+            self.settle_rebuilds(step.hidden.restore, True)
+
+    def abort(self, step: StepBatch) -> None:
+        step.hidden.flush()
+        if step.hidden.restore is not None:
+            self.settle_rebuilds(step.hidden.restore, step.hidden.restore.complete)

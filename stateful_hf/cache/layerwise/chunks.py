@@ -20,10 +20,12 @@ chunks (`offload_device`), the host pool and the residue table. Store lock held 
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from ...options import Layout
 from ..audit.stats import Counters
 from ..errors import CapacityError
+from ..feature import StoreFeature
 from ..movement.placement import Items, Placement
 from ..movement.transfer import Transfer
 from ..pools.tier_pools import TierPools
@@ -32,11 +34,16 @@ from ..turn import check_factor
 from .residues import kept_layers
 from .step import LayeredStep
 
+if TYPE_CHECKING:
+    from ..step import StepBatch
+
 LAYERED, DEVICE, HOST = ChunkState.LAYERED, ChunkState.DEVICE, ChunkState.HOST
 
 
-class LayeredChunks:
-    """Built only for a store made with layerwise_kv=True (otherwise the store has no layered part)."""
+class LayeredChunks(StoreFeature):
+    """Built only for a store made with layerwise_kv=True (otherwise the store has `feature.NoLayers`);
+    a registered feature: a step's staged layers are flushed at commit and dropped at abort, and a
+    session's LAYERED chunks settle to HOST when it runs no turn (`settle`)."""
 
     def __init__(self, tiers: TierPools, placement: Placement, transfer: Transfer, counters: Counters, *,
                  layout: Layout, attn_backend: str, capturing: bool):
@@ -57,6 +64,18 @@ class LayeredChunks:
                              "host-resident layers); other backends are not supported with it yet")
         if capturing:
             raise ValueError("layerwise_kv cannot be combined with hidden states (hidden_states='never' with it)")
+
+    @staticmethod
+    def check_factors(factors: list[int]) -> None:
+        """Every keep factor is allowed here (`turn.check_factor` checked each)."""
+
+    def commit(self, step: StepBatch) -> None:
+        if step.layered is not None:
+            step.layered.flush()                 # staged mode: rows of host layers reach the host now
+
+    def abort(self, step: StepBatch) -> None:
+        if step.layered is not None:
+            step.layered.discard()
 
     def blocks_needed(self, factor: int, n_chunks: int) -> int:
         """Device blocks n_chunks new chunks of keep factor `factor` take now: n for 1, 0 for 0, about

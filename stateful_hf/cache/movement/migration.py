@@ -122,9 +122,8 @@ def import_session(p: StoreParts, spec: KVSpec, exp: SessionExport) -> int:
         step = p.planner.plan([(sid, exp.token_ids, list(range(n)))], None)
         try:
             p.transfer.write_in(p.tiers.device, [s.chunks[k].loc for k in exp.chunks], exp.kv)
-            if p.hidden is not None:                      # no hidden states came with the KV
-                for c in s.chunks:
-                    p.hidden.capture.valid[c.loc] = False
+            for c in s.chunks:                            # no hidden states came with the KV
+                p.hidden.computed(c.loc, captured=False)
             p.planner.commit(step)
         except BaseException:
             p.planner.abort(step)

@@ -12,9 +12,9 @@ What moves down is chosen in one place, `victims` (by the policy's key), for mak
 ahead-of-time swap-out alike; copies are issued through the transfer engine, one method per kind.
 Collaborators: the session table (read: idle sessions), the pools (`tier_pools.py`: allocation and
 release), the transfer engine (copies), the disk state (durability before a chunk counts as on
-disk; None without a disk tier), the hidden tier (capture; None when the store captures nothing),
-the move ledger and the counters (written: swapped_out_*, dropped). A disk or hidden state as source
-or target implies that part exists.
+disk; `feature.NoDisk` without a disk tier), the hidden tier (capture; `feature.NoHiddenStates` when
+the store captures nothing), the move ledger and the counters (written: swapped_out_*, dropped). A
+disk or hidden state as source or target implies that feature is on.
 Mutates: chunks of idle sessions outside `exclude` (state, loc, shadow) and the slots of the pools.
 Invariant kept: a chunk's KV lives in exactly one place (plus, for HOST/HIDDEN chunks, an optional
 device `shadow`). Every method runs with the store lock held.
@@ -38,6 +38,7 @@ from .transfer import Transfer
 
 if TYPE_CHECKING:
     from ..disk.state import DiskState
+    from ..feature import NoDisk, NoHiddenStates
     from ..hidden.tier import HiddenTier
 
 DEVICE, HOST, DROPPED = ChunkState.DEVICE, ChunkState.HOST, ChunkState.DROPPED
@@ -47,8 +48,8 @@ Items = list[tuple[Session, int]]       # (session, chunk index) pairs
 
 
 class Placement:
-    def __init__(self, sessions: SessionTable, tiers: TierPools, transfer: Transfer, disk_state: DiskState | None,
-                 hidden: HiddenTier | None, policy: EvictionPolicy, moves: MoveLedger, counters: Counters,
+    def __init__(self, sessions: SessionTable, tiers: TierPools, transfer: Transfer, disk_state: DiskState | NoDisk,
+                 hidden: HiddenTier | NoHiddenStates, policy: EvictionPolicy, moves: MoveLedger, counters: Counters,
                  swap_out_threshold: float):
         self.sessions, self.tiers, self.transfer, self.disk_state = sessions, tiers, transfer, disk_state
         self.hidden, self.policy, self.moves, self.counters = hidden, policy, moves, counters
@@ -104,10 +105,7 @@ class Placement:
             return False
         old, [block] = c.loc, pool.allocate(1)
         self.transfer.duplicate(pool, old, block)
-        if self.hidden is not None:
-            capture = self.hidden.capture
-            capture.data[:, block] = capture.data[:, old]
-            capture.valid[block] = capture.valid[old]
+        self.hidden.copy_block(old, block)
         self.tiers.release(s, k)                   # the others keep the shared chunk and its block
         s.chunks[k] = Chunk(DEVICE, block)
         self.sessions.mark(s.session_id)
@@ -123,8 +121,6 @@ class Placement:
         """Prove the session's disk chunks (of `ks`, default all) before they are read; drop those
         that fail (their token ids stay: recomputed; a shared one leaves the prefix index and `s`
         lets go of it, its other holders fail it in turn). Returns the tokens dropped."""
-        if self.disk_state is None:           # no disk tier: nothing to prove
-            return 0
         lost = 0
         for k in self.disk_state.failed(s, ks):
             lost += s.chunk_len(k, self.block_size)
@@ -267,13 +263,13 @@ class Placement:
         items = self.tiers.sharing.unique(items)
         if not items:
             return
-        if target is None and state is DEVICE and self.hidden is not None:   # the policy keeps hidden states
-            valid = self.hidden.capture.valid
-            hid = [(s, k) for s, k in items if valid[s.chunks[k].loc]]
-            items = [(s, k) for s, k in items if not valid[s.chunks[k].loc]]
-            self.move_down(hid, DEVICE, exclude | {s.session_id for s, _ in items}, target=HIDDEN)
-            if not items:
-                return
+        if target is None and state is DEVICE:    # the policy keeps hidden states (captured blocks)
+            captured = self.hidden.captured
+            if hid := [(s, k) for s, k in items if captured(s.chunks[k].loc)]:
+                items = [(s, k) for s, k in items if not captured(s.chunks[k].loc)]
+                self.move_down(hid, DEVICE, exclude | {s.session_id for s, _ in items}, target=HIDDEN)
+                if not items:
+                    return
         target = target or self.tiers.below(state)
         exclude = exclude | {s.session_id for s, _ in items}
         if target is DISK and (copied := self.disk_state.copied(items)):   # already on disk behind: no write
@@ -293,7 +289,7 @@ class Placement:
                 target, slots = DROPPED, []
         t0 = time.perf_counter()
         if target is DROPPED:                  # a shared chunk is never dropped shared: one holder drops it
-            holders = self.tiers.sharing.holder_ids(items) if self.disk_state is not None else ()
+            holders = self.disk_state.row_holders(items, self.tiers.sharing)
             items = self.tiers.sharing.unshare(items)
             for s, k in items:
                 self.drop(s, k)
@@ -363,7 +359,7 @@ class Placement:
             return
         with self.moving("ahead"):
             items = self.victims(DEVICE, want, set())
-            captured = [self.hidden is not None and self.hidden.captured(s.chunks[k].loc) for s, k in items]
+            captured = [self.hidden.captured(s.chunks[k].loc) for s, k in items]
             hid = [sk for sk, cap in zip(items, captured) if cap]
             kv = [sk for sk, cap in zip(items, captured) if not cap]
             for group, target in ((hid, HIDDEN), (kv, HOST)):

@@ -2,10 +2,10 @@
 (`store.move`: operators, tests, hints, migration), made of placement's moves down and swap-in's moves
 up, and a (possibly busy) session's device chunks one tier down (`store.evict`).
 
-Collaborators: the pools, placement, swap-in, the hidden tier and the layered chunks (each None when
-the store lacks the feature: skipped), the transfer engine. Mutates: the chosen chunks (and, to make
-room, other idle sessions' chunks by the policy). Nothing moves when a check fails. Runs with the
-store lock held, under `placement.moving(reason)`.
+Collaborators: the pools, placement, swap-in, the hidden tier (`feature.NoHiddenStates` when the store
+captures nothing), the registered features (`settle` before a session's chunks move), the transfer
+engine. Mutates: the chosen chunks (and, to make room, other idle sessions' chunks by the policy).
+Nothing moves when a check fails. Runs with the store lock held, under `placement.moving(reason)`.
 """
 
 from __future__ import annotations
@@ -22,14 +22,12 @@ from .swap_in import SwapIn
 from .transfer import Transfer
 
 if TYPE_CHECKING:
+    from ..feature import NoHiddenStates, StoreFeature
     from ..hidden.tier import HiddenTier
-    from ..layerwise.chunks import LayeredChunks
 
 DEVICE, HOST, HIDDEN, DISK = ChunkState.DEVICE, ChunkState.HOST, ChunkState.HIDDEN, ChunkState.DISK
 DISK_HIDDEN, DROPPED = ChunkState.DISK_HIDDEN, ChunkState.DROPPED
 _ORDER = list(ChunkState)      # up is towards the device
-NO_HIDDEN_TIER = ("this store keeps no hidden states (hidden_states='never', or 'auto' on a model whose K/V is not "
-                  "larger than its hidden states): use hidden_states='always'")
 
 
 def chunk_indices(chunks) -> list[int]:
@@ -54,10 +52,11 @@ def target_state(tier: str) -> ChunkState:
 
 
 class Relocation:
-    def __init__(self, tiers: TierPools, placement: Placement, swap_in: SwapIn, hidden: HiddenTier | None,
-                 layered: LayeredChunks | None, transfer: Transfer):
+    def __init__(self, tiers: TierPools, placement: Placement, swap_in: SwapIn, hidden: HiddenTier | NoHiddenStates,
+                 transfer: Transfer):
         self.tiers, self.placement, self.swap_in = tiers, placement, swap_in
-        self.hidden, self.layered, self.transfer = hidden, layered, transfer
+        self.hidden, self.transfer = hidden, transfer
+        self.features: tuple[StoreFeature, ...] = ()      # registered by `store_parts.assemble`
 
     def move(self, s: Session, chunks: list[int], target: ChunkState) -> None:
         """`KVStore.move` on `s`: move chosen chunks of an idle session to `tier` ("device", "host", "hidden", "disk",
@@ -69,8 +68,8 @@ class Relocation:
         moves in `self.moves` (moves.REASONS)."""
         if s.busy:
             raise SessionBusyError(s.session_id)
-        if self.layered is not None:
-            self.layered.settle(s)
+        for f in self.features:
+            f.settle(s)
         ks = sorted(set(chunks))
         if any(not 0 <= k < len(s.chunks) for k in ks):
             raise IndexError(f"session {s.session_id!r} has chunks 0..{len(s.chunks) - 1}, got {ks}")
@@ -78,17 +77,14 @@ class Relocation:
             for h in self.tiers.sharing.holders(s, k):
                 if h.busy:
                     raise SessionBusyError(h.session_id)
-        if self.hidden is not None:
-            self.hidden.check_move(s, ks, target)
-        elif target is HIDDEN:           # without a hidden tier no chunk is in a hidden form
-            raise ValueError(NO_HIDDEN_TIER)
+        self.hidden.check_move(s, ks, target)
         if target is not DROPPED and self.tiers.pool(target) is None:
             raise ValueError(f"this store has no {target.value} tier")
         reads = [k for k in ks if s.chunks[k].state in ON_DISK and
                  _ORDER.index(s.chunks[k].state) > _ORDER.index(target)]
         if self.placement.prove(s, reads):    # chunks that failed their checksum are dropped, not moved
             ks = [k for k in ks if k not in reads or s.chunks[k].state is not DROPPED]
-        dest = {k: target if self.hidden is None else self.hidden.target(s.chunks[k].state, target) for k in ks}
+        dest = {k: self.hidden.target(s.chunks[k].state, target) for k in ks}
         ks = [k for k in ks if s.chunks[k].state is not dest[k]]
         if target is not DROPPED and any(s.chunks[k].state is DROPPED for k in ks):
             raise ValueError(f"session {s.session_id!r}: dropped chunks keep only token ids and cannot move "
@@ -102,11 +98,9 @@ class Relocation:
             if items:
                 self.placement.move_down(items, state, excl, target=dest[items[0][1]], strict=True)
         if up:
-            restore = None if self.hidden is None else self.hidden.new_restore(self.placement.counters)
+            restore = self.hidden.new_restore(self.placement.counters)
             self.swap_in.move_up([(s, k) for k in up], target, excl, restore=restore)
-            if restore is not None:
-                restore.finish(self.tiers.device)
-                self.swap_in.settle(restore, ok=True)
+            self.swap_in.finish(restore)
             self.transfer.synchronize()
 
     def evict(self, s: Session) -> int:
@@ -114,7 +108,7 @@ class Relocation:
         (host if present, else dropped), its layered chunks settled to the host, its cached shadows
         freed. Returns device blocks freed. Allowed on a busy session: the engine suspends a running
         request this way when decoding runs out of blocks, keeping the session's lease."""
-        freed = 0 if self.layered is None else self.layered.settle(s)
+        freed = sum(f.settle(s) for f in self.features)
         items = [(s, k) for k, c in enumerate(s.chunks) if c.state is DEVICE
                  and all(h is s or not h.busy for h in self.tiers.sharing.holders(s, k))]
         self.placement.move_down(items, DEVICE, {s.session_id})

@@ -2,8 +2,8 @@
 the host hidden pool), and the settling of hidden-state rebuilds after the step that ran them.
 
 Collaborators: the pools, placement (to get slots, making room by the policy), the transfer engine
-(copies; per-layer events on CUDA), the hidden tier (capture) and the disk state (each None when the
-store lacks it; hidden and disk chunks exist only where it has them), the move ledger via
+(copies; per-layer events on CUDA), the hidden tier (capture) and the disk state (`feature.py`'s null
+parts when the store lacks them; hidden and disk chunks exist only where it has them), the move ledger via
 placement, the counters (written: swapped_in_*, device_hits, restored_hidden*).
 Mutates: the moved chunks (state, loc, shadow, source) and the pools' slots. A chunk rebuilt from
 hidden states keeps its hidden slot as `source` until `settle` (after its step) frees it or, when
@@ -24,6 +24,7 @@ from .transfer import Transfer
 
 if TYPE_CHECKING:
     from ..disk.state import DiskState
+    from ..feature import NoDisk, NoHiddenStates
     from ..hidden.states import HiddenRestore
     from ..hidden.tier import HiddenTier
 
@@ -33,7 +34,7 @@ HIDDEN, DISK_HIDDEN = ChunkState.HIDDEN, ChunkState.DISK_HIDDEN
 
 class SwapIn:
     def __init__(self, sessions: SessionTable, tiers: TierPools, placement: Placement, transfer: Transfer,
-                 hidden: HiddenTier | None, disk_state: DiskState | None, counters: Counters):
+                 hidden: HiddenTier | NoHiddenStates, disk_state: DiskState | NoDisk, counters: Counters):
         self.sessions, self.tiers, self.placement, self.transfer = sessions, tiers, placement, transfer
         self.hidden, self.disk_state, self.counters = hidden, disk_state, counters
         self.block_size = tiers.device.spec.block_size
@@ -92,9 +93,8 @@ class SwapIn:
             for i, s, k in group:
                 tiers.vacate(s.chunks[k])
                 s.chunks[k].assign(target, slots[i])
-                if target is DEVICE and self.hidden is not None:
-                    self.hidden.capture.valid[slots[i]] = False        # K/V only: its hidden states are unknown
                 if target is DEVICE:
+                    self.hidden.computed(slots[i], captured=False)     # K/V only: its hidden states are unknown
                     n = s.chunk_len(k, bs)
                     if source is HOST:
                         self.counters.swapped_in_host += n
@@ -104,6 +104,12 @@ class SwapIn:
         for sid in {s.session_id for s in movers} | self.tiers.sharing.holder_ids(items):
             self.sessions.mark(sid)
         return events
+
+    def finish(self, restore: HiddenRestore | None) -> None:
+        """Outside a step (a move up): rebuild every layer of `restore`'s chunks now, then `settle` them."""
+        if restore is not None:
+            restore.finish(self.tiers.device)
+            self.settle(restore, ok=True)
 
     def settle(self, restore: HiddenRestore | None, ok: bool) -> None:
         """After a step: `ok` (the K/V of every layer was rebuilt) frees the hidden slots the blocks

@@ -26,6 +26,7 @@ from .tier import TierPool
 if TYPE_CHECKING:
     from ..disk.state import DiskState
     from ..disk.tier import DiskTier
+    from ..feature import NoDisk
     from ..hidden.states import HiddenPool
     from ..layerwise.residues import ResidueTable
 
@@ -35,12 +36,12 @@ HIDDEN, DISK_HIDDEN, LAYERED = ChunkState.HIDDEN, ChunkState.DISK_HIDDEN, ChunkS
 
 class TierPools:
     def __init__(self, device: TierPool, host: BlockPool | None, disk: DiskTier | None, hidden: HiddenPool | None,
-                 disk_hidden: HiddenPool | None, disk_state: DiskState | None, sharing: PrefixSharing,
+                 disk_hidden: HiddenPool | None, disk_state: DiskState | NoDisk, sharing: PrefixSharing,
                  residues: ResidueTable | None, mark: Callable[[str], None], recount: Callable[[str], None]):
         self.device, self.host, self.disk = device, host, disk
         self.sharing = sharing
         self.hidden, self.disk_hidden = hidden, disk_hidden
-        self.disk_state = disk_state           # None without a disk tier (then no chunk is ON_DISK)
+        self.disk_state = disk_state           # `feature.NoDisk` without a disk tier (then no chunk is ON_DISK)
         self.residues = residues               # layerwise_kv only; mutated only through place_residues / free_residue
         self.mark = mark                       # `SessionTable.mark`: who may hold what
         self.recount = recount                 # `SessionTable.recount`: whose tokens per tier may have changed
@@ -70,7 +71,7 @@ class TierPools:
         chunk)."""
         c = s.chunks[k]
         self.recount(s.session_id)
-        if self.disk_state is not None and (c.state in ON_DISK or (c.source is not None and c.source[0] in ON_DISK)):
+        if c.state in ON_DISK or (c.source is not None and c.source[0] in ON_DISK):
             self.disk_state.mark_changed((s.session_id,))     # its disk rows change; vacate's callers mark theirs
         if self.sharing.detach(s, k):          # others still hold it: they keep its device block, if any
             if c.holds_device:

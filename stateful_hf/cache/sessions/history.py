@@ -27,6 +27,7 @@ from .tenant import TenantUsage, tenant_of
 
 if TYPE_CHECKING:
     from ..disk.state import DiskState
+    from ..feature import NoDisk
 
 DROPPED = ChunkState.DROPPED
 
@@ -50,7 +51,7 @@ def kept_prefix(history: Sequence[int], prompt: Sequence[int]) -> int:
 
 
 class History:
-    def __init__(self, sessions: SessionTable, tiers: TierPools, placement: Placement, disk_state: DiskState | None,
+    def __init__(self, sessions: SessionTable, tiers: TierPools, placement: Placement, disk_state: DiskState | NoDisk,
                  planner: StepPlanner):
         self.sessions, self.tiers, self.placement, self.disk_state = sessions, tiers, placement, disk_state
         self.sharing, self.planner, self.block_size = tiers.sharing, planner, tiers.device.spec.block_size
