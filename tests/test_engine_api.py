@@ -134,29 +134,3 @@ def test_metrics_and_stats(make_engine):
     outs2 = engine.generate([f"m{i}" for i in range(4)], again, SamplingParams(max_new_tokens=3))
     assert all(o.metrics.reused_tokens == len(p) + 4 for p, o in zip(prompts, outs2, strict=True))
     assert torch.is_tensor(greedy(model, torch.tensor([prompts[0]]), 1))   # the engine's model still generates
-
-
-def test_warm_up_runs_the_model_and_leaves_the_store_as_it_was():
-    """`Engine.warm_up` (a server runs it before serving) runs a chunk and a decode row of the model through a
-    scratch store: the model's layers run (the control: they are counted), no session or block of the engine's
-    store is touched, no step is counted, and the next turn equals stateless generate."""
-    from stateful_hf import Engine
-    from stateful_hf.testing import tiny_llama as tiny
-
-    model, oracle = tiny(), tiny()
-    engine = Engine(model)
-    calls = []
-    layer = model.model.layers[0]
-    handle = layer.register_forward_hook(lambda *a: calls.append(1))
-    try:
-        free = engine.store.free_blocks()
-        assert engine.warm_up() > 0
-        assert len(calls) == 2 and engine.store.session_ids() == [] and engine.store.free_blocks() == free
-        assert engine.stats().steps == 0
-        ids = torch.randint(3, 300, (1, 40), generator=torch.Generator().manual_seed(5))
-        out = engine.start().generate(["w"], [ids[0].tolist()], SamplingParams(max_new_tokens=6))[0]
-        assert list(out.token_ids) == greedy(oracle, ids, n=6)[0, 40:].tolist()
-    finally:
-        handle.remove()
-        engine.stop()
-    engine.store.check_integrity()

@@ -221,13 +221,6 @@ class Engine:
     def running(self) -> bool:
         return self.loop.running
 
-    def warm_up(self) -> float:
-        """One untimed chunk of prefill and one decode row through a scratch store under this engine's kernels
-        (`SessionStore.warm_up`), before serving: the first turn does not pay the lazy initialisations. A
-        compiled step warmed up at creation. Returns the seconds it took."""
-        packed = self.runner.packed
-        return self.store.warm_up(packed.active if packed is not None else contextlib.nullcontext)
-
     def start(self) -> Engine:
         """Start the background loop (idempotent). With `release_openmp_pool`, the calling thread's
         idle OpenMP workers are released first: alive, they make the loop's pool run throttled."""

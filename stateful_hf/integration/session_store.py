@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
-
 import torch
 
 from ..cache import DEFAULT_POLICY, POLICY_NAMES, EvictionPolicy, KVSpec, KVStore, make_policy
@@ -17,7 +13,7 @@ from ..kernels import select_backend
 from ..options import HiddenStates, Layout, SessionStoreKwargs, SessionStoreOptions, StoreOptions, TokensOrSize, Unpack
 from ..profile.cost import measure_cost_profile, measure_offload_bandwidth
 from ..profile.hidden import measure_hidden_costs
-from .hooks import enable, invariant, run_step
+from .hooks import enable
 from .projector import kv_projector
 from .stateful_cache import StatefulCache
 
@@ -91,27 +87,6 @@ class SessionStore(KVStore):
         """A transformers Cache over the session (created empty if new), for generate/forward."""
         self.open(session_id)
         return StatefulCache(self, session_id)
-
-    def warm_up(self, context: Callable[[], AbstractContextManager] = nullcontext) -> float:
-        """One untimed chunk of prefill and one decode row of the model through a scratch store of this
-        store's geometry and attention backend, under `context` (an engine's packed weights) and this store's
-        invariance: lazy initialisations (kernel primitives, the thread team, weight layouts) are paid here,
-        not by the first turn a restarted server serves (`restart_drill`: ~2x its TTFT without). The store's
-        sessions and pools are not touched. Returns the seconds it took."""
-        t0, bs = time.perf_counter(), self.block_size
-        scratch = KVStore(self.spec, 2 * bs, attn_backend=self.attn_backend, swap_out_threshold=0.0)
-        scratch.open("warm-up")
-        ids = [i % self.adapter.vocab_size for i in range(3, 3 + bs + 1)]
-        with torch.inference_mode(), context(), invariant(self):
-            for rows in (range(bs), range(bs, bs + 1)):
-                step = scratch.plan_step([("warm-up", ids[rows.start:rows.stop], rows)])
-                try:
-                    run_step(self.model, step, step.last_rows())          # with the LM head, as a turn's
-                except BaseException:
-                    scratch.abort(step)
-                    raise
-                scratch.commit(step)
-        return time.perf_counter() - t0
 
     def offload_bandwidth(self) -> float:
         """Bytes per second of one layer's device blocks copied to host memory (LayerKV's BW; measured once

@@ -90,7 +90,6 @@ class Replica:
 
     def __init__(self, engine: Engine, name: str = "0", session_wait_timeout: float = 30.0,
                  shutdown_flush_timeout: float = 4.0):
-        engine.warm_up()                               # the first turn served does not pay lazy initialisations
         self.engine, self.name = engine.start(), name
         self.shutdown_flush_timeout = shutdown_flush_timeout
         self.cancelled = 0                             # turns cancelled by `cancel_turns` (the shutdown's)
