@@ -379,6 +379,7 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="compute-free: the engine's compiled step too "
                     "(compile=True: inductor, compiled at engine start)")
     ap.add_argument("--repeats", type=int, default=3, help="compute-free: runs at each thread count (medians)")
+    ap.add_argument("--cf-threads", type=int, nargs="+", default=[1, 2], help="compute-free: the thread counts")
     ap.add_argument("--json")
     args = ap.parse_args()
     if args.compute_free:
@@ -386,7 +387,7 @@ def main() -> None:
                "cpu": GemmFloor().describe(), "runs": []}
         with Neighbours(args.neighbour):
             for _ in range(args.repeats):
-                for threads in (1, 2):
+                for threads in args.cf_threads:
                     r = compute_free(threads, compile=args.compile)
                     out["runs"].append(r)
                     print(f"compute-free, {threads} thread(s), {r['rows']} rows of {r['context']}+ tokens: model's "
@@ -395,7 +396,7 @@ def main() -> None:
                               f"engine made in {r[k]['start_s']:.1f} s)" for k in ("eager", "compiled") if k in r),
                           flush=True)
         out["median_ratio"] = {f"{k}_{t}": statistics.median(r[k]["ratio"] for r in out["runs"] if r["threads"] == t)
-                               for t in (1, 2) for k in ("eager", "compiled") if k in out["runs"][0]}
+                               for t in args.cf_threads for k in ("eager", "compiled") if k in out["runs"][0]}
         print("median ratios over the repeats: " + ", ".join(f"{k} thread(s) x{v:.2f}"
                                                             for k, v in out["median_ratio"].items()))
         out["load_end"] = os.getloadavg()
