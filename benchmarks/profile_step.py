@@ -13,12 +13,16 @@ model's own eager forward over the same rows (a fresh copy of the model, transfo
 ROWS sequences batched: median), and their ratio (issue 51's target: <= 1.1 eager, <= 0.5 compiled).
 
 The roofline (`roofline`, after the profiled runs, without the profiler; CB needs the model before the
-engine switches its attention): the engine's steps one at a time, each
-followed by its floor, interleaved in the same process and neighbour condition. A step's floor is its
-own linear layers (every decoder layer's projections at the step's row count, in step order, plus the
-LM head on the sampled rows), run on the model's weights with the kernel the engine uses (packed where
-it packs), plus the K/V the step's attention reads (every entry's context, every layer) at the read
-bandwidth measured here. Reported: sum of steps / sum of floors over the run and per row-count bucket.
+engine switches its attention): the engine serves bench_engine's closed loop (`--prompts` sessions of `--turns`
+turns: `--prompt-len` tokens first, `--user` tokens each later turn, `--decode` + 1 answer tokens; a session's
+next turn is submitted when its answer ends), its steps run one at a time on this thread, and after each one its
+GEMM shapes are timed with every kernel and dtype this CPU offers the engine (`harness/gemm_floor.py`: matmul
+in float32, in bf16 where the CPU has bf16 units, MKL's and oneDNN's packed kernels), in the same process and
+neighbour condition. A step's floor is its GEMM FLOPs (every decoder layer's projections at its row count, the
+LM head on its sampled rows) at the best time measured for those shapes, whichever kernel the engine uses
+(so a slower engine kernel does not lower the bar), plus the K/V its attention reads (every entry's context,
+every layer, the model's dtype) at the read bandwidth measured here. Reported: Σ step / Σ floor over the run and
+per row-count bucket, the floor's GFLOP/s and which kernel set it.
 
 Both systems serve the same round on the same random ~100M Llama (bench_engine's model) with the same
 max batch tokens, each stepping on its own background thread (the engine: its loop, released caller
@@ -33,17 +37,19 @@ so "linear at the GEMM rate" is what the linear layers would take if every matmu
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
+import statistics
 import sys
 import threading
 import time
+from collections import Counter
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from .bench_engine import build_model, engine_threads
+from .bench_engine import Workload, build_model, engine_threads
+from .harness.gemm_floor import GemmFloor
 from .harness.neighbours import Neighbours
 
 ATTENTION = ("scaled_dot_product", "flash_attention", "index_select", "aten::index", "index_put", "index_copy",
@@ -112,67 +118,104 @@ def read_bandwidth(nbytes: int = 256 << 20) -> float:
     return nbytes / best
 
 
-def roofline(model, prompts, decode: int, max_batch_tokens: int, **engine_options) -> dict:
-    """Σ step / Σ floor of the engine's steps on one thread, each step followed by its floor."""
+def roofline(model, wl: Workload, max_batch_tokens: int, gemm: GemmFloor, bandwidth: float,
+             **engine_options) -> dict:
+    """Σ step / Σ floor of the engine's steps serving `wl` (bench_engine's closed loop, think time 0: a
+    session's next turn is submitted as its answer ends), stepped on this thread. After each step its GEMM
+    shapes are measured with every candidate kernel (`gemm`, the same neighbours); at the end each step's
+    floor is its GEMM FLOPs at the best time measured for its row count and shapes, plus the K/V its
+    attention read at `bandwidth`."""
     from stateful_hf import Engine, SamplingParams, SessionStore
     from stateful_hf.integration.adapter import decoder_layers
 
-    store = SessionStore(model, len(prompts) * 1024, max_context=1024)
-    engine = Engine(model, store=store, max_batch_tokens=max_batch_tokens, max_num_seqs=len(prompts),
+    capacity = wl.sessions * (-(-(wl.max_context + 64) // 32) * 32)
+    store = SessionStore(model, capacity, max_context=wl.max_context + 64)
+    engine = Engine(model, store=store, max_batch_tokens=max_batch_tokens, max_num_seqs=wl.sessions,
                     **engine_options)
     packed = engine.runner.packed
-    layers = decoder_layers(model)
-    linears = [m for layer in layers for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+    shapes = Counter((m.in_features, m.out_features) for layer in decoder_layers(model) for m in layer.modules()
+                     if isinstance(m, torch.nn.Linear))
     head = model.get_output_embeddings()
+    head_shape = (head.in_features, head.out_features)
     a = store.adapter
     kv_bytes_per_token = 2 * a.num_layers * a.num_kv_heads * a.head_dim * next(model.parameters()).element_size()
-    bandwidth = read_bandwidth()
-    dtype = next(model.parameters()).dtype
-    xs = {}
-
-    def floor(rows: int, sampled: int, context_tokens: int) -> float:
-        if rows not in xs:
-            xs[rows] = {m.in_features: torch.randn(rows, m.in_features, dtype=dtype) for m in linears}
-        x = xs[rows]
-        with torch.inference_mode(), (packed.active() if packed is not None else contextlib.nullcontext()):
-            t0 = time.perf_counter()
-            for m in linears:
-                m(x[m.in_features])
-            if sampled:
-                head(x[head.in_features][:sampled] if rows >= sampled else torch.randn(sampled, head.in_features,
-                                                                                         dtype=dtype))
-            t = time.perf_counter() - t0
-        return t + context_tokens * kv_bytes_per_token / bandwidth
-
-    engine.submit("warm-up", prompts[0][:48], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    params = SamplingParams(max_new_tokens=wl.new, ignore_eos=True)
+    engine.submit("warm-up", wl.user_tokens(0, 0)[:48], SamplingParams(max_new_tokens=3, ignore_eos=True))
     while engine.has_work():                       # first touch of the pool and workspaces
         engine.step()
-    floor(8, 1, 0)
-    handles = [engine.submit(f"s{i}", p, SamplingParams(max_new_tokens=decode + 1, ignore_eos=True))
-               for i, p in enumerate(prompts)]
-    rows_out: list[tuple[int, float, float]] = []
-    while engine.has_work():
+    conv: dict[int, list[int]] = {s: [] for s in range(wl.sessions)}
+    turns: dict[int, int] = dict.fromkeys(range(wl.sessions), 0)
+    handles: dict = {}
+    generated = 0
+
+    def submit(s: int) -> None:
+        conv[s] = conv[s] + wl.user_tokens(s, turns[s])
+        handles[s] = engine.submit(f"s{s}", conv[s], params)
+
+    for s in range(wl.sessions):
+        submit(s)
+    steps: list[tuple[int, int, int, int, float]] = []     # rows, sampled, context read, threads, seconds
+    while handles:
         t0 = time.perf_counter()
         record = engine.step()
         step_s = time.perf_counter() - t0
-        if record is None:
-            continue
-        sampled = sum(1 for e in record.entries if e[3])
-        context = sum(len(store.token_ids(e[0])) for e in record.entries)
-        rows_out.append((record.num_tokens, step_s, floor(record.num_tokens, sampled, context)))
-    assert all(h.done for h in handles)
+        if record is not None:
+            sampled = sum(1 for e in record.entries if e[3])
+            context = sum(len(store.token_ids(e[0])) for e in record.entries)
+            steps.append((record.num_tokens, sampled, context, torch.get_num_threads(), step_s))
+            gemm.measure(record.num_tokens, shapes)
+            gemm.measure(sampled, [head_shape])
+        for s, h in list(handles.items()):
+            if h.done:
+                answer = list(h.result().token_ids)
+                conv[s] = conv[s] + answer
+                generated += len(answer)
+                turns[s] += 1
+                del handles[s]
+                if turns[s] < wl.turns:
+                    submit(s)
+    engine.store.check_integrity()
+    return {"steps_raw": steps, "shapes": shapes, "head_shape": head_shape, "kv_bytes_per_token": kv_bytes_per_token,
+            "bandwidth": bandwidth, "kernel": str(packed.kernel) if packed else "stock",
+            "generated": generated}
+
+
+def floors(run: dict, gemm: GemmFloor) -> dict:
+    """Σ step / Σ floor of a `roofline` run, over the run and per row-count bucket, each step's GEMM floor at the
+    best time `gemm` measured for its shapes (after every run: a later run's measurements count too)."""
+    shapes, head_shape = run["shapes"], run["head_shape"]
+    rows_out = []                                  # rows, step s, GEMM floor s, K/V floor s, GEMM FLOPs, kernels
+    for rows, sampled, context, threads, step_s in run["steps_raw"]:
+        won: Counter = Counter()
+        gemm_s, flop = 0.0, 0
+        for (k, n), count in shapes.items():
+            t, kernel = gemm.best(rows, k, n, threads)
+            gemm_s += count * t
+            flop += 2 * count * rows * k * n
+            won[kernel] += count
+        if sampled:
+            t, kernel = gemm.best(sampled, *head_shape, threads)
+            gemm_s += t
+            flop += 2 * sampled * head_shape[0] * head_shape[1]
+            won[kernel] += 1
+        rows_out.append((rows, step_s, gemm_s, context * run["kv_bytes_per_token"] / run["bandwidth"], flop, won))
+
+    def summary(sel) -> dict:
+        step_s, gemm_s, kv_s = (sum(r[i] for r in sel) for i in (1, 2, 3))
+        won: Counter = sum((r[5] for r in sel), Counter())
+        return {"steps": len(sel), "step_s": step_s, "floor_s": gemm_s + kv_s, "gemm_floor_s": gemm_s,
+                "kv_floor_s": kv_s, "ratio": step_s / (gemm_s + kv_s),
+                "gemm_gflops_at_floor": sum(r[4] for r in sel) / gemm_s / 1e9, "floor_kernels": dict(won)}
+
     per_bucket = {}
     lo = 0
     for hi in BUCKETS:
-        sel = [(s, f) for n, s, f in rows_out if lo < n <= hi]
+        sel = [r for r in rows_out if lo < r[0] <= hi]
         if sel:
-            per_bucket[f"{lo + 1}-{hi}" if hi < 1 << 30 else f">{lo}"] = {
-                "steps": len(sel), "step_s": sum(s for s, _ in sel), "floor_s": sum(f for _, f in sel),
-                "ratio": sum(s for s, _ in sel) / sum(f for _, f in sel)}
+            per_bucket[f"{lo + 1}-{hi}" if hi < 1 << 30 else f">{lo}"] = summary(sel)
         lo = hi
-    total_s, total_f = sum(s for _, s, _ in rows_out), sum(f for _, _, f in rows_out)
-    return {"steps": len(rows_out), "step_s": total_s, "floor_s": total_f, "ratio": total_s / total_f,
-            "read_bandwidth_gbs": bandwidth / 1e9, "kernel": str(packed.kernel) if packed else "stock",
+    return {**summary(rows_out), "read_bandwidth_gbs": run["bandwidth"] / 1e9, "kernel": run["kernel"],
+            "generated": run["generated"], "steps_by_threads": dict(Counter(r[3] for r in run["steps_raw"])),
             "buckets": per_bucket}
 
 
@@ -190,7 +233,9 @@ def compute_free_model(seed: int = 0):
 
 def compute_free(threads: int, rows: int = 16, context: int = 64, decode: int = 24, compile: bool = False) -> dict:
     """Median decode step (ms) of the engine and of the model's eager forward, `rows` sequences of `context`
-    tokens decoding `decode` tokens, at `threads` torch threads; the engine steps on this thread."""
+    tokens decoding `decode` tokens, at `threads` torch threads, on this thread. Interleaved: each round is one
+    step of every engine (eager, and compiled with `compile`) then one forward of the model, so a neighbour's
+    burst falls on both sides of the ratio."""
     from transformers import DynamicCache
 
     from stateful_hf import Engine, SamplingParams, SessionStore
@@ -199,36 +244,38 @@ def compute_free(threads: int, rows: int = 16, context: int = 64, decode: int = 
     g = torch.Generator().manual_seed(1)
     prompts = torch.randint(3, 512, (rows, context), generator=g)
     plain = compute_free_model()
-    with torch.inference_mode():
-        cache = DynamicCache(config=plain.config)
-        out = plain(prompts, past_key_values=cache, use_cache=True)
-        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-        times = []
-        for _ in range(decode):
-            t0 = time.perf_counter()
-            out = plain(nxt, past_key_values=cache, use_cache=True)
-            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-            times.append(time.perf_counter() - t0)
-    forward_ms = 1e3 * sorted(times)[len(times) // 2]
-    result = {"threads": threads, "rows": rows, "context": context, "forward_ms": forward_ms}
+    engines, start_s = {}, {}
     for name, option in (("eager", False), ("compiled", True)) if compile else (("eager", False),):
         model = compute_free_model()
         store = SessionStore(model, rows * (context + decode + 64))
         t0 = time.perf_counter()
-        engine = Engine(model, store=store, max_batch_tokens=max(rows * context, 64), max_num_seqs=rows,
-                        step_threads=None, compile=option, release_openmp_pool=False)
-        start_s = time.perf_counter() - t0
-        handles = [engine.submit(f"s{i}", prompts[i].tolist(), SamplingParams(max_new_tokens=decode + 1,
-                                                                              ignore_eos=True)) for i in range(rows)]
-        steps = []
-        while engine.has_work():
-            record = engine.step()
+        engines[name] = Engine(model, store=store, max_batch_tokens=max(rows * context, 64), max_num_seqs=rows,
+                               step_threads=None, compile=option, release_openmp_pool=False)
+        start_s[name] = time.perf_counter() - t0
+        for i in range(rows):
+            engines[name].submit(f"s{i}", prompts[i].tolist(), SamplingParams(max_new_tokens=decode + 1,
+                                                                               ignore_eos=True))
+    steps: dict[str, list[float]] = {name: [] for name in engines}
+    times = []
+    with torch.inference_mode():
+        cache = DynamicCache(config=plain.config)
+        nxt = plain(prompts, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+    while any(e.has_work() for e in engines.values()):
+        for name, engine in engines.items():
+            record = engine.step() if engine.has_work() else None
             if record is not None and record.num_decode == rows:
-                steps.append(record.seconds)
-        assert all(h.done for h in handles)
-        step_ms = 1e3 * sorted(steps)[len(steps) // 2]
-        result[name] = {"step_ms": step_ms, "ratio": step_ms / forward_ms, "decode_steps": len(steps),
-                        "start_s": start_s, "compile": engine.stats().compile}
+                steps[name].append(record.seconds)
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            out = plain(nxt, past_key_values=cache, use_cache=True)
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            times.append(time.perf_counter() - t0)
+    forward_ms = 1e3 * statistics.median(times)
+    result = {"threads": threads, "rows": rows, "context": context, "forward_ms": forward_ms}
+    for name, engine in engines.items():
+        step_ms = 1e3 * statistics.median(steps[name])
+        result[name] = {"step_ms": step_ms, "ratio": step_ms / forward_ms, "decode_steps": len(steps[name]),
+                        "start_s": start_s[name], "compile": engine.stats().compile}
     return result
 
 
@@ -315,9 +362,11 @@ def main() -> None:
     ap.add_argument("--model", help="a named model (smollm2-135m-instruct) or a directory; default: a random "
                     "~100M Llama of --layers layers")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--prompt-len", type=int, default=360)
-    ap.add_argument("--decode", type=int, default=23, help="decode steps after the prompts' first token")
+    ap.add_argument("--prompts", type=int, default=8, help="sessions (their first prompts served together)")
+    ap.add_argument("--prompt-len", type=int, default=360, help="tokens of each session's first user message")
+    ap.add_argument("--decode", type=int, default=23, help="decode steps of each turn after its first token")
+    ap.add_argument("--turns", type=int, default=1, help="roofline: turns per session (bench_engine's closed loop)")
+    ap.add_argument("--user", type=int, default=16, help="roofline: tokens of each later user message")
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--max-batch-tokens", type=int, default=256)
     ap.add_argument("--threads", type=int, default=0)
@@ -329,20 +378,27 @@ def main() -> None:
     ap.add_argument("--compute-free", action="store_true", help="the compute-free mode only (see above)")
     ap.add_argument("--compile", action="store_true", help="compute-free: the engine's compiled step too "
                     "(compile=True: inductor, compiled at engine start)")
+    ap.add_argument("--repeats", type=int, default=3, help="compute-free: runs at each thread count (medians)")
+    ap.add_argument("--cf-threads", type=int, nargs="+", default=[1, 2], help="compute-free: the thread counts")
     ap.add_argument("--json")
     args = ap.parse_args()
     if args.compute_free:
         out = {"command": "python -m benchmarks.profile_step " + " ".join(sys.argv[1:]), "load_start": os.getloadavg(),
-               "runs": []}
+               "cpu": GemmFloor().describe(), "runs": []}
         with Neighbours(args.neighbour):
-            for threads in (1, 2):
-                r = compute_free(threads, compile=args.compile)
-                out["runs"].append(r)
-                print(f"compute-free, {threads} thread(s), {r['rows']} rows of {r['context']}+ tokens: model's eager "
-                      f"forward {r['forward_ms']:.2f} ms; " + "; ".join(
-                          f"engine {k} step {r[k]['step_ms']:.2f} ms = x{r[k]['ratio']:.2f} ({r[k]['compile']}, "
-                          f"engine made in {r[k]['start_s']:.1f} s)" for k in ("eager", "compiled") if k in r),
-                      flush=True)
+            for _ in range(args.repeats):
+                for threads in args.cf_threads:
+                    r = compute_free(threads, compile=args.compile)
+                    out["runs"].append(r)
+                    print(f"compute-free, {threads} thread(s), {r['rows']} rows of {r['context']}+ tokens: model's "
+                          f"eager forward {r['forward_ms']:.2f} ms; " + "; ".join(
+                              f"engine {k} step {r[k]['step_ms']:.2f} ms = x{r[k]['ratio']:.2f} ({r[k]['compile']}, "
+                              f"engine made in {r[k]['start_s']:.1f} s)" for k in ("eager", "compiled") if k in r),
+                          flush=True)
+        out["median_ratio"] = {f"{k}_{t}": statistics.median(r[k]["ratio"] for r in out["runs"] if r["threads"] == t)
+                               for t in args.cf_threads for k in ("eager", "compiled") if k in out["runs"][0]}
+        print("median ratios over the repeats: " + ", ".join(f"{k} thread(s) x{v:.2f}"
+                                                            for k, v in out["median_ratio"].items()))
         out["load_end"] = os.getloadavg()
         if args.json:
             with open(args.json, "w") as f:
@@ -351,23 +407,29 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
+    text: tuple[int, ...] = ()
     if args.model:
         from stateful_hf.models import load
-        model = load(args.model, dtype=dtype)[0]
+
+        from .multiturn.workload import text_ids
+        model, tokenizer = load(args.model, dtype=dtype)
+        model.generation_config.eos_token_id = None
+        text = text_ids(tokenizer)
     else:
         model = build_model(args.layers, dtype=dtype)
-    vocab = model.config.vocab_size
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, min(vocab, 16000), (args.prompt_len,), generator=g).tolist()
-               for _ in range(args.prompts)]
+    wl = Workload(args.prompts, args.turns, args.prompt_len, args.user, args.decode + 1,
+                  vocab=min(model.config.vocab_size, 16000), text=text)
+    prompts = [wl.user_tokens(s, 0) for s in range(wl.sessions)]
     rows = args.prompts * args.prompt_len + args.prompts * args.decode
     flop = linear_flop(model, rows, args.prompts * (args.decode + 1))
     cfg = model.config
     shapes = [(args.max_batch_tokens, cfg.hidden_size, n) for n in
               (cfg.hidden_size, 2 * 256, cfg.intermediate_size * 2)] + [(args.max_batch_tokens, cfg.intermediate_size,
                                                                           cfg.hidden_size)]
+    gemm = GemmFloor()
     out = {"command": "python -m benchmarks.profile_step " + " ".join(sys.argv[1:]), "model": args.model or "random",
-           "dtype": args.dtype}
+           "dtype": args.dtype, "workload": repr(wl), "cpu": gemm.describe()}
+    print(f"CPU: {gemm.describe()}; workload {wl}")
     with torch.inference_mode(), Neighbours(args.neighbour):
         out["load_start"] = os.getloadavg()
         model.generate(torch.tensor([prompts[0][:16]]), max_new_tokens=2, do_sample=False, pad_token_id=0)
@@ -386,16 +448,20 @@ def main() -> None:
                       "s" + (f", {timing['steps']} steps {timing.get('steps_by_threads', '')}" if "steps" in timing
                              else "") + "; profiled thread s: " + ", ".join(f"{k} {v:.2f}" for k, v in b.items()),
                       flush=True)
-        for mode in args.prepack:
-            r = roofline(model, prompts, args.decode, args.max_batch_tokens, prepack_weights=mode,
-                         step_threads=args.engine_threads)
+        bandwidth = read_bandwidth()
+        runs = {mode: roofline(model, wl, args.max_batch_tokens, gemm, bandwidth, prepack_weights=mode,
+                               step_threads=args.engine_threads) for mode in args.prepack}
+        for mode, run in runs.items():
+            r = floors(run, gemm)
             out.setdefault("roofline", {})[mode] = r
-            print(f"roofline, prepack_weights={mode} ({r['kernel']}): {r['steps']} steps, sum of steps "
-                  f"{r['step_s']:.2f} s, sum of floors {r['floor_s']:.2f} s: step / floor {r['ratio']:.2f} "
-                  f"(K/V read at {r['read_bandwidth_gbs']:.1f} GB/s)", flush=True)
+            print(f"roofline, prepack_weights={mode} ({r['kernel']}): {r['steps']} steps {r['steps_by_threads']}, "
+                  f"sum of steps {r['step_s']:.2f} s, sum of floors {r['floor_s']:.2f} s (GEMM {r['gemm_floor_s']:.2f} "
+                  f"at {r['gemm_gflops_at_floor']:.0f} GFLOP/s, K/V {r['kv_floor_s']:.2f} at "
+                  f"{r['read_bandwidth_gbs']:.1f} GB/s): step / floor {r['ratio']:.2f}", flush=True)
             for name, b in r["buckets"].items():
                 print(f"    rows {name:>9}: {b['steps']:>4} steps, {b['step_s']:.2f} s / floor {b['floor_s']:.2f} s = "
-                      f"{b['ratio']:.2f}", flush=True)
+                      f"{b['ratio']:.2f}; floor GEMMs {b['floor_kernels']}", flush=True)
+        out["gemm_times"] = {f"{t} threads {kernel} {m}x{k}x{n}": s for (t, kernel, m, k, n), s in gemm.times.items()}
         out["load_end"] = os.getloadavg()
         print(f"load at start {out['load_start'][0]:.1f}, at end {out['load_end'][0]:.1f}")
     if args.json:

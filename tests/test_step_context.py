@@ -45,6 +45,30 @@ def test_before_layer_runs_each_layer_once_in_order_before_it(make_store, tmp_pa
     assert store.stats("a").last_turn.restored_hidden > 0
 
 
+def test_layer_hooks_only_while_a_step_has_per_layer_work(make_store, tmp_path):
+    """A step without per-layer work runs its decoder layers without the seam's pre-hook; a step with it (a
+    store that captures hidden states) has it during its forward, first of the layer's pre-hooks; none is
+    left after either. The control: the spy sees the seam's hook when the step has per-layer work."""
+    counts: list[int] = []
+
+    def spy(module, args, kwargs):
+        counts.append(len(module._forward_pre_hooks))
+    for store_of in (lambda m: make_store(m), lambda m: hidden_store(make_store, m, tmp_path, hidden_layers=1)):
+        model, oracle = FAMILIES["llama"](), FAMILIES["llama"]()
+        store = store_of(model)
+        layer = decoder_layers(model)[0]
+        hook = layer.register_forward_pre_hook(spy, with_kwargs=True)
+        counts.clear()
+        ids = torch.arange(3, 40)[None]
+        out = greedy(model, ids, n=3, cache=store.cache("a"))
+        assert torch.equal(out, greedy(oracle, ids, n=3))
+        assert len(layer._forward_pre_hooks) == 1          # the spy alone: the seam's hook is gone
+        hook.remove()
+        assert len(layer._forward_pre_hooks) == 0
+        expected = 2 if store.keeps_hidden else 1
+        assert counts and set(counts) == {expected}, (store.keeps_hidden, counts)
+
+
 def test_a_forward_that_raises_ends_and_takes_back_its_step(make_store):
     model, oracle = FAMILIES["llama"](), FAMILIES["llama"]()
     store = make_store(model)

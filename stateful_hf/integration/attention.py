@@ -15,9 +15,10 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..kernels import paged_attention
 from ..kernels.dense import dense_attention
+from ..kernels.kernel_plan import plan_for
 from ..kernels.torch_batched import softcapped_attention
 from . import step_ops
-from .context import get_step
+from .context import current_step
 
 NAME = "stateful"
 
@@ -36,15 +37,17 @@ def stateful_attention(
     cap * tanh(logits / cap), applied to the scaled logits before the mask) are what the model's
     attention passes; a layer's window must be the one the store was made with (KVSpec.windows).
     The layer's `before_layer` already ran (its decoder layer's pre-hook): its swap-ins landed and its
-    hidden chunks are rebuilt."""
+    hidden chunks are rebuilt. The first layer to attend goes through `paged_attention`'s checks with the step's
+    plan; a later layer with the same shapes and no overlay runs the plan directly."""
     if torch.compiler.is_compiling():       # the compiled step: no step context read in the graph
         return _traced(module, query, key, value, scaling, kwargs), None
-    step = get_step()
-    if step is None:
+    current = current_step()
+    if current is None:
         if kwargs.get("softcap") is not None:   # SDPA cannot softcap
             return _softcapped(query, key, value, attention_mask, scaling, kwargs["softcap"]), None
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)
+    step = current.step
     layer = module.layer_idx
     window, softcap = step.window(layer), kwargs.get("softcap")
     if "sliding_window" in kwargs and kwargs["sliding_window"] != window:
@@ -52,7 +55,7 @@ def stateful_attention(
                            f"store was made for window {window}: the model's adapter is out of date")
     if query.shape[0] != 1:
         raise ValueError("a stateful step packs all rows into batch dimension 1")
-    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))   # [T, H, D]
+    q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)   # [T, H, D]
     key_cache, value_cache = step.pool.layer(layer)                  # [blocks, block_size, Hkv, D] views
     overlay = step.write_rows(layer, key_cache, value_cache, k, v)
     if step.dense_slots is not None:   # vAttention layout: contiguous per session, no block table
@@ -61,8 +64,16 @@ def stateful_attention(
                               scale=scaling if scaling is not None else q.shape[-1] ** -0.5,
                               window=window, softcap=softcap)
         return out.unsqueeze(0), None
-    out = paged_attention(q, key_cache, value_cache, step.paged, scale=scaling, backend=step.backend,
-                          window=window, validate=False, overlay=overlay, softcap=softcap, state=step.kernels)
+    shapes = (q.shape, key_cache.shape, key_cache.stride(), q.dtype)
+    plan = current.plan
+    if plan is not None and overlay is None and shapes == current.shapes:     # checked by an earlier layer
+        out = plan.run(q, key_cache, value_cache, scaling if scaling is not None else q.shape[-1] ** -0.5,
+                       window, None, softcap)
+        return out.unsqueeze(0), None
+    plan = plan_for(step.paged, key_cache.shape[1], step.backend, q.dtype, step.kernels, head_dim=q.shape[-1])
+    out = paged_attention(q, key_cache, value_cache, step.paged, scale=scaling, backend=step.backend, window=window,
+                          validate=False, plan=plan, overlay=overlay, softcap=softcap, state=step.kernels)
+    current.plan, current.shapes = plan, shapes
     return out.unsqueeze(0), None
 
 

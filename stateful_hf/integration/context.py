@@ -9,7 +9,10 @@ Thread rule: the value is a `ContextVar`, so each thread (and each asyncio task)
 its own thread while other threads may call a plain or a stateful `generate` of the same model: none of them sees
 another's step. A forward of an enabled model sets the context to its step or to None before anything reads it,
 so only `model.base_model(...)` called directly, after a KeyboardInterrupt escaped a stateful forward on the same
-thread, could see a stale step."""
+thread, could see a stale step.
+
+What the context holds is a `CurrentStep`: the step and what its attention derives from it once per step (the
+kernel plan, made by the first layer and run directly by the others: `attention.stateful_attention`)."""
 
 from __future__ import annotations
 
@@ -18,18 +21,38 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 
 from ..cache import StepBatch
+from ..kernels.kernel_plan import KernelPlan
 
-_STEP: ContextVar[StepBatch | None] = ContextVar("stateful_hf_step", default=None)
+
+class CurrentStep:
+    """This thread's step and its per-step attention state: `plan` and `shapes` (query, key cache) are set by the
+    first layer that attends (None before), and read by the later ones. One per forward, never shared."""
+
+    __slots__ = ("step", "plan", "shapes")
+
+    def __init__(self, step: StepBatch):
+        self.step = step
+        self.plan: KernelPlan | None = None
+        self.shapes: tuple | None = None
+
+
+_STEP: ContextVar[CurrentStep | None] = ContextVar("stateful_hf_step", default=None)
 
 
 def get_step() -> StepBatch | None:
     """The step of the forward running on this thread; None outside one (an ordinary call)."""
+    current = _STEP.get()
+    return None if current is None else current.step
+
+
+def current_step() -> CurrentStep | None:
+    """This thread's `CurrentStep`; None outside a step."""
     return _STEP.get()
 
 
 def set_step(step: StepBatch | None) -> None:
     """Make `step` this thread's current step (None: an ordinary forward). Pair with `reset_step`."""
-    _STEP.set(step)
+    _STEP.set(None if step is None else CurrentStep(step))
 
 
 def reset_step() -> None:
@@ -40,7 +63,7 @@ def reset_step() -> None:
 @contextmanager
 def stepping(step: StepBatch) -> Iterator[StepBatch]:
     """`step` is this thread's current step inside the block, and no longer after it, however it exits."""
-    _STEP.set(step)
+    _STEP.set(CurrentStep(step))
     try:
         yield step
     finally:

@@ -1,15 +1,17 @@
 """How an unmodified transformers model becomes stateful: the hooks of the seam with transformers.
 
 `enable(model)` registers the attention implementation (`attention.stateful_attention`), installs forward hooks
-that plan one store step per forward and make it this thread's current step (`context.py`), one pre-hook per
-decoder layer that runs the step's `before_layer`, and wraps `generate` so that the full conversation ids are
-checked (`checks.py`) against the session's history before transformers sees them. `run_step` runs an already
-planned step. docs/step.md.
+that plan one store step per forward and make it this thread's current step (`context.py`), and wraps `generate`
+so that the full conversation ids are checked (`checks.py`) against the session's history before transformers
+sees them. The decoder layers' pre-hooks that run a step's `before_layer` (`LayerHooks`) are there only while a
+step with per-layer work runs (`StepBatch.has_layer_work`): any other forward calls its layers without a hook.
+`run_step` runs an already planned step. docs/step.md.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 
@@ -24,6 +26,7 @@ from .context import get_step, reset_step, set_step, stepping
 from .stateful_cache import StatefulCache
 
 _ENABLED = "_stateful_hf_adapter"
+_LAYER_HOOKS = "_stateful_hf_layer_hooks"
 
 
 def enable(model: torch.nn.Module) -> ModelAdapter:
@@ -36,8 +39,7 @@ def enable(model: torch.nn.Module) -> ModelAdapter:
     model.set_attn_implementation(register())
     model.register_forward_pre_hook(_pre_forward, with_kwargs=True)
     model.register_forward_hook(_post_forward, with_kwargs=True, always_call=True)
-    for idx, layer in enumerate(decoder_layers(model)):
-        layer.register_forward_pre_hook(_before_layer(idx), with_kwargs=True)
+    setattr(model, _LAYER_HOOKS, LayerHooks(decoder_layers(model)))
     model.generate = functools.partial(_generate, model, model.generate)
     setattr(model, _ENABLED, adapter)
     return adapter
@@ -50,6 +52,7 @@ def _pre_forward(module, args, kwargs):
         set_step(None)
         return None
     if cache.pending is not None:           # a forward ended without its hook (KeyboardInterrupt): take it back
+        _layer_hooks(module).release(cache.pending)
         cache.store.abort(cache.pending)
         cache.pending = None
     input_ids = kwargs.get("input_ids", args[0] if args else None)
@@ -62,6 +65,7 @@ def _pre_forward(module, args, kwargs):
     start = cache.get_seq_length()
     step = cache.store.plan_step([(cache.session_id, ids, range(start, start + len(ids)))])
     cache.pending = step
+    _layer_hooks(module).hold(step)
     set_step(step)
     kwargs = {k: v for k, v in kwargs.items() if k != "attention_mask"}
     kwargs.update(input_ids=step.input_ids, position_ids=step.position_ids)
@@ -76,6 +80,7 @@ def _post_forward(module, args, kwargs, output):
     cache = kwargs.get("past_key_values")
     if step is None or not isinstance(cache, StatefulCache) or cache.pending is not step:
         return None
+    _layer_hooks(module).release(step)
     if output is None:                      # the forward raised: take the step back now
         cache.pending = None
         cache.store.abort(step)
@@ -83,6 +88,48 @@ def _post_forward(module, args, kwargs, output):
     cache.store.commit(step)              # counts the step's rows in the session's last_turn
     cache.pending = None
     return None
+
+
+class LayerHooks:
+    """The decoder layers' pre-hooks of one model, registered (first of the layer's pre-hooks) while at least one
+    step with per-layer work is held, on any thread, and removed when the last is released; a step without
+    per-layer work holds nothing. The hooks read the thread's own step, so a thread whose step has no per-layer
+    work (or none) passes through them untouched while another thread's step holds them."""
+
+    def __init__(self, layers: Sequence[torch.nn.Module]):
+        self.layers = list(layers)
+        self.lock = threading.Lock()
+        self.holders: set[int] = set()          # id() of the held steps
+        self.handles: list = []
+
+    def hold(self, step: StepBatch) -> None:
+        """Before `step`'s forward: the hooks are there for it if it has per-layer work. Pair with `release`."""
+        if not step.has_layer_work:
+            return
+        with self.lock:
+            if not self.holders:
+                self.handles = [layer.register_forward_pre_hook(_before_layer(idx), with_kwargs=True, prepend=True)
+                                for idx, layer in enumerate(self.layers)]
+            self.holders.add(id(step))
+
+    def release(self, step: StepBatch) -> None:
+        """After `step`'s forward (returned, raised or interrupted); a step not held is a no-op."""
+        with self.lock:
+            if id(step) not in self.holders:
+                return
+            self.holders.discard(id(step))
+            if not self.holders:
+                for handle in self.handles:
+                    handle.remove()
+                self.handles = []
+
+    def installed(self) -> bool:
+        """Whether the layers' pre-hooks are registered now."""
+        return bool(self.handles)
+
+
+def _layer_hooks(model: torch.nn.Module) -> LayerHooks:
+    return getattr(model, _LAYER_HOOKS)
 
 
 def _before_layer(idx: int):
@@ -110,8 +157,13 @@ def run_step(model: torch.nn.Module, step: StepBatch, logit_rows: torch.Tensor |
     hidden states [T, hidden] (no LM head: a pure restore pass).
     """
     forward = forward if forward is not None else base_forward(model)
-    with stepping(step):
-        hidden = forward(step.input_ids, step.position_ids)
+    hooks = _layer_hooks(model)
+    hooks.hold(step)
+    try:
+        with stepping(step):
+            hidden = forward(step.input_ids, step.position_ids)
+    finally:
+        hooks.release(step)
     if logit_rows is None:
         return hidden
     logits = model.get_output_embeddings()(hidden[logit_rows])
@@ -176,6 +228,7 @@ def _generate(model, original_generate, *args, cache=None, past_key_values=None,
         finally:
             if cache.pending is not None:     # a forward left without its hook (KeyboardInterrupt)
                 reset_step()
+                _layer_hooks(model).release(cache.pending)
                 store.abort(cache.pending)
                 cache.pending = None
         seqs = out if isinstance(out, torch.Tensor) else out.sequences

@@ -127,18 +127,31 @@ def weight_key(w: torch.Tensor) -> tuple:
 
 
 class _PackedForward:
-    """The instance `forward` of one nn.Linear: the packed kernel inside `active()`, else F.linear."""
+    """The instance `forward` of one nn.Linear: the packed kernel inside `active()`, else F.linear. The hot path
+    (a packed call) checks, in order: not compiling, active, the row dtype, the weight is the one packed (same
+    object, storage and in-place version: `weight_key`'s facts, read without building the key), the CPU, the rows."""
 
-    __slots__ = ("module", "kernel", "dtype", "rows", "packed", "key")
+    __slots__ = ("module", "kernel", "dtype", "rows", "packed", "key", "weight", "ptr", "version", "min_numel",
+                 "shape", "out_features", "op")
 
     def __init__(self, module: torch.nn.Linear, kernel: LinearKernel, rows: int):
         self.module, self.kernel, self.dtype, self.rows = module, kernel, kernel.dtype, rows
+        self.min_numel = MIN_ROWS * module.in_features
+        self.op = torch.ops.mkl._mkl_linear.default if kernel is LinearKernel.MKL_PACKED else None
         self.packed, self.key = None, None
         self.repack()
 
     def repack(self) -> None:
         w = self.module.weight
         self.packed, self.key = pack(w, self.kernel, self.rows), weight_key(w)
+        self.weight, self.ptr, self.version = w, w.data_ptr(), self.key[-1]
+        self.shape, self.out_features = w.shape, w.shape[0]
+
+    def _current(self, w: torch.Tensor) -> bool:
+        """Whether the packed copy was made from `w` as it is now (`weight_key(w) == self.key`, cheaply)."""
+        if w is not self.weight or w.data_ptr() != self.ptr or w.dtype != self.dtype or w.shape != self.shape:
+            return False
+        return self.version == -1 or w._version == self.version
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m = self.module
@@ -146,10 +159,13 @@ class _PackedForward:
         if torch.compiler.is_compiling():   # a compiled step: the compiler's own GEMM of the weight, no ContextVar
             return F.linear(x, w, m.bias)
         if (not _ACTIVE.get() or x.dtype != self.dtype or w.dtype != self.dtype or x.device.type != "cpu"
-                or x.numel() < MIN_ROWS * x.shape[-1]):
+                or x.numel() < self.min_numel):
             return F.linear(x, w, m.bias)
-        if weight_key(w) != self.key:
+        if not self._current(w):
             self.repack()
+        if self.op is not None:             # MKL_PACKED, apply's float32 path inlined
+            rows = x.reshape(-1, x.shape[-1])
+            return self.op(rows, self.packed, w, m.bias, rows.shape[0]).view(*x.shape[:-1], self.out_features)
         return apply(x, self.packed, w, m.bias, self.kernel)
 
 

@@ -61,6 +61,7 @@ class _SdpaGroup:
         self.out_src = as_long(out_src)                        # [R] rows of the flattened [n * max_q] output
         self.out_rows = as_long(out_rows)                      # [R] their packed rows
         self.tails = as_long(tails)                            # rows of the [n * L] keys past each kv_len
+        self.dense = q_rows == list(range(len(q_rows)))          # no padded query row, members' rows in order
         self._slice_tails: dict[tuple[int, int], torch.Tensor] = {}
         # absolute position of every padded query row; padded rows get -1 (they see nothing)
         pos = torch.full((self.n * self.max_q,), -1, dtype=torch.long, device=self.device)
@@ -69,15 +70,20 @@ class _SdpaGroup:
         self._masks: dict[tuple, torch.Tensor] = {}
         self._rows: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def mask(self, window: int | None, groups: int) -> torch.Tensor:
-        """[n, 1, groups * max_q, L] bool, rows ordered (query head in its KV group, row); cached."""
-        if (window, groups) not in self._masks:
+    def mask(self, window: int | None, groups: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """[n, 1, groups * max_q, L] bool, rows ordered (query head in its KV group, row); cached. With `dtype`:
+        the additive form SDPA makes of the bool mask (0 where True, -inf where False), cached too, so no layer
+        converts it again."""
+        if (window, groups, None) not in self._masks:
             keys = torch.arange(self.length, device=self.device)
             m = keys <= self.pos
             if window is not None:
                 m &= keys > self.pos - window
-            self._masks[window, groups] = m.repeat(1, 1, groups, 1)
-        return self._masks[window, groups]
+            self._masks[window, groups, None] = m.repeat(1, 1, groups, 1)
+        if (window, groups, dtype) not in self._masks:
+            m = self._masks[window, groups, None]
+            self._masks[window, groups, dtype] = torch.zeros_like(m, dtype=dtype).masked_fill_(~m, float("-inf"))
+        return self._masks[window, groups, dtype]
 
     def tails_of(self, a: int, b: int) -> torch.Tensor:
         """Rows of the [(b - a) * L] workspace keys of members a..b-1 that lie past their kv_len."""
@@ -122,7 +128,11 @@ class TorchPlan:
             cur = trial
         if cur:
             groups.append(cur)
-        self.groups = [_SdpaGroup(batch, g, block_size, table) for g in groups]
+        # within a group, members in packed order: SDPA treats each batch element alone, so the order changes no
+        # value, and a group of every row in order (a decode step's one group) needs no gather of its queries
+        self.groups = [_SdpaGroup(batch, sorted(g), block_size, table) for g in groups]
+        g0 = self.groups[0] if len(self.groups) == 1 else None
+        self.in_place = g0 is not None and g0.dense and g0.n * g0.max_q == batch.num_tokens
         self._work: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._overlays: dict[int, tuple] = {}     # id(overlay.table) -> (table, per group, per slice: rows, ids)
 
@@ -168,14 +178,16 @@ class TorchPlan:
         t, hq, d = query.shape
         hkv = key_cache.shape[2]
         rep = hq // hkv                   # query heads per KV head; head h reads KV head h // rep
+        work = self._workspace(key_cache)
+        if self.in_place and overlay is None and work[0][0] == self.groups[0].n:
+            return self._run_in_place(query, key_cache, value_cache, scale, window, softcap, work[0])
         q_flat = query.reshape(t * hq, d)
         out = query.new_zeros(t * hq + 1, d)
-        work = self._workspace(key_cache)
         over = self._overlay_rows(overlay, work) if overlay is not None else [None] * len(self.groups)
         for g, (m, kbuf, vbuf), ov in zip(self.groups, work, over):
             src, dst = g.rows(hq, hkv, t)
             q = q_flat.index_select(0, src).view(g.n, hkv, rep * g.max_q, d)
-            mask = g.mask(window, rep)
+            mask = g.mask(window, rep, None if softcap is not None else query.dtype)
             if m == g.n:                  # one slice: SDPA's output is the group's
                 o = self._attend(g, 0, g.n, q, mask, key_cache, value_cache, kbuf, vbuf, scale, softcap,
                                  ov and (overlay, *ov[0]))
@@ -187,6 +199,19 @@ class TorchPlan:
                                           softcap, ov and (overlay, *ov[a // m]))
             out.index_copy_(0, dst, o.view(-1, d))
         return out[:-1].view(t, hq, d)
+
+    def _run_in_place(self, query, key_cache, value_cache, scale: float, window: int | None, softcap: float | None,
+                      work: tuple[int, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """`run` for one group holding every row in packed order, within one slice: its queries are the packed
+        rows reshaped (a view when each member has one row, a decode step) and its output the packed output."""
+        t, hq, d = query.shape
+        hkv = key_cache.shape[2]
+        rep = hq // hkv
+        g, (_, kbuf, vbuf) = self.groups[0], work      # one slice: run() checked it
+        q = query.reshape(g.n, g.max_q, hkv, rep, d).permute(0, 2, 3, 1, 4).reshape(g.n, hkv, rep * g.max_q, d)
+        o = self._attend(g, 0, g.n, q, g.mask(window, rep, None if softcap is not None else query.dtype),
+                         key_cache, value_cache, kbuf, vbuf, scale, softcap)
+        return o.view(g.n, hkv, rep, g.max_q, d).permute(0, 3, 1, 2, 4).reshape(t, hq, d)
 
     @staticmethod
     def _attend(g: _SdpaGroup, a: int, b: int, q, mask, key_cache, value_cache, kbuf, vbuf, scale: float,
