@@ -177,7 +177,10 @@ def test_engine_turns_stay_exact_while_the_index_cannot_be_written(tmp_path, mon
                 store.move(sid, stored(store, sid), "disk")
         engine_round(engine, convs, oracle, n=5)      # device pressure moves chunks down to disk too
         store.check_integrity()
-    assert faults.hits and store.stats().disk_degraded
+    # every failed commit was counted; whether the tier reads degraded at this moment depends on which of the
+    # engine's and the writer's operations ran last (a commit that finds nothing to change succeeds, and then
+    # check_integrity above proved the committed index is the state)
+    assert faults.hits and store.stats().disk_write_failures >= faults.hits
     faults.on = False
     for _ in range(2):
         for sid in convs:
