@@ -113,7 +113,11 @@ def test_skewed_sessions_balanced_across_ray_replicas(cluster):
             conv.append({"role": "assistant", "content": r["message"]["content"]})
         after = [_metric(http, cluster, "router_requests_total", replica=f"replica-{i}") for i in range(2)]
     served = [x - y for x, y in zip(after, before)]
-    assert sum(served) == len(order) and abs(served[0] - served[1]) <= 1, served
+    # the router balances the requests each replica was assigned over its life (earlier tests' too: the
+    # hint test's session turns all went to one replica), so the total ends within one and this test's
+    # share differs by at most the imbalance it found plus one
+    assert sum(served) == len(order) and abs(after[0] - after[1]) <= 1, (before, after)
+    assert abs(served[0] - served[1]) <= abs(before[0] - before[1]) + 1, (before, served)
 
 
 def test_get_and_delete_session_reach_the_owning_ray_replica(cluster):
