@@ -47,10 +47,11 @@ class CostCorrection:
     tolerance: float = 1.5     # the median ratio must stray this far (either way) from `scale` to apply
     scale: float = 1.0
     observed: int = 0          # qualifying steps seen in all
-    ratios: deque[float] = field(default_factory=deque)
+    ratios: deque[float] = field(init=False)   # measured / predicted of the last `window` qualifying steps
 
     def __post_init__(self) -> None:
         assert self.block_size > 0 and self.window >= self.min_steps >= 1 and self.tolerance > 1, self
+        self.ratios = deque(maxlen=self.window)
 
     @property
     def profile(self) -> CostProfile:
@@ -76,8 +77,6 @@ class CostCorrection:
             return None
         self.observed += 1
         self.ratios.append(seconds / predicted)
-        while len(self.ratios) > self.window:
-            self.ratios.popleft()
         if len(self.ratios) < self.min_steps:
             return None
         median = statistics.median(self.ratios)
