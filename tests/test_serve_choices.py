@@ -95,23 +95,36 @@ def test_seeded_choice_i_equals_the_request_alone_with_seed_plus_i(served):
     replica.store.check_integrity()
 
 
-def test_the_prompt_is_computed_once(served):
-    """n = 3 on a fresh 70-token prompt computes its rows once (70) plus each fork's rows past the shared
-    full chunks (70 - 64 = 6): 82, not 210. The control, through an engine: three turns of that prompt
-    submitted together compute it three times (the ordering the server keeps is what shares it)."""
+def test_the_prompt_is_computed_once(served, monkeypatch):
+    """n = 3 on a fresh 70-token prompt computes its rows once (70) plus, per fork, the prompt's last row (its
+    first token's logits; the fork shares the 2 full chunks and copies the partial one): 72, not 210. Controls:
+    with the store's fork refused each choice adopts the full chunks and computes the partial one (70 - 64 = 6
+    rows): 82; through an engine, three turns of that prompt submitted together compute it three times."""
     srv, replica = served
-    ids = Conversation(seed=303, first=70).ids[0].tolist()
-    tail = len(ids) - (len(ids) - 1) // CHUNK * CHUNK
-    before = replica.engine.stats().prompt_tokens
-    out = complete(srv, {"prompt": ids, "n": 3, "max_tokens": 4, "seed": 1, **HOT})
-    assert replica.engine.stats().prompt_tokens - before == len(ids) + 2 * tail == 82
-    assert out["usage"]["prompt_tokens"] == len(ids) and out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    for seed, fork, rows in ((303, True, 1), (306, False, 6)):
+        ids = Conversation(seed=seed, first=70).ids[0].tolist()
+        if not fork:
+            monkeypatch.setattr(replica.store, "fork", refuse_fork)
+        before = replica.engine.stats().prompt_tokens
+        out = complete(srv, {"prompt": ids, "n": 3, "max_tokens": 4, "seed": 1, **HOT})
+        assert replica.engine.stats().prompt_tokens - before == len(ids) + 2 * rows == (72 if fork else 82)
+        assert out["usage"]["prompt_tokens"] == len(ids)
+        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        alone = [complete(srv, {"prompt": ids, "max_tokens": 4, "seed": 1 + i, **HOT})["choices"][0]["token_ids"]
+                 for i in range(3)]
+        assert [c["token_ids"] for c in out["choices"]] == alone
+        replica.store.check_integrity()
 
     engine = Engine(tiny_llama(), device_capacity=4096)
     start = engine.stats().prompt_tokens
     engine.generate(["a", "b", "c"], [ids] * 3, SamplingParams(max_new_tokens=4))
     assert engine.stats().prompt_tokens - start == 3 * len(ids)
     engine.store.check_integrity()
+
+
+def refuse_fork(*args, **kwargs):
+    from stateful_hf.cache import StoreError
+    raise StoreError("fork refused (the control)")
 
 
 def test_a_session_continues_the_choice_it_sends_back(served, oracle):

@@ -25,6 +25,7 @@ from .audit.store_stats import session_stats, store_stats
 from .eviction.policy import CostProfile, EvictionPolicy
 from .movement.migration import SessionExport, export_session, import_sessions
 from .movement.relocation import chunk_indices, target_state
+from .prefix.fork import fork_session
 from .sessions.history import common_prefix
 from .sessions.session import Session
 from .sessions.tenant import TenantUsage
@@ -385,6 +386,16 @@ class KVStore:
         """The idle session's token ids and stored KV (SessionBusyError while leased; `migration.py`)."""
         with self.lock:
             return export_session(self.parts, self.spec, self.sessions.get(session_id))
+
+    def fork(self, session_id: str, new_id: str, token_ids: Sequence[int] | None = None) -> int:
+        """A new session `new_id` with the session's history (its common prefix with `token_ids`; None: all of
+        it) and KV: the full chunks shared, the partial last chunk copied to a new device block (`prefix/fork.py`).
+        The session may be busy: its step in flight is left out. Tokens whose KV came along. StoreError if
+        `new_id` exists or prefix sharing is off; ValueError if `new_id` is another tenant's."""
+        with self.lock:
+            got = fork_session(self.parts, self.sessions.get(session_id), new_id, token_ids)
+            self._sync()
+            return got
 
     def import_session(self, exp: SessionExport) -> int:
         """Make `exp` this store's session of its id, on the device; tokens whose KV came along."""

@@ -64,6 +64,8 @@ class StepPlanner:
         # notified when a step commits or aborts: its hidden rebuilds are settled (`_await_rebuilds`)
         self.settled = threading.Condition(sessions.lock)
         self.rebuild_wait = 120.0       # seconds a step waits for another step's rebuild of a shared chunk
+        # session -> its entry of the step planned and not yet committed or aborted (what a fork leaves out)
+        self.in_flight: dict[str, StepEntry] = {}
 
     # ---- turns: the one writer of last_turn -------------------------------------------------------
 
@@ -186,7 +188,9 @@ class StepPlanner:
             entries.append(StepEntry(s.session_id, tuple(ids), tuple(pos), old_len, tuple(fill)))
         for s in sessions:          # their chunks are on the device now (making room above prunes the set)
             self.sessions.mark(s.session_id)
-        return self._build(sessions, entries, events, restore)
+        step = self._build(sessions, entries, events, restore)
+        self.in_flight.update((e.session_id, e) for e in entries)
+        return step
 
     def _await_rebuilds(self, sessions: list[Session]) -> None:
         """A chunk of these sessions still DEVICE with a `source` is shared with a session whose step is
@@ -216,6 +220,7 @@ class StepPlanner:
             f.commit(step)
         now = self.sessions.clock()
         for e in step.entries:
+            self.in_flight.pop(e.session_id, None)
             s = self.sessions.find(e.session_id)
             if s is None:
                 continue
@@ -238,6 +243,7 @@ class StepPlanner:
         for f in self.features:
             f.abort(step)
         for e in step.entries:
+            self.in_flight.pop(e.session_id, None)
             s = self.sessions.find(e.session_id)
             if s is None:
                 continue

@@ -103,6 +103,8 @@ class Engine:
         self.warmups = WarmUps(door, self.requests, c.warm_ahead)
         base = door.policy.profile or (self.layerwise.profile if self.layerwise is not None else None)
         self.cost = CostCorrection(base, door.block_size) if base is not None else None
+        if self.cost is not None:                   # swap-ins timed by the store's moves (correction.py)
+            door.moves.subscribe(self.cost.observe_move)
         self.stepper = Stepper(self.scheduler, self.runner, self.requests, self.eos, self.slo, self.ttft_slo,
                                self.tpot_slo, c.keep_step_records,
                                self.thread_sizer.fit if self.thread_sizer is not None else None,

@@ -1,4 +1,4 @@
-"""The cost profile corrected online from the steps the engine runs.
+"""The cost profile corrected online from the steps the engine runs and the swap-ins the store makes.
 
 A profile measured on a busy host (`cost.py`: once read 1.3-2.7 s a chunk where prefill took ~0.25 s)
 would steer every later decision: LayerKV's x_min weighs Σ Cost(context) against offload time, the
@@ -7,17 +7,30 @@ mostly prefill or recompute (at least a chunk of them, and at least twice its de
 Σ_rows Cost(context) / chunk under the measured profile; the median of the last `window` such steps'
 measured / predicted is the profile's error. When it strays past `tolerance` from the scale in use
 (after `min_steps` steps), the profile in use becomes the measured one times that median, its `source`
-saying so (`StoreStats.cost_profile`). The shape (the growth with context) stays the measured one; swap
-costs are measured apart (`measure_offload_bandwidth`) and not corrected here."""
+saying so (`StoreStats.cost_profile`). The shape (the growth with context) stays the measured one.
+
+Swap-in costs (seconds a chunk brought up to the device from the host or the disk; `CostProfile.swap_in`)
+are measured from the store's moves (`observe_move`, a `MoveLedger` listener): a batch up to the device
+of at least `min_swap_chunks` chunks whose seconds ran until its copy landed (`MoveBatch.landed`: a
+synchronous copy on the CPU; on CUDA or under the async emulator only a move that waits for its copy,
+e.g. a hint's prefetch, never a step's swap-in, which the step's layers wait on later) gives one sample
+per chunk; the median of a tier's last `window` samples (after `min_steps`) becomes its swap-in cost
+when none is known or when it strays past `tolerance` from the one in use. Moves may be recorded on
+any thread (under the store lock): a lock guards the swap state, and the next `observe` hands the
+changed profile to the engine (listeners must not call into the store)."""
 
 from __future__ import annotations
 
 import statistics
+import threading
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..cache.eviction.policy import CostProfile
+from ..cache.movement.moves import MoveBatch
+
+SWAP_TIERS = ("host", "disk")      # where chunks come up to the device from, with a swap-in cost each
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,29 +50,46 @@ class StepRows:
 
 @dataclass(slots=True)
 class CostCorrection:
-    """The profile in use (`profile`: the measured `base` times `scale`), corrected from observed steps.
-    One writer: the engine's stepping thread."""
+    """The profile in use (`profile`: the measured `base` times `scale`, with the swap-in costs measured
+    online), corrected from observed steps (the engine's stepping thread) and moves (any thread)."""
 
     base: CostProfile
     block_size: int
-    window: int = 32           # steps whose ratios the median is taken over
-    min_steps: int = 8         # steps observed before a first correction
-    tolerance: float = 1.5     # the median ratio must stray this far (either way) from `scale` to apply
+    window: int = 32           # samples whose median is taken (steps' ratios; a tier's swap-ins per chunk)
+    min_steps: int = 8         # samples observed before a first correction
+    tolerance: float = 1.5     # the median must stray this far (either way) from the value in use to apply
+    min_swap_chunks: int = 4   # a move up of fewer chunks is no evidence (its fixed costs dominate)
     scale: float = 1.0
     observed: int = 0          # qualifying steps seen in all
     ratios: deque[float] = field(init=False)   # measured / predicted of the last `window` qualifying steps
+    swap_in: dict[str, float] = field(init=False)            # tier -> seconds a chunk in use (measured ones)
+    swap_samples: dict[str, deque[float]] = field(init=False)   # tier -> seconds a chunk of its last moves
+    _changed: bool = field(init=False, default=False)        # the profile changed since `observe` last said
+    _lock: threading.Lock = field(init=False, default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
         assert self.block_size > 0 and self.window >= self.min_steps >= 1 and self.tolerance > 1, self
+        assert self.min_swap_chunks >= 1, self
         self.ratios = deque(maxlen=self.window)
+        self.swap_in = dict(self.base.swap_in)
+        self.swap_samples = {t: deque(maxlen=self.window) for t in SWAP_TIERS}
 
     @property
     def profile(self) -> CostProfile:
-        if self.scale == 1.0:
-            return self.base
-        return CostProfile(self.base.lengths, tuple(s * self.scale for s in self.base.seconds),
-                           f"{self.base.source}; corrected online x{self.scale:.3g} (median of the last "
-                           f"{len(self.ratios)} prefill steps' measured / predicted)")
+        with self._lock:
+            swap = tuple((t, self.swap_in[t]) for t in SWAP_TIERS if t in self.swap_in)
+            if self.scale == 1.0 and swap == self.base.swap_in:
+                return self.base
+            source = self.base.source
+            if self.scale != 1.0:
+                source += (f"; corrected online x{self.scale:.3g} (median of the last {len(self.ratios)} prefill "
+                           "steps' measured / predicted)")
+            for t, sec in swap:
+                if (t, sec) not in self.base.swap_in:
+                    source += (f"; swap-in from {t} {sec:.3g} s a chunk, measured online (median of the last "
+                               f"{len(self.swap_samples[t])} moves' seconds a chunk)")
+            seconds = tuple(x * self.scale for x in self.base.seconds)
+            return CostProfile(self.base.lengths, seconds, source, swap)
 
     def predicted(self, rows: StepRows) -> float:
         """Σ_rows Cost(context) / chunk under the measured profile: Cost is piecewise linear, so an
@@ -67,23 +97,36 @@ class CostCorrection:
         return sum(n * self.base.cost(max(round(ctx), 1)) for n, ctx, _ in rows.entries) / self.block_size
 
     def observe(self, rows: StepRows, seconds: float) -> CostProfile | None:
-        """A step that ran `rows` in `seconds`. Returns the corrected profile when the correction changes
-        (the caller hands it to the store), else None."""
+        """A step that ran `rows` in `seconds`. Returns the corrected profile when it changed since the
+        last call (by this step, or by moves observed since), for the caller to hand to the store; else None."""
         prefill = rows.prefill_rows
-        if prefill < self.block_size or prefill < 2 * rows.decode_rows or seconds <= 0:
-            return None
-        predicted = self.predicted(rows)
-        if predicted <= 0:
-            return None
-        self.observed += 1
-        self.ratios.append(seconds / predicted)
-        if len(self.ratios) < self.min_steps:
-            return None
-        median = statistics.median(self.ratios)
-        if max(median / self.scale, self.scale / median) < self.tolerance:
-            return None
-        self.scale = median
-        return self.profile
+        predicted = self.predicted(rows) if prefill >= self.block_size and prefill >= 2 * rows.decode_rows \
+            and seconds > 0 else 0.0
+        if predicted > 0:
+            self.observed += 1
+            self.ratios.append(seconds / predicted)
+            median = statistics.median(self.ratios)
+            if len(self.ratios) >= self.min_steps and max(median / self.scale, self.scale / median) >= self.tolerance:
+                with self._lock:
+                    self.scale, self._changed = median, True
+        with self._lock:
+            changed, self._changed = self._changed, False
+        return self.profile if changed else None
+
+    def observe_move(self, batch: MoveBatch) -> None:
+        """A move batch (`MoveLedger` listener; store lock held, any thread): one up to the device from a
+        swap tier, of at least `min_swap_chunks` chunks, whose seconds ran until its copy landed, is a sample."""
+        if batch.dst != "device" or batch.src not in SWAP_TIERS or not batch.landed \
+                or batch.chunks < self.min_swap_chunks or batch.seconds <= 0:
+            return
+        with self._lock:
+            samples = self.swap_samples[batch.src]
+            samples.append(batch.seconds / batch.chunks)
+            if len(samples) < self.min_steps:
+                return
+            median, now = statistics.median(samples), self.swap_in.get(batch.src)
+            if now is None or max(median / now, now / median) >= self.tolerance:
+                self.swap_in[batch.src], self._changed = median, True
 
 
 def step_rows(entries: Sequence[tuple[Sequence[int], int, int, bool]]) -> StepRows:

@@ -19,10 +19,8 @@ A request's parsing, chat-template rendering and tokenization run in a worker th
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
-import functools
 import json
 import random
 import re
@@ -326,18 +324,17 @@ def create_app(router, config: ServeConfig, access: Access | None = None) -> Fas
     async def completions(request: Request):
         header_session(request)
         body, turns = await run_in_threadpool(completion_turn, await request.body())
-        if body.n > 1 and (len(turns) == 1 or not (header_session(request) or body.session_id)):
-            return await run_choices(request, body, turns, "completion")
-        if len(turns) == 1:
-            return await run(request, body, *turns[0][:2], "completion", echo=turns[0][2])
-        if header_session(request) is not None or body.session_id:
+        if len(turns) > 1 and (header_session(request) is not None or body.session_id):
             raise APIError(400, "a list of prompts runs without a session (a session holds one conversation); send "
                            "one prompt per request with a session id", param="prompt", code="invalid_value")
-        return await run_many(request, body, turns)
+        if body.n > 1 or len(turns) > 1:                 # each prompt's n choices (choices.py)
+            return await run_choices(request, body, turns, "completion")
+        return await run(request, body, *turns[0][:2], "completion", echo=turns[0][2])
 
     async def run_choices(request: Request, body, turns: list, kind: str, readers: list | None = None):
-        """`n` > 1 (choices.py): each prompt's n choices as forks of it, `index` prompt-major; with a
-        session id (one prompt) its choices are held until the session's next turn."""
+        """`n` > 1 or a list of prompts (choices.py): each prompt's n choices as forks of it, `index`
+        prompt-major, the prompts run together; with a session id (one prompt) its choices are held until the
+        session's next turn."""
         sid, retain = header_session(request), retain_of(request)
         if sid is None and body.session_id:
             sid = session_id_of(request, body.session_id)
@@ -360,91 +357,6 @@ def create_app(router, config: ServeConfig, access: Access | None = None) -> Fas
         shown = split_key(sid)[1] if sid else ""
         return StreamingResponse(events, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Session-Id": shown})
-
-    async def run_many(request: Request, body, turns: list):
-        """A list of prompts: one turn each, run together in throwaway sessions of the caller's tenant; one
-        choice each, `index` in prompt order; usage sums them. A stream interleaves the choices' chunks."""
-        rid, model, created, tenant = new_id("cmpl"), config.model_name, int(time.time()), request_tenant(request)
-
-        async def turn(ids, sampling, put) -> None:
-            """One prompt's events to `put` (an error: APIError)."""
-            events = router.stream(None, ids, seeded(body, sampling), cache_salt=body.cache_salt, tenant=tenant)
-            async with contextlib.aclosing(events):
-                async for ev in events:
-                    if ev["type"] == "error":
-                        raise APIError.from_dict(ev["error"])
-                    await put(ev)
-
-        def total(finals: list[dict]) -> dict:
-            return usage({k: sum(f[k] for f in finals) for k in ("prompt_tokens", "completion_tokens",
-                                                                  "reused_tokens")})
-
-        if not body.stream:
-            finals: list[dict] = [{} for _ in turns]
-
-            async def keep(i: int, ev: dict) -> None:
-                if ev["type"] == "done":
-                    finals[i] = ev
-            tasks = [asyncio.create_task(turn(ids, sampling, functools.partial(keep, i)))
-                     for i, (ids, sampling, _) in enumerate(turns)]
-            try:
-                await asyncio.gather(*tasks)          # the first error is the answer; the other turns are cancelled
-            finally:
-                for t in tasks:
-                    t.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-            choices = []
-            for i, (final, (_, _, echo)) in enumerate(zip(finals, turns, strict=True)):
-                choice = completion_response(rid, model, final, body.return_token_ids, tok, echo)["choices"][0]
-                choices.append({**choice, "index": i})
-            return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                                 "choices": choices, "usage": total(finals)})
-
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-
-        async def sse() -> AsyncIterator[str]:
-            queue: asyncio.Queue = asyncio.Queue()
-
-            async def feed(i: int, ids, sampling) -> None:
-                try:
-                    await turn(ids, sampling, lambda ev: queue.put((i, ev)))
-                except APIError as e:
-                    await queue.put((i, {"type": "error", "error": e.to_dict()}))
-                finally:
-                    await queue.put((i, None))
-            tasks = [asyncio.create_task(feed(i, ids, sampling)) for i, (ids, sampling, _) in enumerate(turns)]
-            lps = [StreamLogprobs(False, tok, sampling.logprobs is not None) for _, sampling, _ in turns]
-            try:
-                for i, (_, _, echo) in enumerate(turns):
-                    if echo:
-                        yield _sse(completion_chunk(rid, model, created, echo, index=i))
-                finals, left = [], len(tasks)
-                while left:
-                    i, ev = await queue.get()
-                    if ev is None:
-                        left -= 1
-                    elif ev["type"] == "delta":
-                        lps[i].add(ev)
-                        if ev["text"]:
-                            yield _sse(completion_chunk(rid, model, created, ev["text"], index=i,
-                                                        logprobs=lps[i].take()))
-                    elif ev["type"] == "error":
-                        yield _sse(APIError.from_dict(ev["error"]).body())
-                        break
-                    elif ev["type"] == "done":
-                        finals.append(ev)
-                        yield _sse(completion_chunk(rid, model, created, "", ev["finish_reason"], index=i,
-                                                    logprobs=lps[i].take()))
-                else:
-                    if include_usage:
-                        yield _sse(completion_chunk(rid, model, created, "", use=total(finals), choices=False))
-                yield "data: [DONE]\n\n"
-            finally:
-                for t in tasks:
-                    t.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-
-        return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     @app.post("/v1/hints")
     async def hints(request: Request):

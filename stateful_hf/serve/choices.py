@@ -1,11 +1,15 @@
 """OpenAI's `n`: the choices of one prompt run as forks of it (docs/server-api.md#n-choices-as-forks).
 
-Choice 0 runs first; once its first event has come (its prompt's prefill has committed, so the
-prompt's full chunks are in the prefix index) choices 1..n-1 start, each in a session of its own with
-the same prompt ids: at admission each adopts the prompt's full chunks (`cache/prefix/sharing.py`) and
-computes only the rest (the partial last chunk: 1 to `chunk_size` tokens), and all n decode in the
-engine's batches. Choice i samples with `choice_seed(seed, i)`, its own generator (vLLM's rule), so it
-gives the tokens of the same request with n = 1 and that seed. Usage counts each prompt once.
+Choice 0 runs first; once its first event has come (its prompt's prefill has committed) choices
+1..n-1 start, each in a session of its own with the same prompt ids, as forks of choice 0's session:
+the turns of one prompt are a fork group (`fork=`, routed to one replica), and on the replica each
+later turn's new session is `KVStore.fork` of the group's first (`cache/prefix/fork.py`: the prompt's
+full chunks shared, its partial last chunk copied to a device block of its own), so its first step
+computes one row, the prompt's last (whose logits its first token is sampled from: the store keeps
+K/V, not logits). Where a fork cannot be (prefix sharing off, the parent gone) the choice adopts the
+prompt's indexed full chunks at admission and computes the rest. All n decode in the engine's
+batches. Choice i samples with `choice_seed(seed, i)`, its own generator (vLLM's rule), so it gives
+the tokens of the same request with n = 1 and that seed. Usage counts each prompt once.
 
 Without a session id every choice runs in a throwaway session of the caller's tenant. With one,
 choice 0 runs in the session itself and choice i in a fork session (`fork_key`: a '#' no client id
@@ -233,10 +237,10 @@ async def stream_choices(forks: SessionForks, groups: Sequence[ChoiceGroup], *, 
     firsts: dict[int, str] = {}                               # choice index -> the type of its first event
 
     async def choice(index: int, sid: str | None, g: ChoiceGroup, i: int, after: tuple[str, ...],
-                     started: asyncio.Event | None) -> None:
+                     started: asyncio.Event | None, tag: str) -> None:
         try:
             events = forks.settled(sid, list(g.ids), g.sampling_of(i), after, cache_salt=cache_salt,
-                                   tenant=tenant if sid is None else None)
+                                   tenant=tenant if sid is None else None, fork=tag if g.n > 1 else None)
             async with contextlib.aclosing(events):
                 async for ev in events:
                     firsts.setdefault(index, ev["type"])
@@ -253,18 +257,19 @@ async def stream_choices(forks: SessionForks, groups: Sequence[ChoiceGroup], *, 
     async def group(g: ChoiceGroup) -> None:
         after: tuple[str, ...] = ()
         keys: list[str] = []
+        tag = uuid.uuid4().hex[:8]               # the group's fork tag; with a session, in its forks' keys
         if g.session is not None:
             after = await forks.settle(g.session, g.ids)
-            tag = uuid.uuid4().hex[:8]
             keys = [fork_key(g.session, tag, i) for i in range(1, g.n)]
             marks.append((g, forks.open(g.session), keys))
         started = asyncio.Event()
-        tasks.append(asyncio.create_task(choice(g.first, g.session, g, 0, after, started)))
+        tasks.append(asyncio.create_task(choice(g.first, g.session, g, 0, after, started, tag)))
         await started.wait()
         if firsts.get(g.first) in (None, "error"):
             return                               # choice 0 failed: its error is the answer
         for i in range(1, g.n):
-            tasks.append(asyncio.create_task(choice(g.first + i, keys[i - 1] if keys else None, g, i, (), None)))
+            tasks.append(asyncio.create_task(choice(g.first + i, keys[i - 1] if keys else None, g, i, (), None,
+                                                    tag)))
 
     starters = [asyncio.create_task(group(g)) for g in groups]
     total, ended = sum(g.n for g in groups), 0

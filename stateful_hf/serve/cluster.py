@@ -41,8 +41,10 @@ class EngineReplica:
         model, tokenizer, _ = load_model(model_path, dtype, device, **(load or {}))
         self.replica = EngineOptions(**options).replica(model, tokenizer, name)
 
-    async def stream(self, session_id, prompt, sampling: dict, cache_salt=None, tenant=None) -> AsyncIterator[dict]:
-        async for ev in self.replica.stream(session_id, prompt, sampling, cache_salt=cache_salt, tenant=tenant):
+    async def stream(self, session_id, prompt, sampling: dict, cache_salt=None, tenant=None,
+                     fork=None) -> AsyncIterator[dict]:
+        async for ev in self.replica.stream(session_id, prompt, sampling, cache_salt=cache_salt, tenant=tenant,
+                                            fork=fork):
             yield ev
 
     async def hint(self, session_id, expected_arrival=None, priority=None) -> dict:
@@ -92,10 +94,12 @@ class RayClient:
     def __init__(self, handle, name: str):
         self.handle, self.name = handle, name
 
-    async def stream(self, session_id, prompt, sampling, *, cache_salt=None, tenant=None) -> AsyncIterator[dict]:
+    async def stream(self, session_id, prompt, sampling, *, cache_salt=None, tenant=None,
+                     fork=None) -> AsyncIterator[dict]:
         if dataclasses.is_dataclass(sampling):
             sampling = {f.name: getattr(sampling, f.name) for f in dataclasses.fields(sampling)}
-        gen = self.handle.options(stream=True).stream.remote(session_id, list(prompt), sampling, cache_salt, tenant)
+        gen = self.handle.options(stream=True).stream.remote(session_id, list(prompt), sampling, cache_salt, tenant,
+                                                             fork)
         finished = False
         try:
             async for ev in gen:

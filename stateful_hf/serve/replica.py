@@ -12,6 +12,7 @@ waiting coroutines.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -19,7 +20,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..cache import CapacityError, SessionBusyError, split_key
+from ..cache import CapacityError, SessionBusyError, StoreError, split_key
 from ..engine import Engine, SamplingParams
 from . import logs
 from .error_boundary import logged
@@ -104,13 +105,18 @@ class Replica:
         self.inflight = 0
         self.turns = SessionQueue(session_wait_timeout)
         self._gates: dict[str, threading.Event] = {}   # sessions being imported: turns wait
+        self._fork_parents: dict[str, str] = {}        # fork group -> the store key of its first turn in flight here
 
     # ---- turns ----------------------------------------------------------------------------------
 
     async def stream(self, session_id: str | None, prompt: list[int], sampling: SamplingParams | dict, *,
-                     cache_salt: str | None = None, tenant: str | None = None) -> AsyncIterator[dict]:
+                     cache_salt: str | None = None, tenant: str | None = None,
+                     fork: str | None = None) -> AsyncIterator[dict]:
         """One turn. `session_id` None: a throwaway session of `tenant`, deleted by the engine when the
-        turn ends (`Engine.throwaway_session`). `cache_salt`: scopes prefix sharing (`Engine.submit`)."""
+        turn ends (`Engine.throwaway_session`). `cache_salt`: scopes prefix sharing (`Engine.submit`).
+        `fork`: a fork group (choices.py: the `n` choices of one prompt). The group's first turn here is
+        its parent while it runs; a later turn of the group whose session is new starts as a fork of the
+        parent's session (`KVStore.fork`: its full chunks shared, its partial last chunk copied)."""
         if isinstance(sampling, dict):
             sampling = SamplingParams(**sampling)
         if sampling.constraint is not None:     # compile off the event loop, before the turn takes anything
@@ -134,11 +140,17 @@ class Replica:
             self._turns[sid] = self._turns.get(sid, 0) + 1
             baseline = dict(self._restored.setdefault(sid, {}))
         account = lambda out: self._account(out, sid, None if ephemeral else sid, baseline, prompt)
+        parent = self._fork_parents.setdefault(fork, sid) if fork is not None else sid
+        forked = parent != sid and await self._fork(parent, sid, prompt)
         try:
             handle, done = self.engine.submit(sid, prompt, sampling, cache_salt=cache_salt), False
         except BaseException:
             self.inflight -= 1
             self._untrack(sid)
+            self._unfork(fork, sid)
+            if forked and ephemeral:            # no turn will end to delete it
+                with contextlib.suppress(Exception):
+                    self.store.delete(sid)
             if not ephemeral:
                 self.turns.release(sid)
             raise
@@ -171,6 +183,7 @@ class Replica:
                     yield self._final(out)
                     return
         finally:
+            self._unfork(fork, sid)
             self.hub.close(st)
             self.inflight -= 1
             if not done:
@@ -179,6 +192,24 @@ class Replica:
                 self._when_done(handle, lambda out: self._after(out, sid, ephemeral, account))
             elif not ephemeral:               # the engine has ended the request: the next turn may go
                 self.turns.release(sid)
+
+    async def _fork(self, parent: str, sid: str, prompt: list[int]) -> bool:
+        """Session `sid` (new) as a fork of `parent` up to their common prefix with `prompt` (in a worker
+        thread: a device copy). False where it cannot be (the parent gone, `sid` not new, sharing off): the
+        turn then adopts the prompt's indexed chunks and computes the rest, as without a fork."""
+        if sid in self.store:
+            return False
+        try:
+            await asyncio.to_thread(self.store.fork, parent, sid, prompt)
+        except (StoreError, KeyError, ValueError) as e:   # UnknownSessionError is a KeyError
+            log.debug("no fork of %s for %s: %s", parent, sid, e)
+            return False
+        return True
+
+    def _unfork(self, fork: str | None, sid: str) -> None:
+        """The turn of `sid` ends: if it was its fork group's parent here, later turns of the group fork no more."""
+        if fork is not None and self._fork_parents.get(fork) == sid:
+            del self._fork_parents[fork]
 
     async def _compile(self, sampling: SamplingParams) -> Exception | None:
         """Compile a constrained turn's grammar into the engine's cache in a worker thread (in a cluster

@@ -59,6 +59,7 @@ class Router:
         self.stats = Counter()
         self.migration_seconds = 0.0
         self.metrics = RouterMetrics(self, hint_ttl)
+        self._forks: dict[str, int] = {}          # fork group (choices.py) -> the replica of its first turn in flight
 
     @property
     def names(self) -> list[str]:
@@ -122,9 +123,10 @@ class Router:
             self.location[sid] = max(range(len(held)), key=lambda i: held[i])
 
     async def stream(self, session_id: str | None, prompt: list[int], sampling, *, cache_salt: str | None = None,
-                     tenant: str | None = None) -> AsyncIterator[dict]:
+                     tenant: str | None = None, fork: str | None = None) -> AsyncIterator[dict]:
         """One turn on the replica `_route` picks. `session_id` None: a throwaway session of `tenant`
-        there; `cache_salt` scopes its prefix sharing (both passed to the replica)."""
+        there; `cache_salt` scopes its prefix sharing (both passed to the replica). `fork`: the turn's
+        fork group (`Replica.stream`); a new session's turn goes where the group's first turn runs."""
         sid = session_id
         if sid is not None:
             await self._locate(sid)
@@ -133,6 +135,11 @@ class Router:
         self.metrics.arrived(sid)
         keys = self.affinity.keys(prompt, (tenant or DEFAULT_TENANT) if sid is None else split_key(sid)[0], cache_salt)
         i, pull = self._route(sid, keys)
+        owner = fork is not None and fork not in self._forks
+        if fork is not None:
+            first = self._forks.setdefault(fork, i)
+            if not pull and (sid is None or sid not in self.location):
+                i = first
         self.affinity.record(keys, i)
         if pull:
             await asyncio.shield(self._start_migration(sid, i))    # no hint came: pull at arrival
@@ -145,10 +152,12 @@ class Router:
             self._idle.setdefault(sid, asyncio.Event()).clear()
         try:
             async with contextlib.aclosing(self.clients[i].stream(sid, prompt, sampling, cache_salt=cache_salt,
-                                                                  tenant=tenant)) as events:
+                                                                  tenant=tenant, fork=fork)) as events:
                 async for ev in events:
                     yield ev
         finally:
+            if owner:
+                self._forks.pop(fork, None)
             self.load[i] -= 1
             if sid is not None:
                 r, n = self._running[sid]

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from ..errors import CapacityError, SessionBusyError, StoreError, UnknownSessionError
 from ..eviction.policy import CostProfile, EvictionPolicy
+from ..movement.moves import MoveLedger
 from ..sessions.session import TurnStats
 from ..sessions.tenant import DEFAULT_TENANT, session_key
 from ..spec import KVSpec
@@ -68,6 +69,12 @@ class EngineStore(Protocol):
     def use_cost_profile(self, profile: CostProfile) -> None:
         """Changes: the cost profile the eviction policy's keys read (the engine's online correction); a
         policy whose keys read none ignores it."""
+        ...
+
+    @property
+    def moves(self) -> MoveLedger:
+        """The ledger of chunk moves between tiers (the engine's swap-in cost correction subscribes to it:
+        a listener runs under the store lock and must not call into the store)."""
         ...
 
     @property

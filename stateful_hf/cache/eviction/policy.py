@@ -57,6 +57,8 @@ class CostProfile:
     lengths: tuple[int, ...] = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
     seconds: tuple[float, ...] = (1.0, 1.03, 1.09, 1.19, 1.38, 1.77, 2.53, 4.06, 7.13)  # c + a*l shape
     source: str = field(default="the built-in shape (not measured)", compare=False)   # where it came from
+    # (tier, seconds) per chunk brought up to the device from that tier ("host", "disk"), where measured
+    swap_in: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.lengths) != len(self.seconds) or len(self.lengths) < 2:

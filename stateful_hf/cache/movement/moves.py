@@ -14,7 +14,8 @@ A batch is one call that moves chunks of one tier to another (`Placement.move_do
 
 Bytes are whole slots of the target pool (a partial chunk still fills a slot); moves to "dropped"
 copy nothing (0 bytes). Seconds are the wall time spent issuing the copy: on the CPU the copy itself,
-on CUDA its enqueueing (the copy overlaps the step); a hidden chunk's K/V rebuilt on the device is
+on CUDA its enqueueing (the copy overlaps the step), unless the mover waited for it to land before the
+batch was recorded (`landed`: a move up outside a step); a hidden chunk's K/V rebuilt on the device is
 timed by the step that runs it (`Counters.restore_seconds`), so its up-move has 0 seconds here.
 Everything runs under the store lock; listeners must be quick and must not call into the store.
 """
@@ -41,6 +42,7 @@ class MoveBatch:
     bytes: int
     seconds: float
     sessions: tuple[tuple[str, int], ...]   # (session id, its tokens moved), distinct, in batch order
+    landed: bool = True        # `seconds` ran until the copy landed (synchronous, or waited on); False: its issue only
 
 
 @dataclass(slots=True)

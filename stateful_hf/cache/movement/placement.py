@@ -79,8 +79,9 @@ class Placement:
         finally:
             self._reason = prev
 
-    def record(self, src: ChunkState, dst: ChunkState, items: Items, t0: float) -> None:
-        """Account one move batch (items: the chunks moved, in any state now); t0: perf_counter at its start."""
+    def record(self, src: ChunkState, dst: ChunkState, items: Items, t0: float, landed: bool = True) -> None:
+        """Account one move batch (items: the chunks moved, in any state now); t0: perf_counter at its start;
+        `landed`: its copy had landed by now (`MoveBatch.landed`)."""
         if not items:
             return
         for sid in self.tiers.sharing.holder_ids(items):    # their tokens per tier change
@@ -92,7 +93,8 @@ class Placement:
         for s, k in items:
             per_session[s.session_id] = per_session.get(s.session_id, 0) + s.chunk_len(k, bs)
         self.moves.record(MoveBatch(src.value, dst.value, self._reason, len(items), sum(per_session.values()),
-                                    per_slot * len(items), time.perf_counter() - t0, tuple(per_session.items())))
+                                    per_slot * len(items), time.perf_counter() - t0, tuple(per_session.items()),
+                                    landed))
 
     def copy_on_write(self, s: Session, k: int, kept: int) -> bool:
         """Chunk k of `s`, shared with other sessions, becomes a private copy in a new device block, so

@@ -99,7 +99,7 @@ class Relocation:
                 self.placement.move_down(items, state, excl, target=dest[items[0][1]], strict=True)
         if up:
             restore = self.hidden.new_restore(self.placement.counters)
-            self.swap_in.move_up([(s, k) for k in up], target, excl, restore=restore)
+            self.swap_in.move_up([(s, k) for k in up], target, excl, restore=restore, wait=True)
             self.swap_in.finish(restore)
             self.transfer.synchronize()
 

@@ -40,11 +40,12 @@ class SwapIn:
         self.block_size = tiers.device.spec.block_size
 
     def move_up(self, items: Items, target: ChunkState, exclude: set[str],
-                restore: HiddenRestore | None = None) -> list:
+                restore: HiddenRestore | None = None, wait: bool = False) -> list:
         """Copy HOST/DISK chunks up to `target` (DEVICE or HOST); returns per-layer copy events (CUDA).
         HIDDEN / DISK_HIDDEN chunks to the device join `restore` (a HiddenRestore run layer by layer
         by the step) and keep their hidden slot as `source` until `settle`; DISK_HIDDEN chunks to
-        HIDDEN are a copy of slots. Chunks still cached on the device (a shadow) take it back, no copy."""
+        HIDDEN are a copy of slots. Chunks still cached on the device (a shadow) take it back, no copy.
+        `wait`: each copy lands before its batch is recorded (a move outside a step: its seconds are the copy's)."""
         events, bs, tiers, record = [], self.block_size, self.tiers, self.placement.record
         movers = [s for s, _ in items]
         items = tiers.sharing.unique(items)    # a chunk shared by sessions of one step moves once
@@ -87,7 +88,9 @@ class SwapIn:
             t0 = time.perf_counter()
             ev = self.transfer.copy(tiers.pool(source), [s.chunks[k].loc for _, s, k in group],
                                     tiers.pool(target), [slots[i] for i, _, _ in group])
-            record(source, target, [(s, k) for _, s, k in group], t0)
+            if ev and wait:
+                self.transfer.settle(tiers.pool(target))
+            record(source, target, [(s, k) for _, s, k in group], t0, landed=not ev or wait)
             if ev:
                 events.append(ev)
             for i, s, k in group:

@@ -122,6 +122,35 @@ class PrefixSharing:
                 got += bs
         return got
 
+    def fork(self, parent: Session, child: Session, n: int, skip: Iterable[int] = ()) -> int:
+        """`child` (new, empty, of the parent's tenant) takes the parent's first `n` full chunks: each
+        with KV, outside `skip`, becomes one chunk of both (a private one gets an entry outside the index,
+        as `restore` gives one: shared, unfindable until a holder's `register` indexes it); the others
+        are fresh DROPPED chunks of `child`. Sets the child's scope and ids. Returns the chunks shared."""
+        bs, skip, shared = self.block_size, set(skip), 0
+        assert not child.chunks and not child.token_ids and n * bs <= len(parent.token_ids), (child, n)
+        child.scope = parent.scope
+        child.token_ids.extend(parent.token_ids[: n * bs])
+        scope = parent.scope if parent.scope is not None else PrefixScope(tenant_of(parent.session_id))
+        keys = None
+        for k in range(n):
+            c = parent.chunks[k]
+            if c.state is DROPPED or c.source is not None or c.residue_block is not None or k in skip:
+                child.chunks.append(Chunk())   # no KV to share (or not yet: a rebuild or fill in flight)
+                continue
+            if c.entry is None:
+                keys = keys if keys is not None else list(self.index.keys(scope, parent.token_ids[: n * bs]))
+                c.entry = PrefixEntry(keys[k], scope, k, tuple(parent.token_ids[k * bs:(k + 1) * bs]), None, c,
+                                      {parent.session_id})
+            child.chunks.append(c)
+            if c.entry in self.index:
+                self.index.acquire(c.entry, child.session_id)
+            else:
+                c.entry.holders.add(child.session_id)
+            self._joined(c.entry, child.session_id)
+            shared += 1
+        return shared
+
     def _hold(self, s: Session, k: int, e: PrefixEntry) -> None:
         if e.payload.state is DROPPED:
             raise AssertionError("an indexed chunk without KV")
