@@ -121,3 +121,19 @@ def test_the_engine_measures_swap_ins_from_the_stores_moves(emulate):
     finally:
         engine.stop()
     store.check_integrity()
+
+
+def test_a_stopped_engine_stops_listening_to_the_stores_moves():
+    """The correction hears the store's moves while its engine runs: stopped, it is unsubscribed (engines made
+    one after another on one store leave no listener behind), started again, it listens again."""
+    model = tiny_llama()
+    store = SessionStore(model, 4096, host_capacity=4096, chunk_size=8, cost_profile=BUSY)
+    before = len(store.moves.listeners)
+    for _ in range(3):
+        engine = Engine(model, store=store).start()
+        assert engine.cost.observe_move in store.moves.listeners
+        engine.stop()
+        assert len(store.moves.listeners) == before
+    engine.start()
+    assert store.moves.listeners.count(engine.cost.observe_move) == 1
+    engine.stop()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 
 import torch
 
@@ -103,8 +103,8 @@ class Engine:
         self.warmups = WarmUps(door, self.requests, c.warm_ahead)
         base = door.policy.profile or (self.layerwise.profile if self.layerwise is not None else None)
         self.cost = CostCorrection(base, door.block_size) if base is not None else None
-        if self.cost is not None:                   # swap-ins timed by the store's moves (correction.py)
-            door.moves.subscribe(self.cost.observe_move)
+        self._moves_listener: Callable[[], None] | None = None     # unsubscribes; None while not subscribed
+        self._listen_to_moves()
         self.stepper = Stepper(self.scheduler, self.runner, self.requests, self.eos, self.slo, self.ttft_slo,
                                self.tpot_slo, c.keep_step_records,
                                self.thread_sizer.fit if self.thread_sizer is not None else None,
@@ -226,8 +226,15 @@ class Engine:
     def start(self) -> Engine:
         """Start the background loop (idempotent). With `release_openmp_pool`, the calling thread's
         idle OpenMP workers are released first: alive, they make the loop's pool run throttled."""
+        self._listen_to_moves()
         self.loop.start()
         return self
+
+    def _listen_to_moves(self) -> None:
+        """Swap-ins timed by the store's moves feed the cost correction (correction.py) while the engine runs."""
+        if self.cost is not None and self._moves_listener is None:
+            door: EngineStore = self.store
+            self._moves_listener = door.moves.subscribe(self.cost.observe_move)
 
     def stop(self, cancel: bool = False, timeout: float | None = None, flush: float | None = 10.0) -> None:
         """Stop the loop after the requests in flight finish (or are cancelled, with `cancel`); then, with a disk
@@ -236,6 +243,9 @@ class Engine:
         if cancel:
             self.requests.cancel_all()
         self.loop.stop(timeout)
+        if self._moves_listener is not None:      # a stopped engine's correction no longer hears the store
+            self._moves_listener()
+            self._moves_listener = None
         if flush is not None:
             self.store.flush(flush)
         if self.thread_sizer is not None:
