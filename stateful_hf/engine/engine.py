@@ -5,6 +5,7 @@ without one, in whichever thread waits on a handle."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 
@@ -280,10 +281,12 @@ class Engine:
 
     def stats(self) -> EngineStats:
         lw = self.layerwise
-        return self.stepper.totals.stats(len(self.scheduler.running), len(self.scheduler.waiting),
-                                  self.slo.deferred if self.slo is not None else 0,
-                                  lw.layered_admissions if lw else 0, lw.pushed_blocks if lw else 0,
-                                  *self.runner.compile_stats())
+        stats = self.stepper.totals.stats(len(self.scheduler.running), len(self.scheduler.waiting),
+                                          self.slo.deferred if self.slo is not None else 0,
+                                          lw.layered_admissions if lw else 0, lw.pushed_blocks if lw else 0,
+                                          *self.runner.compile_stats())
+        quant = self.store.quantization
+        return dataclasses.replace(stats, quantization=quant.describe()) if quant is not None else stats
 
     def hint(self, session_id: str, expected_arrival: float | None = None, priority: int | None = None) -> Hint:
         """Tell the engine that `session_id` will send a turn soon (e.g. its user started typing;

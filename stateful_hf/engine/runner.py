@@ -163,6 +163,7 @@ class EngineStats:
     pushed_blocks: int = 0                     # device blocks freed by pushing running requests' layers down
     compile: str = ""                          # how the steps run: "inductor (...)" or "eager (the reason)"
     compiled_steps: int = 0                    # steps whose forward ran compiled
+    quantization: str = ""                     # the model's quantized linear layers ("": none)
 
 
 class StepTotals:

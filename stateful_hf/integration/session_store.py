@@ -10,6 +10,8 @@ from ..cache.hidden.partition import HiddenPlan, min_hidden_layers, plan_layers
 from ..cache.hidden.states import HiddenSpec
 from ..fingerprint import model_fingerprint
 from ..kernels import select_backend
+from ..kernels.quantization import Quantization
+from ..kernels.quantization import detect as detect_quantization
 from ..options import HiddenStates, Layout, SessionStoreKwargs, SessionStoreOptions, StoreOptions, TokensOrSize, Unpack
 from ..profile.cost import measure_cost_profile, measure_offload_bandwidth
 from ..profile.hidden import measure_hidden_costs
@@ -38,8 +40,9 @@ class SessionStore(KVStore):
                       device=param.device, block_size=o.chunk_size, windows=adapter.layer_windows)
         if o.batch_invariant:
             check_invariant(adapter, spec)
+        quantization = detect_quantization(model)
         off = "batch_invariant=False" if o.batch_invariant is False else None if o.batch_invariant else \
-            invariant_off(adapter, spec, o)
+            invariant_off(adapter, spec, o, quantization)
         if off is None:
             from ..kernels.invariance import pack_weights
             pack_weights(model)
@@ -82,6 +85,7 @@ class SessionStore(KVStore):
         # the split of batch_invariant() every forward of this store's turns runs under; None: not invariant
         self.invariant_split: int | None = o.chunk_size if off is None else None
         self.invariant_off: str | None = off      # why the store is not batch-invariant; None: it is
+        self.quantization: Quantization | None = quantization   # the model's quantized weights; None: plain
 
     def cache(self, session_id: str) -> StatefulCache:
         """A transformers Cache over the session (created empty if new), for generate/forward."""
@@ -94,11 +98,15 @@ class SessionStore(KVStore):
         return measure_offload_bandwidth(self.tiers.device)
 
 
-def invariant_off(adapter, spec: KVSpec, o: SessionStoreOptions) -> str | None:
-    """batch_invariant=None: why this store is not batch-invariant (it is then off), None: it is."""
-    if spec.dtype not in (torch.bfloat16, torch.float16):
+def invariant_off(adapter, spec: KVSpec, o: SessionStoreOptions,
+                  quantization: Quantization | None = None) -> str | None:
+    """batch_invariant=None: why this store is not batch-invariant (it is then off), None: it is. A model whose
+    activations are quantized per row at run time is treated as bf16 is: a 1-ulp difference in a row's
+    input moves its rounding, so stock kernels do not give stateless generate's tokens."""
+    if spec.dtype not in (torch.bfloat16, torch.float16) and not (quantization and quantization.dynamic_activations):
         return f"{str(spec.dtype).removeprefix('torch.')}: stock kernels already give stateless generate's tokens " \
-               "(on by default in bfloat16 and float16; batch_invariant=True for bitwise logits)"
+               "(on by default in bfloat16 and float16 and with int8 activations; batch_invariant=True for " \
+               "bitwise logits)"
     try:
         check_invariant(adapter, spec)
     except ValueError as e:

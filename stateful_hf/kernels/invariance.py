@@ -40,6 +40,7 @@ from .batch import PagedBatch
 from .cpu_backend import CpuPlan, available, unavailable_reason
 from .cpu_features import CpuFeatures
 from .linear import LinearKernel, choose, pack, sums, weight_key
+from .quantization import plain
 
 ROWS = 16                  # rows of every GEMM call under the context
 PACK_ROWS = 256            # MKL's packing hint: the engine's default step rows (its own packed copies' hint)
@@ -121,7 +122,7 @@ def pack_weights(model: torch.nn.Module) -> None:
     batch_invariant=True does, at creation): copies first made mid-run on an engine's loop thread
     multiplied x1.7 slower here (MKL's allocation; docs/cpu.md#batch-invariance)."""
     for m in model.modules():
-        if isinstance(m, torch.nn.Linear):
+        if isinstance(m, torch.nn.Linear) and plain(m.weight):     # a quantized weight has its own kernel
             _packed_weight(m.weight.t())
 
 

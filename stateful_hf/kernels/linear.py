@@ -20,7 +20,8 @@ packed (slower for narrow weights), so calls of fewer than MIN_ROWS rows keep `F
 layers' projections and the LM head) and gives each an instance-level `forward` that multiplies by the
 packed copy while this thread is inside `active()` (the engine's runner, around one step), and calls
 `F.linear` on the module's own weight otherwise: any other call of the model, stateless `generate` the
-oracle included, runs exactly as before. The model's classes, parameters and state dict are untouched.
+oracle included, runs exactly as before. A quantized weight (a tensor subclass, `kernels/quantization.py`)
+keeps its own kernels: its layer is not packed. The model's classes, parameters and state dict are untouched.
 A packed copy follows its weight: a weight replaced, moved, cast or changed in place (a new
 `data_ptr`, dtype or version) is packed again before its next use, so a stale copy is never read.
 """
@@ -36,6 +37,7 @@ import torch.nn.functional as F
 
 from ..options.modes import Mode
 from .cpu_features import CpuFeatures
+from .quantization import plain
 
 MIN_ROWS = 2                         # fewer rows: F.linear (a GEMV gains nothing from packing)
 
@@ -187,7 +189,7 @@ class PackedWeights:
             return have
         forwards = []
         for module in model.modules():
-            if isinstance(module, torch.nn.Linear) and module.weight.dtype == kernel.dtype:
+            if isinstance(module, torch.nn.Linear) and plain(module.weight) and module.weight.dtype == kernel.dtype:
                 fwd = _PackedForward(module, kernel, rows)
                 module.forward = fwd
                 forwards.append(fwd)

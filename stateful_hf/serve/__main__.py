@@ -238,7 +238,7 @@ def main(argv=None) -> None:
                                 compile={"auto": "auto", "on": True, "off": False}[a.compile])
     except ValueError as e:
         p.error(flags.as_flags(" ".join(str(e).split()), SessionStoreOptions, SchedulingOptions))
-    hub = {"revision": a.revision, "trust_remote_code": a.trust_remote_code}
+    hub = {"revision": a.revision, "trust_remote_code": a.trust_remote_code, "quantization": a.quantization}
     if a.ray:
         from .cluster import run_cluster
         _announce(access, a.host)

@@ -30,6 +30,7 @@ from ..dtypes import NAMES as DTYPES  # vLLM's --dtype names -> torch's (no torc
 from ..options import SchedulingOptions, SessionStoreOptions
 from . import chat_template
 
+QUANTIZATIONS = ("int8-weight-only", "int8-dynamic")   # kernels/quantization.py's SCHEMES (no torch imported here)
 # `--dtype`'s default: bf16 where the device has bf16 units, float32 elsewhere (docs/server-api.md)
 DEFAULT_DTYPE = "auto"
 DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
@@ -113,6 +114,10 @@ def add_model_flags(p: argparse.ArgumentParser, default_model: str, named: str) 
     p.add_argument("--device", type=device, default="cpu", help="torch device of the model and the device KV tier")
     p.add_argument("--chat-template", metavar="PATH",
                    help="a Jinja chat template file that replaces the tokenizer's")
+    p.add_argument("--quantization", "-q", choices=QUANTIZATIONS, default=None,
+                   help="load the model quantized through transformers' TorchAoConfig (torchao, the `quant` extra): "
+                   "int8-weight-only, or int8-dynamic (int8 activations per token: the store is then "
+                   "batch-invariant by default); docs/cpu.md#quantized-models")
 
 
 def store_flag_fields() -> list[Field]:

@@ -86,7 +86,7 @@ class EngineOptions:
 
 
 def load_model(path: str | None, dtype: str = "float32", device: str = "cpu", *, revision: str | None = None,
-               trust_remote_code: bool = False, chat_template: str | None = None):
+               trust_remote_code: bool = False, chat_template: str | None = None, quantization: str | None = None):
     """(model, tokenizer, name). `path`: a named model of stateful_hf.models (fetched once), a checkpoint
     directory or hub id; None, "tiny-random" or "tiny-qwen3": an offline tiny fixture, whose weights are
     random. The keyword arguments are `stateful_hf.models.load`'s."""
@@ -99,7 +99,7 @@ def load_model(path: str | None, dtype: str = "float32", device: str = "cpu", *,
     else:
         name = path.rstrip("/")
     model, tokenizer = load(path, dtype=dtype, device=device, revision=revision, trust_remote_code=trust_remote_code,
-                            chat_template=chat_template)
+                            chat_template=chat_template, quantization=quantization)
     return model, tokenizer, name
 
 
