@@ -101,7 +101,7 @@ class Engine:
         self.throwaway = ThrowawaySessions(door, self.loop.cv)
         self.requests = RequestRegistry(self.loop, self.throwaway.forget)
         self.warmups = WarmUps(door, self.requests, c.warm_ahead)
-        base = door.policy.profile or (self.layerwise.profile if self.layerwise is not None else None)
+        base = door.cost_profile or (self.layerwise.profile if self.layerwise is not None else None)
         self.cost = CostCorrection(base, door.block_size) if base is not None else None
         self.stepper = Stepper(self.scheduler, self.runner, self.requests, self.eos, self.slo, self.ttft_slo,
                                self.tpot_slo, c.keep_step_records,
