@@ -16,7 +16,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, overload
 
 from ..kernels import select_backend
 from ..options import KVStoreKwargs, Layout, StoreConfig, TokensOrSize, Unpack
@@ -143,15 +143,16 @@ class KVStore:
             self.history.delete(self.sessions.get(session_id), keep_shared)
             self._sync()
 
-    def acquire(self, session_id: str) -> None:
-        """Lease the session for one turn: it becomes busy (SessionBusyError if leased). End with `release`."""
+    def _acquire(self, session_id: str) -> None:
+        """Lease the session for one turn: it becomes busy (SessionBusyError if leased). End with `_release`
+        (callers: `lease`, `begin`)."""
         with self.lock:
             if (gap := self.sessions.acquire(session_id)[1]) is not None:   # back with history: the policy sees it
                 self.placement.policy.observe_return(gap)
 
-    def release(self, session_id: str) -> None:
-        """End the session's lease: its layered chunks settle, chunks move down ahead of time if free
-        device blocks fell under the threshold."""
+    def _release(self, session_id: str) -> None:
+        """End the session's lease (callers: `lease`, `begin` on error, `end`): its layered chunks settle,
+        chunks move down ahead of time if free device blocks fell under the threshold."""
         with self.lock:
             s = self.sessions.get(session_id)
             for f in self.features:            # e.g. its layered chunks become HOST before the table marks it
@@ -163,12 +164,13 @@ class KVStore:
 
     @contextmanager
     def lease(self, session_id: str) -> Iterator[None]:
-        """`acquire` ... `release` around a block."""
-        self.acquire(session_id)
+        """The session is leased for one turn around the block (SessionBusyError if it is already): busy, then
+        released (its layered chunks settle, chunks move down ahead of time, write-behind notes it)."""
+        self._acquire(session_id)
         try:
             yield
         finally:
-            self.release(session_id)
+            self._release(session_id)
 
     # ---- a scheduler's turn: one query, one admission, one end (turn.py) -------------------------
 
@@ -195,25 +197,25 @@ class KVStore:
 
     def begin(self, session_id: str, prompt: Sequence[int], cache_salt: str | None = None, *,
               keep: int | None = None) -> TurnStats:
-        """Admit a turn: `acquire` the lease and `begin_turn` with `prompt`, at once (SessionBusyError if
+        """Admit a turn: take the lease and `begin_turn` with `prompt`, at once (SessionBusyError if
         leased; on any error the lease is not held). `keep`: the kept prefix `turn_needs` answered; a
         StoreError if the turn would keep another (the session changed since). End it with `end`."""
         with self.lock:
-            self.acquire(session_id)
+            self._acquire(session_id)
             try:
                 turn = self.history.begin_turn(self.sessions.get(session_id), prompt, cache_salt, keep)
                 self._sync()
                 return turn
             except BaseException:
-                self.release(session_id)
+                self._release(session_id)
                 raise
 
     def end(self, session_id: str, generated: int) -> Room:
-        """The leased turn ends having generated `generated` tokens: `add_generated`, then `release`.
+        """The leased turn ends having generated `generated` tokens: `add_generated`, then the lease ends.
         Returns the room after."""
         with self.lock:
             self.planner.add_generated(self.sessions.get(session_id), generated)
-            self.release(session_id)
+            self._release(session_id)
             return self.capacity.room()
 
     def num_tokens(self, session_id: str) -> int:
@@ -388,7 +390,14 @@ class KVStore:
         with self.lock:
             check_integrity(self.sessions, self.tiers, self.block_size)   # slots, disk rows, shared chunks
 
+    @overload
+    def stats(self, session_id: None = None) -> StoreStats: ...
+    @overload
+    def stats(self, session_id: str) -> SessionStats: ...
+
     def stats(self, session_id: str | None = None) -> StoreStats | SessionStats:
+        """The store's statistics (tiers, counters, traffic), or with `session_id` the session's (its tiers,
+        lease, `last_turn`). Reads only."""
         with self.lock:
             if session_id is not None:
                 return session_stats(self.sessions.get(session_id), self.block_size)
