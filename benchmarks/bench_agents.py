@@ -238,7 +238,7 @@ def device_blocks_of_idle(store) -> tuple[int, int]:
         if ret and cid not in busy_chunks:
             retained.add(cid)
     free_from_idle = sum(1 for cid in idle if cid not in busy_chunks)
-    return store.device_pool.num_free + free_from_idle, len(retained)
+    return store.free_blocks() + free_from_idle, len(retained)
 
 
 def replay(name: str, model, a: argparse.Namespace, system, agents: list[Agent], starts: list[float],

@@ -79,14 +79,14 @@ def strategies(stores: dict, splits: dict, model, ks: list[int]) -> dict:
             st.move("s", ks, "hidden")
             if disk:
                 st.move("s", ks, "disk")
-                st.disk.drop_page_cache()
+                st.tiers.disk.drop_page_cache()
         return setup
 
     def to_kv(st, tier):
         def setup():
             st.move("s", ks, tier)
             if tier == "disk":
-                st.disk.drop_page_cache()
+                st.tiers.disk.drop_page_cache()
         return setup
 
     def up(st):
@@ -213,8 +213,8 @@ def main() -> None:
             st.check_integrity()
         budget = stores[splits["budget"]]
         print(f"\nstored bytes per token vs K/V ({pure.kv_bytes_per_token} B): all hidden "
-              f"{stores[n_layers].hidden_spec.bytes_per_token / pure.kv_bytes_per_token:.3f}, budget split "
-              f"({splits['budget']} hidden) {budget.hidden_spec.bytes_per_token / pure.kv_bytes_per_token:.3f}")
+              f"{stores[n_layers].config.hidden_spec.bytes_per_token / pure.kv_bytes_per_token:.3f}, budget split "
+              f"({splits['budget']} hidden) {budget.config.hidden_spec.bytes_per_token / pure.kv_bytes_per_token:.3f}")
         for st in stores.values():
             st.close()
         probe.close()

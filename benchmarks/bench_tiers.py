@@ -40,7 +40,7 @@ def _new_turn(model, store, sid: str, ids: list[int]) -> None:
 
 def _checksum_seconds(store, sid: str) -> float:
     """Time to checksum the session's disk chunks (their pages warm): the verification's own cost."""
-    s, f = store.session(sid), store.disk.files["kv"]
+    s, f = store.session(sid), store.tiers.disk.files["kv"]
     tags = identity_tags(s.token_ids, store.block_size)
     t0 = time.perf_counter()
     for k, c in enumerate(s.chunks):
@@ -72,10 +72,10 @@ def bench(lengths: list[int], reps: int) -> list[dict]:
                     store.move("s", chunks, "dropped" if tier == "recompute" else tier)
                     if tier == "disk":   # unmapped and evicted: posix_fadvise alone keeps mapped pages
                         times["checksum"].append(_checksum_seconds(store, "s"))
-                        sums = store.disk.pool.checksums        # as after a restart: proven on first read
+                        sums = store.tiers.disk.pool.checksums        # as after a restart: proven on first read
                         for slot in sums.slots():
                             sums.set(slot, sums[slot])          # known, not proven
-                        store.disk.drop_page_cache()
+                        store.tiers.disk.drop_page_cache()
                     t0 = time.perf_counter()
                     if tier == "recompute":
                         restore(model, cache)

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 from stateful_hf import Engine, SamplingParams, SessionBusyError
+from stateful_hf.cache.doors.demo import DemoStore
 
 TIER_ORDER = ("device", "host", "hidden", "disk", "dropped")
 
@@ -50,7 +51,8 @@ class ChatBackend:
     def __init__(self, engine: Engine, max_new_tokens: int = 48):
         if engine.tokenizer is None or getattr(engine.tokenizer, "chat_template", None) is None:
             raise ValueError("the demo needs a tokenizer with a chat template")
-        self.engine, self.store, self.tokenizer = engine, engine.store, engine.tokenizer
+        self.engine, self.tokenizer = engine, engine.tokenizer
+        self.store: DemoStore = engine.store
         self.max_new_tokens = max_new_tokens
         self._hints: dict[str, object] = {}
 

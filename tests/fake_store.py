@@ -55,7 +55,7 @@ class FakeStore:
     layerwise = False
     keeps_hidden = False
     invariant_split: int | None = None
-    policy = None
+    cost_profile = None
     spec = None
 
     def __init__(self, device_blocks: int, block_size: int = 4, broken: str | None = None):

@@ -317,6 +317,61 @@ def test_the_door_check_sees_a_breach():
                                     "stateful_hf.engine.scheduler:3 stateful_hf.cache.kv_store"]
 
 
+# ---- the other consumers' doors ------------------------------------------------------------------------------
+
+CONSUMER_DOORS = {      # a module that consumes the store -> its door, the one module of the store it may import
+    "stateful_hf.integration.stateful_cache": "stateful_hf.cache.doors.seam",
+    "stateful_hf.serve.replica": "stateful_hf.cache.doors.server",
+    "stateful_hf.serve.metrics": "stateful_hf.cache.doors.server",
+    "stateful_hf.serve.migrate": "stateful_hf.cache.doors.migration",
+    "demo.backend": "stateful_hf.cache.doors.demo",
+}
+
+
+def consumer_graph() -> dict[str, dict[str, int]]:
+    """The import graph of the package, with the demo's backend (outside the package) added."""
+    graph = dict(import_graph())
+    known = package_modules()
+    edges: dict[str, int] = {}
+    for imp in imports_of(Module("demo.backend", ROOT / "demo" / "backend.py", False)):
+        target = imp.target
+        while target and target not in known:
+            target = target.rpartition(".")[0]
+        if target:
+            edges.setdefault(target, imp.line)
+    graph["demo.backend"] = edges
+    return graph
+
+
+def consumer_breaches(graph: dict[str, dict[str, int]]) -> list[str]:
+    """`module:line target` for each import by a consumer of `CONSUMER_DOORS` of the store other than its door:
+    any other module of stateful_hf.cache (its package `__init__` too), or the seam's SessionStore."""
+    return sorted(f"{a}:{line} {b}" for a, door in CONSUMER_DOORS.items() for b, line in graph.get(a, {}).items()
+                  if b != door and (b == "stateful_hf.cache" or b.startswith("stateful_hf.cache.")
+                                    or b == "stateful_hf.integration.session_store"))
+
+
+def test_the_other_consumers_reach_the_store_only_through_their_doors():
+    """The seam's `StatefulCache`, the server's replica and metrics, migration and the demo each import their
+    door (`stateful_hf/cache/doors/`) and nothing else of the store; mypy checks that `SessionStore` keeps
+    each door where the consumer takes it (`Replica`, `ChatBackend`, `SessionStore.cache`)."""
+    graph = consumer_graph()
+    missing = [a for a, door in CONSUMER_DOORS.items() if door not in graph.get(a, {})]
+    assert not missing, f"consumers that do not import their door: {missing}"
+    breaches = consumer_breaches(graph)
+    assert not breaches, "a consumer imports the store past its door:\n  " + "\n  ".join(breaches)
+
+
+def test_the_consumer_door_check_sees_a_breach():
+    """The negative control: a consumer importing the store's package, a part, another door or SessionStore."""
+    graph = {"stateful_hf.serve.replica": {"stateful_hf.cache": 3, "stateful_hf.cache.doors.server": 4},
+             "stateful_hf.serve.migrate": {"stateful_hf.cache.doors.server": 5},
+             "demo.backend": {"stateful_hf.cache.doors.demo": 1, "stateful_hf.integration.session_store": 9}}
+    assert consumer_breaches(graph) == ["demo.backend:9 stateful_hf.integration.session_store",
+                                        "stateful_hf.serve.migrate:5 stateful_hf.cache.doors.server",
+                                        "stateful_hf.serve.replica:3 stateful_hf.cache"]
+
+
 # ---- one owner for request state ----------------------------------------------------------------------------
 
 REQUEST_MODULE = "stateful_hf/engine/request.py"

@@ -1,4 +1,4 @@
-"""What a step could get (`Capacity`, stateful_hf/cache/pools/tier_pools.py): `available_blocks` /
+"""What a step could get (`Capacity`, stateful_hf/cache/pools/tier_pools.py): `room().device_blocks` /
 `available_host_blocks` against a reference computed from the chunk tables alone (a chunk object
 held by several sessions is one block, and counts only when every session holding it is idle), with
 shared prefixes, busy holders and chunks moved to the host. Exactness of the turns is checked
@@ -38,8 +38,8 @@ def reference(store, states, shadows: bool) -> int:
 
 def check(store) -> None:
     store.check_integrity()
-    assert store.available_blocks() == store.device_pool.num_free + reference(store, {ChunkState.DEVICE}, True)
-    assert store.available_host_blocks() == store.host_pool.num_free + reference(store, {ChunkState.HOST}, False)
+    assert store.room().device_blocks == store.free_blocks() + reference(store, {ChunkState.DEVICE}, True)
+    assert store.available_host_blocks() == store.tiers.host.num_free + reference(store, {ChunkState.HOST}, False)
 
 
 @pytest.fixture
@@ -55,27 +55,27 @@ def test_available_blocks_count_a_shared_chunk_once_and_only_with_every_holder_i
         assert torch.equal(greedy(model, ids, cache=store.cache(sid)), greedy(oracle, ids))
     assert store.stats().shared_tokens == 40        # the 5 full chunks of the system prompt, held by a, b, c
     check(store)
-    idle_all = store.available_blocks()
+    idle_all = store.room().device_blocks
     with store.lease("a"):                         # a busy holder: the shared chunks do not count
         check(store)
         own_a = len(store.session("a").chunks) - 5
-        assert store.available_blocks() == idle_all - own_a - 5
+        assert store.room().device_blocks == idle_all - own_a - 5
         with store.lease("b"):
             check(store)
     check(store)
-    assert store.available_blocks() == idle_all
+    assert store.room().device_blocks == idle_all
     store.move("c", range(5, len(store.session("c").chunks)), "host")   # c's own chunks; the shared stay
     check(store)
     with store.lease("c"):                         # c's host chunks are busy, the shared ones too
         check(store)
-        assert store.available_host_blocks() == store.host_pool.num_free
+        assert store.available_host_blocks() == store.tiers.host.num_free
     store.move("a", range(len(store.session("a").chunks)), "host")     # a shared chunk moves for all holders
     check(store)
     with contextlib.ExitStack() as stack:
         for sid in "abc":
             stack.enter_context(store.lease(sid))
         check(store)
-        assert store.available_blocks() == store.device_pool.num_free
+        assert store.room().device_blocks == store.free_blocks()
     ids = torch.cat([SYSTEM, user(1), user(9)], 1)                       # b continues, exactly
     assert torch.equal(greedy(model, ids, cache=store.cache("b")), greedy(oracle, ids))
     check(store)

@@ -92,7 +92,7 @@ def stats_figures(store) -> dict:
 def check(store) -> None:
     store.check_integrity()                  # device_sessions() == the sessions holding device blocks
     assert stats_figures(store) == full_walk_stats(store)     # stats() reads counts, not every session
-    assert store.available_blocks() == store.device_pool.num_free + reference(store, {ChunkState.DEVICE}, True)
+    assert store.room().device_blocks == store.free_blocks() + reference(store, {ChunkState.DEVICE}, True)
     for state, shadowed in ((ChunkState.DEVICE, None), (ChunkState.HOST, True), (ChunkState.HOST, None),
                             (ChunkState.HOST, False), (ChunkState.DISK, None)):
         want = full_scan_victims(store, state, shadowed)

@@ -80,7 +80,7 @@ def test_capacity_change_relocates_and_stays_exact(second, tmp_path):
     on_disk = store.stats().disk_tokens
     store.close()
     again = open_store(model, d, second)
-    slots = again.disk.pool.num_blocks
+    slots = again.tiers.disk.pool.num_blocks
     assert kv_file(d).stat().st_size == slots * again.spec.bytes_per_block     # preallocated at the new size
     assert again.stats().disk_capacity_tokens == slots * 16 != 256
     kept = again.stats().disk_tokens
@@ -490,7 +490,7 @@ def test_hidden_file_capacity_change_relocates(capacity, tmp_path):
     store.move("a", ks, "disk")
     store.close()
     again = open_store(model, d, 256, hidden_disk_capacity=capacity, **kw)   # grown, or shrunk to 3 slots
-    assert again.disk_hidden_pool.num_blocks == capacity // 16 and len(list(d.glob("hidden.*.bin"))) == 1
+    assert again.tiers.disk_hidden.num_blocks == capacity // 16 and len(list(d.glob("hidden.*.bin"))) == 1
     kept = [k for k, c in enumerate(again.session("a").chunks) if c.state.value == "disk_hidden"]
     assert kept == (list(ks) if capacity == 512 else list(ks)[-3:])
     before = again.residency("a")

@@ -73,7 +73,7 @@ def test_a_shared_prompt_moves_to_disk_once_and_comes_back_once(models, tmp_path
     assert store.residency("b")["disk"] == SHARED and store.residency("b")["dropped"] == 0
     st = store.stats()
     assert st.disk_tokens == store.session("a").num_tokens            # the shared chunks once
-    assert store.disk.pool.num_blocks - store.disk.pool.num_free == len(store.session("a").chunks)
+    assert store.tiers.disk.pool.num_blocks - store.tiers.disk.pool.num_free == len(store.session("a").chunks)
     assert shared_objects(store, "a", "b") and st.shared_tokens == SHARED and st.prefix_index_chunks >= 5
     rows = disk_rows(tmp_path / "d")                      # committed: a row of each holder, one slot
     shared = [r for r in rows if r[1] < 5]
@@ -115,8 +115,8 @@ def test_restart_rebuilds_sharing_and_a_new_session_adopts_from_disk(models, tmp
     assert all(store.session("a").chunks[k] is store.session("b").chunks[k] for k in range(0 if full else 3, 5))
     assert st.shared_tokens == (SHARED if full else 2 * BS) and st.prefix_index_chunks == (9 if full else 0)
     assert st.disk_tokens == (on_disk if full else on_disk - 3 * BS)
-    assert store.disk.pool.num_blocks - store.disk.pool.num_free == (11 if full else 8)
-    kv_file, proofs = store.disk.files["kv"], []
+    assert store.tiers.disk.pool.num_blocks - store.tiers.disk.pool.num_free == (11 if full else 8)
+    kv_file, proofs = store.tiers.disk.files["kv"], []
     checksum = kv_file.checksum
     kv_file.checksum = lambda tag, slot: proofs.append(slot) or checksum(tag, slot)     # count the proofs
     c = turn(model, oracle, store, "c", torch.cat([SYSTEM, user(5)], 1))

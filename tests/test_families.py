@@ -62,7 +62,7 @@ def test_engine_exact_with_pressure_and_hidden_states(family, make_store):
                 tier = ("hidden", "host", "dropped")[(i + turn) % 3]
                 ks = [k for k in range(len(s.chunks)) if k % 2 == turn % 2 and s.chunks[k].state.name == "DEVICE"]
                 if tier == "hidden":
-                    ks = [k for k in ks if store.capture.valid[s.chunks[k].loc]]
+                    ks = [k for k in ks if store.hidden.capture.valid[s.chunks[k].loc]]
                 store.move(sid, ks, tier)
     c = store.stats().counters
     assert c.restored_hidden and c.recomputed

@@ -86,7 +86,7 @@ def test_cuda_layerwise_staging_exact(stage, make_store):
     model, oracle = GPU_FAMILIES["llama"]().cuda(), GPU_FAMILIES["llama"]().cuda()
     store = make_store(model, 256, chunk_size=16, host_capacity=8192, cost_profile=PROFILE, layerwise_kv=True,
                        attn_backend="torch")
-    store.layerwise_stage = stage
+    store.layered.stage = stage
     engine = Engine(model, store=store, max_batch_tokens=128, layerwise_kv=True)
     g = torch.Generator().manual_seed(9)
     prompts = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (400, 90, 300)]

@@ -36,7 +36,7 @@ def lay_out(store, sid, layout):
                    (ChunkState.DROPPED, ChunkState.HIDDEN)]
         if tier == "hidden":       # only chunks whose hidden states were captured can become hidden
             ks = [k for k in ks if s.chunks[k].state is ChunkState.HIDDEN or
-                  (s.chunks[k].state is ChunkState.DEVICE and store.capture.valid[s.chunks[k].loc])]
+                  (s.chunks[k].state is ChunkState.DEVICE and store.hidden.capture.valid[s.chunks[k].loc])]
         store.move(sid, ks, tier)
     store.check_integrity()
 
@@ -135,13 +135,13 @@ def test_auto_keeps_hidden_for_mha_and_kv_for_gqa(make_store):
     mha2 = tiny_llama("llama", num_hidden_layers=12, num_key_value_heads=4)
     auto = make_store(mha2, host_capacity=256, cost_profile=PROFILE, hidden_states="auto", hidden_budget=None,
                       hidden_costs=fast_kv)
-    assert auto.hidden_plan.hidden_layers == 0 and auto.hidden_pool is None and auto.capture is None
+    assert auto.hidden_plan.hidden_layers == 0 and auto.tiers.hidden is None and auto.hidden.capture is None
     always = make_store(tiny_llama("llama", num_hidden_layers=12, num_key_value_heads=4), host_capacity=256,
                         cost_profile=PROFILE, hidden_states="always", hidden_budget=None, hidden_costs=fast_kv)
-    assert always.hidden_plan.hidden_layers == 0 and always.hidden_pool is not None
+    assert always.hidden_plan.hidden_layers == 0 and always.tiers.hidden is not None
     gqa = tiny_llama("llama", num_key_value_heads=1)       # K+V (32 values) smaller than hidden (64)
     kv_store = make_store(gqa, host_capacity=256, cost_profile=PROFILE, hidden_states="auto")
-    assert kv_store.hidden_pool is None and kv_store.capture is None
+    assert kv_store.tiers.hidden is None and kv_store.hidden.capture is None
     greedy(gqa, torch.arange(3, 70)[None], n=1, cache=kv_store.cache("g"))
     kv_store.evict("g")
     assert kv_store.stats().hidden_tokens == 0 and kv_store.stats().host_tokens > 0
@@ -180,7 +180,7 @@ def test_capture_needs_no_second_forward():
                                      hidden_layers=2)
     greedy(model, torch.arange(3, 40)[None], n=3, cache=store.cache("a"))
     assert len(calls) == 3                   # prefill + 2 decode steps: one forward each
-    assert store.capture.valid[store.session("a").chunks[0].loc]
+    assert store.hidden.capture.valid[store.session("a").chunks[0].loc]
 
 
 def test_planner_closed_forms():

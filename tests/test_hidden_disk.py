@@ -33,7 +33,7 @@ def lay_out(store, sid, layout):
     want = {k: layout[k % len(layout)] for k in range(len(s.chunks))}
     st = {k: s.chunks[k].state for k in want}
     hidden_ok = {k for k in want if st[k] in (ChunkState.HIDDEN, DH) or
-                 (st[k] is ChunkState.DEVICE and store.capture.valid[s.chunks[k].loc])}
+                 (st[k] is ChunkState.DEVICE and store.hidden.capture.valid[s.chunks[k].loc])}
     to_hidden = [k for k, t in want.items() if t in ("hidden", "disk_hidden") and k in hidden_ok]
     up = [k for k, t in want.items() if st[k] is not ChunkState.DROPPED and (
           t == "device" or (t in ("hidden", "disk_hidden") and k not in hidden_ok))]
@@ -85,7 +85,7 @@ def test_disk_hidden_comes_back_to_the_host_and_steps_abort_cleanly(make_store, 
     store.move("a", [0, 1, 2], "hidden")
     store.move("a", [0, 1, 2], "disk")
     assert [c.state for c in store.session("a").chunks[:3]] == [DH] * 3
-    assert store.disk.drop_page_cache()            # cold reads from here on (benchmarks); data stays in the files
+    assert store.tiers.disk.drop_page_cache()            # cold reads from here on (benchmarks); data stays in the files
     store.move("a", [1], "hidden")                 # disk -> host, still hidden states
     assert store.session("a").chunks[1].state is ChunkState.HIDDEN
     n = store.session("a").num_tokens
@@ -143,7 +143,7 @@ def test_restart_sees_disk_hidden_chunks_and_continues_exactly(tmp_path):
     # hidden_layers not given and costs that would plan another split: the recorded split is kept
     costs = HiddenCosts(io_hidden=1.0, io_kv=0.1, c_hidden=1.0, c_token=1.0, overlap=False)
     again = stateful_hf.SessionStore(model, hidden_costs=costs, hidden_budget=None, **kw)
-    assert again.hidden_spec.hidden_layers == 1 and again.stats("kept").disk_hidden_tokens == on_disk
+    assert again.config.hidden_spec.hidden_layers == 1 and again.stats("kept").disk_hidden_tokens == on_disk
     again.check_integrity()
     out = greedy(model, conv.ids, cache=again.cache("kept"))
     assert torch.equal(out, greedy(oracle, conv.ids))
@@ -169,7 +169,7 @@ def test_disk_bytes_per_token_for_mha(make_store, tmp_path):
     mha = tiny_llama("llama", num_hidden_layers=12, num_key_value_heads=4)   # K+V 128 values/layer, hidden 64
     store = make_store(mha, device_capacity=1024, host_capacity=1024, disk_dir=tmp_path / "d", disk_capacity=1024,
                        cost_profile=PROFILE, hidden_states="auto")
-    assert store.hidden_spec.hidden_layers >= 11      # the planner under the 0.55 budget
+    assert store.config.hidden_spec.hidden_layers >= 11      # the planner under the 0.55 budget
     for i in range(3):
         greedy(mha, torch.arange(3, 131)[None] + i, n=1, cache=store.cache(f"s{i}"))   # 4 chunks each
         store.evict(f"s{i}")
@@ -178,8 +178,8 @@ def test_disk_bytes_per_token_for_mha(make_store, tmp_path):
     assert st.disk_tokens == st.disk_hidden_tokens == 3 * 128 and st.host_tokens == 0
     assert st.disk_bytes / st.disk_tokens <= 0.55 * st.kv_bytes_per_token, st
     assert st.bytes_per_token["disk"] == st.hidden_bytes_per_token
-    per_slot = store.hidden_spec.bytes_per_block
-    assert store.disk.files["hidden"].path.stat().st_size == store.disk_hidden_pool.num_blocks * per_slot
+    per_slot = store.config.hidden_spec.bytes_per_block
+    assert store.tiers.disk.files["hidden"].path.stat().st_size == store.tiers.disk_hidden.num_blocks * per_slot
 
 
 def test_full_disk_and_bad_moves_are_clear_and_lose_nothing(make_store, tmp_path):
@@ -206,7 +206,7 @@ def test_full_disk_and_bad_moves_are_clear_and_lose_nothing(make_store, tmp_path
     no_disk = make_store(model, host_capacity=256, cost_profile=PROFILE, hidden_states="always", hidden_layers=1)
     greedy(model, torch.arange(3, 70)[None], n=2, cache=no_disk.cache("b"))
     no_disk.move("b", [0], "hidden")
-    assert no_disk.disk_hidden_pool is None
+    assert no_disk.tiers.disk_hidden is None
     with pytest.raises(ValueError, match="no disk tier"):
         no_disk.move("b", [0], "disk")
 

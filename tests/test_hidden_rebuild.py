@@ -35,7 +35,7 @@ def test_a_step_that_cannot_get_its_blocks_leaves_no_unrebuilt_chunk():
     exact(model, oracle, store, "b", user(10, 36), n=4)
     h = exact(model, oracle, store, "h", user(11, 20), n=4)
     store.move("h", range(len(store.session("h").chunks)), "hidden")
-    pool = store.device_pool
+    pool = store.tiers.device
     free = torch.tensor(pool.free_ids())
     pool.data[:, free] = torch.randn_like(pool.data[:, free])      # free blocks hold anything
     nxt = torch.cat([h, user(12, 30)], 1)

@@ -98,7 +98,7 @@ def test_hint_never_pushes_other_sessions_down(make_engine):  # noqa: F811
     for sid, seed in (("b", 10), ("c", 11)):
         _turn(engine, sid, Conversation(seed=seed, first=60))     # 66 tokens: 5 blocks each
     others = {s: store.residency(s) for s in ("b", "c")}
-    free = store.device_pool.num_free                              # 16 - 10 = 6 free, 2 reserved
+    free = store.free_blocks()                              # 16 - 10 = 6 free, 2 reserved
     h = engine.hint("a")
     assert h.wait(10) and h.stopped == "no room"
     assert h.moved_chunks == free - 2 < n_a

@@ -118,9 +118,9 @@ def test_integrity_catches_a_residue_owned_twice(make_store):
         with pytest.raises(AssertionError, match="owned twice"):
             store.check_integrity()
         b.residue_block = saved
-    assert store.session("a").chunks[0].state is ChunkState.HOST and not store.residues.blocks
+    assert store.session("a").chunks[0].state is ChunkState.HOST and not store.tiers.residues.blocks
     store.delete("a")
-    assert store.device_pool.num_free == store.device_pool.num_blocks and not store.residues.blocks
+    assert store.free_blocks() == store.tiers.device.num_blocks and not store.tiers.residues.blocks
 
 
 # ---- exactness through the store -----------------------------------------------------------------------
@@ -133,7 +133,7 @@ def test_every_keep_factor_exact_with_residue_blocks_and_push_down(family, stage
     model, oracle = models(family)
     layers = model.config.num_hidden_layers
     store = layered_store(make_store, model)
-    store.layerwise_stage = stage
+    store.layered.stage = stage
     factors = [0, 1, 2, 3, layers]
     sids = [f"f{f}" for f in factors]
     prompts = {sid: prompt(i, 37 + 23 * i) for i, sid in enumerate(sids)}
@@ -172,12 +172,12 @@ def test_every_keep_factor_exact_with_residue_blocks_and_push_down(family, stage
             assert all(c.residue_block is None for c in store.session("f2").chunks)
     states = {sid: {c.state for c in store.session(sid).chunks} for sid in sids}
     assert states["f1"] == {ChunkState.DEVICE} and states["f3"] == {ChunkState.LAYERED}
-    assert store.residues.blocks, "factors >= 2 were meant to split device blocks by residue"
+    assert store.tiers.residues.blocks, "factors >= 2 were meant to split device blocks by residue"
     for lease in leases:
         lease.__exit__(None, None, None)
     for sid in sids:
         assert got[sid] == want[sid], sid
-    assert not store.residues.blocks and store.stats().layered_tokens == 0       # turns ended: HOST now
+    assert not store.tiers.residues.blocks and store.stats().layered_tokens == 0       # turns ended: HOST now
     # next turn of a formerly layered session, plain (all layers swapped in from the host): still exact
     p2 = prompts["f3"] + got["f3"] + prompt(99, 10)
     out = greedy(model, torch.tensor([p2]), 6, cache=store.cache("f3"))
@@ -196,7 +196,7 @@ def test_prompts_longer_than_the_device_pool(family, stage, make_store):
     out = plain.generate(["a"], [prompt(0, 400)], SamplingParams(max_new_tokens=4))[0]
     assert out.finish_reason == "error" and isinstance(out.error, CapacityError)
     store = layered_store(make_store, model)
-    store.layerwise_stage = stage
+    store.layered.stage = stage
     engine = Engine(model, store=store, max_batch_tokens=128, layerwise_kv=True)
     lens = [400, 90, 300, 700, 50, 250]
     prompts = [prompt(i, n) for i, n in enumerate(lens)]

@@ -96,7 +96,7 @@ def test_modes_take_strings_and_members():
 def test_engine_store_options_go_to_the_store_it_makes():
     engine = Engine(tiny_llama(), device_capacity=64, chunk_size=8, host_capacity=128, max_batch_tokens=32)
     try:
-        assert engine.store.block_size == 8 and engine.store.host_pool is not None
+        assert engine.store.block_size == 8 and engine.store.tiers.host is not None
         assert engine.config.max_batch_tokens == 32
     finally:
         engine.stop()

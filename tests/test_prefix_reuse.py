@@ -97,7 +97,7 @@ def test_no_step_reads_a_shared_chunk_another_step_is_rebuilding():
     a = exact(model, oracle, store, "a", torch.cat([SYSTEM, user(1)], 1), n=4)
     exact(model, oracle, store, "x", torch.cat([SYSTEM, user(2)], 1), n=4)
     store.move("a", range(5), "hidden")                      # the shared chunks: for x too
-    pool = store.device_pool
+    pool = store.tiers.device
     free = torch.tensor(pool.free_ids())
     pool.data[:, free] = torch.randn_like(pool.data[:, free])      # free blocks hold anything
     nxt = torch.cat([a, user(3)], 1)[0].tolist()

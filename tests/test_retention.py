@@ -81,7 +81,7 @@ def test_retention_is_clamped_and_never_pins():
     assert order(store) == ["b", "a", "c"]
     store.move("b", range(len(store.places("b"))), "dropped")
     store.move("c", range(len(store.places("c"))), "dropped")
-    host = store.host_pool
+    host = store.tiers.host
     want = host.num_blocks                               # every host block: only a's are left to take
     with store.lock:
         host.free(store.placement.take(HOST, want, set()))

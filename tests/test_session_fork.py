@@ -27,7 +27,7 @@ def models():
 def block_of(store, sid: str, k: int) -> torch.Tensor:
     c = store.session(sid).chunks[k]
     assert c.state.value == "device", c
-    return store.device_pool.data[:, c.loc].clone()
+    return store.tiers.device.data[:, c.loc].clone()
 
 
 @pytest.mark.parametrize("hidden", [False, True])
@@ -45,7 +45,7 @@ def test_a_fork_shares_full_chunks_and_copies_the_partial_one(models, make_store
     before_b, before_a = block_of(store, "b", 6), block_of(store, "a", 6)
     a = store_turn(model, oracle, store, "a", torch.cat([a, user(1)], 1))  # a appends into its partial block
     assert torch.equal(block_of(store, "b", 6), before_b)                # b's copy untouched
-    assert not torch.equal(store.device_pool.data[:, sa.chunks[6].loc], before_a)   # the control: a's changed
+    assert not torch.equal(store.tiers.device.data[:, sa.chunks[6].loc], before_a)   # the control: a's changed
     b = torch.cat([SYSTEM, greedy(oracle, SYSTEM)[:, 43:], user(2)], 1)
     store_turn(model, oracle, store, "b", b)
     last = store.stats("b").last_turn

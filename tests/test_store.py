@@ -59,21 +59,21 @@ def test_abort_restores_exactly():
     store = new_store()
     append(store, "a", list(range(6)))
     s = store.session("a")
-    before = (list(s.token_ids), [c.block for c in s.chunks], store.device_pool.num_free)
+    before = (list(s.token_ids), [c.block for c in s.chunks], store.free_blocks())
     step = store.plan_step([("a", [1, 2, 3, 4, 5], range(6, 11))])
     store.abort(step)
     s = store.session("a")
-    assert (list(s.token_ids), [c.block for c in s.chunks], store.device_pool.num_free) == before
+    assert (list(s.token_ids), [c.block for c in s.chunks], store.free_blocks()) == before
     store.check_integrity()
 
 
 def test_truncate_frees_whole_chunks_only():
     store = new_store()
     append(store, "a", list(range(13)))
-    free = store.device_pool.num_free
+    free = store.free_blocks()
     assert store.truncate("a", 5) == 8
     assert list(store.session("a").token_ids) == list(range(5)) and len(store.session("a").chunks) == 2
-    assert store.device_pool.num_free == free + 2
+    assert store.free_blocks() == free + 2
     assert store.truncate("a", 9) == 0
     store.check_integrity()
 
@@ -153,7 +153,7 @@ def test_errors_leave_store_intact():
 def test_integrity_catches_corruption():
     store = new_store()
     append(store, "a", list(range(6)))
-    store.device_pool.free([store.session("a").chunks[0].block])
+    store.tiers.device.free([store.session("a").chunks[0].block])
     with pytest.raises(AssertionError, match="both free and owned"):
         store.check_integrity()
 
@@ -202,8 +202,8 @@ def test_stats():
     assert st.kv_bytes_per_token == SPEC.bytes_per_token and st.device_bytes == 2 * SPEC.bytes_per_block
     assert store.stats("a").num_tokens == 6
     store.delete("a")
-    assert store.device_pool.num_free == store.device_pool.num_blocks
-    assert torch.is_tensor(store.device_pool.data)
+    assert store.free_blocks() == store.tiers.device.num_blocks
+    assert torch.is_tensor(store.tiers.device.data)
 
 
 def test_turn_stats_have_one_writer_the_store():
@@ -238,7 +238,7 @@ def test_turn_stats_have_one_writer_the_store():
 
 @pytest.mark.parametrize("factor", [1, 0, 2])
 def test_blocks_needed_is_what_plan_step_takes(factor):
-    """The scheduler's question (store.blocks_needed / chunk_needs) has plan_step's answer: the device
+    """`Capacity.blocks_needed` / `chunk_needs` (the parts' path) give plan_step's answer: the device
     blocks a step takes, for every mix of device, host and dropped chunks."""
     spec = KVSpec(num_layers=4, num_kv_heads=2, head_dim=4, block_size=4)
     store = KVStore(spec, 64, host_capacity=64, swap_out_threshold=0.0, layerwise_kv=factor != 1)
@@ -246,15 +246,15 @@ def test_blocks_needed_is_what_plan_step_takes(factor):
     store.move("a", [1, 4], "host")
     store.move("a", [2], "dropped")
     s = store.session("a")
-    needs = store.chunk_needs("a", 30, factor=factor)
+    needs = store.capacity.chunk_needs(s, 30, None, factor)
     assert needs.fills == [2, 6, 7]
     assert (needs.copies, needs.in_place) == (([], [1, 4]) if factor != 1 else ([1, 4], []))
-    need = store.blocks_needed("a", 30, factor=factor)
+    need = store.capacity.blocks_needed(s, 30, None, factor)
     assert need == {1: 5, 0: 0, 2: 2}[factor]
-    free = store.device_pool.num_free
+    free = store.free_blocks()
     with store.lease("a"):
         rows = [(p, s.token_ids[p]) for p in range(8, 12)] + [(p, 7) for p in range(22, 30)]
         step = store.plan_step([("a", [t for _, t in rows], [p for p, _ in rows])], factors=[factor])
-        assert free - store.device_pool.num_free == need
+        assert free - store.free_blocks() == need
         store.commit(step)
     store.check_integrity()

@@ -35,13 +35,13 @@ def test_every_pool_of_a_store_keeps_the_protocol_and_holds_its_transfer(make_st
         assert pool.device_tier == (name == "device") and not pool.virtual, name
         assert pool.slice_blocks == (name in ("device", "host")), name     # the disk tier writes through its file
         assert (pool.pages_released, pool.cached_bytes, pool.blocks_prefetched) == (0, 0, 0), name
-    kv, hidden = store.device_pool.spec.bytes_per_block, t.hidden.hidden_spec.bytes_per_block
+    kv, hidden = store.tiers.device.spec.bytes_per_block, t.hidden.hidden_spec.bytes_per_block
     assert [p.bytes_per_slot for p in pools.values()] == [kv, kv, kv, hidden, hidden]
 
 
 def test_a_virtual_device_pool_keeps_the_protocol(make_store):
     store = make_store(tiny_llama(), 512, layout="virtual", max_context=128, cost_profile=PROFILE)
-    pool = store.device_pool
+    pool = store.tiers.device
     assert isinstance(pool, VirtualPool) and isinstance(pool, TierPool)
     assert pool.virtual and pool.device_tier and not pool.slice_blocks and pool.transfer is store.transfer
     assert pool.bytes_per_slot == pool.spec.bytes_per_block

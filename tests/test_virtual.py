@@ -33,7 +33,7 @@ def test_generate_exact_across_chunk_states(family, make_store, tmp_path):
     model, oracle = FAMILIES[family](), FAMILIES[family]()
     store = make_store(model, device_capacity=8192, layout="virtual", host_capacity=1024,
                        disk_dir=tmp_path / "d", disk_capacity=1024, cost_profile=PROFILE)
-    assert isinstance(store.device_pool, VirtualPool)
+    assert isinstance(store.tiers.device, VirtualPool)
     cache = store.cache("a")
     conv = Conversation(seed=31, first=70, turn=20)
     for tiers in (["host"], ["disk"], ["dropped"], ["host", "disk", "dropped"], ["device"], ["dropped", "host"]):
@@ -55,13 +55,13 @@ def test_engine_exact_and_slots_recycled(make_store):
     # 3 slots of max_context 256 for 6 sessions: sessions must leave the device for others to enter
     store = make_store(model, device_capacity=3 * 256, layout="virtual", max_context=256, host_capacity=2048,
                        cost_profile=PROFILE)
-    assert store.device_pool.num_slots == 3
+    assert store.tiers.device.num_slots == 3
     convs = {f"s{i}": Conversation(seed=40 + i, first=20 + i, turn=7) for i in range(6)}
     with Engine(model, store=store, max_batch_tokens=96) as engine:
         for _ in range(3):
             engine_round(engine, convs, oracle, n=5)
     st = store.stats()
-    assert st.counters.swapped_in_host > 0 and st.device_reserved_bytes == store.device_pool.reserved_bytes
+    assert st.counters.swapped_in_host > 0 and st.device_reserved_bytes == store.tiers.device.reserved_bytes
 
 
 def _rss() -> int:
@@ -81,7 +81,7 @@ def test_resident_memory_follows_committed_kv(make_store):
         model(torch.randint(3, 300, (1, 896)))      # warm the allocator with one forward of the same size
     before = _rss()
     store = make_store(model, device_capacity="8GiB", layout="virtual", max_context=1024, cost_profile=PROFILE)
-    pool = store.device_pool
+    pool = store.tiers.device
     assert pool.reserved_bytes >= 8 * 2**30 and _rss() - before < 64 * 2**20   # reserving commits nothing
     for i in range(7):
         store.open(f"s{i}")
@@ -113,7 +113,7 @@ def test_reused_slot_reads_zeros(make_store, keep_freed):
     back to the OS: either way a new owner reads zeros."""
     store = make_store(tiny_llama(hidden_size=256, num_attention_heads=4, num_key_value_heads=4), device_capacity=4096,
                        layout="virtual", max_context=512, cost_profile=PROFILE, keep_freed=keep_freed)
-    pool = store.device_pool
+    pool = store.tiers.device
     blocks = pool.allocate(3, [("x", k) for k in range(3)])
     k, v = pool.layer(0)
     k[blocks] = 7.0
@@ -147,7 +147,7 @@ def test_kept_pages_are_bounded_oldest_first(make_store):
     model = tiny_llama(hidden_size=512, num_attention_heads=8, num_key_value_heads=8)    # 8 KiB per token
     store = make_store(model, device_capacity=4096, layout="virtual", max_context=512, cost_profile=PROFILE,
                        keep_freed=64, map_ahead=False)                                  # 2 blocks of 32 tokens
-    pool = store.device_pool
+    pool = store.tiers.device
     blocks = pool.allocate(4, [("x", k) for k in range(4)])
     for k in range(4):
         for rows, _, _ in pool._block_rows(0, k):                                      # commit their pages
@@ -166,7 +166,7 @@ def test_background_mapper_maps_the_next_block_ahead(make_store):
     model = tiny_llama(hidden_size=512, num_attention_heads=8, num_key_value_heads=8)
     oracle = tiny_llama(hidden_size=512, num_attention_heads=8, num_key_value_heads=8)
     store = make_store(model, device_capacity=4096, layout="virtual", max_context=512, cost_profile=PROFILE)
-    pool = store.device_pool
+    pool = store.tiers.device
     conv = Conversation(seed=3, first=20)                 # 20 + 10 generated = 30 tokens: block 0 past half
     out = greedy(model, conv.ids, cache=store.cache("a"))
     assert torch.equal(out, greedy(oracle, conv.ids))
@@ -202,7 +202,7 @@ def test_cuda_virtual_memory_exact(make_store):
         out = greedy(model, ids, cache=store.cache("a"))
         assert torch.equal(out, greedy(oracle, ids))
         conv.reply(out.cpu())
-    assert 0 < store.device_pool.committed_bytes() < store.device_pool.reserved_bytes
+    assert 0 < store.tiers.device.committed_bytes() < store.tiers.device.reserved_bytes
 
 
 class _FakeDriver:

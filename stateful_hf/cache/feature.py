@@ -52,7 +52,7 @@ class StoreFeature(Protocol):
         return 0
 
     def released(self, s: Session) -> None:
-        """The lease on `s` ended, after the store's upkeep (`KVStore.release`). Reads `s`."""
+        """The lease on `s` ended, after the store's upkeep (`KVStore.lease`, `KVStore.end`). Reads `s`."""
 
     def sync(self) -> None:
         """A store method that may change what is kept across a restart ends: make it durable; never raises."""

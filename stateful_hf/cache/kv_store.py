@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, overload
 
 from ..kernels import select_backend
 from ..options import KVStoreKwargs, Layout, StoreConfig, TokensOrSize, Unpack
@@ -32,7 +33,7 @@ from .sessions.tenant import TenantUsage
 from .spec import KVSpec
 from .step import StepBatch
 from .store_parts import assemble
-from .turn import ChunkNeeds, Committed, Place, PoolSizes, Room, TurnNeeds, places_of
+from .turn import Committed, Place, PoolSizes, Room, TurnNeeds, places_of
 
 if TYPE_CHECKING:
     from .audit.stats import FlushReport
@@ -61,17 +62,8 @@ class KVStore:
         self.clock: Callable[[], float] = self.sessions.clock   # seconds; `time.monotonic` unless a test gave one
         self.pool_sizes: PoolSizes = self.tiers.sizes()         # fixed: pools never resize
 
-    # ---- the parts' objects, for callers that read them (one line each) ---------------------------
+    # ---- facts and knobs (the parts themselves: `store.tiers`, `store.hidden`, ... as in `StoreParts`) ------
 
-    device_pool = property(lambda self: self.tiers.device)
-    host_pool = property(lambda self: self.tiers.host)
-    disk = property(lambda self: self.tiers.disk)
-    hidden_pool = property(lambda self: self.tiers.hidden)
-    disk_hidden_pool = property(lambda self: self.tiers.disk_hidden)
-    capture = property(lambda self: self.hidden.capture)
-    hidden_spec = property(lambda self: self.config.hidden_spec)
-    project = property(lambda self: self.config.project)
-    residues = property(lambda self: self.tiers.residues, doc="LayerKV's residue blocks (the pools own the table)")
     @property
     def keeps_hidden(self) -> bool:
         """Whether the store keeps hidden states (HCache: hidden_states "always" or "auto" with a hidden tier)."""
@@ -82,25 +74,40 @@ class KVStore:
         """Whether the store was made with layerwise_kv (LayerKV)."""
         return self.config.layerwise_kv
 
-    swap_out_threshold = property(lambda self: self.placement.swap_out_threshold)
+    @property
+    def policy(self) -> EvictionPolicy:
+        """The eviction policy (`Placement` owns it); replace it with `store.policy = ...` (under the lock)."""
+        return self.placement.policy
 
-    emulate_async = property(lambda self: self.transfer.emulate, doc="copies run under the CPU async emulator")
+    @policy.setter
+    def policy(self, policy: EvictionPolicy) -> None:
+        with self.lock:
+            self.placement.policy = policy
+
+    @property
+    def cost_profile(self) -> CostProfile | None:
+        """The cost profile the eviction policy's keys read (None: a policy that reads none)."""
+        return self.placement.policy.profile
+
+    @property
+    def emulate_async(self) -> bool:
+        """Deprecated (one release): `store.transfer.emulate`, whether copies run under the CPU async emulator."""
+        warnings.warn("KVStore.emulate_async is deprecated; read store.transfer.emulate", DeprecationWarning,
+                      stacklevel=2)
+        return self.transfer.emulate
 
     @property
     def layerwise_stage(self) -> bool | None:
-        """LayerKV's staging choice (`LayeredChunks.stage`); None and not settable without layerwise_kv."""
+        """Deprecated (one release): `store.layered.stage`, LayerKV's staging choice."""
+        warnings.warn("KVStore.layerwise_stage is deprecated; use store.layered.stage", DeprecationWarning,
+                      stacklevel=2)
         return self.layered.stage
 
     @layerwise_stage.setter
     def layerwise_stage(self, stage: bool | None) -> None:
+        warnings.warn("KVStore.layerwise_stage is deprecated; use store.layered.stage", DeprecationWarning,
+                      stacklevel=2)
         self.layered.stage = stage         # without layerwise_kv (`NoLayers`) nothing to stage: ignored
-
-    policy = property(lambda self: self.placement.policy, doc="the eviction policy (set under the lock)")
-
-    @policy.setter
-    def policy(self, policy: EvictionPolicy) -> None:  # noqa: F811 (the property above, given its setter)
-        with self.lock:
-            self.placement.policy = policy
 
     def use_cost_profile(self, profile: CostProfile) -> None:
         """The eviction policy's keys read `profile` from now on (the engine's online correction)."""
@@ -137,15 +144,16 @@ class KVStore:
             self.history.delete(self.sessions.get(session_id), keep_shared)
             self._sync()
 
-    def acquire(self, session_id: str) -> None:
-        """Lease the session for one turn: it becomes busy (SessionBusyError if leased). End with `release`."""
+    def _acquire(self, session_id: str) -> None:
+        """Lease the session for one turn: it becomes busy (SessionBusyError if leased). End with `_release`
+        (callers: `lease`, `begin`)."""
         with self.lock:
             if (gap := self.sessions.acquire(session_id)[1]) is not None:   # back with history: the policy sees it
                 self.placement.policy.observe_return(gap)
 
-    def release(self, session_id: str) -> None:
-        """End the session's lease: its layered chunks settle, chunks move down ahead of time if free
-        device blocks fell under the threshold."""
+    def _release(self, session_id: str) -> None:
+        """End the session's lease (callers: `lease`, `begin` on error, `end`): its layered chunks settle,
+        chunks move down ahead of time if free device blocks fell under the threshold."""
         with self.lock:
             s = self.sessions.get(session_id)
             for f in self.features:            # e.g. its layered chunks become HOST before the table marks it
@@ -157,12 +165,13 @@ class KVStore:
 
     @contextmanager
     def lease(self, session_id: str) -> Iterator[None]:
-        """`acquire` ... `release` around a block."""
-        self.acquire(session_id)
+        """The session is leased for one turn around the block (SessionBusyError if it is already): busy, then
+        released (its layered chunks settle, chunks move down ahead of time, write-behind notes it)."""
+        self._acquire(session_id)
         try:
             yield
         finally:
-            self.release(session_id)
+            self._release(session_id)
 
     # ---- a scheduler's turn: one query, one admission, one end (turn.py) -------------------------
 
@@ -189,25 +198,25 @@ class KVStore:
 
     def begin(self, session_id: str, prompt: Sequence[int], cache_salt: str | None = None, *,
               keep: int | None = None) -> TurnStats:
-        """Admit a turn: `acquire` the lease and `begin_turn` with `prompt`, at once (SessionBusyError if
+        """Admit a turn: take the lease and `begin_turn` with `prompt`, at once (SessionBusyError if
         leased; on any error the lease is not held). `keep`: the kept prefix `turn_needs` answered; a
         StoreError if the turn would keep another (the session changed since). End it with `end`."""
         with self.lock:
-            self.acquire(session_id)
+            self._acquire(session_id)
             try:
                 turn = self.history.begin_turn(self.sessions.get(session_id), prompt, cache_salt, keep)
                 self._sync()
                 return turn
             except BaseException:
-                self.release(session_id)
+                self._release(session_id)
                 raise
 
     def end(self, session_id: str, generated: int) -> Room:
-        """The leased turn ends having generated `generated` tokens: `add_generated`, then `release`.
+        """The leased turn ends having generated `generated` tokens: `add_generated`, then the lease ends.
         Returns the room after."""
         with self.lock:
             self.planner.add_generated(self.sessions.get(session_id), generated)
-            self.release(session_id)
+            self._release(session_id)
             return self.capacity.room()
 
     def num_tokens(self, session_id: str) -> int:
@@ -259,11 +268,6 @@ class KVStore:
         with self.lock:
             self.planner.add_generated(self.sessions.get(session_id), n)
 
-    def adopt_prefix(self, session_id: str, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
-        """The idle session takes the shared prefix of the prompt `token_ids`; the tokens gained (`History.adopt`)."""
-        with self.lock:
-            return self.history.adopt(self.sessions.get(session_id), token_ids, cache_salt)
-
     def match_prefix(self, session_id: str, token_ids: Sequence[int]) -> int:
         """Length of the longest common prefix of the session's history and `token_ids`."""
         with self.lock:
@@ -312,21 +316,6 @@ class KVStore:
         with self.lock:
             self.planner.abort(step)
 
-    def chunk_needs(self, session_id: str, end: int, *, length: int | None = None, factor: int = 1) -> ChunkNeeds:
-        """What a step of the session up to row `end` - 1 does with each chunk (`chunk_needs.needs`)."""
-        with self.lock:
-            return self.capacity.chunk_needs(self.sessions.get(session_id), end, length, factor)
-
-    def blocks_needed(self, session_id: str, end: int, *, length: int | None = None, factor: int = 1) -> int:
-        """Device blocks such a step takes at most (the engine scheduler's question; `tier_pools.py` Capacity)."""
-        with self.lock:
-            return self.capacity.blocks_needed(self.sessions.get(session_id), end, length, factor)
-
-    def residue_blocks_needed(self, factor: int, n_chunks: int) -> int:
-        """Device blocks n_chunks new chunks of keep factor `factor` take now: n for 1, 0 for 0, about n / f else."""
-        with self.lock:
-            return self.capacity.residue_blocks_needed(factor, n_chunks)
-
     def held_blocks(self, session_id: str) -> float:
         """Device blocks the session holds: a whole block per DEVICE chunk, 1/f of one per residue block."""
         with self.lock:
@@ -354,20 +343,10 @@ class KVStore:
             self._sync()
             return freed
 
-    def available_blocks(self) -> int:
-        """Device blocks a step could get now: free, or idle sessions' (`Capacity.device_blocks`)."""
-        with self.lock:
-            return self.capacity.device_blocks()
-
     def available_host_blocks(self) -> int:
         """Host slots a step could get now: free, or idle sessions' (`Capacity.host_blocks`)."""
         with self.lock:
             return self.capacity.host_blocks()
-
-    def available_slots(self) -> int | None:
-        """Virtual layout: device slots busy sessions could still get; None if paged (`Capacity.device_slots`)."""
-        with self.lock:
-            return self.capacity.device_slots()
 
     def reclaim(self) -> int:
         """Virtual layout: give back free device blocks' committed pages now (else kept up to `keep_freed`); bytes."""
@@ -422,7 +401,14 @@ class KVStore:
         with self.lock:
             check_integrity(self.sessions, self.tiers, self.block_size)   # slots, disk rows, shared chunks
 
+    @overload
+    def stats(self, session_id: None = None) -> StoreStats: ...
+    @overload
+    def stats(self, session_id: str) -> SessionStats: ...
+
     def stats(self, session_id: str | None = None) -> StoreStats | SessionStats:
+        """The store's statistics (tiers, counters, traffic), or with `session_id` the session's (its tiers,
+        lease, `last_turn`). Reads only."""
         with self.lock:
             if session_id is not None:
                 return session_stats(self.sessions.get(session_id), self.block_size)

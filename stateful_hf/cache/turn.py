@@ -16,7 +16,7 @@ Where each chunk of a session is, as a step sees it (`Place`), and what a step d
 below its last row: fill it (a fresh device block, the rows compute its KV), copy it up (a lower
 tier, or only cached on the device), read it in place (DEVICE, LAYERED; a HOST chunk for a
 layer-wise entry), or nothing. One classification (`place_of`), asked two ways: `needs` ahead of a
-step (the engine's `TurnNeeds.blocks`, `KVStore.chunk_needs` / `blocks_needed`) and `entry_needs`
+step (the engine's `TurnNeeds.blocks`, `Capacity.chunk_needs` / `blocks_needed`) and `entry_needs`
 when the step planner plans it (validating the entry).
 
 A step entry's keep factor (`factors` of `plan_step`, `factor` here) says how many of its layers

@@ -102,7 +102,7 @@ class Engine:
         self.throwaway = ThrowawaySessions(door, self.loop.cv)
         self.requests = RequestRegistry(self.loop, self.throwaway.forget)
         self.warmups = WarmUps(door, self.requests, c.warm_ahead)
-        base = door.policy.profile or (self.layerwise.profile if self.layerwise is not None else None)
+        base = door.cost_profile or (self.layerwise.profile if self.layerwise is not None else None)
         self.cost = CostCorrection(base, door.block_size) if base is not None else None
         self._moves_listener: Callable[[], None] | None = None     # unsubscribes; None while not subscribed
         self._listen_to_moves()

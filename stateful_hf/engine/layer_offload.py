@@ -92,7 +92,7 @@ def measured_policy(model, store: EngineStore, min_kept_layers: int | None) -> L
     from ..profile.cost import measure_cost_profile
 
     spec = store.spec
-    profile = store.policy.profile or measure_cost_profile(model, spec)
+    profile = store.cost_profile or measure_cost_profile(model, spec)
     layer_bytes = spec.bytes_per_token // spec.num_layers        # K + V of one layer, one token
     return LayerwisePolicy(spec.num_layers, layer_bytes, store.offload_bandwidth(), profile,
                            spec.block_size, min_kept_layers)

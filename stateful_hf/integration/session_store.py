@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ..cache import DEFAULT_POLICY, POLICY_NAMES, EvictionPolicy, KVSpec, KVStore, make_policy
@@ -129,3 +131,14 @@ def check_invariant(adapter, spec: KVSpec) -> None:
     if any(w is not None for w in adapter.layer_windows) or adapter.final_softcap is not None:
         raise ValueError("batch_invariant=True supports full causal attention without softcaps (Llama, Qwen, "
                          "Phi-3, OPT...); this model has sliding windows or attention softcaps")
+
+
+if TYPE_CHECKING:     # mypy: a SessionStore keeps every consumer's door (each imports only its own)
+    from ..cache.doors.demo import DemoStore
+    from ..cache.doors.engine import EngineStore
+    from ..cache.doors.migration import MigrationStore
+    from ..cache.doors.seam import SeamStore
+    from ..cache.doors.server import ServerStore
+
+    def keeps_the_doors(s: SessionStore) -> tuple[EngineStore, SeamStore, ServerStore, MigrationStore, DemoStore]:
+        return s, s, s, s, s

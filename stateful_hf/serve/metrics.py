@@ -16,11 +16,15 @@ field) or `STORE_COUNTERS` (a `Counters` field); a test fails while a `Counters`
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from .exposition import families
+
+if TYPE_CHECKING:
+    from ..cache.doors.server import ServerStore
 
 PREFIX = "stateful_hf"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -129,7 +133,7 @@ MOVES = {
 class StoreCollector:
     """Reads the store's and engine's statistics at each scrape."""
 
-    def __init__(self, store, engine=None):
+    def __init__(self, store: ServerStore, engine=None):
         self.store, self.engine = store, engine
 
     def collect(self):
@@ -167,7 +171,7 @@ class ReplicaMetrics:
     """The request-level series of one replica and the store collector, in one registry. Thread-safe
     (prometheus_client's metrics are)."""
 
-    def __init__(self, store=None, engine=None):
+    def __init__(self, store: ServerStore | None = None, engine=None):
         self.registry = CollectorRegistry(auto_describe=False)
         self.counters = {n: Counter(f"{PREFIX}_{n}", h, labelnames=labels, registry=self.registry)
                          for n, (h, labels) in COUNTERS.items()}

@@ -12,8 +12,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from ..cache import SessionBusyError
-from ..cache.movement.migration import SessionExport
+from ..cache.doors.migration import MigrationStore, SessionBusyError, SessionExport
 
 __all__ = ["SessionExport", "export_session", "import_session"]
 
@@ -33,12 +32,12 @@ def _when_idle(call: Callable[[], T], timeout: float) -> T:
             time.sleep(0.005)
 
 
-def export_session(store, session_id: str, timeout: float = _TIMEOUT) -> SessionExport:
+def export_session(store: MigrationStore, session_id: str, timeout: float = _TIMEOUT) -> SessionExport:
     """The session's token ids and every chunk whose K/V is stored (any tier)."""
     return _when_idle(lambda: store.export_session(session_id), timeout)
 
 
-def import_session(store, exp: SessionExport, timeout: float = _TIMEOUT) -> int:
+def import_session(store: MigrationStore, exp: SessionExport, timeout: float = _TIMEOUT) -> int:
     """Make `exp` the store's session `exp.session_id` (replacing any older copy), its stored chunks
     on the device. Returns the tokens whose KV was imported."""
     return _when_idle(lambda: store.import_session(exp), timeout)

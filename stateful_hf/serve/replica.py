@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..cache import CapacityError, SessionBusyError, StoreError, split_key
+from ..cache.doors.server import CapacityError, ServerStore, SessionBusyError, StoreError, split_key
 from ..engine import Engine, SamplingParams
 from . import logs
 from .error_boundary import logged
@@ -31,7 +31,7 @@ from .session_queue import SessionQueue
 from .stream_hub import StreamHub
 
 if TYPE_CHECKING:
-    from ..cache.disk.writer import FlushReport
+    from ..cache.doors.server import FlushReport
 
 log = logging.getLogger("stateful_hf.serve")
 CANCEL_TIMEOUT = 5.0           # seconds the shutdown waits for the cancelled turns to end (the loop to stop)
@@ -94,7 +94,7 @@ class Replica:
         self.engine, self.name = engine.start(), name
         self.shutdown_flush_timeout = shutdown_flush_timeout
         self.cancelled = 0                             # turns cancelled by `cancel_turns` (the shutdown's)
-        self.store = engine.store
+        self.store: ServerStore = engine.store
         self.metrics = ReplicaMetrics(self.store, engine)
         # tokens brought up to the device by steps, per session with a turn here, by source tier (for logs)
         self._restored: dict[str, dict[str, int]] = {}

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from ..errors import CapacityError, SessionBusyError, StoreError, UnknownSessionError
-from ..eviction.policy import CostProfile, EvictionPolicy
+from ..eviction.policy import CostProfile
 from ..movement.moves import MoveLedger
 from ..sessions.session import TurnStats
 from ..sessions.tenant import DEFAULT_TENANT, session_key
@@ -25,7 +25,7 @@ from ..turn import Committed, Place, PoolSizes, Room, TurnNeeds, blocks_at_most
 if TYPE_CHECKING:
     from ..audit.stats import FlushReport
 
-__all__ = ["DEFAULT_TENANT", "CapacityError", "Committed", "CostProfile", "EngineStore", "EvictionPolicy", "KVSpec",
+__all__ = ["DEFAULT_TENANT", "CapacityError", "Committed", "CostProfile", "EngineStore", "KVSpec",
            "Place", "PoolSizes", "Room", "SessionBusyError", "StepBatch", "StoreError", "TurnNeeds", "TurnStats",
            "UnknownSessionError", "blocks_at_most", "session_key"]
 
@@ -62,8 +62,8 @@ class EngineStore(Protocol):
         ...
 
     @property
-    def policy(self) -> EvictionPolicy:
-        """The eviction policy (reads: its cost profile, where it has one)."""
+    def cost_profile(self) -> CostProfile | None:
+        """The cost profile the eviction policy's keys read (None: a policy that reads none)."""
         ...
 
     def use_cost_profile(self, profile: CostProfile) -> None:

@@ -124,7 +124,7 @@ def count_chunks(sessions: Iterable[Session], state: ChunkState, sharing: Prefix
     """Chunk objects of `sessions` in `state` (with `shadows`, also HOST/HIDDEN chunks cached on the
     device), a shared chunk once; with `idle_only`, only those no busy session holds. One pass, a set
     only for chunks with several holders: this runs every step (`StepPlanner.plan`, and the engine
-    scheduler's `available_blocks`)."""
+    scheduler's `room`)."""
     n, seen = 0, set()
     for s in sessions:
         if idle_only and s.busy:      # its private chunks are busy, its shared ones have a busy holder
@@ -143,7 +143,7 @@ def count_chunks(sessions: Iterable[Session], state: ChunkState, sharing: Prefix
 
 class Capacity:
     """What a step could get now and what one would take: the engine scheduler's questions
-    (`available_blocks`, `available_host_blocks`, `available_slots`, `chunk_needs`, `blocks_needed`).
+    (`device_blocks` through `KVStore.room`, `host_blocks`, `device_slots`, `chunk_needs`, `blocks_needed`).
     A shared chunk counts once, and only if none of its holders is busy; `turn.py` classifies chunks.
     Mutates nothing. Every method runs with the store lock held."""
 
@@ -152,7 +152,7 @@ class Capacity:
         self.layout, self.block_size = layout, tiers.device.spec.block_size
 
     def chunk_needs(self, s: Session, end: int, length: int | None, factor: int) -> ChunkNeeds:
-        """`KVStore.chunk_needs`: per chunk below `end`, what a step of `s` must do (`chunk_needs.needs`)."""
+        """Per chunk below `end`, what a step of `s` must do (`chunk_needs.needs`)."""
         return needs(places_of(s), end, s.num_tokens if length is None else length, factor, self.block_size)
 
     def held_blocks(self, s: Session) -> float:

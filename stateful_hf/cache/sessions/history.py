@@ -109,7 +109,7 @@ class History:
             self.delete(s, keep_shared=False)
 
     def adopt(self, s: Session, token_ids: Sequence[int], cache_salt: str | None) -> int:
-        """`KVStore.adopt_prefix`: before a turn whose prompt is `token_ids` (the engine's scheduler,
+        """`KVStore.turn_needs` of an idle session: before a turn whose prompt is `token_ids` (the engine's scheduler,
         to size the turn before its lease; `begin_turn` does it too): idle `s` takes the indexed chunks
         of the longest shared prefix of the prompt (its tenant's and `cache_salt`'s, verified id by id,
         at least one token short of the prompt) in place of its dropped chunks and past its history, if
