@@ -265,8 +265,13 @@ def start_worker(directory, seed: int = 0, crash_at: int | None = None, turns: i
 def run_worker(directory, seed: int = 0, crash_at: int | None = None, turns: int = 6,
                capacities: tuple[int, ...] = (96, 48), script: bool | str = False) -> tuple[int, list[str]]:
     """Run a worker to its end (or its crash): (return code, its output lines)."""
-    p = start_worker(directory, seed, crash_at, turns, capacities, script)
-    out, _ = p.communicate(timeout=300)
+    return finish_worker(start_worker(directory, seed, crash_at, turns, capacities, script))
+
+
+def finish_worker(p: subprocess.Popen) -> tuple[int, list[str]]:
+    """Wait for a started worker (a fixed script's whole run may go beside a `crash_sweep`, whose workers
+    leave a core idle while the parent checks a directory): (return code, its output lines)."""
+    out, _ = p.communicate(timeout=600)
     return p.returncode, out.splitlines()
 
 

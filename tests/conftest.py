@@ -3,6 +3,14 @@
 from __future__ import annotations
 
 import os
+
+# OpenMP workers sleep at once at a barrier instead of spinning ~300k iterations first. Set before torch
+# loads libgomp (it reads this once), and inherited by every subprocess a test starts. On a busy host a
+# spinning thread holds the core its team-mate waits for, so each parallel region of a tiny model's op
+# waits out a scheduler slice: 1000 [16, 64] x [64, 128] linears took 14-20 s on 2 threads beside other
+# processes (load 6-8 on 2 cores), 0.07-0.18 s with passive waits; tests/test_tiers.py 467 s -> 92 s
+# (user CPU 175 s -> 41 s). Thread counts, and so every code path, are unchanged; a run may override it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import signal
 import subprocess
 import time

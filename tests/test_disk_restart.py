@@ -336,16 +336,17 @@ def test_crash_at_the_write_behind_points(tmp_path):
     copies (13), the close's flush (14), a copy after the restart (17): every reopened directory serves
     every saved session exactly, and keeps every session whose copy had committed.
     `python -m benchmarks.disk_faults points --script behind` runs all 21."""
-    from benchmarks.disk_faults import crash_sweep, run_worker
+    from benchmarks.disk_faults import crash_sweep, finish_worker, start_worker
     from stateful_hf.testing import tiny_llama
 
-    code, lines = run_worker(tmp_path / "count", script="behind")
+    whole = start_worker(tmp_path / "count", script="behind")        # the whole run, beside the sweep's
+    results = crash_sweep(tiny_llama(seed=0), (6, 8, 9, 11, 13, 14, 17), tmp_path, script="behind")
+    code, lines = finish_worker(whole)
     names = [line.split()[2] for line in lines if line.startswith("point")]
     assert code == 0 and not any("WRONG" in line for line in lines), lines[-5:]
     assert [names[i - 1] for i in (6, 8, 9, 11, 13, 14, 17)] == ["data-flush", "index-commit", "data-flush",
                                                                  "data-flush", "index-commit", "data-flush",
                                                                  "data-flush"], names
-    results = crash_sweep(tiny_llama(seed=0), (6, 8, 9, 11, 13, 14, 17), tmp_path, script="behind")
     assert all(wrong == 0 for *_, wrong in results), results
     # before the first copy committed (6) nothing is saved; after it, s0 at least; after s1's, both. At 17
     # (after the restart, s0's turn done, its copy not committed) only s1: s0's chunks came up from disk and

@@ -334,16 +334,17 @@ def test_crash_at_the_durability_points_with_shared_chunks(tmp_path):
     the relocation copying each shared slot once (17, 19). `python -m benchmarks.disk_faults points
     --script shared` kills it at every one. Each reopened directory serves every saved session,
     and a new session opening with the shared prompt, exactly (check_dir, integrity included)."""
-    from benchmarks.disk_faults import crash_sweep, run_worker
+    from benchmarks.disk_faults import crash_sweep, finish_worker, start_worker
     from stateful_hf.testing import tiny_llama
 
-    code, lines = run_worker(tmp_path / "whole", script="shared")
+    whole = start_worker(tmp_path / "whole", script="shared")        # the whole run, beside the sweep's
+    points = (8, 9, 10, 13, 14, 15, 17, 19)
+    results = crash_sweep(tiny_llama(seed=0), points, tmp_path, script="shared")
+    code, lines = finish_worker(whole)
     assert code == 0 and lines[-1] == "done" and not any("WRONG" in line for line in lines)
     assert max(int(line.split()[-1]) for line in lines if line.startswith("shared on disk")) == 3
     names = [line.split()[2] for line in lines if line.startswith("point")]
     assert len(names) == 23, names          # the points named in the docstring
-    points = (8, 9, 10, 13, 14, 15, 17, 19)
-    results = crash_sweep(tiny_llama(seed=0), points, tmp_path, script="shared")
     assert {name for _, name, _, _ in results} == {names[n - 1] for n in points} == {
         "data-flush", "index-commit", "relocate-copied", "relocate-committed"}, results
     assert all(turns > 1 for _, _, turns, _ in results) and all(wrong == 0 for *_, wrong in results), results
