@@ -43,15 +43,21 @@ class DiskState:
         self.sessions, self.disk, self.transfer, self.block_size = sessions, disk, transfer, block_size
         self._changed = False                  # rows of sessions not in `_dirty` may have changed: commit them all
         self._dirty: set[str] = set()          # sessions whose rows may have changed since the last commit
+        # a change that must commit at once (new disk chunks, a retag, a removed session, unknown sessions); the
+        # others only free slots into limbo or drop rows, so the committed index stays true until a later commit
+        self.urgent = False
         self.copies = DiskCopies(sessions, disk.pool, block_size, self.mark_changed)   # chunks in two tiers
 
     def mark_changed(self, session_ids: Iterable[str] | None = None) -> None:
         """A disk slot was filled or freed, or a session's ids up to a disk chunk changed: of these
         sessions (None: of any). `SessionTable.mark` calls it for every session it marks."""
         if session_ids is None:
-            self._changed = True
+            self._changed = self.urgent = True
         else:
-            self._dirty.update(session_ids)
+            ids = tuple(session_ids)
+            self._dirty.update(ids)
+            if not self.urgent and any(self.sessions.find(sid) is None for sid in ids):
+                self.urgent = True             # a removed session: a restart must not bring it back
 
     def session_rows(self, s: Session) -> tuple[SessionRow | None, dict[int, tuple[str, int, int]]]:
         """The index of one session now: its ids up to its last disk chunk, its scope and whether it is
@@ -97,8 +103,13 @@ class DiskState:
             ok = self.disk.commit(None, {sid: self.session_rows(s) if (s := self.sessions.find(sid)) is not None
                                          else (None, {}) for sid in self._dirty})
         if ok:
-            self._changed, self._dirty = False, set()
+            self._changed, self._dirty, self.urgent = False, set(), False
         return ok
+
+    @property
+    def pending(self) -> bool:
+        """Whether something is left to commit."""
+        return self._changed or bool(self._dirty)
 
     def check(self) -> None:
         """Integrity: with nothing left to commit, the committed index is the state's (`rows`), but for the
@@ -152,6 +163,7 @@ class DiskState:
         """After `items` were copied into `slots` of the disk `target`: flush, record checksums. The
         copy lands first (transfer.py rule 2: the checksum and the flush read the destination)."""
         self.transfer.settle(self.disk.pool)
+        self.urgent = True                     # new disk chunks: named by the next commit, at once
         tags = {}
         for s, _ in items:
             if s.session_id not in tags:
@@ -178,6 +190,7 @@ class DiskState:
         caller drops it)."""
         c = s.chunks[k]
         self._dirty.update(c.entry.holders if c.entry is not None else (s.session_id,))
+        self.urgent = True
         old_tag = identity_tags(old_ids, self.block_size)[k]
         return self.disk.retag(FORM[c.state], c.loc, old_tag, identity_tags(s.token_ids, self.block_size)[k])
 

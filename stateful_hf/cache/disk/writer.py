@@ -82,6 +82,8 @@ class DiskWriter(StoreFeature):
                                  transfer=self.transfer)
         self.stats = WriterStats()
         self._due: dict[str, float] = {}         # session id -> time.monotonic() its copies are due
+        self._commit_at: float | None = None     # time.monotonic() a deferred commit (`sync`) is due
+        self.deferred = 0                        # commits deferred off a store method's path (`sync`)
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._stopped = False
@@ -92,7 +94,20 @@ class DiskWriter(StoreFeature):
         self.note(s.session_id)            # write-behind: its chunks' disk copies are due after the delay
 
     def sync(self) -> None:
-        self.state.sync()                  # never raises: a failed commit degrades the tier
+        """A store method's commit (never raises: a failed commit degrades the tier). With write-behind running,
+        a change that only freed slots into limbo or dropped rows (a returning turn's disk chunks moved up: its
+        first step) waits for the writer's next commit, `delay` seconds on at the latest, off the turns' path
+        (an fsync: ~20 ms for a process's first; the thread is started by the turn's end, `note`, or the next
+        store change that commits); until then the committed index stays true (limbo's slots are
+        not rewritten before a commit forgets them; making room commits at once). Any other change commits now."""
+        if self.behind and not self._stopped and not self.state.urgent:
+            if self.state.pending and self._commit_at is None:
+                self.deferred += 1
+                self._commit_at = time.monotonic() + self.delay
+                if self._thread is not None and self._thread.is_alive():
+                    self._wake.set()       # else the turn's end (`note`) starts the thread: no start on a step
+            return
+        self.state.sync()
 
     def close(self) -> None:
         self.state.sync(force=True)        # best effort: the last committed index stays true
@@ -105,6 +120,10 @@ class DiskWriter(StoreFeature):
         if not self.behind or self._stopped:
             return
         self._due[session_id] = time.monotonic() + self.delay
+        self._kick()
+
+    def _kick(self) -> None:
+        """Start the thread, or wake it (lock held)."""
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._run, name="stateful-hf-disk-writer", daemon=True)
             self._thread.start()
@@ -114,10 +133,14 @@ class DiskWriter(StoreFeature):
     def _run(self) -> None:
         while not self._stopped:
             with self.lock:
-                if not self._due:
+                if self._commit_at is not None and self._commit_at <= time.monotonic():
+                    self._commit_at = None
+                    self.state.sync()
+                if not self._due and self._commit_at is None:
                     self._thread = None
                     return
-                wait = min(self._due.values()) - time.monotonic()
+                wait = min([*self._due.values(), *([self._commit_at] if self._commit_at is not None else [])]) \
+                    - time.monotonic()
             if wait > 0:
                 self._wake.wait(wait)
                 self._wake.clear()
