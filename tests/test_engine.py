@@ -231,3 +231,24 @@ def test_returning_session_swaps_in_from_the_host_tier(make_engine):
     kept = len(p) + 3
     assert out.metrics.reused_tokens == kept and out.metrics.recomputed_tokens == 0
     assert out.metrics.swapped_tokens == kept
+
+
+def test_warm_up_runs_a_throwaway_turn_and_forgets_it():
+    """`Engine.warm_up` (a server's, before /health): one throwaway turn through the running loop, its session
+    deleted and its totals forgotten, so the first request's step does not pay the loop's one-time set-up; the
+    turns after it are exact."""
+    from conftest import engine_round
+
+    from stateful_hf.testing import tiny_llama
+
+    model, oracle = tiny_llama(), tiny_llama()
+    with Engine(model, max_batch_tokens=64) as engine:
+        ran, forget = [], engine.stepper.forget_totals
+        engine.stepper.forget_totals = lambda: (ran.append(engine.stepper.totals.steps), forget())
+        engine.warm_up()
+        stats = engine.stats()
+        assert (stats.steps, stats.finished_requests, stats.generated_tokens) == (0, 0, 0)
+        assert list(engine.store.session_ids()) == []
+        assert ran == [2]                    # control: it ran a turn (a prefill and a decode step), then forgot it
+        engine_round(engine, {"w": Conversation(seed=5, first=30)}, oracle, n=4)
+        assert engine.stats().finished_requests == 1

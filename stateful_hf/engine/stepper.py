@@ -153,6 +153,13 @@ class Stepper:
                              r.finish_reason, r.metrics(self.ttft_slo, self.tpot_slo), r.error,
                              tuple(r.logprobs) if r.sampling.logprobs is not None else None)
 
+    def forget_totals(self) -> None:
+        """Start the totals and kept records afresh (after the engine's warm-up turn, which is not traffic); waits
+        for the step in flight."""
+        with self.lock:
+            self.totals = StepTotals()
+            self.records.clear()
+
     def fail_in_flight(self, error: Exception) -> None:
         """A step raised outside any request's fault (a bug): fail what is in flight, go on."""
         with self.lock:

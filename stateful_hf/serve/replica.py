@@ -92,6 +92,7 @@ class Replica:
     def __init__(self, engine: Engine, name: str = "0", session_wait_timeout: float = 30.0,
                  shutdown_flush_timeout: float = 4.0):
         self.engine, self.name = engine.start(), name
+        engine.warm_up()          # the loop's first step's set-up, before /health (docs/durability.md)
         self.shutdown_flush_timeout = shutdown_flush_timeout
         self.cancelled = 0                             # turns cancelled by `cancel_turns` (the shutdown's)
         self.store: ServerStore = engine.store
