@@ -11,6 +11,7 @@ runs its forward through the `CompiledStep` made (and compiled) here; sampling r
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Sequence
 from contextlib import nullcontext
@@ -22,11 +23,12 @@ from ..cache.doors.engine import Committed, EngineStore, StepBatch
 from ..integration.compiled_step import CompileDecision, CompiledStep, decide_compile
 from ..integration.hooks import invariant, run_step
 from ..kernels.cpu_features import CpuFeatures
-from ..kernels.linear import LinearKernel, PackedWeights, choose
+from ..kernels.linear import LinearKernel, PackedWeights, choose, measure
 from ..options import PrepackWeights
 from .request import RequestOutput, WorkItem
 from .sampling import eos_ids, sample, token_logprobs
 
+logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class StepRecord:
@@ -49,7 +51,9 @@ class StepRecord:
 def packed_weights(model: torch.nn.Module, mode: PrepackWeights, rows: int,
                    invariant: bool = False) -> PackedWeights | None:
     """The model's packed linear weights for the engine's steps (option prepack_weights), or None. A
-    batch-invariant store's steps multiply by the model's own weights (the invariant GEMM)."""
+    batch-invariant store's steps multiply by the model's own weights (the invariant GEMM). "auto" packs where
+    this CPU has a packed kernel for the model's dtype (capability) and that kernel measured faster than F.linear
+    on the model's own weights here (`measure`; never by vendor); "on" packs wherever a kernel exists."""
     if invariant and mode is PrepackWeights.ON:
         raise ValueError("prepack_weights='on' with a batch_invariant store: its steps run the invariant GEMM on "
                          "the model's own weights; use prepack_weights='auto' or 'off'")
@@ -57,7 +61,14 @@ def packed_weights(model: torch.nn.Module, mode: PrepackWeights, rows: int,
         return None
     p = next(model.parameters())
     kernel = choose(p.dtype, p.device, CpuFeatures.detect(), required=mode is PrepackWeights.ON)
-    return None if kernel is LinearKernel.STOCK else PackedWeights.install(model, kernel, rows)
+    if kernel is LinearKernel.STOCK:
+        return None
+    if mode is PrepackWeights.AUTO:
+        trial = measure(model, kernel, rows)
+        logger.info("prepack_weights='auto': %s", trial.describe())
+        if not trial.pays:
+            return None
+    return PackedWeights.install(model, kernel, rows)
 
 
 class ModelRunner:
