@@ -27,7 +27,7 @@ import torch
 
 from ..kernels import KernelState, Overlay, PagedBatch
 from .movement.transfer import wait_event
-from .pools.pool import BlockPool, write_kv
+from .pools.pool import BlockPool, SlotRows, write_kv
 
 if TYPE_CHECKING:
     from .hidden.states import StepHidden
@@ -74,6 +74,7 @@ class StepBatch:
     layered: LayeredStep | None = None  # layer-wise residency of rows and context (LAYERED chunks), else None
     kernels: KernelState | None = None  # the store's long-lived kernel state (FlashInfer workspace + wrapper)
     features: tuple[LayerWork, ...] = ()   # the store's features with per-layer work (`feature.StoreFeature`)
+    rows: SlotRows | None = None        # `slots` as rows of the pool's `layer_rows` (a BlockPool), else None
 
     @property
     def num_tokens(self) -> int:
@@ -109,7 +110,9 @@ class StepBatch:
         step, where that layer of each row's chunk lives (`LayeredStep`). Returns the overlay the
         attention reads this layer's host-resident context through (None: all on the device)."""
         if self.layered is None:
-            write_kv(key_cache, value_cache, key, value, self.slots)
+            at = self.rows
+            write_kv(key_cache, value_cache, key, value, self.slots,
+                     None if at is None else (self.pool.layer_rows(layer), at))
             return None
         return self.layered.write_and_overlay(layer, key_cache, value_cache, key, value)
 

@@ -285,8 +285,13 @@ class StepPlanner:
         if events:   # per layer, the events of every copy group
             layer_events = tuple(tuple(group[layer] for group in events) for layer in range(self.spec.num_layers))
         layered = self.layered.step_map(sessions, [e.positions for e in entries], tables)
+        slot_t = torch.tensor(slots, dtype=torch.int64, device=dev)
+        rows = None       # the K/V writer's row indices, made once here for every layer (a BlockPool's layout)
+        if dense_slots is None and layered is None and getattr(device, "slot_rows", None) is not None \
+                and device.layer_rows(0) is not None:
+            rows = device.slot_rows(slot_t)
         return StepBatch(
-            entries=tuple(entries), paged=paged.to(dev), slots=torch.tensor(slots, dtype=torch.int64, device=dev),
+            entries=tuple(entries), paged=paged.to(dev), slots=slot_t, rows=rows,
             input_ids=torch.tensor([ids], dtype=torch.long, device=dev),
             position_ids=torch.tensor([pos], dtype=torch.long, device=dev),
             pool=device, backend=self.attn_backend, windows=self.spec.windows, layer_events=layer_events,

@@ -11,6 +11,7 @@ runs its forward through the `CompiledStep` made (and compiled) here; sampling r
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Sequence
 from contextlib import nullcontext
@@ -22,11 +23,12 @@ from ..cache.doors.engine import Committed, EngineStore, StepBatch
 from ..integration.compiled_step import CompileDecision, CompiledStep, decide_compile
 from ..integration.hooks import invariant, run_step
 from ..kernels.cpu_features import CpuFeatures
-from ..kernels.linear import LinearKernel, PackedWeights, choose
+from ..kernels.linear import LinearKernel, PackedWeights, choose, measure
 from ..options import PrepackWeights
 from .request import RequestOutput, WorkItem
 from .sampling import eos_ids, sample, token_logprobs
 
+logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class StepRecord:
@@ -49,7 +51,9 @@ class StepRecord:
 def packed_weights(model: torch.nn.Module, mode: PrepackWeights, rows: int,
                    invariant: bool = False) -> PackedWeights | None:
     """The model's packed linear weights for the engine's steps (option prepack_weights), or None. A
-    batch-invariant store's steps multiply by the model's own weights (the invariant GEMM)."""
+    batch-invariant store's steps multiply by the model's own weights (the invariant GEMM). "auto" packs where
+    this CPU has a packed kernel for the model's dtype (capability) and that kernel measured faster than F.linear
+    on the model's own weights here (`measure`; never by vendor); "on" packs wherever a kernel exists."""
     if invariant and mode is PrepackWeights.ON:
         raise ValueError("prepack_weights='on' with a batch_invariant store: its steps run the invariant GEMM on "
                          "the model's own weights; use prepack_weights='auto' or 'off'")
@@ -57,7 +61,14 @@ def packed_weights(model: torch.nn.Module, mode: PrepackWeights, rows: int,
         return None
     p = next(model.parameters())
     kernel = choose(p.dtype, p.device, CpuFeatures.detect(), required=mode is PrepackWeights.ON)
-    return None if kernel is LinearKernel.STOCK else PackedWeights.install(model, kernel, rows)
+    if kernel is LinearKernel.STOCK:
+        return None
+    if mode is PrepackWeights.AUTO:
+        trial = measure(model, kernel, rows)
+        logger.info("prepack_weights='auto': %s", trial.describe())
+        if not trial.pays:
+            return None
+    return PackedWeights.install(model, kernel, rows)
 
 
 class ModelRunner:
@@ -114,17 +125,14 @@ class ModelRunner:
         """`EngineStats`' compile fields: how the steps run (and why), and how many forwards ran compiled."""
         return self.compile.describe(), self.compiled.steps if self.compiled is not None else 0
 
-    def record(self, index: int, items: Sequence[WorkItem], seconds: float, committed: Committed | None) -> StepRecord:
-        """The step's record; `committed`: what its commit answered (None: ask the store for the free blocks)."""
+    def record(self, index: int, entries: Sequence[tuple[str, int, int, bool]], seconds: float,
+               committed: Committed | None) -> StepRecord:
+        """The step's record from its `entries` (per item, in row order: session id, recomputed rows, new rows,
+        sampled a token); `committed`: what its commit answered (None: ask the store for the free blocks)."""
         total = self.store.pool_sizes.device_blocks
         free = committed.device_free if committed is not None else self.store.free_blocks()
-        return StepRecord(
-            index=index,
-            entries=tuple((it.request.session_id, len(it.recompute), len(it.new_ids), it.needs_logits)
-                          for it in items),
-            num_tokens=sum(it.num_tokens for it in items), seconds=seconds,
-            used_blocks=total - free, total_blocks=total,
-        )
+        return StepRecord(index=index, entries=tuple(entries), num_tokens=sum(e[1] + e[2] for e in entries),
+                          seconds=seconds, used_blocks=total - free, total_blocks=total)
 
 
 def _keep_logprobs(requests, logits: torch.Tensor, tokens: list[int]) -> None:
@@ -176,13 +184,13 @@ class StepTotals:
     def steps(self) -> int:
         return self._t["steps"]
 
-    def add_step(self, items: Sequence[WorkItem], record: StepRecord, decode_rows: int) -> None:
+    def add_step(self, record: StepRecord, decode_rows: int) -> None:
         """A committed step: `decode_rows` of its rows fed a sampled token of a decoding request."""
         t = self._t
         t["steps"] += 1
-        t["prompt"] += sum(len(it.new_ids) for it in items) - decode_rows
-        t["recomputed"] += sum(len(it.recompute) for it in items)
-        t["generated"] += sum(it.needs_logits for it in items)
+        t["prompt"] += sum(e[2] for e in record.entries) - decode_rows
+        t["recomputed"] += sum(e[1] for e in record.entries)
+        t["generated"] += sum(e[3] for e in record.entries)
         t["rows"] += record.num_tokens
         t["busy_us"] += int(record.seconds * 1e6)
         t["occupancy_ppm"] += int(1e6 * record.used_blocks / max(record.total_blocks, 1))

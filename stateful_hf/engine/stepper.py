@@ -97,15 +97,19 @@ class Stepper:
                     _, tokens, committed = self.runner.execute(items)
                 except Exception as e:      # the step was aborted: the store is as before
                     items, tokens, committed = self._isolate(items, e)
-                # rows feeding a sampled token (decode) vs prompt rows, told apart before `complete`
-                decode_rows = sum(1 for it in items if it.request.output_ids and it.new_ids)
-                rows = step_rows([(it.recompute, it.start, len(it.new_ids), bool(it.request.output_ids))
-                                  for it in items]) if self.observe_cost is not None and items else None
+                # one pass before `complete` changes the requests: each item's record entry, and whether its
+                # rows feed a sampled token of a decoding request (decode rows) or are prompt rows
+                entries = [(it.request.session_id, len(it.recompute), len(it.new_ids), it.needs_logits)
+                           for it in items]
+                decode_rows = sum(1 for it, (_, _, n, _) in zip(items, entries) if n and it.request.output_ids)
+                rows = step_rows([(it.recompute, it.start, n, bool(it.request.output_ids))
+                                  for it, (_, _, n, _) in zip(items, entries)]) \
+                    if self.observe_cost is not None and items else None
                 if items:
                     self.scheduler.complete(items, tokens, self.eos, committed)
-                    record = self.runner.record(self.totals.steps, items, time.monotonic() - t0, committed)
+                    record = self.runner.record(self.totals.steps, entries, time.monotonic() - t0, committed)
                     self.records.append(record)
-                    self.totals.add_step(items, record, decode_rows)
+                    self.totals.add_step(record, decode_rows)
                     if self.slo is not None:    # prefill rows = every row but the decode ones
                         self.slo.observe_step(record.num_tokens - decode_rows, decode_rows, record.seconds)
                     if rows is not None and self.observe_cost is not None:

@@ -73,18 +73,18 @@ class PagedBatch:
             i = max(range(len(needed)), key=needed.__getitem__)
             raise ValueError(f"PagedBatch: sub-request {i} has kv_len {kv_len[i]} = {needed[i]} blocks of "
                              f"{block_size} but its block_table row has {self.block_table.shape[1]} entries")
-        table = self.block_table.cpu()
+        table = self.block_table.tolist()          # one copy to the host, then Python over small lists
         for i, n in enumerate(needed):
-            row = table[i, :n]
-            if n and (int(row.min()) < 0 or int(row.max()) >= num_blocks):
-                raise ValueError(f"PagedBatch: sub-request {i} names block ids {row.tolist()} outside the pool's "
+            row = table[i][:n]
+            if n and (min(row) < 0 or max(row) >= num_blocks):
+                raise ValueError(f"PagedBatch: sub-request {i} names block ids {row} outside the pool's "
                                  f"0..{num_blocks - 1}")
         if self.num_tokens:
-            pos = self.q_pos.cpu()
+            pos = self.q_pos.tolist()
             for i, (a, b) in enumerate(zip(cu_q, cu_q[1:])):
-                if b > a and (int(pos[a:b].min()) < 0 or int(pos[a:b].max()) >= kv_len[i]):
+                if b > a and (min(pos[a:b]) < 0 or max(pos[a:b]) >= kv_len[i]):
                     raise ValueError(f"PagedBatch: sub-request {i} has query positions "
-                                     f"{int(pos[a:b].min())}..{int(pos[a:b].max())} outside its context "
+                                     f"{min(pos[a:b])}..{max(pos[a:b])} outside its context "
                                      f"0..{kv_len[i] - 1}")
 
 

@@ -28,9 +28,12 @@ A packed copy follows its weight: a weight replaced, moved, cast or changed in p
 
 from __future__ import annotations
 
+import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +43,8 @@ from .cpu_features import CpuFeatures
 from .quantization import plain
 
 MIN_ROWS = 2                         # fewer rows: F.linear (a GEMV gains nothing from packing)
+TRIAL_ROWS = (16, 64)                # `measure`'s row counts (capped at the engine's rows per step)
+PAYS = 0.9                           # auto packs when the packed calls take at most this share of F.linear's
 
 
 class LinearKernel(Mode):
@@ -211,3 +216,61 @@ class PackedWeights:
     def nbytes(self) -> int:
         """Bytes the packed copies take."""
         return sum(f.packed.untyped_storage().nbytes() for f in self.forwards)
+
+
+@dataclass(frozen=True, slots=True)
+class PackingTrial:
+    """`measure`'s answer: seconds of the model's linear calls (each shape once per layer that has it, at each of
+    `rows`) through F.linear and through `kernel`'s packed copy, best of the trial's rounds."""
+
+    kernel: LinearKernel
+    rows: tuple[int, ...]
+    stock_s: float
+    packed_s: float
+
+    @property
+    def pays(self) -> bool:
+        """Whether packing is worth its memory here: the packed calls took at most PAYS of F.linear's time."""
+        return self.packed_s <= PAYS * self.stock_s
+
+    def describe(self) -> str:
+        return (f"{self.kernel} measured x{self.stock_s / max(self.packed_s, 1e-12):.2f} F.linear's speed at "
+                f"{'/'.join(map(str, self.rows))} rows ({'packed' if self.pays else 'F.linear'}: packing pays at "
+                f"x{1 / PAYS:.2f})")
+
+
+def measure(model: torch.nn.Module, kernel: LinearKernel, rows: int, rounds: int = 5) -> PackingTrial:
+    """Time the model's own linear weights (every decoder shape, weighted by how many layers have it; not the LM
+    head, which multiplies only the sampled rows) at TRIAL_ROWS rows capped at `rows`, through F.linear and
+    through `kernel`'s packed call as the engine makes it (`_PackedForward`, inside `active()`), interleaved
+    round by round on this thread; each side's best round counts (a neighbour's burst lands in some rounds only).
+    Packs one copy per shape for the trial and drops it after. Capability says which packed kernel exists; this
+    says whether it is faster on this CPU (at width 64, or on an AVX2 EPYC at tens of rows, it is not)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    shapes: Counter = Counter()
+    modules: dict[tuple[int, int], torch.nn.Linear] = {}
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear) and m is not head and m.weight.dtype == kernel.dtype:
+            key = (m.in_features, m.out_features)
+            shapes[key] += 1
+            modules.setdefault(key, m)
+    counts = tuple(sorted({max(MIN_ROWS, min(r, rows)) for r in TRIAL_ROWS}))
+    trials = []
+    for key, m in modules.items():
+        fwd = _PackedForward(m, kernel, rows)
+        for r in counts:
+            x = torch.randn(r, key[0], dtype=m.weight.dtype, device=m.weight.device)
+            trials.append((shapes[key], x, m, fwd))
+    best = [float("inf"), float("inf")]
+    with torch.inference_mode(), PackedWeights.active():
+        for _ in range(rounds + 1):                # the first round warms both paths up
+            took = [0.0, 0.0]
+            for count, x, m, fwd in trials:
+                t0 = time.perf_counter()
+                F.linear(x, m.weight, m.bias)
+                t1 = time.perf_counter()
+                fwd(x)
+                took[0] += count * (t1 - t0)
+                took[1] += count * (time.perf_counter() - t1)
+            best = [min(b, t) for b, t in zip(best, took)]
+    return PackingTrial(kernel, counts, best[0], best[1])

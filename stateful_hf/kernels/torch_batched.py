@@ -63,6 +63,8 @@ class _SdpaGroup:
         self.tails = as_long(tails)                            # rows of the [n * L] keys past each kv_len
         self.dense = q_rows == list(range(len(q_rows)))          # no padded query row, members' rows in order
         self._slice_tails: dict[tuple[int, int], torch.Tensor] = {}
+        self._halves: dict[tuple[int, int], torch.Tensor] = {}
+        self._kv_tails: dict[tuple[int, int], torch.Tensor] = {}
         # absolute position of every padded query row; padded rows get -1 (they see nothing)
         pos = torch.full((self.n * self.max_q,), -1, dtype=torch.long, device=self.device)
         pos[self.out_src] = batch.q_pos[self.out_rows].long()
@@ -90,6 +92,21 @@ class _SdpaGroup:
         if (a, b) not in self._slice_tails:
             self._slice_tails[a, b] = self.tails[self.tail_start[a]: self.tail_start[b]] - a * self.length
         return self._slice_tails[a, b]
+
+    def halves_of(self, a: int, b: int) -> torch.Tensor:
+        """[2 * (b - a) * nb] rows of the interleaved caches (`interleaved`) to gather for members a..b-1: their
+        blocks' K halves (2 * block), then their V halves (2 * block + 1); cached."""
+        if (a, b) not in self._halves:
+            blocks = self.blocks[a * self.nb: b * self.nb]
+            self._halves[a, b] = torch.cat((2 * blocks, 2 * blocks + 1))
+        return self._halves[a, b]
+
+    def kv_tails_of(self, a: int, b: int) -> torch.Tensor:
+        """`tails_of(a, b)` in the [2 * (b - a) * L] rows of a K-then-V workspace: K's, then V's; cached."""
+        if (a, b) not in self._kv_tails:
+            t = self.tails_of(a, b)
+            self._kv_tails[a, b] = torch.cat((t, t + (b - a) * self.length))
+        return self._kv_tails[a, b]
 
     def rows(self, hq: int, hkv: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat row indices for query heads folded into rows, cached per head geometry:
@@ -146,7 +163,7 @@ class TorchPlan:
                 raise ValueError(f"overlay names block {int(flat.max())} of a source with {overlay.key.shape[0]}")
             device = overlay.key.device
             per_group = []
-            for g, (m, _, _) in zip(self.groups, work):
+            for g, (m, *_) in zip(self.groups, work):
                 src = flat[g.cells]                                        # [n * nb] source id or -1
                 rows = (src >= 0).nonzero().squeeze(1)
                 ids = src[rows]
@@ -159,16 +176,17 @@ class TorchPlan:
             self._overlays[key] = (overlay.table, per_group)    # keeps the table alive: its id stays unique
         return self._overlays[key][1]
 
-    def _workspace(self, key_cache: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
-        """Per group: members per slice m and K, V buffers [m * nb, block_size, Hkv, D], made once per step."""
+    def _workspace(self, key_cache: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Per group: members per slice m, and K, V buffers [m * nb, block_size, Hkv, D], the two halves of one
+        [2 * m * nb, ...] buffer (the third), made once per step."""
         key = (key_cache.dtype, key_cache.device, tuple(key_cache.shape[1:]))
         if key not in self._work:
             block_bytes = 2 * key_cache[0].numel() * key_cache.element_size()
             self._work[key] = []
             for g in self.groups:
                 m = max(1, min(g.n, WORKSPACE_BYTES // (g.nb * block_bytes)))
-                self._work[key].append((m, *(key_cache.new_empty((m * g.nb, *key_cache.shape[1:]))
-                                             for _ in range(2))))
+                kv = key_cache.new_empty((2 * m * g.nb, *key_cache.shape[1:]))
+                self._work[key].append((m, kv[: m * g.nb], kv[m * g.nb:], kv))
         return self._work[key]
 
     def run(self, query, key_cache, value_cache, scale: float, window: int | None = None,
@@ -179,62 +197,93 @@ class TorchPlan:
         hkv = key_cache.shape[2]
         rep = hq // hkv                   # query heads per KV head; head h reads KV head h // rep
         work = self._workspace(key_cache)
+        halves = interleaved(key_cache, value_cache)
         if self.in_place and overlay is None and work[0][0] == self.groups[0].n:
-            return self._run_in_place(query, key_cache, value_cache, scale, window, softcap, work[0])
+            return self._run_in_place(query, key_cache, value_cache, scale, window, softcap, work[0], halves)
         q_flat = query.reshape(t * hq, d)
         out = query.new_zeros(t * hq + 1, d)
         over = self._overlay_rows(overlay, work) if overlay is not None else [None] * len(self.groups)
-        for g, (m, kbuf, vbuf), ov in zip(self.groups, work, over):
+        for g, (m, kbuf, vbuf, kvbuf), ov in zip(self.groups, work, over):
             src, dst = g.rows(hq, hkv, t)
             q = q_flat.index_select(0, src).view(g.n, hkv, rep * g.max_q, d)
             mask = g.mask(window, rep, None if softcap is not None else query.dtype)
             if m == g.n:                  # one slice: SDPA's output is the group's
                 o = self._attend(g, 0, g.n, q, mask, key_cache, value_cache, kbuf, vbuf, scale, softcap,
-                                 ov and (overlay, *ov[0]))
+                                 ov and (overlay, *ov[0]), halves, kvbuf)
             else:
                 o = torch.empty_like(q)
                 for a in range(0, g.n, m):
                     b = min(a + m, g.n)
                     o[a:b] = self._attend(g, a, b, q[a:b], mask[a:b], key_cache, value_cache, kbuf, vbuf, scale,
-                                          softcap, ov and (overlay, *ov[a // m]))
+                                          softcap, ov and (overlay, *ov[a // m]), halves, kvbuf)
             out.index_copy_(0, dst, o.view(-1, d))
         return out[:-1].view(t, hq, d)
 
     def _run_in_place(self, query, key_cache, value_cache, scale: float, window: int | None, softcap: float | None,
-                      work: tuple[int, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                      work: tuple[int, torch.Tensor, torch.Tensor, torch.Tensor],
+                      halves: torch.Tensor | None = None) -> torch.Tensor:
         """`run` for one group holding every row in packed order, within one slice: its queries are the packed
         rows reshaped (a view when each member has one row, a decode step) and its output the packed output."""
         t, hq, d = query.shape
         hkv = key_cache.shape[2]
         rep = hq // hkv
-        g, (_, kbuf, vbuf) = self.groups[0], work      # one slice: run() checked it
+        g, (_, kbuf, vbuf, kvbuf) = self.groups[0], work      # one slice: run() checked it
         q = query.reshape(g.n, g.max_q, hkv, rep, d).permute(0, 2, 3, 1, 4).reshape(g.n, hkv, rep * g.max_q, d)
         o = self._attend(g, 0, g.n, q, g.mask(window, rep, None if softcap is not None else query.dtype),
-                         key_cache, value_cache, kbuf, vbuf, scale, softcap)
+                         key_cache, value_cache, kbuf, vbuf, scale, softcap, None, halves, kvbuf)
         return o.view(g.n, hkv, rep, g.max_q, d).permute(0, 3, 1, 2, 4).reshape(t, hq, d)
 
     @staticmethod
     def _attend(g: _SdpaGroup, a: int, b: int, q, mask, key_cache, value_cache, kbuf, vbuf, scale: float,
-                softcap: float | None = None, over: tuple | None = None):
+                softcap: float | None = None, over: tuple | None = None, halves: torch.Tensor | None = None,
+                kvbuf: torch.Tensor | None = None):
         """SDPA of members a..b-1 of group g: [b - a, Hkv, rep * max_q, D]. `over`: (overlay,
-        workspace block rows, source block ids) of this slice, read from the overlay's source."""
+        workspace block rows, source block ids) of this slice, read from the overlay's source. `halves`: the
+        caches as one [2 * num_blocks, ...] view (`interleaved`), gathered with one copy into `kvbuf`
+        (K of the slice's blocks, then V), else K and V are gathered apart into `kbuf`, `vbuf`."""
         hkv, d = key_cache.shape[2:]
-        kb, vb = kbuf[: (b - a) * g.nb], vbuf[: (b - a) * g.nb]
-        torch.index_select(key_cache, 0, g.blocks[a * g.nb: b * g.nb], out=kb)
-        torch.index_select(value_cache, 0, g.blocks[a * g.nb: b * g.nb], out=vb)
+        n = (b - a) * g.nb
+        if halves is not None and kvbuf is not None:
+            both = kvbuf[: 2 * n]
+            torch.index_select(halves, 0, g.halves_of(a, b), out=both)
+            kb, vb = both[:n], both[n:]
+        else:
+            both = None
+            kb, vb = kbuf[:n], vbuf[:n]
+            torch.index_select(key_cache, 0, g.blocks[a * g.nb: b * g.nb], out=kb)
+            torch.index_select(value_cache, 0, g.blocks[a * g.nb: b * g.nb], out=vb)
         if over is not None and over[1].numel():      # host-resident blocks of this layer
             overlay, rows, ids = over
             kb.index_copy_(0, rows, overlay.key.index_select(0, ids))
             vb.index_copy_(0, rows, overlay.value.index_select(0, ids))
-        tails = g.tails_of(a, b)
-        if tails.numel():
-            kb.view(-1, hkv, d).index_fill_(0, tails, 0)
-            vb.view(-1, hkv, d).index_fill_(0, tails, 0)
+        if both is not None:
+            tails = g.kv_tails_of(a, b)
+            if tails.numel():
+                both.view(-1, hkv, d).index_fill_(0, tails, 0)
+        else:
+            tails = g.tails_of(a, b)
+            if tails.numel():
+                kb.view(-1, hkv, d).index_fill_(0, tails, 0)
+                vb.view(-1, hkv, d).index_fill_(0, tails, 0)
         k = kb.view(b - a, g.length, hkv, d).transpose(1, 2)
         v = vb.view(b - a, g.length, hkv, d).transpose(1, 2)
         if softcap is not None:
             return softcapped_attention(q, k, v, mask, scale, softcap)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def interleaved(key_cache: torch.Tensor, value_cache: torch.Tensor) -> torch.Tensor | None:
+    """The two caches ([num_blocks, block_size, Hkv, D] each) as one [2 * num_blocks, block_size, Hkv, D] view
+    (row 2b: block b's K, 2b + 1: its V) where they are the K and V halves of one layer laid out
+    [num_blocks, 2, block_size, Hkv, D] (a `BlockPool`'s), so one gather reads both; else None."""
+    block = key_cache[0].numel()
+    stride = (block, *key_cache.stride()[1:])
+    if (key_cache.stride(0) != 2 * block or value_cache.stride() != key_cache.stride()
+            or value_cache.shape != key_cache.shape or stride[1:] != (key_cache.shape[2] * key_cache.shape[3],
+                                                                      key_cache.shape[3], 1)
+            or value_cache.data_ptr() - key_cache.data_ptr() != block * key_cache.element_size()):
+        return None
+    return key_cache.as_strided((2 * key_cache.shape[0], *key_cache.shape[1:]), stride)
 
 
 def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,

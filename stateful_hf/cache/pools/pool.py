@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+from dataclasses import dataclass
 
 import torch
 
@@ -111,6 +112,7 @@ class BlockPool:
         elif tuple(data.shape) != shape or data.dtype != spec.dtype:
             raise ValueError(f"pool data must be {shape} {spec.dtype}, got {tuple(data.shape)} {data.dtype}")
         self.data = data
+        self._views: tuple[torch.Tensor, list] | None = None     # (data they view, per layer (K, V, rows))
         # Pop from the end: low block ids are handed out first.
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
 
@@ -184,8 +186,38 @@ class BlockPool:
         self.data[layer].index_copy_(0, ids, blocks)
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views (K, V) of one layer, each [num_blocks, block_size, kv_heads, head_dim] (strided)."""
-        return self.data[layer, :, 0], self.data[layer, :, 1]
+        """Views (K, V) of one layer, each [num_blocks, block_size, kv_heads, head_dim] (strided); made once."""
+        k, v, _ = self._layer_views()[layer]
+        return k, v
+
+    def layer_rows(self, layer: int) -> torch.Tensor | None:
+        """One layer as rows [num_blocks * 2 * block_size, kv_heads, head_dim] (a view; `slot_rows` indexes it);
+        None where `data` is not one contiguous tensor of that layout."""
+        return self._layer_views()[layer][2]
+
+    def slot_rows(self, slots: torch.Tensor) -> SlotRows:
+        """The rows of `layer_rows` that slots [T] (block * block_size + offset) name, K and V: once per step."""
+        bs = self.spec.block_size
+        key = slots + (slots // bs) * bs          # block * 2 * bs + offset
+        return SlotRows(key, key + bs)
+
+    def _layer_views(self) -> list:
+        """Per layer (K view, V view, rows view) of the current `data`, made on first use (a subclass may swap
+        `data`: the views follow it)."""
+        if self._views is None or self._views[0] is not self.data:
+            d = self.data
+            flat = d.is_contiguous() and d.dim() == 6
+            self._views = (d, [(d[i, :, 0], d[i, :, 1], d[i].view(-1, *d.shape[-2:]) if flat else None)
+                               for i in range(d.shape[0])])
+        return self._views[1]
+
+
+@dataclass(frozen=True, slots=True)
+class SlotRows:
+    """A step's K/V destinations in a `BlockPool` layer seen as rows (`layer_rows`), made once per step."""
+
+    key: torch.Tensor           # [T] long, the pool's device
+    value: torch.Tensor         # [T] key + block_size
 
 
 def write_kv(
@@ -194,12 +226,24 @@ def write_kv(
     key: torch.Tensor,          # rows [T, Hkv, D], or whole blocks [n, block_size, Hkv, D]
     value: torch.Tensor,
     slots: torch.Tensor,        # rows: [T] block * block_size + offset; blocks: [n] block ids. Long, caches' device
+    rows: tuple[torch.Tensor, SlotRows] | None = None,   # rows only: (BlockPool.layer_rows, BlockPool.slot_rows)
 ) -> None:
     """Store K/V in one pool layer: row t at slot `slots[t]` (vLLM's reshape_and_cache), or, given
     whole blocks, block i at block `slots[i]` (a restore: one copy per block instead of per row).
-    Mutates the two caches only. The cache keeps values in its own dtype, not autograd history:
-    gradients never flow into stored KV."""
-    key, value = key.detach().to(key_cache.dtype), value.detach().to(value_cache.dtype)
+    With `rows` (the step's slots made into row indices of the layer once, by the pool that holds the
+    caches), two `index_copy_` there and no index arithmetic. Mutates the two caches only. The cache keeps
+    values in its own dtype, not autograd history: gradients never flow into stored KV."""
+    if key.requires_grad or value.requires_grad:
+        key, value = key.detach(), value.detach()
+    if key.dtype != key_cache.dtype:
+        key = key.to(key_cache.dtype)
+    if value.dtype != value_cache.dtype:
+        value = value.to(value_cache.dtype)
+    if rows is not None:
+        flat, at = rows
+        flat.index_copy_(0, at.key, key)
+        flat.index_copy_(0, at.value, value)
+        return
     if key.dim() == 4:
         key_cache.index_copy_(0, slots, key)
         value_cache.index_copy_(0, slots, value)
