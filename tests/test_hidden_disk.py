@@ -94,7 +94,10 @@ def test_disk_hidden_comes_back_to_the_host_and_steps_abort_cleanly(make_store, 
     store.check_integrity()
     with sqlite3.connect(tmp_path / "disk" / "index.sqlite") as index:
         named = index.execute("SELECT k FROM chunks WHERE session = 'a' AND form = 'hidden' ORDER BY k").fetchall()
-    assert named == [(0,), (2,)]                   # a crash now loses nothing
+    # a crash now loses nothing: 0 and 2 are named; 1 (moved up to the host) may still be, at its old slot, until
+    # the writer commits the change that freed it (write-behind defers a change that only frees slots; the slot
+    # is not rewritten before a commit forgets it)
+    assert named in ([(0,), (2,)], [(0,), (1,), (2,)]), named
     store.abort(step)                              # no forward ran: back on disk, nothing lost
     assert [c.state for c in store.session("a").chunks[:3]] == [DH, ChunkState.HIDDEN, DH]
     store.check_integrity()

@@ -230,10 +230,13 @@ class PackingTrial:
 
     @property
     def pays(self) -> bool:
-        """Whether packing is worth its memory here: the packed calls took at most PAYS of F.linear's time."""
-        return self.packed_s <= PAYS * self.stock_s
+        """Whether packing is worth its memory here: the packed calls took at most PAYS of F.linear's time (never
+        where no decoder weight could be timed: all quantized)."""
+        return self.stock_s > 0 and self.packed_s <= PAYS * self.stock_s
 
     def describe(self) -> str:
+        if self.stock_s == 0:
+            return f"{self.kernel}: no plain decoder weight to pack (quantized weights keep their own kernels)"
         return (f"{self.kernel} measured x{self.stock_s / max(self.packed_s, 1e-12):.2f} F.linear's speed at "
                 f"{'/'.join(map(str, self.rows))} rows ({'packed' if self.pays else 'F.linear'}: packing pays at "
                 f"x{1 / PAYS:.2f})")
@@ -250,7 +253,7 @@ def measure(model: torch.nn.Module, kernel: LinearKernel, rows: int, rounds: int
     shapes: Counter = Counter()
     modules: dict[tuple[int, int], torch.nn.Linear] = {}
     for m in model.modules():
-        if isinstance(m, torch.nn.Linear) and m is not head and m.weight.dtype == kernel.dtype:
+        if isinstance(m, torch.nn.Linear) and m is not head and plain(m.weight) and m.weight.dtype == kernel.dtype:
             key = (m.in_features, m.out_features)
             shapes[key] += 1
             modules.setdefault(key, m)
