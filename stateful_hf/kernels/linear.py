@@ -124,6 +124,11 @@ def sums(rows: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: t
     return torch.ops.mkl._mkl_linear(rows, packed, weight, bias, rows.shape[0])
 
 
+def packable(m: torch.nn.Module, kernel: LinearKernel) -> bool:
+    """A linear layer `kernel` can pack: a plain weight (not quantized) of the kernel's dtype."""
+    return isinstance(m, torch.nn.Linear) and plain(m.weight) and m.weight.dtype == kernel.dtype
+
+
 def weight_key(w: torch.Tensor) -> tuple:
     """What a packed copy was made from: the tensor, its storage, dtype, shape and in-place version."""
     try:
@@ -194,7 +199,7 @@ class PackedWeights:
             return have
         forwards = []
         for module in model.modules():
-            if isinstance(module, torch.nn.Linear) and plain(module.weight) and module.weight.dtype == kernel.dtype:
+            if packable(module, kernel):
                 fwd = _PackedForward(module, kernel, rows)
                 module.forward = fwd
                 forwards.append(fwd)
@@ -253,7 +258,7 @@ def measure(model: torch.nn.Module, kernel: LinearKernel, rows: int, rounds: int
     shapes: Counter = Counter()
     modules: dict[tuple[int, int], torch.nn.Linear] = {}
     for m in model.modules():
-        if isinstance(m, torch.nn.Linear) and m is not head and plain(m.weight) and m.weight.dtype == kernel.dtype:
+        if m is not head and packable(m, kernel):
             key = (m.in_features, m.out_features)
             shapes[key] += 1
             modules.setdefault(key, m)

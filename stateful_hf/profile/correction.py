@@ -91,6 +91,10 @@ class CostCorrection:
             seconds = tuple(x * self.scale for x in self.base.seconds)
             return CostProfile(self.base.lengths, seconds, source, swap)
 
+    def _strays(self, measured: float, in_use: float) -> bool:
+        """Whether `measured` is `tolerance` or more away from `in_use`, either way."""
+        return max(measured / in_use, in_use / measured) >= self.tolerance
+
     def predicted(self, rows: StepRows) -> float:
         """Σ_rows Cost(context) / chunk under the measured profile: Cost is piecewise linear, so an
         entry's rows cost about rows x Cost(their mean context) / chunk."""
@@ -106,7 +110,7 @@ class CostCorrection:
             self.observed += 1
             self.ratios.append(seconds / predicted)
             median = statistics.median(self.ratios)
-            if len(self.ratios) >= self.min_steps and max(median / self.scale, self.scale / median) >= self.tolerance:
+            if len(self.ratios) >= self.min_steps and self._strays(median, self.scale):
                 with self._lock:
                     self.scale, self._changed = median, True
         with self._lock:
@@ -125,7 +129,7 @@ class CostCorrection:
             if len(samples) < self.min_steps:
                 return
             median, now = statistics.median(samples), self.swap_in.get(batch.src)
-            if now is None or max(median / now, now / median) >= self.tolerance:
+            if now is None or self._strays(median, now):
                 self.swap_in[batch.src], self._changed = median, True
 
 
