@@ -1,8 +1,8 @@
 """`n` choices as forks of one prompt (serve/choices.py), through an in-process server on the tiny float32
 model: greedy choices equal stateless `generate`; seeded choice i equals the same request alone with seed + i;
 the prompt is computed once (the engine's computed prompt rows; the control: choices submitted together
-compute it each); a session's next turn continues the choice it sends back, reusing that fork's KV, and frees
-the others; a list of prompts x n is prompt-major; streamed chunks carry their choice's index.
+compute it each); a session's next turn continues the choice it sends back from that fork's KV (only the new
+rows computed), and frees the others; a list of prompts x n is prompt-major; streamed chunks carry their choice's index.
 """
 
 from __future__ import annotations
@@ -127,21 +127,35 @@ def refuse_fork(*args, **kwargs):
     raise StoreError("fork refused (the control)")
 
 
-def test_a_session_continues_the_choice_it_sends_back(served, oracle):
-    """With a session id the choices are held; the next turn, whose prompt carries choice 2's answer, reuses
-    that fork's full chunks (96 tokens; continuing choice 0 would have kept only the 40-token prompt) and
-    frees the other forks. Continuing choice 0 keeps the session's own KV."""
+def test_a_session_continues_the_choice_it_sends_back(served, oracle, monkeypatch):
+    """With a session id the choices are held; the next turn, whose prompt carries choice i's answer, continues
+    from that fork itself: the session takes its whole KV (40 + 59 = 99 tokens: the full chunks shared, the
+    partial one copied), so the turn computes only its new rows (the answer's last token, never fed, and the 9
+    new ones: 10), and the other forks are freed. Continuing choice 0 keeps the session's own KV (10 rows too).
+    The control: with the store refusing to replace the session by the fork, the turn recomputes from where
+    its prompt leaves choice 0's history (more rows, fewer cached), still exact."""
     srv, replica = served
-    for pick, sid in ((2, "forks-a"), (0, "forks-b")):
-        conv = Conversation(seed=304 + pick, first=40)
+    store_fork = replica.store.fork
+    for pick, sid, continued in ((1, "forks-a", True), (2, "forks-b", True), (0, "forks-c", True),
+                                 (1, "forks-d", False)):
+        if not continued:
+            monkeypatch.setattr(replica.store, "fork", lambda *a, replace=False, **kw: refuse_fork() if replace
+                                else store_fork(*a, **kw))
+        conv = Conversation(seed=304 + pick + 10 * continued, first=40)
         ids = conv.ids[0].tolist()
         first = complete(srv, {"prompt": ids, "n": 3, "max_tokens": 60, "seed": 5, **HOT}, sid)["choices"]
         assert len(forks_in(replica)) == 2                           # held until the next turn
+        assert first[pick]["token_ids"] != first[1 - min(pick, 1)]["token_ids"]   # not vacuous: they differ
         nxt = ids + first[pick]["token_ids"] + conv._user(9)[0].tolist()
+        before = replica.engine.stats().prompt_tokens
         out = complete(srv, {"prompt": nxt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}, sid)
+        computed = replica.engine.stats().prompt_tokens - before
         assert out["choices"][0]["token_ids"] == expected(oracle, nxt, 6, eos_token_id=None)
         cached = out["usage"]["prompt_tokens_details"]["cached_tokens"]
-        assert cached >= (len(ids) + 60 - 1) // CHUNK * CHUNK == 96 > len(ids), (pick, cached)
+        if continued:
+            assert (computed, cached) == (1 + 9, len(ids) + 60 - 1), (pick, computed, cached)
+        else:
+            assert computed > 1 + 9 and cached < len(ids) + 60 - 1, (computed, cached)
         assert forks_in(replica) == []                               # the others freed, the chosen one too
         assert replica.store.token_ids(sid)[:len(nxt)] == nxt
         replica.store.check_integrity()

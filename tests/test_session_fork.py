@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import FAMILIES, greedy, store_turn
 
-from stateful_hf.cache import StoreError, UnknownSessionError
+from stateful_hf.cache import SessionBusyError, StoreError, UnknownSessionError
 
 BS = 8
 SYSTEM = torch.randint(3, 300, (1, 43), generator=torch.Generator().manual_seed(7))   # 5 full chunks + 3
@@ -114,3 +114,30 @@ def test_forks_freed_moved_and_evicted_stay_consistent(models, make_store):
     store.move("d", range(len(store.session("d").chunks)), "dropped")
     store.check_integrity()
     store_turn(model, oracle, store, "c", torch.cat([a, user(20)], 1))
+
+
+def test_a_fork_replaces_a_session_in_one_step(models, make_store):
+    """`replace=True` (the server continuing a held choice): the session becomes a fork of the chosen one, its
+    old chunks freed under the same lock; its next turn reuses the whole fork and computes only its new rows.
+    Refused with nothing changed where the session is busy, is the parent itself, or `replace` is not asked."""
+    model, oracle = models
+    store = make_store(model, device_capacity=1024, chunk_size=BS)
+    store_turn(model, oracle, store, "s", SYSTEM)                          # choice 0: 52 tokens
+    assert store.fork("s", "f", SYSTEM[0].tolist()) == 43                  # choice 1 from the prompt
+    f = store_turn(model, oracle, store, "f", torch.cat([SYSTEM, user(7)], 1))
+    mine, theirs = store.token_ids("s"), store.token_ids("f")             # 52 and 61 tokens
+    assert mine != theirs[:len(mine)]                                      # not vacuous: other histories
+    with pytest.raises(StoreError, match="exists"):
+        store.fork("f", "s")
+    with pytest.raises(ValueError, match="itself"):
+        store.fork("s", "s", replace=True)
+    with store.lease("s"), pytest.raises(SessionBusyError):
+        store.fork("f", "s", replace=True)
+    assert store.token_ids("s") == mine
+    assert store.fork("f", "s", replace=True) == 61                        # 7 full chunks shared + 5 copied
+    assert store.token_ids("s") == theirs and store.stats().shared_tokens == 56
+    store.delete("f")
+    store.check_integrity()
+    store_turn(model, oracle, store, "s", torch.cat([f, user(8)], 1))
+    last = store.stats("s").last_turn
+    assert (last.reused_tokens, last.recomputed_tokens, last.computed_tokens) == (61, 0, 1 + 9 + 9), last

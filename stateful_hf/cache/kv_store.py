@@ -366,13 +366,15 @@ class KVStore:
         with self.lock:
             return export_session(self.parts, self.spec, self.sessions.get(session_id))
 
-    def fork(self, session_id: str, new_id: str, token_ids: Sequence[int] | None = None) -> int:
+    def fork(self, session_id: str, new_id: str, token_ids: Sequence[int] | None = None,
+             replace: bool = False) -> int:
         """A new session `new_id` with the session's history (its common prefix with `token_ids`; None: all of
         it) and KV: the full chunks shared, the partial last chunk copied to a new device block (`prefix/fork.py`).
         The session may be busy: its step in flight is left out. Tokens whose KV came along. StoreError if
-        `new_id` exists or prefix sharing is off; ValueError if `new_id` is another tenant's."""
+        `new_id` exists (unless `replace`: then it is deleted first, under the same lock; SessionBusyError if it
+        is busy) or prefix sharing is off; ValueError if `new_id` is another tenant's or the session itself."""
         with self.lock:
-            got = fork_session(self.parts, self.sessions.get(session_id), new_id, token_ids)
+            got = fork_session(self.parts, self.sessions.get(session_id), new_id, token_ids, replace)
             self._sync()
             return got
 

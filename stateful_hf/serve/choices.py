@@ -15,9 +15,13 @@ Without a session id every choice runs in a throwaway session of the caller's te
 choice 0 runs in the session itself and choice i in a fork session (`fork_key`: a '#' no client id
 has), and `SessionForks` holds them after the turn until the session's next turn, which continues
 the choice whose history shares the longest prefix with its prompt (ties: the lowest index) and frees
-the others. Continuing choice i > 0: the session is deleted and the turn runs in it afresh, adopting
-the fork's full chunks (prompt and answer) at admission; the fork is freed once the turn's first
-event has come. Everything goes through the router's public methods (`stream`, `delete_session`).
+the others. Continuing choice i > 0: the turn goes with `continues=` the fork's key; on the replica,
+with the session's turn slot held, the session becomes a fork of it in one store operation
+(`KVStore.fork(replace=True)`: its history, full chunks shared, partial last chunk copied; the
+session's old chunks freed), so the turn computes only its new rows; the fork is freed once the
+turn's first event has come. Where that cannot be (the session moved to another replica, the fork
+busy) the session goes on as choice 0's and the turn recomputes from where its prompt leaves that
+history. Everything goes through the router's public methods (`stream`, `delete_session`).
 """
 
 from __future__ import annotations
@@ -113,17 +117,20 @@ class SessionForks:
 
     async def stream(self, session_id: str | None, prompt: list[int], sampling, **scope) -> AsyncIterator[dict]:
         """A turn (`Router.stream`): a session's held choices are settled first (`settle`)."""
-        after = await self.settle(session_id, prompt) if session_id is not None else ()
-        async with contextlib.aclosing(self.settled(session_id, prompt, sampling, after, **scope)) as events:
+        chosen = await self.settle(session_id, prompt) if session_id is not None else None
+        async with contextlib.aclosing(self.settled(session_id, prompt, sampling, chosen, **scope)) as events:
             async for ev in events:
                 yield ev
 
-    async def settled(self, session_id: str | None, prompt: list[int], sampling, after: tuple[str, ...] = (),
+    async def settled(self, session_id: str | None, prompt: list[int], sampling, chosen: str | None = None,
                       **scope) -> AsyncIterator[dict]:
-        """`Router.stream` of a turn `settle` has prepared: the sessions `after` (the chosen fork) are
-        freed once the turn's first event has come (it has adopted their chunks by then)."""
+        """`Router.stream` of a turn `settle` has prepared: the session first takes the fork `chosen`'s
+        history and KV (`continues`, on its replica with its turn slot held), and `chosen` is freed once
+        the turn's first event has come (gone by then where it was taken)."""
+        after = () if chosen is None else (chosen,)
         try:
-            async with contextlib.aclosing(self.router.stream(session_id, prompt, sampling, **scope)) as events:
+            async with contextlib.aclosing(self.router.stream(session_id, prompt, sampling, continues=chosen,
+                                                              **scope)) as events:
                 async for ev in events:
                     if after:
                         after, freed = (), after
@@ -133,24 +140,16 @@ class SessionForks:
             if after:
                 self.free_later(after)
 
-    async def settle(self, session_id: str, prompt: Sequence[int]) -> tuple[str, ...]:
+    async def settle(self, session_id: str, prompt: Sequence[int]) -> str | None:
         """Before a turn of `session_id` with `prompt`: its held choices go (module docstring). Returns
-        the fork to free once the turn has started (empty: none)."""
+        the fork the turn continues (None: the session as it is)."""
         self._open.pop(session_id, None)
         held = self._held.pop(session_id, None)
         if held is None:
-            return ()
+            return None
         best = held.best(prompt)
         await self.free([k for i, k in enumerate(held.keys) if i not in (0, best)])
-        if best == 0:
-            return ()
-        try:                                     # the turn starts afresh and adopts the fork's chunks
-            await self.router.delete_session(session_id)
-        except APIError as e:
-            if e.status != 404:                  # still busy: the turn continues the session as it is
-                await self.free([held.keys[best]])
-                return ()
-        return (held.keys[best],)
+        return held.keys[best] if best else None
 
     def held(self, session_id: str) -> HeldForks | None:
         """The choices held for the session (None: none)."""
@@ -236,10 +235,10 @@ async def stream_choices(forks: SessionForks, groups: Sequence[ChoiceGroup], *, 
     finals: dict[int, dict] = {}
     firsts: dict[int, str] = {}                               # choice index -> the type of its first event
 
-    async def choice(index: int, sid: str | None, g: ChoiceGroup, i: int, after: tuple[str, ...],
+    async def choice(index: int, sid: str | None, g: ChoiceGroup, i: int, chosen: str | None,
                      started: asyncio.Event | None, tag: str) -> None:
         try:
-            events = forks.settled(sid, list(g.ids), g.sampling_of(i), after, cache_salt=cache_salt,
+            events = forks.settled(sid, list(g.ids), g.sampling_of(i), chosen, cache_salt=cache_salt,
                                    tenant=tenant if sid is None else None, fork=tag if g.n > 1 else None)
             async with contextlib.aclosing(events):
                 async for ev in events:
@@ -255,20 +254,20 @@ async def stream_choices(forks: SessionForks, groups: Sequence[ChoiceGroup], *, 
             await queue.put((index, None))
 
     async def group(g: ChoiceGroup) -> None:
-        after: tuple[str, ...] = ()
+        chosen: str | None = None
         keys: list[str] = []
         tag = uuid.uuid4().hex[:8]               # the group's fork tag; with a session, in its forks' keys
         if g.session is not None:
-            after = await forks.settle(g.session, g.ids)
+            chosen = await forks.settle(g.session, g.ids)
             keys = [fork_key(g.session, tag, i) for i in range(1, g.n)]
             marks.append((g, forks.open(g.session), keys))
         started = asyncio.Event()
-        tasks.append(asyncio.create_task(choice(g.first, g.session, g, 0, after, started, tag)))
+        tasks.append(asyncio.create_task(choice(g.first, g.session, g, 0, chosen, started, tag)))
         await started.wait()
         if firsts.get(g.first) in (None, "error"):
             return                               # choice 0 failed: its error is the answer
         for i in range(1, g.n):
-            tasks.append(asyncio.create_task(choice(g.first + i, keys[i - 1] if keys else None, g, i, (), None,
+            tasks.append(asyncio.create_task(choice(g.first + i, keys[i - 1] if keys else None, g, i, None, None,
                                                     tag)))
 
     starters = [asyncio.create_task(group(g)) for g in groups]

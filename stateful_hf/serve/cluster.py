@@ -42,9 +42,9 @@ class EngineReplica:
         self.replica = EngineOptions(**options).replica(model, tokenizer, name)
 
     async def stream(self, session_id, prompt, sampling: dict, cache_salt=None, tenant=None,
-                     fork=None) -> AsyncIterator[dict]:
+                     fork=None, continues=None) -> AsyncIterator[dict]:
         async for ev in self.replica.stream(session_id, prompt, sampling, cache_salt=cache_salt, tenant=tenant,
-                                            fork=fork):
+                                            fork=fork, continues=continues):
             yield ev
 
     async def hint(self, session_id, expected_arrival=None, priority=None) -> dict:
@@ -95,11 +95,11 @@ class RayClient:
         self.handle, self.name = handle, name
 
     async def stream(self, session_id, prompt, sampling, *, cache_salt=None, tenant=None,
-                     fork=None) -> AsyncIterator[dict]:
+                     fork=None, continues=None) -> AsyncIterator[dict]:
         if dataclasses.is_dataclass(sampling):
             sampling = {f.name: getattr(sampling, f.name) for f in dataclasses.fields(sampling)}
         gen = self.handle.options(stream=True).stream.remote(session_id, list(prompt), sampling, cache_salt, tenant,
-                                                             fork)
+                                                             fork, continues)
         finished = False
         try:
             async for ev in gen:

@@ -20,8 +20,10 @@ class LocalClient:
     def __init__(self, replica: Replica):
         self.replica, self.name = replica, replica.name
 
-    def stream(self, session_id, prompt, sampling, *, cache_salt=None, tenant=None, fork=None) -> AsyncIterator[dict]:
-        return self.replica.stream(session_id, prompt, sampling, cache_salt=cache_salt, tenant=tenant, fork=fork)
+    def stream(self, session_id, prompt, sampling, *, cache_salt=None, tenant=None, fork=None,
+               continues=None) -> AsyncIterator[dict]:
+        return self.replica.stream(session_id, prompt, sampling, cache_salt=cache_salt, tenant=tenant, fork=fork,
+                                   continues=continues)
 
     async def hint(self, session_id, expected_arrival, priority) -> dict:
         return self.replica.hint(session_id, expected_arrival, priority)

@@ -112,12 +112,14 @@ class Replica:
 
     async def stream(self, session_id: str | None, prompt: list[int], sampling: SamplingParams | dict, *,
                      cache_salt: str | None = None, tenant: str | None = None,
-                     fork: str | None = None) -> AsyncIterator[dict]:
+                     fork: str | None = None, continues: str | None = None) -> AsyncIterator[dict]:
         """One turn. `session_id` None: a throwaway session of `tenant`, deleted by the engine when the
         turn ends (`Engine.throwaway_session`). `cache_salt`: scopes prefix sharing (`Engine.submit`).
         `fork`: a fork group (choices.py: the `n` choices of one prompt). The group's first turn here is
         its parent while it runs; a later turn of the group whose session is new starts as a fork of the
-        parent's session (`KVStore.fork`: its full chunks shared, its partial last chunk copied)."""
+        parent's session (`KVStore.fork`: its full chunks shared, its partial last chunk copied).
+        `continues`: a held choice's fork session (choices.py) whose history and KV the session takes
+        first (`_continue`), with the session's turn slot held."""
         if isinstance(sampling, dict):
             sampling = SamplingParams(**sampling)
         if sampling.constraint is not None:     # compile off the event loop, before the turn takes anything
@@ -142,8 +144,11 @@ class Replica:
             baseline = dict(self._restored.setdefault(sid, {}))
         account = lambda out: self._account(out, sid, None if ephemeral else sid, baseline, prompt)
         parent = self._fork_parents.setdefault(fork, sid) if fork is not None else sid
-        forked = parent != sid and await self._fork(parent, sid, prompt)
-        try:
+        forked = False
+        try:                                   # the awaits inside: a client gone meanwhile frees the slot
+            if continues is not None and not ephemeral:
+                await self._continue(continues, sid, prompt)
+            forked = parent != sid and await self._fork(parent, sid, prompt)
             handle, done = self.engine.submit(sid, prompt, sampling, cache_salt=cache_salt), False
         except BaseException:
             self.inflight -= 1
@@ -204,6 +209,21 @@ class Replica:
             await asyncio.to_thread(self.store.fork, parent, sid, prompt)
         except (StoreError, KeyError, ValueError) as e:   # UnknownSessionError is a KeyError
             log.debug("no fork of %s for %s: %s", parent, sid, e)
+            return False
+        return True
+
+    async def _continue(self, chosen: str, sid: str, prompt: list[int]) -> bool:
+        """Session `sid` (its turn slot held) becomes a fork of `chosen` (a held choice: its history up to
+        the common prefix with `prompt`, full chunks shared, partial last chunk copied), replacing what
+        `sid` held in one store operation (`KVStore.fork(replace=True)`). False where it cannot be (the
+        choice gone or busy here, sharing off): `sid` stays as it is and the turn recomputes from where
+        the prompt leaves its history; `chosen` is left to the caller to free either way."""
+        if self.turns.busy(chosen):
+            return False
+        try:
+            await asyncio.to_thread(self.store.fork, chosen, sid, prompt, replace=True)
+        except (StoreError, KeyError, ValueError) as e:   # UnknownSessionError, SessionBusyError: StoreErrors
+            log.debug("%s does not continue %s: %s", sid, chosen, e)
             return False
         return True
 

@@ -123,10 +123,13 @@ class Router:
             self.location[sid] = max(range(len(held)), key=lambda i: held[i])
 
     async def stream(self, session_id: str | None, prompt: list[int], sampling, *, cache_salt: str | None = None,
-                     tenant: str | None = None, fork: str | None = None) -> AsyncIterator[dict]:
+                     tenant: str | None = None, fork: str | None = None,
+                     continues: str | None = None) -> AsyncIterator[dict]:
         """One turn on the replica `_route` picks. `session_id` None: a throwaway session of `tenant`
         there; `cache_salt` scopes its prefix sharing (both passed to the replica). `fork`: the turn's
-        fork group (`Replica.stream`); a new session's turn goes where the group's first turn runs."""
+        fork group (`Replica.stream`); a new session's turn goes where the group's first turn runs.
+        `continues`: the held choice the session takes first (`Replica.stream`; made on the session's
+        replica, so it is there unless the session has moved since: then the turn recomputes)."""
         sid = session_id
         if sid is not None:
             await self._locate(sid)
@@ -152,7 +155,8 @@ class Router:
             self._idle.setdefault(sid, asyncio.Event()).clear()
         try:
             async with contextlib.aclosing(self.clients[i].stream(sid, prompt, sampling, cache_salt=cache_salt,
-                                                                  tenant=tenant, fork=fork)) as events:
+                                                                  tenant=tenant, fork=fork,
+                                                                  continues=continues)) as events:
                 async for ev in events:
                     yield ev
         finally:

@@ -69,10 +69,13 @@ class ServerStore(MigrationStore, Protocol):
         """Changes: forgets the session and frees what only it holds (UnknownSessionError if none)."""
         ...
 
-    def fork(self, session_id: str, new_id: str, token_ids: Sequence[int] | None = None) -> int:
+    def fork(self, session_id: str, new_id: str, token_ids: Sequence[int] | None = None,
+             replace: bool = False) -> int:
         """Changes: makes session `new_id` with the session's history (its common prefix with `token_ids`) and
         KV, full chunks shared and the partial last chunk copied (n choices); returns the tokens whose KV came.
-        StoreError if `new_id` exists or sharing is off, ValueError if it is another tenant's."""
+        `replace`: an existing `new_id` is deleted first, under the same lock (a held choice continued).
+        StoreError if `new_id` exists (without `replace`; SessionBusyError if busy) or sharing is off,
+        ValueError if it is another tenant's or the session itself."""
         ...
 
     def flush(self, timeout: float = 10.0) -> FlushReport | None:

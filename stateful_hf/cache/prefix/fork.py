@@ -11,6 +11,10 @@ or no device block to be had) is a DROPPED chunk of the child: its next turn rec
 adopts it from the prefix index. The parent may be busy: a step of it planned and not committed is
 left out (the tokens it appends, the chunks it fills), so only committed K/V is shared or copied.
 
+With `replace` an existing session of the new id is deleted first, in the same hold of the store lock
+(continuing a held choice: the chosen fork's history and KV become the session's, its partial chunk a
+copy), so no reader sees the id missing or half made; every check comes before that delete.
+
 Needs prefix sharing (a paged layout without layer-wise KV, `prefix_sharing` not off): otherwise
 StoreError, and the caller runs the turn without a fork. Runs with the store lock held.
 """
@@ -20,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from ..errors import CapacityError, StoreError
+from ..errors import CapacityError, SessionBusyError, StoreError
 from ..sessions.history import common_prefix
 from ..sessions.session import Chunk, ChunkState, Session
 from ..sessions.tenant import tenant_of
@@ -31,8 +35,10 @@ if TYPE_CHECKING:
 DEVICE = ChunkState.DEVICE
 
 
-def fork_session(p: StoreParts, parent: Session, child_id: str, token_ids: Sequence[int] | None) -> int:
+def fork_session(p: StoreParts, parent: Session, child_id: str, token_ids: Sequence[int] | None,
+                 replace: bool = False) -> int:
     """`KVStore.fork`: the new session `child_id`; returns the tokens whose KV it got (shared or copied).
+    `replace`: an existing `child_id` (not busy, not the parent) is deleted first (module docstring).
     Mutates: the session table (the child), the parent's private full chunks (shared now), a device block."""
     if not p.sharing.enabled:
         raise StoreError("fork shares the parent's full chunks: this store has prefix sharing off "
@@ -40,8 +46,15 @@ def fork_session(p: StoreParts, parent: Session, child_id: str, token_ids: Seque
     if tenant_of(child_id) != tenant_of(parent.session_id):
         raise ValueError(f"session {child_id!r} is another tenant's than {parent.session_id!r}: a fork stays in its "
                          "tenant")
-    if p.sessions.find(child_id) is not None:
+    old = p.sessions.find(child_id)
+    if old is not None and not replace:
         raise StoreError(f"session {child_id!r} exists; a fork makes a new session")
+    if old is parent:
+        raise ValueError(f"session {child_id!r} cannot replace itself with a fork of itself")
+    if old is not None and old.busy:
+        raise SessionBusyError(child_id)
+    if old is not None:
+        p.history.delete(old, keep_shared=False)
     flight = p.planner.in_flight.get(parent.session_id)       # a step of the parent in flight: left out
     length = parent.num_tokens if flight is None else flight.old_len
     if token_ids is not None:
