@@ -19,7 +19,7 @@ from conftest import Conversation  # noqa: E402
 from test_engine import expected  # noqa: E402
 
 from stateful_hf import Engine, SamplingParams  # noqa: E402
-from stateful_hf.serve import ServerThread, build_local  # noqa: E402
+from stateful_hf.serve import EngineOptions, ServerThread, build_local  # noqa: E402
 from stateful_hf.serve.choices import FORK_MARK, choice_seed  # noqa: E402
 from stateful_hf.testing import tiny_llama, tiny_tokenizer  # noqa: E402
 
@@ -30,7 +30,9 @@ CHUNK = 32                        # the store's default chunk
 
 @pytest.fixture(scope="module")
 def served():
-    app, router = build_local(tiny_llama(), tiny_tokenizer(), MODEL)
+    # batch-invariant: a choice's rows give the same floats whichever steps they share (the logprobs test
+    # compares two runs of n choices, whose forks start at times that vary)
+    app, router = build_local(tiny_llama(), tiny_tokenizer(), MODEL, EngineOptions(batch_invariant=True))
     with ServerThread(app) as srv:
         yield srv, router.clients[0].replica
     router.clients[0].replica.shutdown()
