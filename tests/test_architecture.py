@@ -10,7 +10,8 @@ except the tests that run turns: `test_no_feature_package_runs_on_the_default_pa
 - one returning turn through `Engine` makes at most 5 calls into the store's public methods besides one
   plan/commit per step (no cap on lines or files: a module is as long as its one concept needs);
 - no module uses another module's private members (`obj._x`, `from m import _x`);
-- docs/architecture.md names every module of the package by path, and every path it names exists;
+- docs/architecture.md names every module of the package by path, and every path it names exists; its module
+  tables give each module one row;
 - imports go one way (options <- kernels <- cache <- the seam <- engine <- serve), every module has a docstring,
   and every `*.py` a docstring, comment or doc names exists.
 
@@ -940,6 +941,9 @@ def test_architecture_doc_names_every_module_and_only_real_ones():
     unnamed = [rel for rel in modules if rel not in named]
     assert not missing, f"docs/architecture.md names paths that do not exist: {missing}"
     assert not unnamed, f"docs/architecture.md does not name these modules: {unnamed}"
+    rows = Counter(re.findall(r"^\| `(stateful_hf/[\w/]*\.py)` \|", text, re.M))
+    wrong = {rel: rows[rel] for rel in modules if rows[rel] != 1}
+    assert not wrong, f"docs/architecture.md's module tables should give each module one row, not: {wrong}"
 
 
 # A Python file name as prose names it: `kv_store.py`, `cache/kv_store.py`, `stateful_hf/engine/engine.py`.

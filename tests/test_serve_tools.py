@@ -163,6 +163,11 @@ def test_forced_calls_follow_the_functions_schema(client):
         assert calls and r.choices[0].finish_reason == "tool_calls", r.choices[0].message.content
         fn = next(t["function"] for t in tools if t["function"]["name"] == calls[0].function.name)
         jsonschema.validate(json.loads(calls[0].function.arguments), fn["parameters"])
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[where], tool_choice="required", n=2,
+                                       max_tokens=400, seed=3)            # every choice is held to it
+    for c in r.choices:
+        assert c.message.tool_calls and c.finish_reason == "tool_calls", c.message.content
+        jsonschema.validate(json.loads(c.message.tool_calls[0].function.arguments), where["function"]["parameters"])
     # negative control: a response_format beside a forced call is refused, naming the field
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required",

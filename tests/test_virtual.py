@@ -182,6 +182,24 @@ def test_background_mapper_maps_the_next_block_ahead(make_store):
     assert page_mapper(store).error is None and store.stats().device_blocks_prefetched == pool.blocks_prefetched
 
 
+def test_a_step_carries_rows_only_over_a_block_pool(make_store):
+    """The K/V writer's rows (`BlockPool.slot_rows`) come with a paged store's step, not a virtual one's (each
+    entry's KV is its slot's row there: `dense_slots`); either step's logits are the stateless forward's."""
+    model, oracle = FAMILIES["llama"](), FAMILIES["llama"]()
+    ids = list(range(3, 40))
+    with torch.no_grad():
+        want = oracle(torch.tensor([ids])).logits[0, -1:]
+    for layout, extra, paged in (("paged", {}, True), ("virtual", {"max_context": 256}, False)):
+        store = make_store(model, device_capacity=2 * 256, layout=layout, cost_profile=PROFILE, **extra)
+        store.open("s")
+        step = store.plan_step([("s", ids, list(range(len(ids))))])
+        assert (step.rows is not None, step.dense_slots is None) == (paged, paged), layout
+        with torch.no_grad():
+            logits = run_step(model, step, step.last_rows())
+        store.commit(step)
+        torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
+
+
 def test_bad_virtual_configuration(make_store):
     model = FAMILIES["llama"]()
     with pytest.raises(ValueError, match="holds no slot"):

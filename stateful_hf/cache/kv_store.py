@@ -222,7 +222,8 @@ class KVStore:
     def num_tokens(self, session_id: str) -> int:
         """Tokens of the session's history; 0 for an unknown session."""
         with self.lock:
-            return getattr(self.sessions.find(session_id), "num_tokens", 0)
+            s = self.sessions.find(session_id)
+            return 0 if s is None else s.num_tokens
 
     def token_ids(self, session_id: str) -> list[int]:
         """A copy of the session's history."""
@@ -249,10 +250,11 @@ class KVStore:
     def is_busy(self, session_id: str) -> bool:
         """Whether a turn holds the session's lease (False for an unknown session)."""
         with self.lock:
-            return getattr(self.sessions.find(session_id), "busy", False)
+            s = self.sessions.find(session_id)
+            return s is not None and s.busy
 
     def places(self, session_id: str) -> tuple[Place, ...]:
-        """Where each chunk of the session is (`chunk_needs.Place`)."""
+        """Where each chunk of the session is (`turn.Place`)."""
         with self.lock:
             return places_of(self.sessions.get(session_id))
 

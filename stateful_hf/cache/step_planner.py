@@ -35,6 +35,7 @@ from .errors import CapacityError, StoreError
 from .movement.placement import Placement
 from .movement.swap_in import SwapIn
 from .movement.transfer import Transfer
+from .pools.pool import BlockPool
 from .pools.tier_pools import TierPools, count_chunks
 from .sessions.session import HIDDEN_FORMS, Chunk, ChunkState, Session, SessionTable, TurnStats
 from .step import StepBatch, StepEntry
@@ -287,8 +288,7 @@ class StepPlanner:
         layered = self.layered.step_map(sessions, [e.positions for e in entries], tables)
         slot_t = torch.tensor(slots, dtype=torch.int64, device=dev)
         rows = None       # the K/V writer's row indices, made once here for every layer (a BlockPool's layout)
-        if dense_slots is None and layered is None and getattr(device, "slot_rows", None) is not None \
-                and device.layer_rows(0) is not None:
+        if layered is None and isinstance(device, BlockPool) and device.layer_rows(0) is not None:
             rows = device.slot_rows(slot_t)
         return StepBatch(
             entries=tuple(entries), paged=paged.to(dev), slots=slot_t, rows=rows,

@@ -94,7 +94,7 @@ class TurnNeeds:
         return prompt_len - self.keep + len(self.missing)
 
     def needs(self, end: int, factor: int = 1) -> ChunkNeeds:
-        """What a step of the turn reaching row `end` - 1 does with each chunk (`chunk_needs.needs`)."""
+        """What a step of the turn reaching row `end` - 1 does with each chunk (`needs`)."""
         return needs(self.places, end, self.keep, factor, self.block_size)
 
     def blocks(self, end: int, factor: int = 1) -> int:

@@ -279,15 +279,16 @@ def create_app(router, config: ServeConfig, access: Access | None = None) -> Fas
         budget = "max_completion_tokens" if body.max_tokens is None and body.max_completion_tokens else "max_tokens"
         requested = body.requested_max_tokens()
         text, reply, stops = chat_prompt(tok, body)         # tools: tools.py, tool_parse.py
+        plan = None if reply is None else reply.plan         # the turn's ToolPlan (None: no tools)
         if reply is not None and body.n > 1:                 # n choices: a reader each
-            reply = [reply] + [reply_reader(tok, reply.plan, text) for _ in range(body.n - 1)]
+            reply = [reply] + [reply_reader(tok, plan, text) for _ in range(body.n - 1)]
         n, ids = encode(tok, text, config.max_model_len)     # = apply_chat_template(tokenize=True)
         sampling = body.sampling(max_tokens_for(requested, n, config.max_model_len, config.default_max_tokens,
                                                 "messages", budget), config.generation_config, len(tok))
         limits.check_prompt(n, config.max_model_len, "messages")
         sampling = constrain(dataclasses.replace(sampling, stop=sampling.stop + stops),   # its grammar compiled here
                              (body.model_extra or {}).get("response_format"), tok, config.grammar_compile_timeout,
-                             getattr(reply, "plan", None))
+                             plan)
         return body, ids, sampling, reply
 
     def completion_turn(raw: bytes):

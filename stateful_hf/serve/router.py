@@ -28,7 +28,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from ..cache.sessions.tenant import DEFAULT_TENANT, split_key
 from .directory import SessionDirectory
@@ -124,7 +124,7 @@ class Router:
 
     async def stream(self, session_id: str | None, prompt: list[int], sampling, *, cache_salt: str | None = None,
                      tenant: str | None = None, fork: str | None = None,
-                     continues: str | None = None) -> AsyncIterator[dict]:
+                     continues: str | None = None) -> AsyncGenerator[dict, None]:
         """One turn on the replica `_route` picks. `session_id` None: a throwaway session of `tenant`
         there; `cache_salt` scopes its prefix sharing (both passed to the replica). `fork`: the turn's
         fork group (`Replica.stream`); a new session's turn goes where the group's first turn runs.

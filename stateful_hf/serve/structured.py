@@ -14,10 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from typing import TYPE_CHECKING
 
 from ..engine import SamplingParams
 from ..engine.constraint import JsonConstraint, json_constraint
 from .protocol import APIError
+
+if TYPE_CHECKING:
+    from .tools import ToolPlan
 
 FORMATS = ("text", "json_object", "json_schema")
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")            # OpenAI's rule for json_schema.name
@@ -62,11 +66,11 @@ def response_format_constraint(value) -> JsonConstraint | None:
 
 
 def constrain(sampling: SamplingParams, response_format, tokenizer, timeout: float | None,
-              plan=None) -> SamplingParams:
+              plan: ToolPlan | None = None) -> SamplingParams:
     """`sampling` constrained as `response_format` asks (as it is for None or text), or, for a forced tool
     call (`plan`: a `tools.ToolPlan` with `forced`), to the rest of that call: the function's JSON schema,
     then the call's closing text. Its grammar compiled here (a 400 naming the field that says why)."""
-    forced = getattr(plan, "forced", None)
+    forced = None if plan is None else plan.forced
     if forced is not None:
         if response_format_constraint(response_format) is not None:
             raise APIError(400, "response_format cannot be combined with a forced tool call (tool_choice "

@@ -152,7 +152,7 @@ class Capacity:
         self.layout, self.block_size = layout, tiers.device.spec.block_size
 
     def chunk_needs(self, s: Session, end: int, length: int | None, factor: int) -> ChunkNeeds:
-        """Per chunk below `end`, what a step of `s` must do (`chunk_needs.needs`)."""
+        """Per chunk below `end`, what a step of `s` must do (`turn.needs`)."""
         return needs(places_of(s), end, s.num_tokens if length is None else length, factor, self.block_size)
 
     def held_blocks(self, s: Session) -> float:
