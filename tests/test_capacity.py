@@ -111,9 +111,8 @@ def test_the_device_room_reads_only_busy_sessions_and_a_stale_count_is_caught(mo
     from stateful_hf.cache.audit import integrity
     stale = store.room().device_blocks         # a figure not updated when a lease makes c's blocks busy
     monkeypatch.setattr(integrity, "device_room", lambda tiers, busy: stale)
-    with store.lease("c"):
-        with pytest.raises(AssertionError, match="device blocks from the pool's count"):
-            store.check_integrity()
+    with store.lease("c"), pytest.raises(AssertionError, match="device blocks from the pool's count"):
+        store.check_integrity()
     store.check_integrity()                    # c idle again: that figure is true again
     monkeypatch.undo()
     ids = torch.cat([SYSTEM, user(2), user(5)], 1)

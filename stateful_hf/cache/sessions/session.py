@@ -45,8 +45,8 @@ TIERS = ("device", "host", "hidden", "disk", "dropped")
 SHADOWED = (ChunkState.HOST, ChunkState.HIDDEN)          # states whose chunks may keep a device shadow
 ON_DISK = (ChunkState.DISK, ChunkState.DISK_HIDDEN)      # states whose slot is in the disk tier
 HIDDEN_FORMS = (ChunkState.HIDDEN, ChunkState.DISK_HIDDEN)  # states holding hidden states (HCache)
-# states whose holders `SessionTable.holding` walks in order (the device's: `device_sessions`)
-INDEXED = (ChunkState.HOST, ChunkState.HIDDEN, ChunkState.DISK, ChunkState.DISK_HIDDEN)
+# states whose holders `SessionTable.holding` walks in order (every holder of a device block: `device_sessions`)
+INDEXED = (ChunkState.DEVICE, ChunkState.HOST, ChunkState.HIDDEN, ChunkState.DISK, ChunkState.DISK_HIDDEN)
 
 
 @dataclass(slots=True)
@@ -184,7 +184,7 @@ class SessionTable:
         self._retained: set[str] = set()       # exactly the sessions with `retained` set
         self._busy: set[str] = set()           # exactly the sessions with `busy` set (`acquire` / `release`)
         self._idle: OrderedDict[str, None] = OrderedDict()   # idle, not retained, least recently released first
-        self._tiers = tiers                    # `tier_index.TierOrder`: who holds chunks below the device, in order
+        self._tiers = tiers                    # `tier_index.TierOrder`: who holds chunks in each tier, in order
         self._tenants: Counter[str] = Counter()     # sessions per tenant
         self._counts = usage                   # `tier_index.TierUsage`: tokens per (tier, tenant)
         self.on_change: Callable[[Iterable[str]], None] = lambda ids: None   # marked, removed: the disk index's
