@@ -79,3 +79,42 @@ def test_available_blocks_count_a_shared_chunk_once_and_only_with_every_holder_i
     ids = torch.cat([SYSTEM, user(1), user(9)], 1)                       # b continues, exactly
     assert torch.equal(greedy(model, ids, cache=store.cache("b")), greedy(oracle, ids))
     check(store)
+
+
+def test_the_device_room_reads_only_busy_sessions_and_a_stale_count_is_caught(models, make_store, monkeypatch):
+    """`room().device_blocks` comes from the device pool's count less what busy sessions hold (`device_room`,
+    kept with the table's busy set, `SessionTable.busy`): it reads no idle session, however many are on the
+    device, and equals the count from the chunk tables (`check_integrity` compares them, after every step in
+    tests/test_layerwise.py with LayerKV's residue blocks open). Negative controls: a busy flag set behind the
+    table's back, and a room figure left stale by a lease, each fail `check_integrity`."""
+    model, oracle = models
+    store = make_store(model, device_capacity=1024, host_capacity=256, chunk_size=BS)
+    for i, sid in enumerate("abcd"):
+        ids = torch.cat([SYSTEM, user(i)], 1)
+        assert torch.equal(greedy(model, ids, cache=store.cache(sid)), greedy(oracle, ids))
+    check(store)
+    table = type(store.sessions)
+    with monkeypatch.context() as m:           # the room walks neither the table nor its device sessions
+        for name in ("__iter__", "device_sessions"):
+            m.setattr(table, name, lambda self, name=name: pytest.fail(f"room() called {name}"))
+        free = store.room().device_blocks
+        with store.lease("a"):
+            assert [s.session_id for s in store.sessions.busy()] == ["a"]
+            assert store.room().device_blocks == free - len(store.session("a").chunks)
+    check(store)
+    s = store.session("b")
+    s.busy = True                              # not through the table's lease: its busy set is stale
+    with pytest.raises(AssertionError, match="busy sessions"):
+        store.check_integrity()
+    s.busy = False
+    store.check_integrity()
+    from stateful_hf.cache.audit import integrity
+    stale = store.room().device_blocks         # a figure not updated when a lease makes c's blocks busy
+    monkeypatch.setattr(integrity, "device_room", lambda tiers, busy: stale)
+    with store.lease("c"), pytest.raises(AssertionError, match="device blocks from the pool's count"):
+        store.check_integrity()
+    store.check_integrity()                    # c idle again: that figure is true again
+    monkeypatch.undo()
+    ids = torch.cat([SYSTEM, user(2), user(5)], 1)
+    assert torch.equal(greedy(model, ids, cache=store.cache("c")), greedy(oracle, ids))
+    check(store)

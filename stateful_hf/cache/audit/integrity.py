@@ -8,7 +8,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from ...kernels.blocks import blocks_for
-from ..pools.tier_pools import TierPools
+from ..pools.tier_pools import TierPools, count_chunks, device_room
 from ..prefix.index import PrefixIndex
 from ..sessions.session import SHADOWED, ChunkState, Session, SessionTable
 from ..sessions.tenant import tenant_of
@@ -24,7 +24,9 @@ def check_integrity(sessions: SessionTable, tiers: TierPools, block_size: int) -
     and by nothing else. A disk slot is owned by one chunk object; the disk index's rows naming it
     (one per holder of a shared chunk) all name that object, at one chunk index, with one checksum.
     Shared chunks agree with their holders and the prefix index (`check_sharing`). The table's
-    `device_sessions()` are exactly the sessions holding device blocks, its `retained()` the retained ones.
+    `device_sessions()` are exactly the sessions holding device blocks, its `retained()` the retained ones,
+    its `busy()` the busy ones; the room's device blocks (`device_room`, from the pool's count) are
+    the free blocks and the idle sessions' device chunks and shadows counted one by one.
     A chunk held in two tiers (served from above, with a disk copy: `disk/copies.py`) counts its disk
     slot as the copy's, owned by nothing else, with a checksum (a copy being written: none yet); the
     index names it only while the copy is valid (`DiskState.session_rows`, compared by `check`)."""
@@ -44,6 +46,8 @@ def check_integrity(sessions: SessionTable, tiers: TierPools, block_size: int) -
     _check_usage(sessions, block_size)
     retained = {s.session_id for s in sessions if s.retained}
     assert retained == {s.session_id for s in sessions.retained()}, f"retained sessions {sorted(retained)}"
+    busy = {s.session_id for s in sessions if s.busy}
+    assert busy == {s.session_id for s in sessions.busy()}, f"busy sessions {sorted(busy)[:8]} != the table's"
     idle = [s.session_id for s in sessions if not s.busy and not s.retained]
     assert sorted(idle) == sorted(sessions.idle_ids()), "the table's idle order lists other sessions"
     held: dict[tuple[int, int], tuple[tuple[str, int], int]] = {}   # (block, residue) -> (who, factor)
@@ -105,6 +109,9 @@ def check_integrity(sessions: SessionTable, tiers: TierPools, block_size: int) -
                 pool.check(set(owned), pending) if tier is DISK else pool.check(set(owned))
             except AssertionError as e:
                 raise AssertionError(f"{tier.value} tier: {e}") from None
+    counted = tiers.device.num_free + count_chunks(sessions, DEVICE, tiers.sharing, shadows=True, idle_only=True)
+    derived = device_room(tiers, sessions.busy())     # (after the slots: a block neither free nor owned is theirs)
+    assert derived == counted, f"room: {derived} device blocks from the pool's count, {counted} counted"
 
 
 def _check_disk_rows(sessions: SessionTable, tiers: TierPools) -> None:

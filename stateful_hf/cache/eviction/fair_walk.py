@@ -1,4 +1,4 @@
-"""Victims below the device without ranking every chunk held: a best-first walk of a tier's holders
+"""Victims in a tier (the device too) without ranking every chunk held: a best-first walk of a tier's holders
 under a policy with a `floor` (`tier_victims`, `walk`), and the fair share's merge of one walk per
 tenant (`fair_victims`).
 
@@ -26,7 +26,7 @@ Items = list[tuple[Session, int]]
 
 def tier_victims(sessions: SessionTable, sharing: PrefixSharing, policy: EvictionPolicy, state: ChunkState, n: int,
                  exclude: set[str], shadowed: bool | None, now: float, block_size: int) -> Items:
-    """`Placement.victims` below the device under `policy` (prepared, with a floor): one walk of the tier's holders."""
+    """`Placement.victims` in a tier under `policy` (prepared, with a floor): one walk of the tier's holders."""
     found = walk(sessions, sharing, policy, state, None, exclude, shadowed, now, block_size)
     try:
         return [(s, k) for _, s, k in islice(found, max(n, 0))]
@@ -37,7 +37,7 @@ def tier_victims(sessions: SessionTable, sharing: PrefixSharing, policy: Evictio
 def fair_victims(sessions: SessionTable, sharing: PrefixSharing, policy: FairSharePolicy, inner: EvictionPolicy,
                  state: ChunkState, n: int, exclude: set[str], shadowed: bool | None, now: float,
                  block_size: int) -> Items:
-    """`Placement.victims` below the device under `policy` (its `inner` prepared, with a floor): the n lowest
+    """`Placement.victims` in a tier under `policy` (its `inner` prepared, with a floor): the n lowest
     chunks in `state` of idle sessions outside `exclude`, one per physical chunk, lowest first."""
     usage = {t: u for (st, t), u in sessions.usage().items() if st is state}
     if n <= 0 or not usage:

@@ -149,11 +149,14 @@ class Placement:
         `exclude`, lowest first: (session, chunk) pairs, one per physical chunk; `shadowed` True /
         False: only chunks with / without a device shadow. A shared chunk is a victim only if every
         holder is idle and outside `exclude`, ranked by its most valuable holder (`prefix/sharing.py`:
-        its value counts every holder). Every choice of what moves down is made here. Below the device,
-        a policy with a floor (`by_session`) walks the tier's holders best first (`tier_index.TierOrder`;
+        its value counts every holder). Every choice of what moves down is made here. In every tier, a
+        policy with a floor (`by_session`) walks the tier's holders best first (`tier_index.TierOrder`;
         the fair share among tenants over one: a walk per tenant, `fair_walk.py`), another ranks every
-        chunk of them; `scan` (the tests' oracle) ranks every chunk of every session. Reads only."""
-        if state is DEVICE or shadowed:     # held by sessions holding device blocks: not the idle ones below
+        chunk of them; shadows rank those of the sessions holding device blocks; `scan` (the tests'
+        oracle) ranks every chunk of every session. Reads only."""
+        if shadowed:     # cached on the device: held by sessions holding device blocks, not the idle ones below
+            if self.tiers.pool(state) is None:      # no such tier (no host tier: no shadows): read no session
+                return []
             return self._scan(self.sessions.device_sessions(), state, n, exclude, shadowed)
         if scan:
             return self._scan(self.sessions, state, n, exclude, shadowed)
@@ -246,7 +249,7 @@ class Placement:
                     self.tiers.pool(state).free([c.loc])
                     c.assign(DEVICE, c.shadow)
                     for h in self.tiers.sharing.holder_ids([(s, k)]):
-                        self.sessions.recount(h)
+                        self.sessions.mark(h)          # listed again among the device's holders, recounted
                     n -= 1
                 if n > 0:
                     self.move_down(self.victims(state, n, exclude, shadowed=False), state, exclude)

@@ -141,6 +141,16 @@ def count_chunks(sessions: Iterable[Session], state: ChunkState, sharing: Prefix
     return n
 
 
+def device_room(tiers: TierPools, busy: Iterable[Session]) -> int:
+    """`Capacity.device_blocks` from the pool's own count, given the `busy` sessions: every device block
+    not free holds one DEVICE chunk, one shadow or one LayerKV residue block (`check_integrity`), so the
+    free and idle ones are the blocks less the residue blocks less the chunks (and shadows) a busy
+    session holds, a shared chunk once. `check_integrity` compares it with a count of every session."""
+    residues = len(tiers.residues.blocks) if tiers.residues is not None else 0
+    held = count_chunks(busy, DEVICE, tiers.sharing, shadows=True, idle_only=False)
+    return tiers.device.num_blocks - residues - held
+
+
 class Capacity:
     """What a step could get now and what one would take: the engine scheduler's questions
     (`device_blocks` through `KVStore.room`, `host_blocks`, `device_slots`, `chunk_needs`, `blocks_needed`).
@@ -177,9 +187,9 @@ class Capacity:
 
     def device_blocks(self) -> int:
         """Free device blocks, plus idle sessions' cached shadows and DEVICE chunks (which `plan_step`
-        moves down). Busy sessions' blocks do not count."""
-        return self.tiers.device.num_free + count_chunks(self.sessions.device_sessions(), DEVICE, self.sharing,
-                                                         shadows=True, idle_only=True)
+        moves down). Busy sessions' blocks do not count. O(the busy sessions' chunks), whatever the
+        number of sessions on the device (`device_room`)."""
+        return device_room(self.tiers, self.sessions.busy())
 
     def host_blocks(self) -> int:
         """Free host slots plus idle sessions' HOST chunks (which move down to make room); 0 without a host tier."""

@@ -45,8 +45,8 @@ TIERS = ("device", "host", "hidden", "disk", "dropped")
 SHADOWED = (ChunkState.HOST, ChunkState.HIDDEN)          # states whose chunks may keep a device shadow
 ON_DISK = (ChunkState.DISK, ChunkState.DISK_HIDDEN)      # states whose slot is in the disk tier
 HIDDEN_FORMS = (ChunkState.HIDDEN, ChunkState.DISK_HIDDEN)  # states holding hidden states (HCache)
-# states whose holders `SessionTable.holding` walks in order (the device's: `device_sessions`)
-INDEXED = (ChunkState.HOST, ChunkState.HIDDEN, ChunkState.DISK, ChunkState.DISK_HIDDEN)
+# states whose holders `SessionTable.holding` walks in order (every holder of a device block: `device_sessions`)
+INDEXED = (ChunkState.DEVICE, ChunkState.HOST, ChunkState.HIDDEN, ChunkState.DISK, ChunkState.DISK_HIDDEN)
 
 
 @dataclass(slots=True)
@@ -182,8 +182,9 @@ class SessionTable:
         # step's device work touches these, never the idle sessions held in lower tiers.
         self._device: set[str] = set()
         self._retained: set[str] = set()       # exactly the sessions with `retained` set
+        self._busy: set[str] = set()           # exactly the sessions with `busy` set (`acquire` / `release`)
         self._idle: OrderedDict[str, None] = OrderedDict()   # idle, not retained, least recently released first
-        self._tiers = tiers                    # `tier_index.TierOrder`: who holds chunks below the device, in order
+        self._tiers = tiers                    # `tier_index.TierOrder`: who holds chunks in each tier, in order
         self._tenants: Counter[str] = Counter()     # sessions per tenant
         self._counts = usage                   # `tier_index.TierUsage`: tokens per (tier, tenant)
         self.on_change: Callable[[Iterable[str]], None] = lambda ids: None   # marked, removed: the disk index's
@@ -219,6 +220,8 @@ class SessionTable:
             self._retained.add(s.session_id)
         elif not s.busy:
             self._idle[s.session_id] = None
+        if s.busy:
+            self._busy.add(s.session_id)
         if s.holds_device:
             self._device.add(s.session_id)
         self._tiers.mark(s)
@@ -233,6 +236,7 @@ class SessionTable:
         self.on_change((session_id,))
         self._device.discard(session_id)
         self._retained.discard(session_id)
+        self._busy.discard(session_id)
         self._idle.pop(session_id, None)
 
     def _count_tenant(self, session_id: str, d: int) -> None:
@@ -341,6 +345,10 @@ class SessionTable:
         """Sessions held, retained ones aside."""
         return len(self._sessions) - len(self._retained)
 
+    def busy(self) -> list[Session]:
+        """The leased sessions (`busy` set), in table order; O(them), whatever the number of sessions held."""
+        return sorted((self._sessions[sid] for sid in self._busy), key=lambda s: s.seq)
+
     def idle_ids(self) -> list[str]:
         """The idle sessions that are not retained, least recently released first."""
         return list(self._idle)
@@ -368,12 +376,14 @@ class SessionTable:
         gap = self.clock() - s.last_active if s.token_ids else None
         s.busy = s.turn_started = True
         s.expected_at = 0.0                    # it came back
+        self._busy.add(session_id)
         self._idle.pop(session_id, None)
         return s, gap
 
     def release(self, s: Session) -> None:
         """End a lease. Mutates: `busy`, `turn_started`, `in_turn`, `last_active`."""
         s.busy = s.turn_started = s.in_turn = False
+        self._busy.discard(s.session_id)
         s.last_active = self.clock()
         self.mark(s.session_id)
         if not s.retained:

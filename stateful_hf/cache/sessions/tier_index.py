@@ -1,4 +1,4 @@
-"""The session table's indexes per tier: who holds chunks in each tier below the device, in the
+"""The session table's indexes per tier: who holds chunks in each tier (the device's included), in the
 session-ordered policies' order (`TierOrder`), and how many tokens each tenant has in each tier
 (`TierUsage`). Both are kept by `SessionTable` (`session.py`), which tells them what changed."""
 
@@ -18,7 +18,7 @@ Entry = tuple[float, str]      # (last_active, id) in `order`; (-expected_at, id
 
 
 class TierOrder:
-    """Per tier below the device (and per tenant when `per_tenant`), the sessions that may hold a chunk
+    """Per tier (`session.INDEXED`; and per tenant when `per_tenant`), the sessions that may hold a chunk
     there, in the session-ordered policies' order (`EvictionPolicy.by_session`: furthest
     `Session.next_use` first, ties by id), so that a walk for victims (`Placement.victims`) visits only
     the sessions it takes from and the busy or excluded ones ahead of them: O(those + log held), never
