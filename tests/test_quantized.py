@@ -138,6 +138,20 @@ def test_fingerprint_tells_the_quantized_model_from_its_float_original():
     assert plain == model_fingerprint(tiny_llama(seed=3))
 
 
+def test_cost_profile_key_names_the_quantization():
+    """A measured cost profile is cached per model: a quantized copy (its config unchanged by `quantize_`) gets a
+    key of its own per scheme, and a plain model's key is the same with or without this rule (the control: two
+    plain copies agree, so the difference comes from the weights' kind, not from the seed or the call)."""
+    from stateful_hf.cache import KVSpec
+    from stateful_hf.profile.cost import _key
+
+    spec = KVSpec(2, 2, 16, block_size=16)                # the key reads the spec, never the model through it
+    plain = _key(tiny_llama(seed=3), spec)
+    assert plain == _key(tiny_llama(seed=3), spec)
+    keys = {_key(quantize(tiny_llama(seed=3), s), spec) for s in SCHEMES}
+    assert len(keys) == len(SCHEMES) and plain not in keys
+
+
 def test_load_names_the_schemes():
     """`models.load(quantization=...)` (the server's and the demo's `--quantization`): a scheme by name;
     another name is a ValueError naming the schemes, raised before any model is loaded."""

@@ -3,7 +3,7 @@ geometry and device at powers of two of l (then interpolated by `CostProfile`).
 
 Measured profiles are kept for this process and on disk, under `$STATEFUL_HF_CACHE` (default
 `~/.cache/stateful_hf`)/cost_profiles, keyed by the model config, device, dtype, chunk size, torch
-version and processor, so a model is profiled once per machine, not once per store.
+version, processor and quantized weights (`_key`), so a model is profiled once per machine, not once per store.
 
 A first measurement shows a tqdm bar (on a terminal) saying what it measures. Each point is the median of
 its repeats; when the repeats spread widely (another process took the cores: a profile taken on a busy host
@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from ..cache import CostProfile, KVSpec, KVStore
 from ..integration.hooks import run_step
+from ..kernels.quantization import detect
 
 _MEASURED: dict[str, CostProfile] = {}   # memo per model geometry and device, for this process
 MAX_SWEEPS = 3          # timed sweeps at most, when the host is busy
@@ -33,9 +34,15 @@ BUSY_SPREAD = 0.5       # a sweep whose median point spreads (max - min) / media
 
 
 def _key(model: torch.nn.Module, spec: KVSpec) -> str:
+    """The profile's cache key: config, device, dtype, chunk, torch, processor, threads, and the model's quantized
+    weights when it has any (a model quantized with torchao's `quantize_` keeps its config: a plain model's key
+    is unchanged). Always measured eager: an engine's compiled steps correct it online (`profile/correction.py`)."""
     config = json.dumps(model.config.to_dict(), sort_keys=True, default=str)
     where = f"{spec.device}|{spec.dtype}|{spec.block_size}|{torch.__version__}|{platform.machine()}|" \
             f"{platform.processor()}|{torch.get_num_threads()}"
+    quant = detect(model)
+    if quant is not None:
+        where += f"|{quant.describe()}"
     return hashlib.sha1(f"{config}|{where}".encode()).hexdigest()
 
 
