@@ -147,7 +147,7 @@ def test_recency_cost_orders_conversations_as_lru_and_chunks_by_cost():
     assert order[8:] == [("short", 1), ("short", 0)]                # 1 token at l=5 costs less than 4 at l=4
     flat = RecencyCostPolicy(CostProfile((4, 64), (1.0, 1.0)))
     assert ranking(flat, store, 10.0)[0] == ("long", 7)             # flat cost: the 2-token chunk first
-    store.session("short").last_active = store.session("long").last_active
+    store.sessions.touch(store.session("short"), store.session("long").last_active)
     ids = [sid for sid, _ in ranking(policy, store, 10.0)]
     assert ids == sorted(ids)                                       # a tie in time: still one conversation at a time
 

@@ -25,6 +25,12 @@ def new_store(capacity=32, **kw) -> KVStore:
     return KVStore(SPEC, capacity, **kw)
 
 
+def idle_for(store, sid, seconds):
+    """Make `sid` look idle `seconds` longer, through the one writer of `last_active` (its tier entry follows)."""
+    s = store.session(sid)
+    store.sessions.touch(s, s.last_active - seconds)
+
+
 def append(store, sid, ids):
     n = store.open(sid).num_tokens
     step = store.plan_step([(sid, ids, range(n, n + len(ids)))])
@@ -82,7 +88,7 @@ def test_eviction_takes_idle_sessions_leading_chunks_first():
     store = new_store(capacity=16)                  # 4 blocks
     append(store, "old", list(range(8)))            # 2 blocks
     append(store, "new", list(range(8)))            # 2 blocks
-    store.session("old").last_active -= 100.0       # idler
+    idle_for(store, "old", 100.0)       # idler
     append(store, "x", [1, 2, 3, 4])                # needs 1 block: evicts old's leading chunk
     old = store.session("old")
     assert [c.state for c in old.chunks] == [ChunkState.DROPPED, ChunkState.DEVICE]
@@ -93,7 +99,7 @@ def test_eviction_takes_idle_sessions_leading_chunks_first():
 def test_recompute_dropped_chunks_in_a_step():
     store = new_store(capacity=16)
     append(store, "a", list(range(10)))
-    store.session("a").last_active -= 50
+    idle_for(store, "a", 50)
     append(store, "b", list(range(12)))             # evicts a's leading chunks
     missing = store.missing_positions("a")
     assert missing
@@ -179,8 +185,8 @@ def test_policies_order():
     store = new_store(capacity=64)
     append(store, "idle", list(range(12)))
     append(store, "recent", list(range(12)))
-    store.session("idle").last_active -= 1000
-    store.session("recent").last_active -= 1
+    idle_for(store, "idle", 1000)
+    idle_for(store, "recent", 1)
     sessions = [store.session("recent"), store.session("idle")]
     now = store.session("recent").last_active + 1
     def order(policy):

@@ -407,5 +407,8 @@ class SessionTable:
         return out
 
     def touch(self, s: Session, now: float) -> None:
-        """The session was active at `now` (a step committed). Mutates: `last_active`."""
+        """The session was active at `now` (a step committed). Mutates: `last_active`; an idle session's tier entry
+        (a step run outside a lease, as the store's own tests do; a busy one is re-keyed when its lease ends)."""
         s.last_active = now
+        if not s.busy:
+            self.mark(s.session_id)
