@@ -35,7 +35,10 @@ def run_triton(query, kc, vc, batch, window):
                            window=window).cpu()
 
 
-@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+# 60 cases on a GPU (gpu_check); 30 under the CPU interpreter (~0.5 s a case; the same kernel code, the fixed
+# cases below cover every head dim and block size)
+@settings(max_examples=60 if DEVICE == "cuda" else 30, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(ragged_case(head_dims=(64, 80), max_len=40))
 def test_triton_matches_dense_reference_fp32(case):
     query, kc, vc, batch, window = case
