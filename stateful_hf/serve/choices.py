@@ -145,7 +145,7 @@ class SessionForks:
                 yield ev
 
     async def settled(self, session_id: str | None, prompt: list[int], sampling, chosen: str | None = None,
-                      **scope) -> AsyncIterator[dict]:
+                      **scope) -> AsyncGenerator[dict, None]:
         """`Router.stream` of a turn `settle` has prepared: the session first takes the fork `chosen`'s
         history and KV (`continues`, on its replica with its turn slot held), and `chosen` is freed once
         the turn's first event has come (gone by then where it was taken)."""
@@ -246,7 +246,7 @@ class SessionForks:
 
 
 async def stream_choices(forks: SessionForks, groups: Sequence[ChoiceGroup], *, cache_salt: str | None,
-                         tenant: str | None) -> AsyncIterator[tuple[int, dict]]:
+                         tenant: str | None) -> AsyncGenerator[tuple[int, dict], None]:
     """Every choice's events tagged with its index, as they come, until each choice's "done" or the
     first "error" (the last item then; the other choices are cancelled). Per group, choice 0 first, the
     others once its first event has come (module docstring). With a session, the choices are held
@@ -366,7 +366,7 @@ async def answer(forks: SessionForks, groups: Sequence[ChoiceGroup], shape: Choi
     created, finals = int(time.time()), {}
     if not stream:
         async with contextlib.aclosing(events):
-            item = first
+            item: tuple[int, dict] | None = first
             while item is not None:
                 index, ev = item
                 if ev["type"] == "error":
@@ -397,7 +397,7 @@ def _choice(groups: Sequence[ChoiceGroup], finals: dict[int, dict], shape: Choic
     return {**choice, "index": i}
 
 
-async def _sse(events: AsyncIterator[tuple[int, dict]], first: tuple[int, dict], groups: Sequence[ChoiceGroup],
+async def _sse(events: AsyncGenerator[tuple[int, dict], None], first: tuple[int, dict], groups: Sequence[ChoiceGroup],
                shape: ChoiceShape, rid: str, created: int) -> AsyncIterator[str]:
     """The answer's server-sent events: every chunk carries its choice's `index` and, when asked, the
     logprobs of the tokens its text completes (one `StreamLogprobs` per choice, as a single choice's)."""
