@@ -142,8 +142,11 @@ class DiskCopies:
     def release(self, n: int) -> int:
         """Free up to `n` copies (rule 4: the disk needs room), of the least recently active sessions first.
         Returns how many; they leave limbo at the next commit."""
-        order = sorted(self._by_chunk.values(), key=lambda cp: getattr(self.sessions.find(cp.session_id),
-                                                                       "last_active", float("-inf")))
+        def last_active(cp) -> float:      # a copy whose session is gone goes first
+            s = self.sessions.find(cp.session_id)
+            return float("-inf") if s is None else s.last_active
+
+        order = sorted(self._by_chunk.values(), key=last_active)
         for cp in order[:max(n, 0)]:
             self._free(cp)
         return min(len(order), max(n, 0))
