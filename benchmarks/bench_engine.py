@@ -60,6 +60,7 @@ from transformers.generation.streamers import BaseStreamer
 from stateful_hf import Engine, SamplingParams, SessionStore
 from stateful_hf.engine.openmp import release_thread_pool
 from stateful_hf.options import StoreOptions
+from stateful_hf.options.store import DiskWrite
 from stateful_hf.serve.flags import QUANTIZATIONS
 
 from .harness.closed_loop import closed_loop
@@ -339,10 +340,10 @@ def main() -> None:
     ap.add_argument("--gguf", default="", help="comma-separated GGUF files for --llama-server (one run each)")
     ap.add_argument("--disk-dir", help="give the engine's store a disk tier: each run in a fresh subdirectory of "
                     "this directory (removed after the run); the wall is the serving, the close's flush timed apart")
-    ap.add_argument("--disk-write", choices=("behind", "evict"),
+    ap.add_argument("--disk-write", choices=[m.value for m in DiskWrite],
                     help="SessionStore(disk_write=...) with --disk-dir: behind (write-behind) or evict; default: "
                     "the store's (behind)")
-    ap.add_argument("--write-behind-delay", type=float,
+    ap.add_argument("--write-behind-delay", type=float, metavar="S",
                     help="SessionStore(write_behind_delay=...) with --disk-dir: seconds a finished turn waits before "
                     "its disk copies are queued; default: the store's")
     ap.add_argument("--quantization", choices=QUANTIZATIONS,
