@@ -126,7 +126,7 @@ def main() -> None:
         print(f"{k:<44}{medians['before'][k]:12.4g}{medians['after'][k]:12.4g}{ratios.get(k, float('nan')):14.3f}")
     load_end = os.getloadavg()
     print(f"load average at start / end (1 min): {load_start[0]:.1f} / {load_end[0]:.1f}")
-    out = {"command": "python -m benchmarks.ab " + " ".join(sys.argv[1:]),
+    out = {"command": "python -m benchmarks.ab " + shlex.join(sys.argv[1:]),
            "before": sides["before"][0], "after": sides["after"][0], "rounds": a.rounds,
            "args": {side: side_args[side] for side in sides},
            "load_start": load_start, "load_end": load_end, "medians": medians, "after_over_before": ratios,
