@@ -1,7 +1,13 @@
-"""Before/after one change: a benchmark run under two git revisions, interleaved, in one invocation.
+"""Before/after one change: a benchmark run under two git revisions (or two configurations of one), interleaved,
+in one invocation.
 
     python -m benchmarks.ab --before 39c8717 --after HEAD --rounds 3 -- bench_engine --skip a,b,b+
     python -m benchmarks.ab --before 39c8717 --after HEAD --rounds 3 -- bench_tiers --lengths 512 1024 --reps 3
+    python -m benchmarks.ab --before HEAD --before-args "--disk-write evict" --after-args "--disk-write behind" \
+        --rounds 3 -- bench_engine --skip a,b,b+ --disk-dir /tmp/ab-disk
+
+`--before-args` / `--after-args` (shell words, shlex-split) are appended to that side's benchmark
+arguments; with either given, `--after` defaults to `--before`: two configurations of one revision.
 
 Each revision gets a detached git worktree and a venv (`--system-site-packages`, the package installed
 editable with no dependencies) under ~/.cache/stateful_hf/ab/<commit>, made once and reused. Rounds
@@ -9,7 +15,7 @@ alternate the order (before, after), (after, before), ... so load drift on a sha
 sides alike; every run is a fresh interpreter running that revision's own benchmark with `--json`.
 Reported: each figure's median over the rounds per revision and after / before (for times, > 1 is
 slower; for throughput, < 1 is slower). The JSON (every run, the medians, the ratios, the load) goes
-to --json (default benchmarks/results/ab_<benchmark>.json).
+to --json (default benchmarks/results/ab_<benchmark>.json), with each side's revision and arguments.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -73,26 +80,43 @@ def run(python: Path, bench: str, args: list[str]) -> dict:
             return json.load(fh)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict[str, str], dict[str, list[str]]]:
+    """(the parsed options, each side's revision, each side's benchmark arguments): the common ones after `--`,
+    then that side's `--before-args` / `--after-args`."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--before", required=True, help="a git revision")
-    ap.add_argument("--after", default="HEAD", help="a git revision (default HEAD; commit your changes first)")
+    ap.add_argument("--after", help="a git revision (default HEAD, or --before with --before-args / --after-args; "
+                    "commit your changes first)")
+    ap.add_argument("--before-args", default="", help="more benchmark arguments for the before side (shlex-split)")
+    ap.add_argument("--after-args", default="", help="more benchmark arguments for the after side (shlex-split)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", help="default benchmarks/results/ab_<benchmark>.json")
     ap.add_argument("bench", help="a module of benchmarks/ (bench_engine, bench_tiers, bench_scale)")
     ap.add_argument("args", nargs=argparse.REMAINDER, help="its arguments (after --)")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     if a.bench not in FIGURED:
         ap.error(f"no figure extraction for {a.bench}: add it to benchmarks/ab.py (it reads {', '.join(FIGURED)})")
-    args = a.args[1:] if a.args[:1] == ["--"] else a.args
-    sides = {"before": checkout(a.before), "after": checkout(a.after)}
+    common = a.args[1:] if a.args[:1] == ["--"] else a.args
+    try:
+        extra = {"before": shlex.split(a.before_args), "after": shlex.split(a.after_args)}
+    except ValueError as e:
+        ap.error(f"--before-args / --after-args: {e}")
+    revs = {"before": a.before, "after": a.after or (a.before if a.before_args or a.after_args else "HEAD")}
+    if revs["before"] == revs["after"] and extra["before"] == extra["after"]:
+        ap.error("both sides are the same revision with the same arguments: nothing to compare")
+    return a, revs, {side: common + extra[side] for side in extra}
+
+
+def main() -> None:
+    a, revs, side_args = parse_args()
+    sides = {side: checkout(rev) for side, rev in revs.items()}
     runs: dict[str, list[dict]] = {"before": [], "after": []}
     load_start = os.getloadavg()
     for r in range(a.rounds):
         for side in ("before", "after") if r % 2 == 0 else ("after", "before"):
-            print(f"round {r + 1}/{a.rounds}: {side} ({sides[side][0][:12]}), 1-min load {os.getloadavg()[0]:.1f}",
-                  flush=True)
-            runs[side].append(run(sides[side][1], a.bench, args))
+            print(f"round {r + 1}/{a.rounds}: {side} ({sides[side][0][:12]} {shlex.join(side_args[side])}), "
+                  f"1-min load {os.getloadavg()[0]:.1f}", flush=True)
+            runs[side].append(run(sides[side][1], a.bench, side_args[side]))
     medians = {side: {k: statistics.median(figures(a.bench, o)[k] for o in runs[side])
                       for k in figures(a.bench, runs[side][0])} for side in runs}
     common = [k for k in medians["before"] if k in medians["after"]]
@@ -102,8 +126,9 @@ def main() -> None:
         print(f"{k:<44}{medians['before'][k]:12.4g}{medians['after'][k]:12.4g}{ratios.get(k, float('nan')):14.3f}")
     load_end = os.getloadavg()
     print(f"load average at start / end (1 min): {load_start[0]:.1f} / {load_end[0]:.1f}")
-    out = {"command": "python -m benchmarks.ab " + " ".join(sys.argv[1:]),
+    out = {"command": "python -m benchmarks.ab " + shlex.join(sys.argv[1:]),
            "before": sides["before"][0], "after": sides["after"][0], "rounds": a.rounds,
+           "args": {side: side_args[side] for side in sides},
            "load_start": load_start, "load_end": load_end, "medians": medians, "after_over_before": ratios,
            "runs": runs}
     path = a.json or str(REPO / "benchmarks" / "results" / f"ab_{a.bench}.json")

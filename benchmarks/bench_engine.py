@@ -30,6 +30,11 @@ round's ratio: on a shared machine one pair of runs can swing by 30%. Not run by
 `--neighbour quiet,busy:2,bursty` runs the whole comparison once per condition, every system beside
 the same neighbour processes (benchmarks/harness/neighbours.py: busy loops, a bursty second torch server),
 started in fresh interpreters before the condition's first run and stopped after its last.
+`--disk-dir DIR` gives the engine's store a disk tier, in a fresh subdirectory of DIR per run (removed after
+it), with `--disk-write behind|evict` (the store's `disk_write`; default: the store's, behind) and
+`--write-behind-delay S`: the wall is the serving only (the engine stops without the shutdown flush),
+then the store closes with its flush, timed apart; each run's JSON says what write-behind wrote.
+`--quantization` (with --model) loads every system's model quantized as the server's flag does.
 `--dtype bfloat16` runs every system in bf16 and reports how many answers agree with (a) instead of
 requiring them to be identical (exactness is promised in float32, where a mismatch fails the run).
 """
@@ -37,11 +42,14 @@ requiring them to be identical (exactness is promised in float32, where a mismat
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import shutil
 import statistics
+import tempfile
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 import transformers
@@ -51,6 +59,9 @@ from transformers.generation.streamers import BaseStreamer
 
 from stateful_hf import Engine, SamplingParams, SessionStore
 from stateful_hf.engine.openmp import release_thread_pool
+from stateful_hf.options import StoreOptions
+from stateful_hf.options.store import DiskWrite
+from stateful_hf.serve.flags import QUANTIZATIONS
 
 from .harness.closed_loop import closed_loop
 from .harness.neighbours import Neighbours, parse
@@ -93,6 +104,7 @@ class Result:
     ttft: dict             # (session, turn) -> seconds from the turn's arrival to its first token
     outputs: dict          # (session, turn) -> generated ids
     queue: dict | None = None   # (session, turn) -> seconds from arrival to its first step (the engine only)
+    disk: dict | None = None    # the engine's disk tier (--disk-dir): its options, what it wrote, the close's flush
 
     @property
     def throughput(self) -> float:
@@ -129,10 +141,10 @@ def build_model(layers: int, seed: int = 0, dtype: torch.dtype = torch.float32) 
     return model
 
 
-def load_named(name: str, dtype: torch.dtype = torch.float32):
-    """(model, tokenizer) of a named model or path (stateful_hf.models)."""
+def load_named(name: str, dtype: torch.dtype = torch.float32, quantization: str | None = None):
+    """(model, tokenizer) of a named model or path (stateful_hf.models), quantized with `quantization`."""
     from stateful_hf.models import load
-    model, tokenizer = load(name, dtype=dtype)
+    model, tokenizer = load(name, dtype=dtype, quantization=quantization)
     model.generation_config.eos_token_id = None     # every answer is exactly `new` tokens
     return model, tokenizer
 
@@ -222,10 +234,21 @@ def run_transformers_cb(model, wl: Workload, max_batch_tokens: int, page_size: i
 
 def run_engine(model, wl: Workload, max_batch_tokens: int, layout: str = "paged",
                release_openmp_pool: bool = True, step_threads: int | str | None = "auto",
-               batch_invariant: bool = False, **engine_options) -> tuple[Result, Engine]:
+               batch_invariant: bool = False, store_options: dict | None = None,
+               **engine_options) -> tuple[Result, Engine]:
+    """`store_options`: more SessionStore options; a `disk_dir` there is a root: this run's tier is a fresh
+    subdirectory of it, removed once the store closed (after the timed serving, with its flush)."""
     capacity = wl.sessions * (-(-(wl.max_context + 64) // 32) * 32)   # whole 32-token blocks (and slots)
-    store = SessionStore(model, capacity, layout=layout, max_context=wl.max_context + 64,
-                         batch_invariant=batch_invariant)
+    options = dict(store_options or {})
+    root = options.pop("disk_dir", None)
+    run_dir = tempfile.mkdtemp(prefix="bench-engine-", dir=root) if root is not None else None
+    try:
+        store = SessionStore(model, capacity, layout=layout, max_context=wl.max_context + 64,
+                             batch_invariant=batch_invariant, disk_dir=run_dir, **options)
+    except BaseException:
+        if run_dir is not None:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
     engine = Engine(model, store=store, max_batch_tokens=max_batch_tokens, max_num_seqs=wl.sessions,
                     release_openmp_pool=release_openmp_pool, step_threads=step_threads, **engine_options)
     params = SamplingParams(max_new_tokens=wl.new, ignore_eos=True)
@@ -236,10 +259,43 @@ def run_engine(model, wl: Workload, max_batch_tokens: int, layout: str = "paged"
         ttft[(s, t)], queue[(s, t)] = out.metrics.ttft, out.metrics.queue_time
         return list(out.token_ids)
 
-    wall, outputs = closed_loop(wl, turn, around=engine)
-    engine.store.check_integrity()
+    disk = None
+    try:
+        wall, outputs = closed_loop(wl, turn, around=engine if run_dir is None else _serving(engine))
+        engine.store.check_integrity()
+        if run_dir is not None:
+            disk = _close_disk(store)
+    finally:
+        if run_dir is not None:
+            shutil.rmtree(run_dir, ignore_errors=True)
     name = "(c') Engine, batch-invariant" if batch_invariant else "(c) stateful_hf.Engine"
-    return Result(name, wall, sum(map(len, outputs.values())), ttft, outputs, queue), engine
+    return Result(name, wall, sum(map(len, outputs.values())), ttft, outputs, queue, disk), engine
+
+
+@contextlib.contextmanager
+def _serving(engine: Engine):
+    """The engine running; on exit stopped without the shutdown flush (`_close_disk` does it, untimed)."""
+    engine.start()
+    try:
+        yield engine
+    except BaseException:
+        engine.stop(cancel=True, flush=None)
+        raise
+    engine.stop(flush=None)
+
+
+def _close_disk(store: SessionStore) -> dict:
+    """What the disk tier got while serving (write-behind's counters, the store's disk counters), then the
+    store closed with its flush (what it wrote, its seconds)."""
+    o, c = store.options, store.stats().counters
+    out = {"disk_write": o.disk_write.value, "write_behind_delay": o.write_behind_delay,
+           "write_behind": asdict(store.writer.stats), "swapped_out_disk_tokens": c.swapped_out_disk,
+           "swapped_in_disk_tokens": c.swapped_in_disk}
+    start = time.perf_counter()
+    report = store.close(flush=True)
+    out["close_s"] = time.perf_counter() - start
+    out["close_flush"] = asdict(report) if report is not None else None
+    return out
 
 
 def engine_threads(value: str) -> int | str | None:
@@ -282,7 +338,24 @@ def main() -> None:
     ap.add_argument("--json", help="write every figure, the per-round runs and the environment to this file")
     ap.add_argument("--llama-server", help="llama.cpp's llama-server binary: run the workload through it too")
     ap.add_argument("--gguf", default="", help="comma-separated GGUF files for --llama-server (one run each)")
+    ap.add_argument("--disk-dir", help="give the engine's store a disk tier: each run in a fresh subdirectory of "
+                    "this directory (removed after the run); the wall is the serving, the close's flush timed apart")
+    ap.add_argument("--disk-write", choices=[m.value for m in DiskWrite],
+                    help="SessionStore(disk_write=...) with --disk-dir: behind (write-behind) or evict; default: "
+                    "the store's (behind)")
+    ap.add_argument("--write-behind-delay", type=float, metavar="S",
+                    help="SessionStore(write_behind_delay=...) with --disk-dir: seconds a finished turn waits before "
+                    "its disk copies are queued; default: the store's")
+    ap.add_argument("--quantization", choices=QUANTIZATIONS,
+                    help="with --model: load it quantized (stateful_hf.models.load(quantization=...), as the "
+                    "server's --quantization)")
     args = ap.parse_args()
+    if args.quantization and not args.model:
+        ap.error("--quantization needs --model (the random-weight Llama is not quantized)")
+    if (args.disk_write or args.write_behind_delay is not None) and not args.disk_dir:
+        ap.error("--disk-write and --write-behind-delay need --disk-dir")
+    if args.disk_dir and not os.path.isdir(args.disk_dir):
+        ap.error(f"--disk-dir {args.disk_dir}: not a directory")
     conditions = [c.strip() for c in args.neighbour.split(",") if c.strip()]
     if args.llama_server and not args.gguf or args.gguf and not args.llama_server:
         ap.error("--llama-server and --gguf go together")
@@ -299,12 +372,13 @@ def main() -> None:
     systems = [x for x in ("b", "b+", "c'", "c") if x not in skip and (x != "c'" or args.batch_invariant)]
     if args.model:
         from .multiturn.workload import text_ids
-        loaded = {x: load_named(args.model, dtype) for x in ["a", *systems]}  # identical weights, one per system
+        loaded = {x: load_named(args.model, dtype, args.quantization) for x in ["a", *systems]}   # one per system
         models, tokenizer = {x: m for x, (m, _) in loaded.items()}, loaded["a"][1]
         wl = Workload(args.sessions, args.turns, args.first, args.user, args.new, vocab=tokenizer.vocab_size,
                       text=text_ids(tokenizer))
         c = models["a"].config
-        described = f"{args.model}, {c.num_hidden_layers} layers, hidden {c.hidden_size}"
+        described = f"{args.model}, {c.num_hidden_layers} layers, hidden {c.hidden_size}" + \
+            (f", quantized {args.quantization}" if args.quantization else "")
     else:
         wl = Workload(args.sessions, args.turns, args.first, args.user, args.new, vocab=16000)
         models = {x: build_model(args.layers, dtype=dtype) for x in ["a", *systems]}   # identical weights
@@ -345,7 +419,7 @@ def run_condition(args, models, systems, skip, wl) -> dict:
                 res, eng = run_engine(models[system], wl, args.max_batch_tokens, args.layout,
                                       step_threads=args.engine_threads, arrival_window=args.arrival_window,
                                       short_prefill_tokens=None if args.short_prefill < 0 else args.short_prefill,
-                                      batch_invariant=system == "c'")
+                                      batch_invariant=system == "c'", store_options=store_options(args))
                 engine = eng if system == "c" else engine
             else:
                 res = run_transformers_cb(models[system], wl, args.max_batch_tokens, release_pool=system == "b+")
@@ -400,6 +474,12 @@ def run_condition(args, models, systems, skip, wl) -> dict:
                   "{own_steps_p90_s:.3f} s".format(**tl))
         st = engine.stats()
         sizer = engine.thread_sizer
+        if c.disk is not None:
+            d, wb, fl = c.disk, c.disk["write_behind"], c.disk["close_flush"] or {}
+            print(f"engine's disk tier (disk_write={d['disk_write']}, delay {d['write_behind_delay']} s): "
+                  f"write-behind wrote {wb['written']} chunks in {wb['batches']} batches (skipped {wb['skipped']}, "
+                  f"dropped {wb['dropped']}), {d['swapped_out_disk_tokens']} tokens evicted to disk while serving; "
+                  f"the close flushed {fl.get('chunks_written', 0)} chunks in {d['close_s']:.2f} s (untimed)")
         print(f"engine: {st.steps} steps, mean {st.mean_batch_tokens:.1f} rows/step, prompt rows {st.prompt_tokens}, "
               f"recomputed {st.recomputed_tokens}, occupancy {st.mean_occupancy:.0%}"
               + (f", steps by team size {dict(sorted(sizer.steps_by_threads.items()))}" if sizer else ""))
@@ -412,10 +492,23 @@ def run_condition(args, models, systems, skip, wl) -> dict:
             if engine is not None and engine.thread_sizer else None}
 
 
+def store_options(args) -> dict:
+    """The engine store's options from the command line (--disk-dir and what goes with it)."""
+    out = {} if args.disk_dir is None else {"disk_dir": args.disk_dir}
+    if args.disk_write is not None:
+        out["disk_write"] = args.disk_write
+    if args.write_behind_delay is not None:
+        out["write_behind_delay"] = args.write_behind_delay
+    return out
+
+
 def _figures(r: Result, wl: Workload) -> dict:
-    return {"name": r.name, "wall_s": r.wall, "generated": r.generated, "tok_per_s": r.throughput,
-            "ttft_p50_s": r.ttft_p(50), "ttft_p90_s": r.ttft_p(90),
-            "returning_ttft_p90_s": r.returning_ttft_p90(), "returning_timeline": r.returning_timeline()}
+    out = {"name": r.name, "wall_s": r.wall, "generated": r.generated, "tok_per_s": r.throughput,
+           "ttft_p50_s": r.ttft_p(50), "ttft_p90_s": r.ttft_p(90),
+           "returning_ttft_p90_s": r.returning_ttft_p90(), "returning_timeline": r.returning_timeline()}
+    if r.disk is not None:
+        out["disk"] = r.disk
+    return out
 
 
 def _save(args, described, n_params, wl, report) -> None:
@@ -427,7 +520,10 @@ def _save(args, described, n_params, wl, report) -> None:
            "transformers": transformers.__version__, "threads": torch.get_num_threads(),
            "engine_threads": args.engine_threads, "arrival_window": args.arrival_window,
            "short_prefill": args.short_prefill, "processor": platform.processor() or platform.machine(),
-           "cpus": os.cpu_count(),
+           "cpus": os.cpu_count(), "quantization": args.quantization,
+           "disk": {"disk_dir": args.disk_dir, "disk_write": args.disk_write or StoreOptions.disk_write.value,
+                    "write_behind_delay": StoreOptions.write_behind_delay if args.write_behind_delay is None
+                    else args.write_behind_delay} if args.disk_dir else None,
            "workload": {k: getattr(wl, k) for k in ("sessions", "turns", "first", "user", "new")},
            "conditions": report}
     with open(args.json, "w") as f:

@@ -67,3 +67,40 @@ def test_llama_server_is_optional_and_refused_clearly_when_absent(tmp_path):
     server = LlamaServer(str(exe), str(tmp_path / "m.gguf"), wl, 1)
     with pytest.raises(RuntimeError, match="llama-server exited with 3"), server:
         pass
+
+
+def test_ab_compares_two_configurations_of_one_revision():
+    import pytest
+
+    from benchmarks.ab import parse_args
+
+    a, revs, args = parse_args(["--before", "HEAD", "--before-args", "--disk-write evict", "--after-args",
+                                "--disk-write behind --write-behind-delay '0'", "bench_engine", "--", "--layers", "2"])
+    assert revs == {"before": "HEAD", "after": "HEAD"} and a.rounds == 3       # --after defaults to --before
+    assert args == {"before": ["--layers", "2", "--disk-write", "evict"],
+                    "after": ["--layers", "2", "--disk-write", "behind", "--write-behind-delay", "0"]}
+    _, revs, args = parse_args(["--before", "abc123", "bench_tiers", "--", "--reps", "3"])   # two revisions
+    assert revs == {"before": "abc123", "after": "HEAD"} and args["before"] == args["after"] == ["--reps", "3"]
+    for bad in (["--before", "HEAD", "--after", "HEAD", "bench_engine"],           # nothing differs
+                ["--before", "HEAD", "--after-args", "--x 'open", "bench_engine"],  # unbalanced quote
+                ["--before", "HEAD", "--after-args", "--x", "bench_nothing"]):       # no figures for it
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+
+
+def test_engine_disk_tier_runs_each_in_a_fresh_directory_and_says_what_it_wrote(tmp_path):
+    wl = Workload(sessions=2, turns=2, first=12, user=5, new=4, vocab=16000, seed=3)
+    reference = run_stateless(build_model(1), wl).outputs
+    got = {}
+    for mode in ("behind", "evict"):
+        hold_main_pool()
+        r, _ = run_engine(build_model(1), wl, max_batch_tokens=64,
+                          store_options={"disk_dir": str(tmp_path), "disk_write": mode, "write_behind_delay": 0})
+        assert r.outputs == reference and list(tmp_path.iterdir()) == []      # its directory removed after it
+        got[mode] = r.disk
+    assert [got[m]["disk_write"] for m in got] == ["behind", "evict"]   # the store's options, as it resolved them
+    assert all(got[m]["write_behind_delay"] == 0.0 for m in got)
+    behind = got["behind"]      # its copies before the stop race the stop: only their sum with the flush is fixed
+    assert behind["write_behind"]["written"] + behind["close_flush"]["chunks_written"] > 0
+    assert got["evict"]["write_behind"]["written"] == 0                  # evict copies nothing behind ...
+    assert got["evict"]["close_flush"]["chunks_written"] > 0             # ... until the close flushes
