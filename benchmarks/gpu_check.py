@@ -188,8 +188,9 @@ def run_tests(timeout: float, on_cuda: bool, paths: tuple[str, ...] = ("tests",)
     last line (a timeout's: the test that was running)."""
     with tempfile.TemporaryDirectory() as tmp:
         xml = Path(tmp) / "junit.xml"
-        cmd = [sys.executable, "-m", "pytest", "-m", "cuda", "-v", "-p", "no:cacheprovider", f"--junitxml={xml}",
-               *paths]
+        # one process (`-o addopts=` drops the suite's two workers: a GPU image need not have pytest-xdist)
+        cmd = [sys.executable, "-m", "pytest", "-o", "addopts=", "-m", "cuda", "-v", "-p", "no:cacheprovider",
+               f"--junitxml={xml}", *paths]
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
         chunks: deque[bytes] = deque(maxlen=64)      # the output's last reads, for its tail

@@ -58,8 +58,8 @@ def test_blocker_makes_the_web_stack_unimportable(tmp_path):
 
 
 def test_cuda_tests_collect_without_the_web_stack(tmp_path):
-    r = _run_blocked(tmp_path, "-m", "pytest", "--collect-only", "-q", "-m", "cuda", "-p", "no:cacheprovider",
-                     str(ROOT / "tests"))
+    r = _run_blocked(tmp_path, "-m", "pytest", "-o", "addopts=", "--collect-only", "-q", "-m", "cuda",   # as gpu_check
+                     "-p", "no:cacheprovider", str(ROOT / "tests"))
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
     assert not re.search(r"\berrors?\b", out.strip().splitlines()[-1]), out[-4000:]

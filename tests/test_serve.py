@@ -227,6 +227,13 @@ def test_busy_session_queues_and_disconnect_cancels(server):
     assert metric(server, "requests_total", 'finish_reason="cancelled"') == cancelled + 1
 
 
+def arrived(server, sid: str, finished: list) -> int:
+    """A lower bound on the turns of `sid` the server has received: queued + running + those the client has back."""
+    r = httpx.get(f"{server.url}/v1/sessions/{sid}", timeout=10)
+    info = r.json() if r.status_code == 200 else {}
+    return info.get("queued_turns", 0) + bool(info.get("busy")) + len(finished)
+
+
 def test_five_concurrent_turns_of_one_session_run_in_arrival_order(server, client):
     """Five turns of one session sent at once through the openai client (no retries): all succeed,
     finish in the order they were sent, and each equals the stateless reference."""
@@ -245,9 +252,10 @@ def test_five_concurrent_turns_of_one_session_run_in_arrival_order(server, clien
         except Exception as e:     # noqa: BLE001
             errors.append(e)
     threads = [threading.Thread(target=go, args=(i,)) for i in range(n)]
-    for t in threads:
+    for i, t in enumerate(threads):
         t.start()
-        time.sleep(0.02)           # a defined arrival order; each turn takes longer than this
+        while arrived(server, "fifo", finished) < i + 1:   # a defined arrival order: turn i is at the server
+            time.sleep(0.002)                              # before turn i + 1 is sent
     for t in threads:
         t.join(60)
     assert not errors, errors

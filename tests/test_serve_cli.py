@@ -120,7 +120,7 @@ POST_TORCH = [
 @pytest.mark.parametrize(("args", "says"), POST_TORCH, ids=[" ".join(a) for a, _ in POST_TORCH])
 def test_bad_store_flag_exits_2_before_the_model_loads(args, says):
     took, stdout = _exits_2(["--model", "tiny-random", *args], says)
-    assert "serving" not in stdout and took < 30, f"{took:.2f} s"     # ~1.7 s: torch, not transformers
+    assert "serving" not in stdout and took < 60, f"{took:.2f} s"     # ~1.7 s quiet: torch, not transformers
 
 
 def test_device_without_its_backend_exits_2():
