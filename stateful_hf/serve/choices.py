@@ -46,7 +46,7 @@ from .protocol import (
     completion_response,
     usage,
 )
-from .router_door import RouterDoor
+from .router_door import RouterDoor, RouterWrapper
 
 FORK_MARK = "#"                   # in fork sessions' ids; never in a client's (app.SESSION_ID)
 _INT64 = 2**63
@@ -100,7 +100,7 @@ class HeldForks:
         return max(range(len(self.keys)), key=lambda i: (common_prefix(self.answers[i], rest), -i))
 
 
-class SessionForks:
+class SessionForks(RouterWrapper):
     """A `RouterDoor` over the router (`Router` or the `TenantGate` over it), holding the choices of each
     session's last n > 1 turn until its next turn (module docstring); the rest forwarded.
     `_held`: session key -> its `HeldForks`, oldest first (past `MAX_HELD` sessions the oldest's forks
@@ -108,34 +108,10 @@ class SessionForks:
     clears it: that turn's forks are then freed, not held)."""
 
     def __init__(self, router: RouterDoor):
-        self.router = router
+        super().__init__(router)
         self._held: dict[str, HeldForks] = {}
         self._open: dict[str, object] = {}
         self._freeing: set[asyncio.Task] = set()
-
-    async def session_info(self, sid: str) -> dict:
-        """`RouterDoor.session_info`: reads the session's description."""
-        return await self.router.session_info(sid)
-
-    async def hint(self, session_id: str, expected_arrival: float | None = None, priority: int | None = None) -> dict:
-        """`RouterDoor.hint`: plans the session's next turn's replica."""
-        return await self.router.hint(session_id, expected_arrival, priority)
-
-    async def retain(self, session_id: str, seconds: float) -> None:
-        """`RouterDoor.retain`: ranks the session's KV to stay on its holder."""
-        await self.router.retain(session_id, seconds)
-
-    async def tenant_usage(self, tenant: str, keys: list[str]) -> dict:
-        """`RouterDoor.tenant_usage`: reads the tenant's sessions and tokens."""
-        return await self.router.tenant_usage(tenant, keys)
-
-    async def metrics_page(self, accept: str | None = None) -> tuple[bytes, str]:
-        """`RouterDoor.metrics_page`: reads the /metrics page."""
-        return await self.router.metrics_page(accept)
-
-    async def health(self) -> list[dict]:
-        """`RouterDoor.health`: reads each replica's health."""
-        return await self.router.health()
 
     async def stream(self, session_id: str | None, prompt: list[int], sampling, **scope) -> AsyncGenerator[dict, None]:
         """A turn (`Router.stream`): a session's held choices are settled first (`settle`)."""

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from ..cache.sessions.tenant import split_key
 from ..engine import SamplingParams
 from .protocol import APIError
-from .router_door import RouterDoor
+from .router_door import RouterDoor, RouterWrapper
 
 RETRY_AFTER_SECONDS = 1
 
@@ -60,42 +60,15 @@ class LimitError(APIError):
                          retry_after=retry_after)
 
 
-class TenantGate:
+class TenantGate(RouterWrapper):
     """A `RouterDoor` over the router, with per-tenant session and stored-token limits on `stream`; the
     rest forwarded. `_flight[tenant]`: {session key: [turns in flight, most tokens after them]}."""
 
     def __init__(self, router: RouterDoor, limits: Limits):
-        self.router, self.limits = router, limits
+        super().__init__(router)
+        self.limits = limits
         self._flight: dict[str, dict[str, list[int]]] = {}
         self._locks: dict[str, asyncio.Lock] = {}        # one per tenant seen (kept)
-
-    async def delete_session(self, sid: str) -> dict:
-        """`RouterDoor.delete_session`: deletes the session on its holder."""
-        return await self.router.delete_session(sid)
-
-    async def session_info(self, sid: str) -> dict:
-        """`RouterDoor.session_info`: reads the session's description."""
-        return await self.router.session_info(sid)
-
-    async def hint(self, session_id: str, expected_arrival: float | None = None, priority: int | None = None) -> dict:
-        """`RouterDoor.hint`: plans the session's next turn's replica."""
-        return await self.router.hint(session_id, expected_arrival, priority)
-
-    async def retain(self, session_id: str, seconds: float) -> None:
-        """`RouterDoor.retain`: ranks the session's KV to stay on its holder."""
-        await self.router.retain(session_id, seconds)
-
-    async def tenant_usage(self, tenant: str, keys: list[str]) -> dict:
-        """`RouterDoor.tenant_usage`: reads the tenant's sessions and tokens."""
-        return await self.router.tenant_usage(tenant, keys)
-
-    async def metrics_page(self, accept: str | None = None) -> tuple[bytes, str]:
-        """`RouterDoor.metrics_page`: reads the /metrics page."""
-        return await self.router.metrics_page(accept)
-
-    async def health(self) -> list[dict]:
-        """`RouterDoor.health`: reads each replica's health."""
-        return await self.router.health()
 
     @property
     def active(self) -> bool:
