@@ -203,14 +203,7 @@ class Replica:
         """Session `sid` (new) as a fork of `parent` up to their common prefix with `prompt` (in a worker
         thread: a device copy). False where it cannot be (the parent gone, `sid` not new, sharing off): the
         turn then adopts the prompt's indexed chunks and computes the rest, as without a fork."""
-        if sid in self.store:
-            return False
-        try:
-            await asyncio.to_thread(self.store.fork, parent, sid, prompt)
-        except (StoreError, KeyError, ValueError) as e:   # UnknownSessionError is a KeyError
-            log.debug("no fork of %s for %s: %s", parent, sid, e)
-            return False
-        return True
+        return sid not in self.store and await self._store_fork(parent, sid, prompt, replace=False)
 
     async def _continue(self, chosen: str, sid: str, prompt: list[int]) -> bool:
         """Session `sid` (its turn slot held) becomes a fork of `chosen` (a held choice: its history up to
@@ -218,12 +211,15 @@ class Replica:
         `sid` held in one store operation (`KVStore.fork(replace=True)`). False where it cannot be (the
         choice gone or busy here, sharing off): `sid` stays as it is and the turn recomputes from where
         the prompt leaves its history; `chosen` is left to the caller to free either way."""
-        if self.turns.busy(chosen):
-            return False
+        return not self.turns.busy(chosen) and await self._store_fork(chosen, sid, prompt, replace=True)
+
+    async def _store_fork(self, source: str, sid: str, prompt: list[int], replace: bool) -> bool:
+        """`KVStore.fork(source, sid, prompt, replace)` in a worker thread (a device copy); False, logged, where the
+        store refuses (`source` gone or busy, `sid` taken without `replace`, sharing off, another tenant)."""
         try:
-            await asyncio.to_thread(self.store.fork, chosen, sid, prompt, replace=True)
-        except (StoreError, KeyError, ValueError) as e:   # UnknownSessionError, SessionBusyError: StoreErrors
-            log.debug("%s does not continue %s: %s", sid, chosen, e)
+            await asyncio.to_thread(self.store.fork, source, sid, prompt, replace=replace)
+        except (StoreError, KeyError, ValueError) as e:   # UnknownSessionError: KeyError; SessionBusyError: StoreError
+            log.debug("no fork of %s as %s: %s", source, sid, e)
             return False
         return True
 
