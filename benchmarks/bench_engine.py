@@ -59,9 +59,9 @@ from transformers.generation.streamers import BaseStreamer
 
 from stateful_hf import Engine, SamplingParams, SessionStore
 from stateful_hf.engine.openmp import release_thread_pool
+from stateful_hf.models import SCHEMES
 from stateful_hf.options import StoreOptions
 from stateful_hf.options.store import DiskWrite
-from stateful_hf.serve.flags import QUANTIZATIONS
 
 from .harness.closed_loop import closed_loop
 from .harness.neighbours import Neighbours, parse
@@ -346,7 +346,7 @@ def main() -> None:
     ap.add_argument("--write-behind-delay", type=float, metavar="S",
                     help="SessionStore(write_behind_delay=...) with --disk-dir: seconds a finished turn waits before "
                     "its disk copies are queued; default: the store's")
-    ap.add_argument("--quantization", choices=QUANTIZATIONS,
+    ap.add_argument("--quantization", choices=SCHEMES,
                     help="with --model: load it quantized (stateful_hf.models.load(quantization=...), as the "
                     "server's --quantization)")
     args = ap.parse_args()
