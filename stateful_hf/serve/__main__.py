@@ -77,11 +77,9 @@ def _announce(access, host: str) -> None:
 
 def _describe(store, context: int) -> None:
     """One line: what the store was built with (the flags' effect, resolved: `auto` named)."""
-    inner = getattr(store.policy, "inner", None)             # FairSharePolicy wraps the chosen one
-    policy = store.policy.name if inner is None else f"{store.policy.name}({inner.name})"
     hidden = "on" if store.hidden_plan is not None else "off"
     print(f"stateful-hf: context {context} tokens; store: attention backend {store.attn_backend}, eviction policy "
-          f"{policy}, hidden states {hidden}", flush=True)
+          f"{store.policy.describe()}, hidden states {hidden}", flush=True)
 
 
 def reload_keys_on_sighup(keys) -> None:

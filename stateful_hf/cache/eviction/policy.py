@@ -93,6 +93,10 @@ class EvictionPolicy:
     def key(self, session: Session, k: int, block_size: int, now: float) -> tuple:
         raise NotImplementedError
 
+    def describe(self) -> str:
+        """The policy's name, with what it wraps (the server's start line)."""
+        return self.name
+
     def use_profile(self, profile: CostProfile) -> None:
         """Later keys read `profile` (the engine's online correction, `profile/correction.py`); a policy
         whose keys read no cost profile ignores it."""
@@ -248,6 +252,9 @@ class FairSharePolicy(EvictionPolicy):
         self._sessions: list[Session] = []
         self._now = 0.0
         self._rank: dict[tuple[str, int], tuple[int, float]] | None = {}
+
+    def describe(self) -> str:
+        return f"{self.name}({self.inner.describe()})"
 
     @property
     def profile(self):                 # the inner policy's (its keys are the ones that read it)
