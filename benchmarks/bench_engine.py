@@ -5,7 +5,8 @@
     python -m benchmarks.bench_engine --model smollm2-135m-instruct   # real weights, real text prompts
 
 Workload: `sessions` conversations (default 24) of `turns` turns (default 4), all starting at t=0. A session's next turn
-arrives as soon as its previous answer is complete (think time 0): the prompt is the whole
+arrives as soon as its previous answer is complete (think time 0; `--think S`: after a pause of 0.5-1.5 x S s,
+seeded): the prompt is the whole
 conversation so far plus `user` new tokens; every answer is exactly `new` greedy tokens (EOS off).
 User tokens are random ids, or with --model (SmolLM2-135M-Instruct, stateful_hf.models) windows of the
 bundled ShareGPT sample's text (benchmarks/multiturn/data), tokenized by the model's tokenizer.
@@ -78,6 +79,14 @@ class Workload:
     vocab: int
     seed: int = 0
     text: tuple[int, ...] = ()   # a tokenized text: user tokens are windows of it instead of random ids
+    think: float = 0.0   # mean seconds a session waits before each later turn (0: closed loop)
+
+    def think_before(self, session: int, turn: int) -> float:
+        """Seconds session `session` waits before turn `turn` (> 0): uniform in [0.5, 1.5] x think, seeded."""
+        if turn == 0 or self.think <= 0:
+            return 0.0
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + session * 1009 + turn + 7_919)
+        return self.think * (0.5 + float(torch.rand((), generator=g)))
 
     def user_tokens(self, session: int, turn: int) -> list[int]:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + session * 1009 + turn)
@@ -89,7 +98,8 @@ class Workload:
 
     def __repr__(self) -> str:
         return (f"Workload(sessions={self.sessions}, turns={self.turns}, first={self.first}, user={self.user}, "
-                f"new={self.new}, {'text prompts' if self.text else f'random ids < {self.vocab}'})")
+                f"new={self.new}, {'text prompts' if self.text else f'random ids < {self.vocab}'}"
+                + (f", think {self.think} s" if self.think else "") + ")")
 
     @property
     def max_context(self) -> int:
@@ -310,6 +320,9 @@ def main() -> None:
     ap.add_argument("--first", type=int, default=48)
     ap.add_argument("--user", type=int, default=16)
     ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--think", type=float, default=0.0,
+                    help="mean seconds a session waits before each later turn (uniform 0.5-1.5x, seeded; 0: closed "
+                         "loop): with --disk-dir, write-behind's default delay then finds idle sessions to copy")
     ap.add_argument("--model", help="a named model (smollm2-135m-instruct: fetched once; prompts are real text) or a "
                     "path; default: a random-weight Llama of --layers layers")
     ap.add_argument("--layers", type=int, default=12, help="12 layers of hidden 768 = ~100M parameters (no --model)")
@@ -375,12 +388,12 @@ def main() -> None:
         loaded = {x: load_named(args.model, dtype, args.quantization) for x in ["a", *systems]}   # one per system
         models, tokenizer = {x: m for x, (m, _) in loaded.items()}, loaded["a"][1]
         wl = Workload(args.sessions, args.turns, args.first, args.user, args.new, vocab=tokenizer.vocab_size,
-                      text=text_ids(tokenizer))
+                      text=text_ids(tokenizer), think=args.think)
         c = models["a"].config
         described = f"{args.model}, {c.num_hidden_layers} layers, hidden {c.hidden_size}" + \
             (f", quantized {args.quantization}" if args.quantization else "")
     else:
-        wl = Workload(args.sessions, args.turns, args.first, args.user, args.new, vocab=16000)
+        wl = Workload(args.sessions, args.turns, args.first, args.user, args.new, vocab=16000, think=args.think)
         models = {x: build_model(args.layers, dtype=dtype) for x in ["a", *systems]}   # identical weights
         described = f"Llama {args.layers} layers, hidden 768, random weights"
     n_params = sum(p.numel() for p in models["a"].parameters())

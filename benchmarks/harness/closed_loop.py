@@ -1,5 +1,6 @@
 """The closed loop every `bench_engine` system runs: one thread per session sending its turns back to
-back (think time 0), each turn's prompt the conversation so far plus the workload's next user tokens."""
+back (think time 0, or the workload's `think_before` pause), each turn's prompt the conversation so far
+plus the workload's next user tokens."""
 from __future__ import annotations
 
 import contextlib
@@ -21,6 +22,8 @@ def closed_loop(wl, turn: Callable[[int, int, list[int]], list[int]],
         conv: list[int] = []
         try:
             for t in range(wl.turns):
+                if (pause := wl.think_before(s, t)) > 0:
+                    time.sleep(pause)
                 ids = conv + wl.user_tokens(s, t)
                 outputs[(s, t)] = turn(s, t, ids)
                 conv = ids + outputs[(s, t)]
