@@ -75,6 +75,7 @@ def walk(sessions: SessionTable, sharing: PrefixSharing, policy: EvictionPolicy,
     holders_walk = sessions.holding(state, now, tenant)
     heap: list[tuple[tuple, int, Session, int]] = []     # (key, push order, session, chunk): keys read
     pushed = 0
+    popped: dict[int, int] = {}       # id(shared chunk) -> its holders' entries taken so far (walks of every holder)
 
     def take() -> Iterator[tuple[tuple, Session, int]]:
         ikey, _, s, k = heapq.heappop(heap)
@@ -84,6 +85,13 @@ def walk(sessions: SessionTable, sharing: PrefixSharing, policy: EvictionPolicy,
             return
         if c.entry is None:
             yield key, s, k
+        elif rank is None:
+            # a walk of every holder pushes each idle one's entry of c and takes entries in ascending key order:
+            # the last one taken is its most valuable holder's (c's key); a busy holder's is never pushed, so
+            # then the count stays short, as free_to_move would refuse. O(1) a holder instead of O(holders)
+            n = popped[id(c)] = popped.get(id(c), 0) + 1
+            if n == len(c.entry.holders) and sharing.free_to_move(c, exclude):
+                yield key, min(sharing.holders(s, k), key=lambda h: h.seq), k
         elif sharing.free_to_move(c, exclude):
             holders = sharing.holders(s, k)
             if max((policy.key(h, k, bs, now), h.session_id) for h in holders)[1] == s.session_id:
