@@ -1,13 +1,13 @@
 """`Admission`: a queued request (WAITING or SUSPENDED) becomes a running one if its first work item
 fits the step's token budget and the device blocks left; a part the `Scheduler` composes.
 
-Collaborators, passed in: the store, the layer-wise part (`LayerwiseScheduling`, or None), the
+Collaborators, passed in: the store, the layer-wise part (`LayerwiseScheduling`, or None) and the
 scheduler's `running` list (read only: who claims device slots, whether the pool serves anyone
-else) and `fail(r, error) -> device blocks that made available` (the scheduler's). A WAITING request
-takes two store calls: `turn_needs` (what admitting it would take: unless asked in this pass already)
-and `begin` (lease and turn at once). It mutates only the request it admits (`pending`, `missing`,
-`missing_ids`, `needs`, `factor`, `leased`, `truncated`, `reused`, `swapped`); moving the request
-between the queues is the scheduler's.
+else). A WAITING request takes two store calls: `turn_needs` (what admitting it would take: unless
+asked in this pass already) and `begin` (lease and turn at once). It changes no request: it returns
+a `Verdict` holding what it decided and the store's answers (the `Answer` asked, the rows, the keep
+factor, the turn begun), which the scheduler, the one writer, applies through the request's methods
+(failing it, or starting it and moving it between the queues).
 
 Block rule: the item's blocks plus the device blocks the session already holds for its kept history
 must fit in `avail`, and in `avail - reserve` unless it is the only work of an otherwise empty step
