@@ -9,6 +9,10 @@ a `Verdict` holding what it decided and the store's answers (the `Answer` asked,
 factor, the turn begun), which the scheduler, the one writer, applies through the request's methods
 (failing it, or starting it and moving it between the queues).
 
+`AdmissionPolicy`: the scheduler's hook before a request's blocks are weighed (`Gate`): warm-ups
+yield to queued turns and are superseded by their session's turns; with an SLO policy, a prefill that
+would push a running decode past its TPOT SLO is deferred.
+
 Block rule: the item's blocks plus the device blocks the session already holds for its kept history
 must fit in `avail`, and in `avail - reserve` unless it is the only work of an otherwise empty step
 (then a request that can never fit fails instead of waiting forever).
@@ -33,12 +37,16 @@ Everything that passes may still wait for room; it is served once the pool is fr
 
 from __future__ import annotations
 
+import enum
+import math
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from ..cache.doors.engine import CapacityError, EngineStore, SessionBusyError, StoreError, TurnNeeds, TurnStats
 from ..kernels.blocks import blocks_for
 from .layer_offload import LayerwisePolicy, LayerwiseScheduling, residue_blocks
 from .request import Request, RequestStatus, Rows, WorkItem, item_end, next_item
+from .slo import SloPolicy
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +162,41 @@ class Admission:
                     item, need = again, needs.blocks(item_end(again), again.factor)
         return Verdict(item, need + held, answer=answer, rows=rows, factor=factor, turn=turn,
                        swapped=needs.stored_below())
+
+
+class Gate(enum.Enum):
+    """What the admission policy says of a queued request, before its blocks are weighed."""
+
+    WEIGH = "weigh"                # `Admission.admit` decides
+    SUPERSEDED = "superseded"      # a warm-up whose session has a turn queued or changed: cancel it
+    DEFER = "defer"                # its prefill would push a running decode past its TPOT SLO: stop the pass (FCFS)
+
+
+class AdmissionPolicy:
+    """The scheduler's admission hook: warm-ups and the SLO. Collaborators: the store (a warm-up's session
+    length) and the SLO policy, or None (its `deferred` counter is written here)."""
+
+    def __init__(self, store: EngineStore, slo: SloPolicy | None):
+        self.store, self.slo = store, slo
+
+    def yielding(self, head: Request | None, running: Iterable[Request]) -> list[Request]:
+        """The running warm-ups to cancel as a pass begins: all of them when a turn heads the queue (`head`)."""
+        return [q for q in running if q.warmup] if head is not None and not head.warmup else []
+
+    def allowance(self, running: list[Request]) -> float:
+        """Seconds of prefill this pass may admit: the running decodes' smallest TPOT slack (inf without SLO)."""
+        return self.slo.allowance(running) if self.slo is not None else math.inf
+
+    def gate(self, r: Request, turns: int, allowance: float) -> tuple[Gate, float]:
+        """The gate for `r` (its session's first queued turn, of `turns` queued), and its prefill's predicted
+        seconds (0 unless an SLO allowance holds), with `allowance` seconds left in this pass."""
+        if r.warmup and (turns > 1 or self.store.num_tokens(r.session_id) != len(r.prompt)):
+            return Gate.SUPERSEDED, 0.0
+        cost = self.slo.prefill_seconds(r.prefill_rows()) if self.slo is not None and allowance < math.inf else 0.0
+        if cost > allowance and self.slo is not None:
+            self.slo.deferred += 1
+            return Gate.DEFER, cost
+        return Gate.WEIGH, cost
 
 
 def least_chunks(r: Request, block_size: int) -> int:

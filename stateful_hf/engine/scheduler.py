@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 from sortedcontainers import SortedKeyList
 
 from ..cache.doors.engine import Committed, EngineStore, Room
-from .admission import Admission, Verdict, no_device_room, no_host_slots
+from .admission import Admission, AdmissionPolicy, Gate, Verdict, no_device_room, no_host_slots
 from .layer_offload import LayerwisePolicy, LayerwiseScheduling, PushDown
 from .request import Request, RequestStatus, WorkItem, blocks_needed, next_item
 from .slo import SloPolicy
@@ -78,6 +78,7 @@ class Scheduler:
         self.layered = LayerwiseScheduling(store, layerwise, config, slo, self.running) \
             if layerwise is not None else None
         self.admission = Admission(store, self.layered, self.running)
+        self.policy = AdmissionPolicy(store, slo)   # warm-ups and the SLO, before admission weighs a request
 
     # ---- queue ----------------------------------------------------------------------------------
 
@@ -168,10 +169,9 @@ class Scheduler:
     def schedule(self) -> list[WorkItem]:
         self.passes += 1
         self.reap_cancelled()
-        if self.waiting and not self.waiting[0].warmup:     # a turn is queued: running warm-ups yield their blocks
-            for q in [q for q in self.running if q.warmup]:
-                self.finish(q, RequestStatus.CANCELLED, "yielded")
-                self.room = None
+        for q in self.policy.yielding(self.waiting[0] if self.waiting else None, self.running):
+            self.finish(q, RequestStatus.CANCELLED, "yielded")       # a turn is queued: warm-ups yield their blocks
+            self.room = None
         budget, bs = self.config.max_batch_tokens, self.store.block_size
         reserve = math.ceil(self.config.reserve_fraction * self.store.pool_sizes.device_blocks)
         room, self.room = self.room or self.store.room(), None      # consumed: a commit or end leaves the next
@@ -234,7 +234,7 @@ class Scheduler:
         # policy) the admitted prefills' predicted seconds fit in min_i slack_i of the running decodes.
         committed = self.layered.committed(items) if self.layered is not None else 0
         host_committed = self.layered.host_committed(items) if self.layered is not None else 0
-        allowance = self.slo.allowance(self.running) if self.slo is not None else math.inf
+        allowance = self.policy.allowance(self.running)
         after = None                   # the queue in admission order: O(what a pass admits or skips + log queued)
         while (i := 0 if after is None else self.waiting.bisect_key_right(after)) < len(self.waiting):
             r = self.waiting[i]
@@ -243,13 +243,11 @@ class Scheduler:
                 break
             if self._queued[r.session_id][0] is not r:   # one session's turns run in submit order, short or not
                 continue
-            stale = r.warmup and self.store.num_tokens(r.session_id) != len(r.prompt)
-            if r.warmup and (stale or len(self._queued[r.session_id]) > 1):   # a turn came, or the session changed
+            gate, cost = self.policy.gate(r, len(self._queued[r.session_id]), allowance)
+            if gate is Gate.SUPERSEDED:
                 self.finish(r, RequestStatus.CANCELLED, "superseded")
                 continue
-            cost = self.slo.prefill_seconds(r.prefill_rows()) if self.slo is not None and allowance < math.inf else 0.0
-            if cost > allowance and self.slo is not None:   # would push a decode past its TPOT SLO: defer, FCFS
-                self.slo.deferred += 1
+            if gate is Gate.DEFER:     # strict order: nothing after it either
                 break
             verdict = self.admission.admit(r, budget, avail, reserve, first=not items, pass_=(self.passes, self.epoch),
                                            slots=slots, committed=committed,
