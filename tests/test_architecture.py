@@ -422,6 +422,55 @@ def test_the_request_write_check_sees_writes():
         "x.py:2 r.status", "x.py:3 r.needs", "x.py:3 r.pending", "x.py:4 items[0].request.output_ids"]
 
 
+# Admission and layer offload decide and return verdicts (the store's answers in them); the scheduler applies them.
+VERDICT_MODULES = ("stateful_hf/engine/admission.py", "stateful_hf/engine/layer_offload.py")
+
+
+def request_mutators() -> set[str]:
+    """The methods of `Request` that write one of its fields through `self` (assign, or a list's mutating call)."""
+    tree = parse(ROOT / REQUEST_MODULE)
+    cls = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "Request")
+    fields, out = request_fields(), set()
+    for fn in cls.body:
+        if not isinstance(fn, ast.FunctionDef):
+            continue
+        for node in ast.walk(fn):
+            targets: list[ast.AST] = []
+            if isinstance(node, ast.Assign):
+                targets = [e for t in node.targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])]
+            elif isinstance(node, ast.AugAssign):
+                targets = [node.target]
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _MUTATORS:
+                targets = [node.func.value]
+            if any(isinstance(t, ast.Attribute) and t.attr in fields and _is_self(t.value) for t in targets):
+                out.add(fn.name)
+    return out
+
+
+def mutator_calls(tree: ast.Module, rel: str, mutators: set[str]) -> list[str]:
+    """`rel:line call` for each call of one of `mutators` on another object than `self`."""
+    return [f"{rel}:{n.lineno} {ast.unparse(n.func)}" for n in ast.walk(tree)
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in mutators
+            and not _is_self(n.func.value)]
+
+
+def test_admission_and_layer_offload_change_no_request():
+    """They return verdicts (`Verdict`, `LayerFit`, `PushDown`) with the store's answers; the scheduler, the one
+    writer, applies them through the request's methods."""
+    mutators = request_mutators()
+    assert {"asked", "prepare", "admit", "start", "set_factor", "pushed", "suspend", "finish"} <= mutators, mutators
+    assert not {"rows", "prefill_rows", "metrics", "length"} & mutators, mutators   # readers are not mutators
+    found = [c for rel in VERDICT_MODULES for c in mutator_calls(parse(ROOT / rel), rel, mutators)]
+    assert not found, "admission or layer offload changes a request:\n  " + "\n  ".join(found)
+
+
+def test_the_mutator_call_check_sees_calls():
+    """The negative control: calls on a request, on an item's request; not on `self` nor of other names."""
+    tree = ast.parse("def f(self, r, item):\n    r.asked(None, None)\n    item.request.set_factor(0)\n"
+                     "    self.finish()\n    r.prefill_rows()\n")
+    assert mutator_calls(tree, "x.py", request_mutators()) == ["x.py:2 r.asked", "x.py:3 item.request.set_factor"]
+
+
 # ---- the store's feature packages ---------------------------------------------------------------------------
 
 # Optional features of the store, each a package of stateful_hf/cache/ that runs only when its option is on.

@@ -1,14 +1,17 @@
 """The scheduler's rules without a model: it is driven over the fake store (tests/fake_store.py, held to the real
 store's contract by tests/test_store_contract.py), each step planned and committed through the door as the runner
 does, the sampled token a fixed one. Admission order, suspension and resumption, warm-ups yielding, SLO deferral,
-the reserve and the lease. (LayerKV's admission needs a host tier, which the fake has not: tests/test_layerwise.py.)"""
+the reserve and the lease; admission's verdicts, which the scheduler alone applies. (LayerKV's admission needs a
+host tier, which the fake has not: tests/test_layerwise.py.)"""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 from fake_store import FakeStore
 
+from stateful_hf.cache.doors.engine import CapacityError, TurnStats
 from stateful_hf.engine.request import Request, RequestStatus
 from stateful_hf.engine.sampling import SamplingParams
 from stateful_hf.engine.scheduler import Scheduler, SchedulerConfig
@@ -166,3 +169,106 @@ def test_a_cancelled_request_releases_its_lease():
     s.cancel([r])
     s.schedule()
     assert r.status is RequestStatus.CANCELLED and not store.is_busy("a") and not s.has_work()
+
+
+# ---- admission's verdicts: admission decides, the scheduler applies ----------------------------------------------
+
+def state(r: Request) -> tuple:
+    """Every field of `r`, its lists copied: equal before and after iff nothing changed it."""
+    return tuple(list(v) if isinstance(v, list) else v for v in (getattr(r, f.name) for f in dataclasses.fields(r)))
+
+
+class Verdicts:
+    """Wraps a scheduler's `admission.admit`: records each call as (request, verdict, its state before, its state
+    right after `admit` returned, before the scheduler applied the verdict)."""
+
+    def __init__(self, s: Scheduler):
+        self.admit, self.calls = s.admission.admit, []
+        s.admission.admit = self
+
+    def __call__(self, r, *args, **kwargs):
+        before = state(r)
+        verdict = self.admit(r, *args, **kwargs)
+        self.calls.append((r, verdict, before, state(r)))
+        return verdict
+
+
+def test_an_admitted_turn_takes_its_state_from_the_verdict_the_scheduler_applies():
+    """A returning session with a dropped chunk: admission begins its turn and changes nothing of the request; the
+    scheduler sets the rows, lease and counts the verdict carries, holding the store's answer (the same object)."""
+    store = FakeStore(16, BS)
+    s = scheduler(store)
+    s.add(request("a", list(range(10, 20)), new=3))
+    run(s, store)
+    history = store.token_ids("a")                                   # 12 ids
+    store.move("a", [0], "dropped")                                  # positions 0..3 to recompute
+    r = request("a", history + [8, 9])
+    s.add(r)
+    asked = r.needs                                                  # the store's answer, asked at add
+    verdicts = Verdicts(s)
+    items = s.schedule()
+    [(who, v, before, after)] = verdicts.calls
+    assert who is r and before == after                             # admission changed nothing of it
+    assert state(r) != after                                         # the control: the snapshot sees the apply
+    assert v.item is not None and v.answer is None and v.error is None and isinstance(v.turn, TurnStats)
+    assert list(v.rows.missing) == [0, 1, 2, 3] and list(v.rows.pending) == [8, 9]
+    assert v.item.recompute == (0, 1, 2, 3) and v.item.new_ids == (8, 9)
+    assert items == [v.item] and r.needs is asked and r.leased and r.status is RequestStatus.RUNNING
+    assert (r.pending, r.missing, r.missing_ids) == ([8, 9], [0, 1, 2, 3], history[:4])
+    assert (r.reused, r.truncated) == (v.turn.reused_tokens, v.turn.truncated_tokens) == (8, 0)
+    s.complete(items, [TOKEN], EOS, store.commit(store.plan_step([it.entry() for it in items])))
+    assert r.recomputed == 4 and r.output_ids == [TOKEN]             # the item the verdict carried ran
+    assert run(s, store) == [r] and store.token_ids("a") == history + [8, 9] + [TOKEN] * 2
+
+
+def test_a_verdict_that_refuses_fails_the_request_and_later_ones_pass():
+    """Alone and too big for the pool: the verdict carries the error and changes nothing; the scheduler fails the
+    request with that very error, and the next queued one is admitted in the same pass."""
+    store = FakeStore(4, BS)
+    s = scheduler(store, max_batch_tokens=64, reserve_fraction=0.0, short_prefill_tokens=0)
+    big, small = request("big", list(range(1, 30)), arrival=1.0), request("small", [1, 2, 3], arrival=2.0)
+    s.add(big)
+    s.add(small)
+    verdicts = Verdicts(s)
+    items = s.schedule()
+    (r0, v0, before0, after0), (r1, v1, _, _) = verdicts.calls
+    assert r0 is big and before0 == after0 and RequestStatus.WAITING in after0
+    assert v0.item is None and v0.skip and isinstance(v0.error, CapacityError) and v0.turn is None
+    assert big.status is RequestStatus.FAILED and big.error is v0.error and not store.is_busy("big")
+    assert r1 is small and v1.item is not None and [it.request for it in items] == [small]
+
+
+def test_a_busy_sessions_turn_is_skipped_and_keeps_the_stores_latest_answer():
+    """A second turn of a session whose first is running: the verdict skips it (later requests pass), each pass's
+    fresh answer recorded as it came; a head of line that does not fit waits instead (strict order, the control)."""
+    store = FakeStore(64, BS)
+    s = scheduler(store, max_batch_tokens=64)
+    first = request("a", [1, 2, 3], new=5, arrival=1.0)
+    s.add(first)
+    step(s, store)                                                   # `first` runs, holding a's lease
+    second, other = request("a", [1, 2, 3, TOKEN, 4], arrival=2.0), request("b", [5, 6, 7], arrival=3.0)
+    s.add(second)
+    s.add(other)
+    verdicts = Verdicts(s)
+    items = s.schedule()
+    [(r0, v0, before0, after0), (r1, v1, _, _)] = verdicts.calls
+    assert r0 is second and v0.skip and v0.item is None and v0.error is None and before0 == after0
+    assert second.status is RequestStatus.WAITING and second.needs.busy and not second.pending
+    assert r1 is other and v1.item is not None and other in [it.request for it in items]
+    store.commit(store.plan_step([it.entry() for it in items]))
+    s.room = None
+    verdicts.calls.clear()
+    s.schedule()                                                     # a new pass: asked again, still busy
+    [(r2, v2, _, _)] = [c for c in verdicts.calls if c[0] is second]
+    assert v2.answer is not None and v2.skip and second.needs is v2.answer.needs and second.needs.busy
+    assert second.needs_pass == v2.answer.pass_ == (s.passes, s.epoch)
+    # the control: a head of line that does not fit (the reserve) waits, and nothing after it is admitted
+    store2 = FakeStore(10, BS)
+    s2 = scheduler(store2, max_batch_tokens=64, reserve_fraction=0.5)
+    a, b, c = request("x", list(range(1, 17))), request("y", list(range(30, 46))), request("z", [1, 2])
+    for r in (a, b, c):
+        s2.add(r)
+    verdicts2 = Verdicts(s2)
+    assert [it.request for it in s2.schedule()] == [a]
+    assert [(r, v.item is None, v.skip) for r, v, _, _ in verdicts2.calls] == [(a, False, False), (b, True, False)]
+    assert c.status is RequestStatus.WAITING and c.needs is not None and not c.leased

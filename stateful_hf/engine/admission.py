@@ -1,13 +1,17 @@
 """`Admission`: a queued request (WAITING or SUSPENDED) becomes a running one if its first work item
 fits the step's token budget and the device blocks left; a part the `Scheduler` composes.
 
-Collaborators, passed in: the store, the layer-wise part (`LayerwiseScheduling`, or None), the
+Collaborators, passed in: the store, the layer-wise part (`LayerwiseScheduling`, or None) and the
 scheduler's `running` list (read only: who claims device slots, whether the pool serves anyone
-else) and `fail(r, error) -> device blocks that made available` (the scheduler's). A WAITING request
-takes two store calls: `turn_needs` (what admitting it would take: unless asked in this pass already)
-and `begin` (lease and turn at once). It mutates only the request it admits (`pending`, `missing`,
-`missing_ids`, `needs`, `factor`, `leased`, `truncated`, `reused`, `swapped`); moving the request
-between the queues is the scheduler's.
+else). A WAITING request takes two store calls: `turn_needs` (what admitting it would take: unless
+asked in this pass already) and `begin` (lease and turn at once). It changes no request: it returns
+a `Verdict` holding what it decided and the store's answers (the `Answer` asked, the rows, the keep
+factor, the turn begun), which the scheduler, the one writer, applies through the request's methods
+(failing it, or starting it and moving it between the queues).
+
+`AdmissionPolicy`: the scheduler's hook before a request's blocks are weighed (`Gate`): warm-ups
+yield to queued turns and are superseded by their session's turns; with an SLO policy, a prefill that
+would push a running decode past its TPOT SLO is deferred.
 
 Block rule: the item's blocks plus the device blocks the session already holds for its kept history
 must fit in `avail`, and in `avail - reserve` unless it is the only work of an otherwise empty step
@@ -33,105 +37,166 @@ Everything that passes may still wait for room; it is served once the pool is fr
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import enum
+import math
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
-from ..cache.doors.engine import CapacityError, EngineStore, SessionBusyError, StoreError
+from ..cache.doors.engine import CapacityError, EngineStore, SessionBusyError, StoreError, TurnNeeds, TurnStats
 from ..kernels.blocks import blocks_for
 from .layer_offload import LayerwisePolicy, LayerwiseScheduling, residue_blocks
-from .request import Request, RequestStatus, WorkItem, blocks_needed, next_item
+from .request import Request, RequestStatus, Rows, WorkItem, item_end, next_item
+from .slo import SloPolicy
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """The store's answer about admitting a queued request (`turn_needs`), asked in scheduler pass `pass_`, for
+    the scheduler to record (`Request.asked`). `needs` None: refused (`error`, a cache_salt other than the
+    session's). `pass_` None: the session changed since: ask again."""
+
+    needs: TurnNeeds | None
+    pass_: tuple[int, int] | None
+    error: ValueError | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Verdict:
-    """What `Admission.admit` decided. `item` set: admitted, taking `blocks` device blocks. `item` None:
-    `skip` (its session is busy, or it failed: later requests may pass) or wait (head of line: strict FCFS).
-    `released`: device blocks a failure made available (an idle session's now). `swapped`: kept tokens the
-    admitted request's steps bring up from below the device (the scheduler starts it with them)."""
+    """What `Admission.admit` decided and the store's answers it got, for the scheduler to apply to the request.
+    `item` set: admitted, taking `blocks` device blocks; it feeds `rows` (None: its own, a SUSPENDED one's) at
+    keep factor `factor` (None: its own), its turn began (`turn`, the store's `begin`: None for a SUSPENDED
+    one, whose lease it kept) and its steps bring `swapped` kept tokens up from below the device. `item` None:
+    `error` (fail it), `skip` (its session is busy or it failed: later requests may pass) or wait (head of
+    line: strict FCFS). Whatever it decided, `answer` (None: none new) is the store's latest about it."""
 
     item: WorkItem | None = None
     blocks: int = 0
     skip: bool = False
-    released: int = 0
+    error: Exception | None = None
+    answer: Answer | None = None
+    rows: Rows | None = None
+    factor: int | None = None
+    turn: TurnStats | None = None
     swapped: int = 0
 
 
 class Admission:
-    def __init__(self, store: EngineStore, layered: LayerwiseScheduling | None, running: list[Request],
-                 fail: Callable[[Request, Exception], int]):
-        self.store, self.layered, self.running, self._fail = store, layered, running, fail
+    def __init__(self, store: EngineStore, layered: LayerwiseScheduling | None, running: list[Request]):
+        self.store, self.layered, self.running = store, layered, running
 
-    def ask(self, r: Request, pass_: tuple[int, int]) -> ValueError | None:
-        """Ask the store what admitting the WAITING `r` would take (`r.needs`). A cache_salt other than
-        the session's leaves `r.needs` None and is returned (admission fails `r` with it)."""
+    def ask(self, r: Request, pass_: tuple[int, int]) -> Answer:
+        """Ask the store what admitting the WAITING `r` would take. A cache_salt other than the session's
+        is refused: the answer's `error` (admission fails `r` with it)."""
         try:
-            r.asked(self.store.turn_needs(r.session_id, r.prompt, r.cache_salt), pass_)
+            return Answer(self.store.turn_needs(r.session_id, r.prompt, r.cache_salt), pass_)
         except ValueError as e:
-            r.asked(None, pass_)
-            return e
-        return None
+            return Answer(None, pass_, e)
 
     def admit(self, r: Request, budget: int, avail: int, reserve: int, first: bool, pass_: tuple[int, int],
               slots: int | None, committed: int = 0, host_avail: int = 0) -> Verdict:
-        """Admit `r` if its first work item fits (`first`: nothing else is in this step yet; `slots`:
-        virtual layout, device slots left in this pass). With layer-wise allocation the whole prompt
-        is weighed against the blocks not `committed` to running prefills: all layers if it fits, else
-        the most layers that fit (x >= x_min), else it waits. On admission `r` holds its session's
-        lease and its turn has begun (history cut to `keep`)."""
+        """Whether `r` is admitted: if its first work item fits (`first`: nothing else is in this step yet;
+        `slots`: virtual layout, device slots left in this pass). With layer-wise allocation the whole
+        prompt is weighed against the blocks not `committed` to running prefills: all layers if it fits,
+        else the most layers that fit (x >= x_min), else it waits. An admitted WAITING `r`'s turn has begun
+        in the store (its session's lease taken, history cut to `keep`): the verdict's `turn`. Changes no
+        request."""
         store, alone, bs = self.store, first and not self.running, self.store.block_size
+        answer: Answer | None = None
+        rows: Rows | None = None
         if r.status is RequestStatus.WAITING:
-            refused = self.ask(r, pass_) if r.needs_pass != pass_ or r.needs is None else None
-            if refused is not None:
-                return Verdict(skip=True, released=self._fail(r, refused))
             needs = r.needs
+            if r.needs_pass != pass_ or needs is None:
+                answer = self.ask(r, pass_)
+                if answer.error is not None:
+                    return Verdict(skip=True, error=answer.error, answer=answer)
+                needs = answer.needs
             assert needs is not None       # asked above, or at an earlier pass of this one
             if needs.busy:
-                return Verdict(skip=True)
+                return Verdict(skip=True, answer=answer)
             keep, held = needs.keep, needs.held
-            r.prepare(needs)
+            rows = Rows.answered(r.prompt, needs)
         else:                          # SUSPENDED: lease held, KV evicted (`needs` asked at the suspension)
             assert r.needs is not None
-            keep, held = r.needs.keep, 0
-        item = next_item(r, budget, keep, bs)
+            needs, keep, held = r.needs, r.needs.keep, 0
+        item = next_item(r, budget, keep, bs, rows)
         if item is None:
-            return Verdict()
+            return Verdict(answer=answer)
+        factor = None
         if self.layered is not None:
-            factor = self.layered.layer_factor(r, keep, held, avail - committed - (0 if alone else reserve),
-                                               host_avail)
-            if factor is None:
+            fit = self.layered.layer_factor(r, needs, rows or r.rows(), keep, held,
+                                            avail - committed - (0 if alone else reserve), host_avail)
+            if fit.needs is not None:  # it moved the session's own device chunks to the host
+                needs, answer = fit.needs, Answer(fit.needs, pass_)
+                held = needs.held
+            if fit.factor is None:
                 if alone:
-                    return Verdict(skip=True, released=self._fail(r, no_layered_fit(r, host_avail)))
-                return Verdict()
-            r.set_factor(factor)
+                    return Verdict(skip=True, error=no_layered_fit(r, host_avail), answer=answer)
+                return Verdict(answer=answer)
+            factor = fit.factor
             item = replace(item, factor=factor)
-            if r.status is RequestStatus.WAITING and r.needs is not None:   # layer_factor may have moved chunks down
-                held = r.needs.held
-        need = blocks_needed(item)
+        need = needs.blocks(item_end(item), item.factor)
         if slots is not None:          # virtual layout: running sessions not yet placed claim slots first
             claimed = sum(1 for q in self.running if q.needs is not None and not q.needs.has_slot)
             if slots - claimed < 1:
-                return Verdict()
+                return Verdict(answer=answer)
         if need + held > avail or (need + held > avail - reserve and not alone):
             if alone and need + held > avail:
-                return Verdict(skip=True, released=self._fail(r, no_device_room(
-                    r, need + held, avail, bs, self.layered is not None, more=False)))
-            return Verdict()
-        if r.status is RequestStatus.WAITING:
+                return Verdict(skip=True, answer=answer, error=no_device_room(
+                    r, need + held, avail, bs, self.layered is not None, more=False))
+            return Verdict(answer=answer)
+        turn = None
+        if rows is not None:           # WAITING
             try:
                 turn = store.begin(r.session_id, r.prompt, r.cache_salt, keep=keep)   # cuts the history to `keep`
             except SessionBusyError:
-                return Verdict(skip=True)
+                return Verdict(skip=True, answer=answer)
             except StoreError:         # the session changed since `turn_needs` (another caller): ask again
-                r.asked(r.needs, None)
-                return Verdict(skip=True)
-            r.admit(turn.truncated_tokens, turn.reused_tokens)
+                return Verdict(skip=True, answer=Answer(needs, None))
             # a cut shared chunk copied on write keeps its KV: fewer rows to recompute than the item that fitted
-            if r.missing and self.layered is None and r.keep_missing(set(store.missing_positions(r.session_id))):
-                again = next_item(r, budget, keep, bs)
-                assert again is not None
-                item, need = again, blocks_needed(again)
-        assert r.needs is not None
-        return Verdict(item, need + held, swapped=r.needs.stored_below())
+            if rows.missing and self.layered is None:
+                still = rows.keeping(set(store.missing_positions(r.session_id)))
+                if len(still.missing) < len(rows.missing):
+                    rows = still
+                    again = next_item(r, budget, keep, bs, rows)
+                    assert again is not None
+                    item, need = again, needs.blocks(item_end(again), again.factor)
+        return Verdict(item, need + held, answer=answer, rows=rows, factor=factor, turn=turn,
+                       swapped=needs.stored_below())
+
+
+class Gate(enum.Enum):
+    """What the admission policy says of a queued request, before its blocks are weighed."""
+
+    WEIGH = "weigh"                # `Admission.admit` decides
+    SUPERSEDED = "superseded"      # a warm-up whose session has a turn queued or changed: cancel it
+    DEFER = "defer"                # its prefill would push a running decode past its TPOT SLO: stop the pass (FCFS)
+
+
+class AdmissionPolicy:
+    """The scheduler's admission hook: warm-ups and the SLO. Collaborators: the store (a warm-up's session
+    length) and the SLO policy, or None (its `deferred` counter is written here)."""
+
+    def __init__(self, store: EngineStore, slo: SloPolicy | None):
+        self.store, self.slo = store, slo
+
+    def yielding(self, head: Request | None, running: Iterable[Request]) -> list[Request]:
+        """The running warm-ups to cancel as a pass begins: all of them when a turn heads the queue (`head`)."""
+        return [q for q in running if q.warmup] if head is not None and not head.warmup else []
+
+    def allowance(self, running: list[Request]) -> float:
+        """Seconds of prefill this pass may admit: the running decodes' smallest TPOT slack (inf without SLO)."""
+        return self.slo.allowance(running) if self.slo is not None else math.inf
+
+    def gate(self, r: Request, turns: int, allowance: float) -> tuple[Gate, float]:
+        """The gate for `r` (its session's first queued turn, of `turns` queued), and its prefill's predicted
+        seconds (0 unless an SLO allowance holds), with `allowance` seconds left in this pass."""
+        if r.warmup and (turns > 1 or self.store.num_tokens(r.session_id) != len(r.prompt)):
+            return Gate.SUPERSEDED, 0.0
+        cost = self.slo.prefill_seconds(r.prefill_rows()) if self.slo is not None and allowance < math.inf else 0.0
+        if cost > allowance and self.slo is not None:
+            self.slo.deferred += 1
+            return Gate.DEFER, cost
+        return Gate.WEIGH, cost
 
 
 def least_chunks(r: Request, block_size: int) -> int:

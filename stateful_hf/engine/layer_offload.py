@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
-from ..cache.doors.engine import CostProfile, EngineStore, Place, StoreError, blocks_at_most
+from ..cache.doors.engine import CostProfile, EngineStore, Place, StoreError, TurnNeeds, blocks_at_most
 from ..kernels.blocks import blocks_for
-from .request import Request, RequestStatus, WorkItem, chunk_needs, next_item, whole_item
+from .request import Request, RequestStatus, Rows, WorkItem, chunk_needs, item_end, next_item, whole_item
 
 
 def check_min_kept_layers(value, num_layers: int) -> int | None:
@@ -100,12 +100,32 @@ def measured_policy(model, store: EngineStore, min_kept_layers: int | None) -> L
 
 residue_blocks = blocks_at_most      # the store's bound (stateful_hf/cache/turn.py)
 
+@dataclass(frozen=True, slots=True)
+class LayerFit:
+    """`LayerwiseScheduling.layer_factor`'s verdict: the keep factor of an admission (None: nothing fits);
+    `needs`, the store's answer after it moved the session's own device chunks to the host (None: none moved)."""
+
+    factor: int | None
+    needs: TurnNeeds | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PushDown:
+    """`LayerwiseScheduling.push_down`'s verdict: `request`'s layers went down, `freed` device blocks; `needs`,
+    the store's answer after; `factor`, the keep factor of the chunks it fills from now on (None: unchanged)."""
+
+    request: Request
+    freed: int
+    needs: TurnNeeds
+    factor: int | None
+
+
 class LayerwiseScheduling:
     """The scheduler's layer-wise decisions, a part the Scheduler composes. Collaborators: the store
     (chunks are moved to the host and kept layers offloaded through it), the policy (`layerwise`;
     its counters are written here), the scheduler's config and SLO policy, its `running` list (read
     only); what an item does with each chunk is its request's `TurnNeeds` (`request.chunk_needs`).
-    Mutates requests' keep `factor` and, after moving their chunks, `needs` (`push_down`, `layer_factor`)."""
+    Changes no request: its moves come back as verdicts (`LayerFit`, `PushDown`) the scheduler applies."""
 
     def __init__(self, store: EngineStore, layerwise: LayerwisePolicy, config, slo, running: list[Request]):
         self.store, self.layerwise, self.config, self.slo = store, layerwise, config, slo
@@ -119,38 +139,37 @@ class LayerwiseScheduling:
         """Host slots a step could still fill: the store's available ones less `taken` by this pass."""
         return self.store.available_host_blocks() - taken
 
-    def layer_factor(self, r: Request, keep: int, held: int, room: int, host_avail: int) -> int | None:
-        """Keep factor for admitting `r` (its whole remaining prompt + one block of decode growth
-        weighed against `room` blocks): 1 if all layers fit, else the most layers that fit with
-        x >= x_min and host room for the rest, else None."""
+    def layer_factor(self, r: Request, needs: TurnNeeds, rows: Rows, keep: int, held: int, room: int,
+                     host_avail: int) -> LayerFit:
+        """Keep factor for admitting `r` (its whole remaining `rows` + one block of decode growth, with
+        `needs` the store's answer for its turn, weighed against `room` blocks): 1 if all layers fit, else
+        the most layers that fit with x >= x_min and host room for the rest, else None."""
         bs, lw = self.store.block_size, self.layerwise
-        rows = len(r.pending) + len(r.missing)
-        whole = whole_item(r, keep)
-        fills, swaps, in_place = chunk_needs(whole)
-        growth = 1 if (keep + len(r.pending)) % bs == 0 else 0     # the first decode token opens a chunk
+        whole = whole_item(r, keep, rows)
+        fills, swaps, in_place = needs.needs(item_end(whole), whole.factor)
+        growth = 1 if (keep + len(rows.pending)) % bs == 0 else 0     # the first decode token opens a chunk
         if len(fills) + growth + len(swaps) + len(in_place) + held <= room:
-            return 1
+            return LayerFit(1)
         # Not all layers fit: the new chunks keep some layers (x >= x_min) in residue blocks, the rest
         # on the host, and the history's host chunks are read in place (factor != 1), never copied up.
-        x_min = lw.x_min(rows, keep)
+        x_min = lw.x_min(len(rows.pending) + len(rows.missing), keep)
         if len(fills) + growth > host_avail:
-            return None
+            return LayerFit(None)
         factor = lw.choose(len(fills) + growth, room - held - len(swaps), x_min, residue_blocks, layered=True)
         if factor is None and held and r.status is RequestStatus.WAITING \
                 and len(fills) + growth + held <= host_avail \
                 and lw.choose(len(fills) + growth, room - len(swaps), x_min, residue_blocks, layered=True) is not None:
             # a returning session's own device chunks crowd its new ones out: move them to the host
             # (the session is idle until its lease), where this turn reads them in place
-            assert r.needs is not None     # a WAITING request's answer (`Admission.ask`)
             try:
-                self.store.move(r.session_id, [k for k, p in enumerate(r.needs.places) if p is Place.DEVICE], "host")
+                self.store.move(r.session_id, [k for k, p in enumerate(needs.places) if p is Place.DEVICE], "host")
             except StoreError:     # no host room after all (or the session just turned busy): wait
-                return None
-            r.asked(self.store.turn_needs(r.session_id, r.prompt, r.cache_salt), r.needs_pass)
-            return self.layer_factor(r, keep, 0, room, host_avail - held)
+                return LayerFit(None)
+            moved = self.store.turn_needs(r.session_id, r.prompt, r.cache_salt)
+            return LayerFit(self.layer_factor(r, moved, rows, keep, 0, room, host_avail - held).factor, moved)
         if factor is not None:
             lw.layered_admissions += 1
-        return factor
+        return LayerFit(factor)
 
     def future_blocks(self, r: Request, item: WorkItem) -> int:
         """Device blocks r's prefill will still take after `item` (at its keep factor)."""
@@ -203,20 +222,17 @@ class LayerwiseScheduling:
             return None
         return replace(cut, factor=item.factor)
 
-    def push_down(self, q: Request, full: bool) -> int:
+    def push_down(self, q: Request, full: bool) -> PushDown:
         """Push a running request's kept layers (and with `full` its device chunks) to the host; its
-        later chunks keep no layer on the device. Returns blocks freed."""
+        later chunks keep no layer on the device."""
         freed = self.store.offload_layers(q.session_id, full=full)
-        q.asked(self.store.turn_needs(q.session_id), q.needs_pass)
-        if full or q.factor >= 2:
-            q.set_factor(0)
         self.layerwise.pushed_blocks += freed
-        return freed
+        return PushDown(q, freed, self.store.turn_needs(q.session_id), 0 if full or q.factor >= 2 else None)
 
-    def project(self, avail: int, reserve: int) -> bool:
+    def project(self, avail: int, reserve: int) -> list[PushDown]:
         """Eq. 5 over `horizon` steps: F = avail + R (blocks of requests predicted to finish) − A
         (blocks the running requests will take). While F < reserve, push down the kept layers of
-        the most recently admitted layer-wise requests. Returns whether it pushed any down."""
+        the most recently admitted layer-wise requests. Returns what it pushed down."""
         h, bs = self.layerwise.horizon, self.store.block_size
         budget = self.config.max_batch_tokens
         released = allocated = 0.0
@@ -230,11 +246,11 @@ class LayerwiseScheduling:
                 released += self.store.held_blocks(q.session_id)
             rows = min(left, h) if q.decoding else min(len(q.pending) + len(q.missing), h * budget)
             allocated += residue_blocks(q.factor, (n + rows - 1) // bs - (n - 1) // bs if n else blocks_for(rows, bs))
-        projected, pushed = avail + released - allocated, False
+        projected, pushed = avail + released - allocated, []
         for q in reversed(self.running):          # most recently admitted first
             if projected >= reserve:
                 break
             if q.needs is not None and Place.LAYERED in q.needs.places:   # it may hold residue blocks
-                projected += self.push_down(q, full=False)
-                pushed = True
+                pushed.append(self.push_down(q, full=False))
+                projected += pushed[-1].freed
         return pushed

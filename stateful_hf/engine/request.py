@@ -2,7 +2,10 @@
 
 A `Request` changes only through its own methods (`asked`, `admit`, `advance`, `emit`, `suspend`, `finish`, ...),
 called by the scheduler on the stepping thread; `request_cancel` is the one any thread may call.
-`tests/test_architecture.py` checks that no other module assigns its fields.
+`tests/test_architecture.py` checks that no other module assigns its fields, and that admission and layer offload
+call none of these methods (they return verdicts the scheduler applies).
+
+`Rows`: a turn's rows still to feed, read in place (a request's own, or what admitting it would take).
 
 `WorkItem`: one request's rows in one step, and how the next rows of a request are cut.
 
@@ -16,13 +19,13 @@ import asyncio
 import enum
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence, Set
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
-from ..cache.doors.engine import TurnNeeds
+from ..cache.doors.engine import TurnNeeds, TurnStats
 from .sampling import SamplingParams
 from .text import OutputText
 
@@ -131,23 +134,13 @@ class Request:
         or to be asked again (`pass_` None)."""
         self.needs, self.needs_pass = needs, pass_
 
-    def prepare(self, needs: TurnNeeds) -> None:
-        """Its rows as the store answered (queued): the prompt past the kept prefix, the dropped history."""
-        self.needs = needs
-        self.pending = self.prompt[needs.keep:]
-        self.missing, self.missing_ids = list(needs.missing), list(needs.missing_ids)
+    def prepare(self, rows: Rows) -> None:
+        """The rows it feeds once admitted (queued: as the store answered, `Rows.answered`)."""
+        self.pending, self.missing, self.missing_ids = list(rows.pending), list(rows.missing), list(rows.missing_ids)
 
-    def keep_missing(self, still: set[int]) -> bool:
-        """After its turn began: only the positions in `still` are missing (a cut shared chunk copied on write
-        kept its KV). Returns whether any left the list."""
-        kept = [(p, t) for p, t in zip(self.missing, self.missing_ids, strict=True) if p in still]
-        changed = len(kept) < len(self.missing)
-        self.missing, self.missing_ids = [p for p, _ in kept], [t for _, t in kept]
-        return changed
-
-    def admit(self, truncated: int, reused: int) -> None:
-        """Its turn began in the store (`begin`): it holds the session's lease."""
-        self.leased, self.truncated, self.reused = True, truncated, reused
+    def admit(self, turn: TurnStats) -> None:
+        """Its turn began in the store (`begin` answered `turn`): it holds the session's lease."""
+        self.leased, self.truncated, self.reused = True, turn.truncated_tokens, turn.reused_tokens
 
     def start(self, swapped: int) -> None:
         """It runs from this step on; `swapped`: kept tokens its steps bring up from below the device."""
@@ -157,6 +150,12 @@ class Request:
     def set_factor(self, factor: int) -> None:
         """The keep factor of the chunks it fills from now on (layerwise_kv)."""
         self.factor = factor
+
+    def pushed(self, needs: TurnNeeds, factor: int | None) -> None:
+        """Its kept layers (or device chunks) were pushed down to the host: `needs`, the store's answer after;
+        `factor` (None: unchanged), the keep factor of the chunks it fills from now on."""
+        self.needs = needs
+        self.factor = self.factor if factor is None else factor
 
     def mark_short(self, short: bool) -> None:
         """Whether it is a short turn, served before long prefills (fixed while it is queued)."""
@@ -213,6 +212,10 @@ class Request:
         """At submit, before it is queued: its grammar's matcher and the sampling that stops on its stop ids."""
         self.grammar, self.sampling = grammar, sampling
 
+    def rows(self) -> Rows:
+        """Its rows still to feed, read in place (not copied: valid until it next changes)."""
+        return Rows(self.missing, self.missing_ids, self.pending)
+
     @property
     def length(self) -> int:
         """The session's history tokens (known once admitted: `needs.keep`)."""
@@ -248,6 +251,27 @@ class Request:
 
 
 @dataclass(frozen=True, slots=True)
+class Rows:
+    """A turn's rows still to feed, in order: history positions to recompute (ascending) with their ids, then
+    the ids to append. Sequences read in place, never changed through it."""
+
+    missing: Sequence[int]
+    missing_ids: Sequence[int]
+    pending: Sequence[int]
+
+    @classmethod
+    def answered(cls, prompt: Sequence[int], needs: TurnNeeds) -> Rows:
+        """What admitting a queued turn takes, as the store answered: its dropped history, the prompt past `keep`."""
+        return cls(needs.missing, needs.missing_ids, prompt[needs.keep:])
+
+    def keeping(self, still: Set[int]) -> Rows:
+        """Only the missing positions in `still` (the store's answer after the turn began: a cut shared chunk
+        copied on write kept its KV)."""
+        kept = [(p, t) for p, t in zip(self.missing, self.missing_ids, strict=True) if p in still]
+        return Rows(tuple(p for p, _ in kept), tuple(t for _, t in kept), self.pending)
+
+
+@dataclass(frozen=True, slots=True)
 class WorkItem:
     """One request's rows in a step: recomputed history positions (whole chunks, ascending), then new
     ids appended at positions start .. start + len(new_ids) - 1. One store entry."""
@@ -269,29 +293,30 @@ class WorkItem:
         return self.request.session_id, list(self.recompute_ids) + list(self.new_ids), pos
 
 
-def next_item(r: Request, budget: int, length: int, block_size: int) -> WorkItem | None:
-    """The next rows of `r` within `budget` tokens, for a session of `length` tokens: whole missing
-    chunks first (their ids are `r.missing_ids`), new ids only once nothing before them is missing.
-    None if nothing fits."""
+def next_item(r: Request, budget: int, length: int, block_size: int, rows: Rows | None = None) -> WorkItem | None:
+    """The next of `rows` (default: r's own) within `budget` tokens, for a session of `length` tokens:
+    whole missing chunks first, new ids only once nothing before them is missing. None if nothing fits."""
+    rows = r.rows() if rows is None else rows
     recompute: list[int] = []
-    for k in sorted({p // block_size for p in r.missing}):
-        chunk = [p for p in r.missing if p // block_size == k]
+    for k in sorted({p // block_size for p in rows.missing}):
+        chunk = [p for p in rows.missing if p // block_size == k]
         if len(recompute) + len(chunk) > budget:
             break
         recompute += chunk
-    new: list[int] = []
-    if len(recompute) == len(r.missing):
-        new = r.pending[: budget - len(recompute)]
+    new: Sequence[int] = ()
+    if len(recompute) == len(rows.missing):
+        new = rows.pending[: budget - len(recompute)]
     if not recompute and not new:
         return None
-    ids = dict(zip(r.missing, r.missing_ids, strict=True)) if recompute else {}
+    ids = dict(zip(rows.missing, rows.missing_ids, strict=True)) if recompute else {}
     return WorkItem(r, tuple(recompute), tuple(ids[p] for p in recompute), tuple(new), length,
-                    needs_logits=bool(new) and len(new) == len(r.pending), factor=r.factor)
+                    needs_logits=bool(new) and len(new) == len(rows.pending), factor=r.factor)
 
 
-def whole_item(r: Request, keep: int) -> WorkItem:
-    """All of r's remaining rows as one item at keep factor 0 (so host chunks count as in place)."""
-    return WorkItem(r, tuple(r.missing), (), tuple(r.pending), keep, False, factor=0)
+def whole_item(r: Request, keep: int, rows: Rows | None = None) -> WorkItem:
+    """All of `rows` (default: r's own) as one item at keep factor 0 (so host chunks count as in place)."""
+    rows = r.rows() if rows is None else rows
+    return WorkItem(r, tuple(rows.missing), (), tuple(rows.pending), keep, False, factor=0)
 
 
 def item_end(item: WorkItem) -> int:

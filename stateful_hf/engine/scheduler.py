@@ -30,8 +30,8 @@ from dataclasses import dataclass, replace
 from sortedcontainers import SortedKeyList
 
 from ..cache.doors.engine import Committed, EngineStore, Room
-from .admission import Admission, no_device_room, no_host_slots
-from .layer_offload import LayerwisePolicy, LayerwiseScheduling
+from .admission import Admission, AdmissionPolicy, Gate, Verdict, no_device_room, no_host_slots
+from .layer_offload import LayerwisePolicy, LayerwiseScheduling, PushDown
 from .request import Request, RequestStatus, WorkItem, blocks_needed, next_item
 from .slo import SloPolicy
 
@@ -77,12 +77,15 @@ class Scheduler:
         # the layer-wise part (layer_offload.py); it reads `running`, which is never rebound
         self.layered = LayerwiseScheduling(store, layerwise, config, slo, self.running) \
             if layerwise is not None else None
-        self.admission = Admission(store, self.layered, self.running, self._fail)
+        self.admission = Admission(store, self.layered, self.running)
+        self.policy = AdmissionPolicy(store, slo)   # warm-ups and the SLO, before admission weighs a request
 
     # ---- queue ----------------------------------------------------------------------------------
 
     def add(self, r: Request) -> None:
-        self.admission.ask(r, (self.passes + 1, self.epoch))   # the coming pass admits with it, unless the store moves
+        # asked for the coming pass, which admits with it unless the store moves
+        answer = self.admission.ask(r, (self.passes + 1, self.epoch))
+        r.asked(answer.needs, answer.pass_)
         r.mark_short(self._is_short(r))
         self._queue(r)
 
@@ -166,14 +169,14 @@ class Scheduler:
     def schedule(self) -> list[WorkItem]:
         self.passes += 1
         self.reap_cancelled()
-        if self.waiting and not self.waiting[0].warmup:     # a turn is queued: running warm-ups yield their blocks
-            for q in [q for q in self.running if q.warmup]:
-                self.finish(q, RequestStatus.CANCELLED, "yielded")
-                self.room = None
+        for q in self.policy.yielding(self.waiting[0] if self.waiting else None, self.running):
+            self.finish(q, RequestStatus.CANCELLED, "yielded")       # a turn is queued: warm-ups yield their blocks
+            self.room = None
         budget, bs = self.config.max_batch_tokens, self.store.block_size
         reserve = math.ceil(self.config.reserve_fraction * self.store.pool_sizes.device_blocks)
         room, self.room = self.room or self.store.room(), None      # consumed: a commit or end leaves the next
-        if self.layered is not None and self.layered.project(room.device_blocks, reserve):
+        if self.layered is not None and (pushed := self.layered.project(room.device_blocks, reserve)):
+            self._pushed(pushed)
             room = self.store.room()                                 # layers were pushed down
         avail, slots = room.device_blocks, room.device_slots
         host_taken = 0                 # host slots this pass's items fill (push-downs take theirs at once)
@@ -196,9 +199,9 @@ class Scheduler:
                 for q in reversed(self.running[i + 1:]):
                     if need <= avail:
                         break
-                    avail += self.layered.push_down(q, full=True)
+                    avail += self._pushed([self.layered.push_down(q, full=True)])
                 if need > avail and r.factor != 0:
-                    avail += self.layered.push_down(r, full=True)
+                    avail += self._pushed([self.layered.push_down(r, full=True)])
                     item = replace(item, factor=0)
                     need = blocks_needed(item)
             while need > avail and self.running[-1] is not r:
@@ -231,7 +234,7 @@ class Scheduler:
         # policy) the admitted prefills' predicted seconds fit in min_i slack_i of the running decodes.
         committed = self.layered.committed(items) if self.layered is not None else 0
         host_committed = self.layered.host_committed(items) if self.layered is not None else 0
-        allowance = self.slo.allowance(self.running) if self.slo is not None else math.inf
+        allowance = self.policy.allowance(self.running)
         after = None                   # the queue in admission order: O(what a pass admits or skips + log queued)
         while (i := 0 if after is None else self.waiting.bisect_key_right(after)) < len(self.waiting):
             r = self.waiting[i]
@@ -240,26 +243,21 @@ class Scheduler:
                 break
             if self._queued[r.session_id][0] is not r:   # one session's turns run in submit order, short or not
                 continue
-            stale = r.warmup and self.store.num_tokens(r.session_id) != len(r.prompt)
-            if r.warmup and (stale or len(self._queued[r.session_id]) > 1):   # a turn came, or the session changed
+            gate, cost = self.policy.gate(r, len(self._queued[r.session_id]), allowance)
+            if gate is Gate.SUPERSEDED:
                 self.finish(r, RequestStatus.CANCELLED, "superseded")
                 continue
-            cost = self.slo.prefill_seconds(r.prefill_rows()) if self.slo is not None and allowance < math.inf else 0.0
-            if cost > allowance and self.slo is not None:   # would push a decode past its TPOT SLO: defer, FCFS
-                self.slo.deferred += 1
+            if gate is Gate.DEFER:     # strict order: nothing after it either
                 break
             verdict = self.admission.admit(r, budget, avail, reserve, first=not items, pass_=(self.passes, self.epoch),
                                            slots=slots, committed=committed,
                                            host_avail=self._host_left(host_taken) - host_committed)
-            avail += verdict.released  # blocks a request failed in admission gave back
+            avail += self._apply(r, verdict)   # blocks a request failed in admission gave back
             if verdict.item is None:
                 if not verdict.skip:   # head of line does not fit: strict order, stop here
                     break
                 continue               # its session is busy with an earlier turn, or it failed: let later ones pass
             item = verdict.item
-            self._unqueue(r)
-            bisect.insort(self.running, r, key=_order)
-            r.start(verdict.swapped)
             avail -= verdict.blocks
             slots = None if slots is None else slots - 1     # its session claims a slot or keeps its own
             host_taken += self._host_needed(r, item)
@@ -272,6 +270,32 @@ class Scheduler:
         if not items:                  # nothing runs, so no commit tells what changed: ask next time
             self.room = None
         return items
+
+    def _apply(self, r: Request, verdict: Verdict) -> int:
+        """Apply admission's verdict to `r`: the store's latest answer about it; then fail it, or start it
+        (its rows, keep factor, turn) in the running list. Returns the device blocks a failure made available."""
+        if verdict.answer is not None:
+            r.asked(verdict.answer.needs, verdict.answer.pass_)
+        if verdict.error is not None:
+            return self._fail(r, verdict.error)
+        if verdict.item is None:
+            return 0
+        if verdict.rows is not None:
+            r.prepare(verdict.rows)
+        if verdict.factor is not None:
+            r.set_factor(verdict.factor)
+        if verdict.turn is not None:
+            r.admit(verdict.turn)
+        self._unqueue(r)
+        bisect.insort(self.running, r, key=_order)
+        r.start(verdict.swapped)
+        return 0
+
+    def _pushed(self, pushed: list[PushDown]) -> int:
+        """Apply layer offload's push-downs to their requests. Returns the device blocks they freed."""
+        for p in pushed:
+            p.request.pushed(p.needs, p.factor)
+        return sum(p.freed for p in pushed)
 
     def _suspend(self, r: Request) -> int:
         """Move a running request's KV down (for now: evict it) and requeue it. Returns blocks freed."""
