@@ -297,9 +297,10 @@ class SessionTable:
 
     def device_sessions(self) -> list[Session]:
         """Every session holding a device block, in table order: the marked ones and the other holders
-        of their shared device chunks. O(marked sessions and their chunks), whatever the number of
-        sessions held: marked ones that hold no block any more are forgotten here. Mutates: the
-        marked set only (`check_integrity` proves the result is every session holding a block)."""
+        of their shared device chunks. O(marked sessions and their chunks, plus each shared device chunk's
+        holders once), whatever the number of sessions held: marked ones that hold no block any more are
+        forgotten here. Mutates: the marked set only (`check_integrity` proves the result is every session
+        holding a block)."""
         out: dict[str, Session] = {}
         marked = self._device
         for sid in marked:
@@ -308,9 +309,11 @@ class SessionTable:
                 out[sid] = s
         if len(out) < len(marked):        # a new set: one that shrank by discards is iterated at its peak size
             self._device = set(out)
+        seen: set[int] = set()            # shared chunks whose holders are in: each read once, not once a holder
         for s in list(out.values()):
             for c in s.chunks:
-                if c.entry is not None and len(c.entry.holders) > 1 and c.holds_device:
+                if c.entry is not None and len(c.entry.holders) > 1 and c.holds_device and id(c) not in seen:
+                    seen.add(id(c))
                     for h in c.entry.holders:
                         hs = self._sessions.get(h)
                         if hs is not None and h not in out:
