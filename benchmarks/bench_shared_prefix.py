@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 
@@ -34,7 +35,8 @@ def prompt(i: int, system: list[int], own: int) -> list[int]:
     return system + digits + [5 + (i * 7 + j) % 300 for j in range(max(own - 3, 0))]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
+    """Runs the benchmark; returns what its JSON holds (a wrong answer makes the command exit 1)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sessions", type=int, default=10000)
     ap.add_argument("--system", type=int, default=32, help="tokens every session shares (0: none, the control)")
@@ -44,7 +46,7 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=1000)
     ap.add_argument("--verify", type=int, default=50, help="answers checked against stateless generate")
     ap.add_argument("--json")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     torch.manual_seed(0)
     torch.set_num_threads(2)
     model = tiny_llama()
@@ -83,14 +85,16 @@ def main() -> None:
         disk.cleanup()
     print(f"{a.sessions} turns in {wall:.1f} s; shared tokens {stats.shared_tokens}, device {stats.device_tokens}, "
           f"host {stats.host_tokens}, disk {stats.disk_tokens}; wrong answers {wrong} of {min(a.verify, a.sessions)}")
+    out = {"command": "python -m benchmarks.bench_shared_prefix " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items() if v not in (None, False, True))
+        + (" --disk" if a.disk else ""), "args": vars(a), "blocks": blocks, "wall_s": wall, "wrong": wrong,
+        "verified": min(a.verify, a.sessions), "cpus": os.cpu_count(), "load": os.getloadavg(),
+        "shared_tokens": stats.shared_tokens}
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"command": "python -m benchmarks.bench_shared_prefix " + " ".join(
-                f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items() if v not in (None, False, True))
-                + (" --disk" if a.disk else ""), "args": vars(a), "blocks": blocks, "wall_s": wall,
-                "wrong": wrong, "verified": min(a.verify, a.sessions), "cpus": os.cpu_count(),
-                "load": os.getloadavg(), "shared_tokens": stats.shared_tokens}, f, indent=1)
+            json.dump(out, f, indent=1)
+    return out
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(1 if main()["wrong"] else 0)

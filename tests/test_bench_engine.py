@@ -104,3 +104,16 @@ def test_engine_disk_tier_runs_each_in_a_fresh_directory_and_says_what_it_wrote(
     assert behind["write_behind"]["written"] + behind["close_flush"]["chunks_written"] > 0
     assert got["evict"]["write_behind"]["written"] == 0                  # evict copies nothing behind ...
     assert got["evict"]["close_flush"]["chunks_written"] > 0             # ... until the close flushes
+
+
+def test_think_time_pauses_later_turns_seeded_and_in_range():
+    """`--think S`: a session's first turn never waits, each later one waits 0.5-1.5 x S s, the same for the same
+    seed (each system of a run sees one workload); 0 is the closed loop. Control: another seed, other pauses."""
+    wl = Workload(sessions=3, turns=4, first=4, user=2, new=2, vocab=100, seed=1, think=2.0)
+    pauses = [[wl.think_before(s, t) for t in range(4)] for s in range(3)]
+    assert all(p[0] == 0.0 and all(1.0 <= x <= 3.0 for x in p[1:]) for p in pauses)
+    assert pauses == [[Workload(3, 4, 4, 2, 2, 100, seed=1, think=2.0).think_before(s, t) for t in range(4)]
+                      for s in range(3)]
+    assert pauses != [[Workload(3, 4, 4, 2, 2, 100, seed=2, think=2.0).think_before(s, t) for t in range(4)]
+                      for s in range(3)]
+    assert Workload(3, 4, 4, 2, 2, 100).think_before(1, 2) == 0.0 and "think" not in repr(Workload(3, 4, 4, 2, 2, 100))
