@@ -85,11 +85,9 @@ def main(argv: list[str] | None = None) -> dict:
         disk.cleanup()
     print(f"{a.sessions} turns in {wall:.1f} s; shared tokens {stats.shared_tokens}, device {stats.device_tokens}, "
           f"host {stats.host_tokens}, disk {stats.disk_tokens}; wrong answers {wrong} of {min(a.verify, a.sessions)}")
-    out = {"command": "python -m benchmarks.bench_shared_prefix " + " ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items() if v not in (None, False, True))
-        + (" --disk" if a.disk else ""), "args": vars(a), "blocks": blocks, "wall_s": wall, "wrong": wrong,
-        "verified": min(a.verify, a.sessions), "cpus": os.cpu_count(), "load": os.getloadavg(),
-        "shared_tokens": stats.shared_tokens}
+    out = {"command": " ".join(["python -m benchmarks.bench_shared_prefix", *(sys.argv[1:] if argv is None else argv)]),
+           "args": vars(a), "blocks": blocks, "wall_s": wall, "wrong": wrong, "verified": min(a.verify, a.sessions),
+           "cpus": os.cpu_count(), "load": os.getloadavg(), "shared_tokens": stats.shared_tokens}
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)
