@@ -141,11 +141,15 @@ def load(name: str):
     return load(name, dtype=torch.float32)
 
 
-def first_prompt(tok, i: int, words: int) -> list[int]:
+def first_prompt(tok, i: int, words: int, system: str | None = None) -> list[int]:
+    """Session i's first prompt: a user message of about `words` words (after a `system` message every
+    session shares, when given), in the tokenizer's chat template when it has one."""
     topic = TOPICS[i % len(TOPICS)]
     text = f"Session {i}. " + " ".join(["Tell me one short fact about", topic] * max(1, words // 6))
     if getattr(tok, "chat_template", None):
-        out = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+        messages = [{"role": "system", "content": system}] if system else []
+        out = tok.apply_chat_template(messages + [{"role": "user", "content": text}], add_generation_prompt=True,
+                                      tokenize=True)
         return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
     return list(tok(text)["input_ids"])
 
@@ -341,6 +345,8 @@ def main(argv=None) -> None:
     p.add_argument("--turns", type=int, default=3, help="warm-up turns per session")
     p.add_argument("--answer", type=int, default=16, help="max_tokens of a turn (greedy)")
     p.add_argument("--words", type=int, default=24, help="about this many words in a session's first message")
+    p.add_argument("--system", help="a system message every session's first prompt starts with (a chat server's "
+                   "system prompt: its full chunks are one shared chunk held by every session)")
     p.add_argument("--kills", type=int, default=1)
     p.add_argument("--kill-after", type=float, nargs=2, default=(4.0, 10.0), metavar=("MIN", "MAX"),
                    help="seconds of traffic before a kill: uniform in [MIN, MAX]")
@@ -369,7 +375,7 @@ def main(argv=None) -> None:
     from stateful_hf.serve.server import TINY_NAME
     args.name = TINY_NAME if args.model in TINY_MODELS else args.model
     _, tok = load(args.model)
-    sessions = [Session(f"s{i}", first_prompt(tok, i, args.words)) for i in range(args.sessions)]
+    sessions = [Session(f"s{i}", first_prompt(tok, i, args.words, args.system)) for i in range(args.sessions)]
     longest = max(len(s.ids) for s in sessions) + (args.turns + 3 * args.kills + 8) * (args.answer + 32)
     if args.device_tokens is None:         # every session on the device
         args.device_tokens = args.sessions * (longest + 64) + (args.streams + 1) * (args.stream_tokens + 128) + 4096

@@ -95,7 +95,7 @@ def test_the_device_room_reads_only_busy_sessions_and_a_stale_count_is_caught(mo
     check(store)
     table = type(store.sessions)
     with monkeypatch.context() as m:           # the room walks neither the table nor its device sessions
-        for name in ("__iter__", "device_sessions"):
+        for name in ("__iter__", "device_chunks"):
             m.setattr(table, name, lambda self, name=name: pytest.fail(f"room() called {name}"))
         free = store.room().device_blocks
         with store.lease("a"):

@@ -164,7 +164,7 @@ def test_a_session_missing_from_a_tier_index_is_caught():
         host = ChunkState.HOST
         walked = [(s.session_id, k) for s, k in store.placement.victims(host, 10 ** 6, set())]
         assert walked == full_scan_victims(store, host, None) and {s for s, _ in walked} == {"a", "b"}
-        store.sessions.tiers.forget("a")
+        store.sessions.tiers.forget("a", {})
         assert {s.session_id for s, _ in store.placement.victims(host, 10 ** 6, set())} == {"b"}
         assert {s.session_id for s, _ in store.placement.victims(host, 10 ** 6, set(), scan=True)} == {"a", "b"}
         with pytest.raises(AssertionError, match="'a' holds host chunks, unlisted"):
@@ -219,4 +219,36 @@ def test_stats_read_counts_and_a_sharer_left_unmarked_is_caught():
     assert stats_figures(store) != full_walk_stats(store)
     with pytest.raises(AssertionError, match="not among the sharers"):
         store.check_integrity()
+    store.close()
+
+
+def test_a_shared_chunk_is_listed_once_at_its_most_valuable_holder():
+    """40 sessions share a system prompt's two chunks on the device; the 30 least recently active have moved
+    their own chunks to the host. Making room on the device reads 2 holders' floors (the shared chunks are
+    listed at their most valuable holder, `TierOrder`'s tops, not by every holder) and takes what a full scan
+    takes; the tops are the last holder to finish a turn. Negative control: listing every holder of a shared
+    chunk (the fair share's per-tenant lists, `regroup(True)`) makes the same walk read 32 holders."""
+    store = SessionStore(MODEL, 4096, host_capacity=4096, chunk_size=BS, clock=Clock())
+    for i in range(40):
+        ids = torch.cat([SYSTEM, torch.tensor([[5 + i, 6, 7, 8, 9]])], 1)
+        assert torch.equal(greedy(MODEL, ids, n=3, cache=store.cache(f"s{i}")), greedy(ORACLE, ids, n=3))
+    for i in range(30):
+        store.move(f"s{i}", [2, 3], "host")
+    shared = store.session("s0").chunks[0]
+    assert len(shared.entry.holders) == 40 and shared.state is ChunkState.DEVICE
+    tops = store.sessions.tiers.tops[id(shared)]
+    assert tops.top[0][1] == "s39" and tops.top[1] is None
+    store.check_integrity()
+    device, policy = ChunkState.DEVICE, store.policy
+    read = []
+    policy.floor = lambda s, now, bs, floor=policy.floor: read.append(s.session_id) or floor(s, now, bs)
+    for per_tenant, reads in ((False, 2), (True, 32)):
+        store.sessions.regroup(per_tenant)
+        store.check_integrity()
+        for _ in range(2):                   # the first walk also drops who holds nothing it lists
+            read.clear()
+            store.clock.now -= 1.0
+            got = [(s.session_id, k) for s, k in store.placement.victims(device, 1, set())]
+            assert got == full_scan_victims(store, device, None)[:1] and got[0][0] == "s30"
+        assert len(read) == reads, (per_tenant, read)
     store.close()

@@ -151,7 +151,7 @@ def _assemble(spec: KVSpec, c: StoreConfig) -> StoreParts:
         disk_state = NoDisk() if disk is None else DiskState(sessions, disk, transfer, spec.block_size)
         tiers = TierPools(device_pool, host_pool, disk, hidden.pool,
                           None if hidden_tier is None else hidden_tier.disk_pool, disk_state, sharing,
-                          ResidueTable() if c.layerwise_kv else None, sessions.mark, sessions.recount)
+                          ResidueTable() if c.layerwise_kv else None, sessions.let_go, sessions.recount)
         placement = Placement(sessions, tiers, transfer, disk_state, hidden, _policy(c),
                               moves, counters, c.swap_out_threshold)
         swap_in = SwapIn(sessions, tiers, placement, transfer, hidden, disk_state, counters)

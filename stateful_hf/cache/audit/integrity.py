@@ -12,6 +12,7 @@ from ..pools.tier_pools import TierPools, count_chunks, device_room
 from ..prefix.index import PrefixIndex
 from ..sessions.session import SHADOWED, ChunkState, Session, SessionTable
 from ..sessions.tenant import tenant_of
+from ..sessions.tier_index import shared
 
 DEVICE, HOST, DROPPED, LAYERED = ChunkState.DEVICE, ChunkState.HOST, ChunkState.DROPPED, ChunkState.LAYERED
 HIDDEN, DISK, DISK_HIDDEN = ChunkState.HIDDEN, ChunkState.DISK, ChunkState.DISK_HIDDEN
@@ -24,7 +25,8 @@ def check_integrity(sessions: SessionTable, tiers: TierPools, block_size: int) -
     and by nothing else. A disk slot is owned by one chunk object; the disk index's rows naming it
     (one per holder of a shared chunk) all name that object, at one chunk index, with one checksum.
     Shared chunks agree with their holders and the prefix index (`check_sharing`). The table's
-    `device_sessions()` are exactly the sessions holding device blocks, its `retained()` the retained ones,
+    `device_chunks()` are exactly the chunks holding device blocks, once each (`shadow_chunks()` those keeping
+    a shadow), its `retained()` the retained ones,
     its `busy()` the busy ones; the room's device blocks (`device_room`, from the pool's count) are
     the free blocks and the idle sessions' device chunks and shadows counted one by one.
     A chunk held in two tiers (served from above, with a disk copy: `disk/copies.py`) counts its disk
@@ -39,9 +41,14 @@ def check_integrity(sessions: SessionTable, tiers: TierPools, block_size: int) -
         assert slot not in owners[tier], f"{tier.value} slot {slot} owned by {owners[tier][slot]} and {who}"
         owners[tier][slot] = who
 
-    holding = {s.session_id for s in sessions if s.holds_device}
-    listed = {s.session_id for s in sessions.device_sessions()}
-    assert holding == listed, f"sessions holding device blocks {sorted(holding)} != device_sessions {sorted(listed)}"
+    holding = {id(c): (s.session_id, k) for s in sessions for k, c in enumerate(s.chunks) if c.holds_device}
+    listed = [id(s.chunks[k]) for s, k in sessions.device_chunks()]
+    assert len(listed) == len(set(listed)), "device_chunks names a chunk twice"
+    shadows = [id(s.chunks[k]) for s, k in sessions.shadow_chunks()]
+    assert len(shadows) == len(set(shadows)) and set(shadows) == {
+        id(c) for s in sessions for c in s.chunks if c.shadow is not None}, "shadow_chunks: not the shadows kept"
+    assert set(holding) == set(listed), (f"chunks holding device blocks {sorted(holding.values())[:8]} != "
+                                         f"device_chunks ({len(listed)})")
     _check_tiers(sessions)
     _check_usage(sessions, block_size)
     retained = {s.session_id for s in sessions if s.retained}
@@ -170,16 +177,34 @@ def check_sharing(sessions: Sequence[Session], index: PrefixIndex, block_size: i
 
 
 def _check_tiers(sessions: SessionTable) -> None:
-    """Every session holding a chunk of an indexed tier is listed there (`tier_index.TierOrder`): an idle one
-    under its current entry, a busy one (re-keyed when its lease ends) under any; every entry is keyed."""
+    """Every session holding a chunk of its own in an indexed tier is listed there (`tier_index.TierOrder`):
+    an idle one under its current entry, a busy one (re-keyed when its lease ends) under any; every entry is
+    keyed. A shared chunk there (per tenant: every holder is listed) has its tops, the most valuable of its
+    holders' keys per list, and they are listed there; no tops are kept for any other chunk."""
     index = sessions.tiers
+    tops = {}
     for s in sessions:
         kept = index.key.get(s.session_id)
         for st in index.order:
-            if any(c.state is st for c in s.chunks):
+            if any(c.state is st and (index.per_tenant or not shared(c)) for c in s.chunks):
                 assert kept is not None and index.listed(st, kept[1], kept[0]), (
                     f"session {s.session_id!r} holds {st.value} chunks, unlisted")
         assert s.busy or kept is None or kept == index.entry(s), f"session {s.session_id!r} listed under {kept}"
+        for c in s.chunks:
+            if c.state in index.order and shared(c) and not index.per_tenant:
+                h = kept if kept is not None else index.entry(s)
+                best = tops.setdefault(id(c), (c, [None, None]))[1]
+                if best[h[0]] is None or h[1] > best[h[0]]:
+                    best[h[0]] = h[1]
+    assert set(index.tops) == set(tops), f"{len(index.tops)} shared chunks' tops kept, {len(tops)} shared chunks"
+    for cid, (c, best) in tops.items():
+        t = index.tops[cid]
+        assert t.chunk is c and t.state is c.state and t.top == best, (
+            f"a shared {c.state.value} chunk's tops {t.top} != its holders' {best}")
+        for expected, e in enumerate(best):
+            assert e is None or index.listed(c.state, e, bool(expected)), f"{e[1]!r} tops a shared chunk, unlisted"
+            assert e is None or cid in index.topping.get(e[1], ()), f"{e[1]!r} tops a shared chunk, not marked so"
+    assert all(cid in index.tops and index.tops[cid].names(sid) for sid, ids in index.topping.items() for cid in ids)
     for lists, expected in ((index.order, False), (index.ahead, True)):
         for per in lists.values():
             for t, lst in per.items():

@@ -33,12 +33,7 @@ def store_stats(sessions: SessionTable, tiers: TierPools, counters: Counters) ->
                 seen.add(id(c))
                 tot[c.state.value] -= bs * (len(c.entry.holders) - 1)      # shared chunks are full
                 shared += bs
-    cached, seen = 0, set()
-    for s in sessions.device_sessions():
-        for k, c in enumerate(s.chunks):
-            if c.shadow is not None and id(c) not in seen:
-                seen.add(id(c))
-                cached += s.chunk_len(k, bs)
+    cached = sum(s.chunk_len(k, bs) for s, k in sessions.shadow_chunks())
     used = tiers.used_bytes
 
     def cap(pool):

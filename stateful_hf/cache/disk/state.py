@@ -232,7 +232,6 @@ class DiskState:
             if all(c is None for c in chunks) or (saved.tenant is not None and scope is None):
                 left_out += 1           # its row would not be written so: no disk chunk, or no valid scope
             s.chunks = [Chunk() if c is None else c for c in chunks]
-            self.sessions.add(s)
             loaded.append((s, scope))
         for form, slots in taken.items():
             pool = self.disk.pool_of(form)
@@ -241,6 +240,8 @@ class DiskState:
                 for slot, checksum in slots.items():
                     pool.checksums.set(slot, checksum)
         sharing.restore(loaded)
+        for s, _ in loaded:             # with their shared chunks' entries: the table lists those once (`TierOrder`)
+            self.sessions.add(s)
         # Rows left out (recomputed) or written otherwise now leave or change at the next commit; else the
         # committed index is the state already (`check` asserts it).
         self._changed = left_out > 0 or len(saved_sessions) < n_sessions

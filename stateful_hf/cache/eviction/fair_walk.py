@@ -70,12 +70,13 @@ def walk(sessions: SessionTable, sharing: PrefixSharing, policy: EvictionPolicy,
     once its key is below the `floor` of the next holder read, which bounds every key not read yet.
     `rank` is asked for every idle chunk taken, movable or not (busy sessions' chunks are in the fair
     share's usage but never walked); without it an excluded session is passed over. A shared chunk is
-    named once, at its holder whose key is the chunk's (its most valuable), by its first holder in table
-    order, as `sharing.unique` names it."""
+    taken once, at its holder whose key is the chunk's (its most valuable: the last of its entries the walk
+    reads, `TierOrder.entries`), and named by its first holder in table order, as `sharing.unique` names it."""
     holders_walk = sessions.holding(state, now, tenant)
     heap: list[tuple[tuple, int, Session, int]] = []     # (key, push order, session, chunk): keys read
     pushed = 0
-    popped: dict[int, int] = {}       # id(shared chunk) -> its holders' entries taken so far (walks of every holder)
+    popped: dict[int, int] = {}       # id(shared chunk) -> its entries taken so far
+    order = sessions.tiers
 
     def take() -> Iterator[tuple[tuple, Session, int]]:
         ikey, _, s, k = heapq.heappop(heap)
@@ -86,11 +87,11 @@ def walk(sessions: SessionTable, sharing: PrefixSharing, policy: EvictionPolicy,
         if c.entry is None:
             yield key, s, k
         elif rank is None:
-            # a walk of every holder pushes each idle one's entry of c and takes entries in ascending key order:
-            # the last one taken is its most valuable holder's (c's key); a busy holder's is never pushed, so
-            # then the count stays short, as free_to_move would refuse. O(1) a holder instead of O(holders)
+            # the walk pushes c at each idle holder listing it (its tops, or every holder per tenant) and takes
+            # entries in ascending key order: the last one taken is its most valuable holder's (c's key); a
+            # busy one's is never pushed, so then the count stays short, as free_to_move would refuse
             n = popped[id(c)] = popped.get(id(c), 0) + 1
-            if n == len(c.entry.holders) and sharing.free_to_move(c, exclude):
+            if n == order.entries(c) and sharing.free_to_move(c, exclude):
                 yield key, min(sharing.holders(s, k), key=lambda h: h.seq), k
         elif sharing.free_to_move(c, exclude):
             holders = sharing.holders(s, k)
@@ -98,16 +99,15 @@ def walk(sessions: SessionTable, sharing: PrefixSharing, policy: EvictionPolicy,
                 yield key, min(holders, key=lambda h: h.seq), k
 
     try:
-        for s in holders_walk:
+        for s, ks in holders_walk:
             if s.busy or (rank is None and s.session_id in exclude):
                 continue
             floor = policy.floor(s, now, bs)
             while heap and heap[0][0] < floor:
                 yield from take()
-            for k, c in enumerate(s.chunks):
-                if c.state is state:
-                    heapq.heappush(heap, (policy.key(s, k, bs, now), pushed, s, k))
-                    pushed += 1
+            for k in ks:
+                heapq.heappush(heap, (policy.key(s, k, bs, now), pushed, s, k))
+                pushed += 1
         while heap:
             yield from take()
     finally:

@@ -64,7 +64,7 @@ class Placement:
     @policy.setter
     def policy(self, policy: EvictionPolicy) -> None:
         self._policy = policy
-        self.sessions.tiers.regroup(isinstance(policy, FairSharePolicy))    # its walks are per tenant
+        self.sessions.regroup(isinstance(policy, FairSharePolicy))    # its walks are per tenant
 
     # ---- accounting ------------------------------------------------------------------------------
 
@@ -154,12 +154,20 @@ class Placement:
         the fair share among tenants over one: a walk per tenant, `fair_walk.py`), another ranks every
         chunk of them; shadows rank those of the sessions holding device blocks; `scan` (the tests'
         oracle) ranks every chunk of every session. Reads only."""
-        if shadowed:     # cached on the device: held by sessions holding device blocks, not the idle ones below
+        sharing = self.tiers.sharing
+        if shadowed:     # cached on the device: chunks holding device blocks, not the idle ones below
             if self.tiers.pool(state) is None:      # no such tier (no host tier: no shadows): read no session
                 return []
-            return self._scan(self.sessions.device_sessions(), state, n, exclude, shadowed)
+            found = [(min(sharing.holders(s, k), key=lambda h: h.seq), k) for s, k in self.sessions.shadow_chunks()
+                     if s.chunks[k].state is state]
+            found.sort(key=lambda sk: (sk[0].seq, sk[1]))      # named and ordered as a scan of the table would
+            ranked = None   # the fair share counts usage over the sessions holding device blocks (all holders)
+            if isinstance(self.policy, FairSharePolicy):
+                ranked = {h.session_id: h for s, k in self.sessions.device_chunks()
+                          for h in sharing.holders(s, k)}.values()
+            return self._scan(found, state, n, exclude, shadowed, None, ranked)
         if scan:
-            return self._scan(self.sessions, state, n, exclude, shadowed)
+            return self._scan(self._chunks(self.sessions), state, n, exclude, shadowed)
         walker, now = self.policy.by_session(self.sessions.tenants), self.sessions.clock()
         inner = self.policy.inner.by_session(1) if isinstance(self.policy, FairSharePolicy) \
             and self.sessions.tiers.per_tenant else None
@@ -169,18 +177,24 @@ class Placement:
             return fair_victims(self.sessions, self.tiers.sharing, self.policy, inner, state, n, exclude, shadowed,
                                 now, self.block_size)
         if walker is None:
-            return self._scan(list(self.sessions.holding(state, now)), state, n, exclude, shadowed, now)
+            listed = [s for s, _ in self.sessions.holding(state, now)]
+            return self._scan(self._chunks(listed), state, n, exclude, shadowed, now, listed)
         return tier_victims(self.sessions, self.tiers.sharing, walker, state, n, exclude, shadowed, now,
                             self.block_size)
 
-    def _scan(self, pool, state: ChunkState, n: int, exclude: set[str], shadowed: bool | None,
-              now: float | None = None) -> Items:
-        """`victims` by ranking every chunk in `state` of the sessions in `pool` (at `now`: the clock's)."""
+    @staticmethod
+    def _chunks(sessions) -> Items:
+        return [(s, k) for s in sessions for k in range(len(s.chunks))]
+
+    def _scan(self, items: Items, state: ChunkState, n: int, exclude: set[str], shadowed: bool | None,
+              now: float | None = None, ranked=None) -> Items:
+        """`victims` by ranking every one of `items` in `state` (at `now`: the clock's; `ranked`: the sessions
+        whose chunks the fair share counts, None: every session's)."""
         sharing = self.tiers.sharing
-        key = self._ranking(now, pool)
-        found = sharing.unique((s, k) for s in pool if not s.busy and s.session_id not in exclude
-                               for k, c in enumerate(s.chunks)
-                               if c.state is state and (shadowed is None or (c.shadow is not None) == shadowed)
+        key = self._ranking(now, ranked)
+        found = sharing.unique((s, k) for s, k in items if not s.busy and s.session_id not in exclude
+                               and (c := s.chunks[k]).state is state
+                               and (shadowed is None or (c.shadow is not None) == shadowed)
                                and sharing.free_to_move(c, exclude))
         found.sort(key=lambda sk: max(key(h, sk[1]) for h in sharing.holders(*sk)))
         return found[:max(n, 0)]
@@ -357,8 +371,7 @@ class Placement:
         floor = math.ceil(self.swap_out_threshold * pool.num_blocks)
         if pool.num_free >= floor:
             return
-        shadows = sum(1 for _, _, c in self.tiers.sharing.physical(self.sessions.device_sessions())
-                      if c.shadow is not None)
+        shadows = len(self.sessions.shadow_chunks())
         want = floor - pool.num_free - shadows
         if want <= 0:
             return

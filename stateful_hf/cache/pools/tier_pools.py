@@ -37,13 +37,14 @@ HIDDEN, DISK_HIDDEN, LAYERED = ChunkState.HIDDEN, ChunkState.DISK_HIDDEN, ChunkS
 class TierPools:
     def __init__(self, device: TierPool, host: BlockPool | None, disk: DiskTier | None, hidden: HiddenPool | None,
                  disk_hidden: HiddenPool | None, disk_state: DiskState | NoDisk, sharing: PrefixSharing,
-                 residues: ResidueTable | None, mark: Callable[[str], None], recount: Callable[[str], None]):
+                 residues: ResidueTable | None, let_go: Callable[[Session, Chunk], None],
+                 recount: Callable[[str], None]):
         self.device, self.host, self.disk = device, host, disk
         self.sharing = sharing
         self.hidden, self.disk_hidden = hidden, disk_hidden
         self.disk_state = disk_state           # `feature.NoDisk` without a disk tier (then no chunk is ON_DISK)
         self.residues = residues               # layerwise_kv only; mutated only through place_residues / free_residue
-        self.mark = mark                       # `SessionTable.mark`: who may hold what
+        self.let_go = let_go                   # `SessionTable.let_go`: a session let go of a chunk
         self.recount = recount                 # `SessionTable.recount`: whose tokens per tier may have changed
         self._by_state = {DEVICE: device, HOST: host, DISK: disk.pool if disk is not None else None,
                           HIDDEN: hidden, DISK_HIDDEN: disk_hidden,
@@ -73,13 +74,10 @@ class TierPools:
         self.recount(s.session_id)
         if c.state in ON_DISK or (c.source is not None and c.source[0] in ON_DISK):
             self.disk_state.mark_changed((s.session_id,))     # its disk rows change; vacate's callers mark theirs
-        if self.sharing.detach(s, k):          # others still hold it: they keep its device block, if any
-            if c.holds_device:
-                for h in c.entry.holders:
-                    self.mark(h)
-            return
-        self.vacate(s.chunks[k])
-        s.chunks[k] = Chunk()
+        if not self.sharing.detach(s, k):      # else others still hold it: they keep its device block, if any
+            self.vacate(c)
+            s.chunks[k] = Chunk()
+        self.let_go(s, c)
 
     def vacate(self, c: Chunk) -> None:
         """Free whatever chunk `c` holds; its fields are left for the caller to reassign

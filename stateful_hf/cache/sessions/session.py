@@ -45,7 +45,7 @@ TIERS = ("device", "host", "hidden", "disk", "dropped")
 SHADOWED = (ChunkState.HOST, ChunkState.HIDDEN)          # states whose chunks may keep a device shadow
 ON_DISK = (ChunkState.DISK, ChunkState.DISK_HIDDEN)      # states whose slot is in the disk tier
 HIDDEN_FORMS = (ChunkState.HIDDEN, ChunkState.DISK_HIDDEN)  # states holding hidden states (HCache)
-# states whose holders `SessionTable.holding` walks in order (every holder of a device block: `device_sessions`)
+# states whose holders `SessionTable.holding` walks in order (every chunk holding a device block: `device_chunks`)
 INDEXED = (ChunkState.DEVICE, ChunkState.HOST, ChunkState.HIDDEN, ChunkState.DISK, ChunkState.DISK_HIDDEN)
 
 
@@ -178,9 +178,13 @@ class SessionTable:
         self.lock = threading.RLock()          # every store method that reads or changes sessions holds it
         self._sessions: dict[str, Session] = {}
         self._seq = itertools.count()
-        # A superset of the sessions holding device blocks (`device_sessions` prunes it): a turn's and a
-        # step's device work touches these, never the idle sessions held in lower tiers.
+        # Who holds device blocks (`device_chunks` prunes both): a turn's and a step's device work touches
+        # these, never the idle sessions held in lower tiers. A superset of the sessions holding one in a
+        # chunk of their own, and of the shared chunks holding one (id -> (chunk, a holder, k)): a chunk
+        # every session shares (a system prompt) is one entry, not one per holder.
         self._device: set[str] = set()
+        self._device_shared: dict[int, tuple[Chunk, str, int]] = {}
+        self._shadows: dict[int, tuple[Chunk, str, int]] = {}   # a superset of the chunks keeping a device shadow
         self._retained: set[str] = set()       # exactly the sessions with `retained` set
         self._busy: set[str] = set()           # exactly the sessions with `busy` set (`acquire` / `release`)
         self._idle: OrderedDict[str, None] = OrderedDict()   # idle, not retained, least recently released first
@@ -222,9 +226,8 @@ class SessionTable:
             self._idle[s.session_id] = None
         if s.busy:
             self._busy.add(s.session_id)
-        if s.holds_device:
-            self._device.add(s.session_id)
-        self._tiers.mark(s)
+        self._note_device(s)
+        self._tiers.mark(s, self._sessions)
         self._count_tenant(s.session_id, 1)
         self._counts.stale.add(s.session_id)
 
@@ -232,7 +235,7 @@ class SessionTable:
         """Forget a session (its chunks must have been released). Mutates: the map."""
         self._counts.drop(self._sessions.pop(session_id))
         self._count_tenant(session_id, -1)
-        self._tiers.forget(session_id)
+        self._tiers.forget(session_id, self._sessions)
         self.on_change((session_id,))
         self._device.discard(session_id)
         self._retained.discard(session_id)
@@ -280,46 +283,104 @@ class SessionTable:
 
     def mark(self, session_id: str) -> None:
         """The session's chunks may be in new places: called once they are (a step's entries, a move up or
-        down, adopting a shared chunk, the other holders of a shared chunk that moved or one holder let go
-        of, the end of a lease); walks prune what no longer holds. O(its chunks + log held). Mutates: marks."""
+        down, adopting a shared chunk, the other holders of a shared chunk that moved, the end of a lease);
+        walks prune what no longer holds. O(its chunks + log held). Mutates: marks."""
         s = self._sessions.get(session_id)
         if s is not None:
-            self._device.add(session_id)
-            self._tiers.mark(s)
+            self._note_device(s)
+            self._tiers.mark(s, self._sessions)
         self._counts.stale.add(session_id)
         self.on_change((session_id,))
 
-    def holding(self, state: ChunkState, now: float, tenant: str | None = None) -> Iterator[Session]:
-        """The sessions holding a chunk in `state` (one of INDEXED; of `tenant`, None: any), furthest next
-        use first (ties by id); the marks must not change while it runs. Mutates: the marks (pruning),
-        lapsed `expected_at`s."""
+    def holding(self, state: ChunkState, now: float, tenant: str | None = None) -> Iterator[tuple[Session, list[int]]]:
+        """(session, its chunks a walk takes there) of the sessions listed in `state` (one of INDEXED; of
+        `tenant`, None: any), furthest next use first (ties by id): each holds them, and a chunk shared by
+        several is named at its most valuable holders only (`TierOrder`). The marks must not change while it
+        runs. Mutates: the marks (pruning), lapsed `expected_at`s."""
         return self._tiers.walk(state, self._sessions, now, tenant)
 
-    def device_sessions(self) -> list[Session]:
-        """Every session holding a device block, in table order: the marked ones and the other holders
-        of their shared device chunks. O(marked sessions and their chunks, plus each shared device chunk's
-        holders once), whatever the number of sessions held: marked ones that hold no block any more are
-        forgotten here. Mutates: the marked set only (`check_integrity` proves the result is every session
-        holding a block)."""
-        out: dict[str, Session] = {}
-        marked = self._device
-        for sid in marked:
+    def let_go(self, s: Session, c: Chunk) -> None:
+        """`s` let go of chunk `c` (`TierPools.release`): if `c` was shared and `s` topped it in its tier's order,
+        another holder does now (none, when `c` was freed); a last holder holds `c` as its own. O(1), or
+        O(c's holders) when `s` topped it. Mutates: the marks."""
+        self._tiers.let_go(s.session_id, c, self._sessions)
+        if c.entry is not None and len(c.entry.holders) == 1:
+            self.mark(next(iter(c.entry.holders)))
+
+    def regroup(self, per_tenant: bool) -> None:
+        """The tier order lists sessions per tenant (a fair-share policy's walks) or all together."""
+        self._tiers.regroup(per_tenant, self._sessions)
+
+    def _note_device(self, s: Session) -> None:
+        """`s` may hold device blocks now: it, or the shared chunk holding one, joins the marks."""
+        own = False
+        for k, c in enumerate(s.chunks):
+            if c.shadow is not None:
+                self._shadows[id(c)] = (c, s.session_id, k)
+            if c.holds_device:
+                if c.entry is not None and len(c.entry.holders) > 1:
+                    self._device_shared[id(c)] = (c, s.session_id, k)
+                else:
+                    own = True
+        if own:
+            self._device.add(s.session_id)
+
+    def shadow_chunks(self) -> list[tuple[Session, int]]:
+        """Every HOST / HIDDEN chunk keeping a device shadow, once: (a session holding it, k), in no particular
+        order. O(them) (a shadow is made only by `Placement.swap_out_ahead`, which marks its holders).
+        Mutates: the marks only (`check_integrity` proves the result)."""
+        out: list[tuple[Session, int]] = []
+        for cid, (c, sid, k) in list(self._shadows.items()):
             s = self._sessions.get(sid)
-            if s is not None and s.holds_device:
-                out[sid] = s
-        if len(out) < len(marked):        # a new set: one that shrank by discards is iterated at its peak size
-            self._device = set(out)
-        seen: set[int] = set()            # shared chunks whose holders are in: each read once, not once a holder
-        for s in list(out.values()):
-            for c in s.chunks:
-                if c.entry is not None and len(c.entry.holders) > 1 and c.holds_device and id(c) not in seen:
-                    seen.add(id(c))
-                    for h in c.entry.holders:
-                        hs = self._sessions.get(h)
-                        if hs is not None and h not in out:
-                            out[h] = hs
-                            self._device.add(h)
-        return sorted(out.values(), key=lambda s: s.seq)
+            if c.shadow is not None and (s is None or k >= len(s.chunks) or s.chunks[k] is not c) \
+                    and c.entry is not None:       # that holder let go of it: another one names it
+                s = next((self._sessions[h] for h in c.entry.holders if h in self._sessions), None)
+                if s is not None:
+                    self._shadows[cid] = (c, s.session_id, k)
+            if c.shadow is None or s is None or k >= len(s.chunks) or s.chunks[k] is not c:
+                del self._shadows[cid]
+                continue
+            out.append((s, k))
+        return out
+
+    def device_chunks(self) -> list[tuple[Session, int]]:
+        """Every chunk holding a device block (DEVICE, a residue, a shadow), once: (a session holding it, k),
+        in no particular order. O(the sessions holding one in a chunk of their own, their chunks, and the
+        shared chunks holding one), whatever the number of sessions held or sharing: marks that hold no
+        block any more are forgotten here. Mutates: the marks only (`check_integrity` proves the result
+        is every chunk holding a block)."""
+        out: list[tuple[Session, int]] = []
+        for cid, (c, sid, k) in list(self._device_shared.items()):
+            if not c.holds_device or c.entry is None or len(c.entry.holders) <= 1:
+                del self._device_shared[cid]       # off the device, or private now: its holder's own (marked)
+                if c.holds_device and c.entry is not None:
+                    self._device.update(c.entry.holders)
+                continue
+            s = self._sessions.get(sid)
+            if s is None or k >= len(s.chunks) or s.chunks[k] is not c:     # that holder let go of it
+                sid = next(iter(c.entry.holders))
+                s = self._sessions.get(sid)
+                if s is None:
+                    continue
+                self._device_shared[cid] = (c, sid, k)
+            out.append((s, k))
+        keep: set[str] = set()
+        for sid in self._device:
+            s = self._sessions.get(sid)
+            if s is None:
+                continue
+            for k, c in enumerate(s.chunks):
+                if c.holds_device:
+                    if c.entry is not None and len(c.entry.holders) > 1:
+                        if id(c) not in self._device_shared:
+                            self._device_shared[id(c)] = (c, sid, k)
+                            out.append((s, k))
+                    else:
+                        out.append((s, k))
+                        keep.add(sid)
+        if len(keep) < len(self._device):    # a new set: one that shrank by discards is iterated at its peak size
+            self._device = keep
+        return out
 
     @property
     def tiers(self) -> Any:

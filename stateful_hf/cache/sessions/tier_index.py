@@ -11,10 +11,34 @@ from collections.abc import Iterator, Mapping
 
 from sortedcontainers import SortedList
 
-from .session import ChunkState, Session
+from .session import Chunk, ChunkState, Session
 from .tenant import tenant_of
 
 Entry = tuple[float, str]      # (last_active, id) in `order`; (-expected_at, id) in `ahead`
+
+
+class Tops:
+    """A shared chunk's most valuable holders in `TierOrder`'s order, one per list kind: the entry of its
+    holder listed last in `order` (latest activity) and in `ahead` (soonest expected turn), or None."""
+
+    __slots__ = ("chunk", "k", "state", "top")
+
+    def __init__(self, chunk: Chunk, k: int):
+        self.chunk, self.k, self.state = chunk, k, chunk.state      # (the tier its tops are listed in)
+        self.top: list[Entry | None] = [None, None]       # [in `order`, in `ahead`]: indexed by expected?
+
+    def names(self, session_id: str) -> bool:
+        return any(e is not None and e[1] == session_id for e in self.top)
+
+    @property
+    def count(self) -> int:
+        """Its entries a walk of every holder reads (1 or 2): the walk takes it at the last of them."""
+        return sum(e is not None for e in self.top)
+
+
+def shared(c: Chunk) -> bool:
+    """Whether 2+ sessions hold `c` (one object in each holder's table, `prefix/sharing.py`)."""
+    return c.entry is not None and len(c.entry.holders) > 1
 
 
 class TierOrder:
@@ -26,11 +50,22 @@ class TierOrder:
     expected, by last activity (their order never changes), and sessions with one, by expected time
     (lapsed when it passes, at the next walk). A group is a tenant when `per_tenant` (the fair share's
     per-tenant walks; a list costs ~0.5 KiB, so only a fair-share store groups: `regroup`), else one
-    group "" for all. A walk covers one tenant or all, merged. Written only by `SessionTable` (`mark`:
-    wherever a session may gain a chunk in a tier, or change its last activity or expected time); a walk
-    drops who holds nothing there any more (each mark pays for one). Read by integrity."""
+    group "" for all. A walk covers one tenant or all, merged.
 
-    __slots__ = ("order", "ahead", "key", "per_tenant", "soonest")
+    A chunk that 2+ sessions share (a chat template's system prompt: held by every session) is listed once,
+    at its most valuable holders (`Tops`: where a walk of every holder would read it last, which is where
+    its key, the max over its holders, puts it), not by every holder: a session is listed in a tier for its
+    own chunks there and the shared ones it tops, so the thousands of sessions whose only device chunk is
+    the shared one cost a walk nothing. Kept on each mark in O(1) a shared chunk (a holder more valuable
+    than its top takes its place); read anew from its holders (O(holders)) only when a top lets go of it,
+    leaves, or falls behind (an expected turn that lapsed). The fair share's per-tenant walks rank every
+    holder's copy of a shared chunk (its usage counts each), so with `per_tenant` every holder is listed.
+
+    Written only by `SessionTable` (`mark`: wherever a session may gain a chunk in a tier, or change its
+    last activity or expected time; `forget`); a walk drops who holds nothing it lists there any more (each
+    mark pays for one). `check_integrity` compares every top with its holders'."""
+
+    __slots__ = ("order", "ahead", "key", "per_tenant", "soonest", "tops", "topping")
 
     def __init__(self, states: tuple[ChunkState, ...], per_tenant: bool = False):
         self.order: dict[ChunkState, dict[str, SortedList]] = {st: {} for st in states}   # no turn expected
@@ -38,22 +73,28 @@ class TierOrder:
         self.key: dict[str, tuple[bool, Entry]] = {}   # id -> (expected?, its entry in those lists)
         self.per_tenant = per_tenant
         self.soonest = math.inf     # <= every expected time listed in `ahead`: no lapse is due before it
+        self.tops: dict[int, Tops] = {}          # id(shared chunk in an indexed state) -> its tops (not per_tenant)
+        self.topping: dict[str, set[int]] = {}   # session id -> ids of the chunks whose `Tops` name it
 
     def group(self, session_id: str) -> str:
         """The group a session's entries are listed under: its tenant when `per_tenant`, else ""."""
         return tenant_of(session_id) if self.per_tenant else ""
 
-    def regroup(self, per_tenant: bool) -> None:
-        """List every entry per tenant or all together from now on. O(entries), once (a policy change)."""
+    def regroup(self, per_tenant: bool, sessions: Mapping[str, Session]) -> None:
+        """List every session per tenant or all together from now on: listed anew. O(sessions), once
+        (a policy change)."""
         if per_tenant == self.per_tenant:
             return
         self.per_tenant = per_tenant
         for by in (self.order, self.ahead):
-            for st, per in by.items():
-                entries = [e for lst in per.values() for e in lst]
-                by[st] = {}
-                for e in entries:
-                    by[st].setdefault(self.group(e[1]), SortedList()).add(e)
+            for per in by.values():
+                per.clear()
+        self.key.clear()
+        self.tops.clear()
+        self.topping.clear()
+        self.soonest = math.inf
+        for s in sessions.values():
+            self.mark(s, sessions)
 
     @staticmethod
     def entry(s: Session) -> tuple[bool, Entry]:
@@ -75,28 +116,142 @@ class TierOrder:
         lst = (self.ahead if expected else self.order)[state].get(self.group(entry[1]))
         return lst is not None and entry in lst
 
-    def mark(self, s: Session) -> None:
-        """`s` may hold chunks in tiers it is not listed in yet, or has a new key. O(its chunks + log held)."""
-        want = self.entry(s)
-        if self.key.get(s.session_id, want) != want:
-            self.forget(s.session_id)
-        held = {c.state for c in s.chunks}
-        states = [st for st in self.order if st in held]
-        if not states:
-            return
-        self.key[s.session_id] = want
-        by, t = (self.ahead if want[0] else self.order), self.group(s.session_id)
-        if want[0]:
-            self.soonest = min(self.soonest, -want[1][0])
+    def taken_at(self, s: Session, state: ChunkState) -> list[int]:
+        """The chunks in `state` a walk takes at `s` (listed under its current key): its own, and the
+        shared ones it tops (every one in `state`, with `per_tenant`). O(its chunks)."""
+        kept = self.key.get(s.session_id)
+        out = []
+        for k, c in enumerate(s.chunks):
+            if c.state is not state:
+                continue
+            if self.per_tenant or not shared(c):
+                out.append(k)
+            else:
+                t = self.tops.get(id(c))
+                if t is not None and kept is not None and t.top[kept[0]] == kept[1]:
+                    out.append(k)
+        return out
+
+    def entries(self, c: Chunk) -> int:
+        """How many entries of `c` (one with a prefix entry) a walk of its tier's holders reads."""
+        if self.per_tenant or not shared(c):
+            return len(c.entry.holders)
+        t = self.tops.get(id(c))
+        return 0 if t is None else t.count
+
+    def mark(self, s: Session, sessions: Mapping[str, Session]) -> None:
+        """`s` may hold chunks in tiers it is not listed in yet, may have let go of shared chunks it topped,
+        or has a new key. O(its chunks + log held), and O(holders) for a shared chunk whose top it was and
+        whose top it is no more."""
+        sid, want = s.session_id, self.entry(s)
+        kept = self.key.get(sid)
+        if kept is not None and kept != want:
+            self._unlist(sid)
+        for cid in list(self.topping.get(sid, ())):      # the shared chunks it tops: still held, still topped?
+            t = self.tops.get(cid)
+            if t is None:
+                self.topping[sid].discard(cid)
+            elif not (t.k < len(s.chunks) and s.chunks[t.k] is t.chunk) or (
+                    t.top[not want[0]] is not None and t.top[not want[0]][1] == sid) or (
+                    t.top[want[0]] is not None and t.top[want[0]][1] == sid and want[1] < t.top[want[0]]):
+                self._retop(t.chunk, t.k, sessions)     # it let go, changed list or fell behind: read anew
+        states = set()
+        for k, c in enumerate(s.chunks):
+            if c.state not in self.order or not shared(c) or self.per_tenant:
+                if id(c) in self.tops:          # in no indexed tier, or shared no more (its holder lists it)
+                    self._drop_tops(id(c))
+                if c.state in self.order:
+                    states.add(c.state)
+            else:
+                t = self.tops.get(id(c))
+                if t is None or t.state is not c.state:     # new, or moved: its tops are listed in its tier
+                    t = self._retop(c, k, sessions)
+                else:
+                    self._offer(t, sid, want)
+                if t is not None and t.names(sid):
+                    states.add(c.state)
+        if states:
+            self._list(sid, want, states)
+
+    def _offer(self, t: Tops, sid: str, want: tuple[bool, Entry]) -> None:
+        """`sid`, a holder of `t.chunk` keyed `want`, tops it in its list if no holder there is more valuable."""
+        cur = t.top[want[0]]
+        if cur is None or want[1] >= cur:
+            if cur is not None and cur[1] != sid:
+                self._untop(cur[1], id(t.chunk))
+            t.top[want[0]] = want[1]
+            self.topping.setdefault(sid, set()).add(id(t.chunk))
+
+    def _retop(self, c: Chunk, k: int, sessions: Mapping[str, Session]) -> Tops | None:
+        """`c`'s tops read anew from its holders (their listed keys; O(holders)) and listed in its tier;
+        none when it is shared no more (its one holder, if any, listed as holding it)."""
+        self._drop_tops(id(c))
+        if self.per_tenant or c.state not in self.order or c.entry is None:
+            return None
+        if not shared(c):
+            for h in c.entry.holders:
+                hs = sessions.get(h)
+                if hs is not None and k < len(hs.chunks) and hs.chunks[k] is c:
+                    self._list(h, self.key.get(h) or self.entry(hs), {c.state})
+            return None
+        t = self.tops[id(c)] = Tops(c, k)
+        for h in c.entry.holders:
+            hs = sessions.get(h)
+            if hs is not None:
+                kept = self.key.get(h) or self.entry(hs)
+                if t.top[kept[0]] is None or kept[1] > t.top[kept[0]]:
+                    t.top[kept[0]] = kept[1]
+        for expected, e in enumerate(t.top):
+            if e is not None:
+                self.topping.setdefault(e[1], set()).add(id(c))
+                self._list(e[1], (bool(expected), e), {c.state})
+        return t
+
+    def _drop_tops(self, cid: int) -> None:
+        t = self.tops.pop(cid, None)
+        if t is not None:
+            for e in t.top:
+                if e is not None:
+                    self._untop(e[1], cid)
+
+    def _untop(self, sid: str, cid: int) -> None:
+        mine = self.topping.get(sid)
+        if mine is not None:
+            mine.discard(cid)
+            if not mine:
+                del self.topping[sid]
+
+    def _list(self, sid: str, kept: tuple[bool, Entry], states) -> None:
+        """List `sid` under `kept` (its key from now on) in `states`."""
+        if self.key.get(sid, kept) != kept:
+            self._unlist(sid)
+        self.key[sid] = kept
+        by, t = (self.ahead if kept[0] else self.order), self.group(sid)
+        if kept[0]:
+            self.soonest = min(self.soonest, -kept[1][0])
         for st in states:
             lst = by[st].get(t)
             if lst is None:
                 lst = by[st][t] = SortedList()
-            if want[1] not in lst:
-                lst.add(want[1])
+            if kept[1] not in lst:
+                lst.add(kept[1])
 
-    def forget(self, session_id: str) -> None:
-        """The session leaves every tier's order (it is removed, or re-keyed)."""
+    def let_go(self, session_id: str, c: Chunk, sessions: Mapping[str, Session]) -> None:
+        """`session_id` holds chunk `c` no more: if it topped `c` (or `c` is shared no more, or freed: then
+        nobody tops it), `c`'s tops are read anew."""
+        t = self.tops.get(id(c))
+        if t is not None and (t.names(session_id) or not shared(c)):
+            self._retop(c, t.k, sessions)
+
+    def forget(self, session_id: str, sessions: Mapping[str, Session]) -> None:
+        """The session leaves every tier's order (it is removed): the shared chunks it topped are read anew."""
+        self._unlist(session_id)
+        for cid in list(self.topping.pop(session_id, ())):
+            t = self.tops.get(cid)
+            if t is not None:
+                self._retop(t.chunk, t.k, sessions)
+
+    def _unlist(self, session_id: str) -> None:
         kept = self.key.pop(session_id, None)
         if kept is not None:
             self._discard(kept[0], kept[1], self.order)
@@ -112,19 +267,21 @@ class TierOrder:
                     del per[t]
 
     def walk(self, state: ChunkState, sessions: Mapping[str, Session], now: float,
-             tenant: str | None = None) -> Iterator[Session]:
-        """The sessions holding a chunk in `state` (of `tenant`; None: every tenant), in `by_session` order
-        at `now`; the lists must not change meanwhile. Expected times that passed lapse first (`lapse`)."""
+             tenant: str | None = None) -> Iterator[tuple[Session, list[int]]]:
+        """(session, the chunks a walk takes at it: `taken_at`) of the sessions listed in `state` (of
+        `tenant`; None: every tenant), in `by_session` order at `now`; the lists must not change meanwhile.
+        Expected times that passed lapse first (`lapse`); who has nothing to take there leaves the list."""
         if now >= self.soonest:
             self.lapse(sessions, now)
         stale: list[tuple[SortedList, Entry]] = []
         try:
             for _, lst, e in self._merged(state, tenant, now):
                 s = sessions.get(e[1])
-                if s is None or not any(c.state is state for c in s.chunks):
+                ks = [] if s is None else self.taken_at(s, state)
+                if not ks:
                     stale.append((lst, e))
                     continue
-                yield s
+                yield s, ks
         finally:
             for lst, e in stale:
                 lst.discard(e)
@@ -138,24 +295,27 @@ class TierOrder:
 
     def lapse(self, sessions: Mapping[str, Session], now: float) -> None:
         """Expected times at or before `now` lapse (`expected_at` = 0: no turn expected now), the sessions
-        re-listed by last activity. O(the lists + those lapsing); a walk runs it only once one is due."""
-        soonest = math.inf
-        for per in self.ahead.values():
-            for t, lst in list(per.items()):
-                while lst and -lst[-1][0] <= now:
-                    e = lst[-1]
-                    s = sessions.get(e[1])
-                    if s is None:
-                        self.forget(e[1])
-                    else:
-                        s.expected_at = 0.0
-                        self.mark(s)
-                    lst.discard(e)
-                if lst:
-                    soonest = min(soonest, -lst[-1][0])
-                else:
-                    per.pop(t, None)        # (a re-keyed session's `forget` may have taken it out already)
-        self.soonest = soonest
+        re-listed by last activity. O(the lists + those lapsing); a walk runs it only once one is due.
+        Passes repeat while one finds a lapse due (a shared chunk's new top may be listed by another's)."""
+        again = True
+        while again:
+            again = False
+            for per in self.ahead.values():
+                for t, lst in list(per.items()):
+                    while lst and -lst[-1][0] <= now:
+                        again = True
+                        e = lst[-1]
+                        s = sessions.get(e[1])
+                        if s is None:
+                            self.forget(e[1], sessions)
+                        else:
+                            s.expected_at = 0.0
+                            self.mark(s, sessions)
+                        lst.discard(e)
+                    if not lst and per.get(t) is lst:    # (a re-keyed one's `_unlist` may have taken it out)
+                        del per[t]
+        self.soonest = min((-lst[-1][0] for per in self.ahead.values() for lst in per.values() if lst),
+                           default=math.inf)
 
     def _merged(self, state: ChunkState, tenant: str | None, now: float) -> Iterator[tuple[Entry, SortedList, Entry]]:
         """(sort key, list, entry) of every entry of `state`'s lists (of `tenant`), ascending by (now - next
