@@ -262,8 +262,7 @@ class Placement:
                     c = s.chunks[k]
                     self.tiers.pool(state).free([c.loc])
                     c.assign(DEVICE, c.shadow)
-                    for h in self.tiers.sharing.holder_ids([(s, k)]):
-                        self.sessions.mark(h)          # listed again among the device's holders, recounted
+                    self.sessions.mark_moved([(s, k)])     # listed again among the device's holders, recounted
                     n -= 1
                 if n > 0:
                     self.move_down(self.victims(state, n, exclude, shadowed=False), state, exclude)
@@ -335,8 +334,7 @@ class Placement:
             self.tiers.vacate(s.chunks[k])
             s.chunks[k].assign(target, slot)
             self._count_out(target, s.chunk_len(k, self.block_size))
-        for sid in self.tiers.sharing.holder_ids(items):    # in place: for every holder (the disk index's too)
-            self.sessions.mark(sid)
+        self.sessions.mark_moved(items)         # in place: for every holder (the disk index's too)
 
     def _onto_copies(self, items: Items, state: ChunkState) -> None:
         """Chunks in `state` with a valid disk copy (`disk/copies.py`) become DISK chunks on their copy's slot:
@@ -349,8 +347,7 @@ class Placement:
             c.assign(DISK, slot)
             self._count_out(DISK, s.chunk_len(k, self.block_size))
         self.record(state, DISK, items, t0)
-        for sid in self.tiers.sharing.holder_ids(items):
-            self.sessions.mark(sid)
+        self.sessions.mark_moved(items)
 
     def _count_out(self, target: ChunkState, n: int) -> None:
         if target is HIDDEN:
@@ -397,5 +394,4 @@ class Placement:
                 for (s, k), slot in zip(group, slots):
                     s.chunks[k].assign(target, slot, shadow=s.chunks[k].loc)
                     self._count_out(target, s.chunk_len(k, self.block_size))
-                for sid in self.tiers.sharing.holder_ids(group):
-                    self.sessions.mark(sid)
+                self.sessions.mark_moved(group)

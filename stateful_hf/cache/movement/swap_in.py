@@ -104,8 +104,7 @@ class SwapIn:
                     else:
                         self.counters.swapped_in_disk += n
         # after the chunks are in place (making room above prunes the marks); a shared one moved for every holder
-        for sid in {s.session_id for s in movers} | self.tiers.sharing.holder_ids(items):
-            self.sessions.mark(sid)
+        self.sessions.mark_moved(items, also=(s.session_id for s in movers))
         return events
 
     def finish(self, restore: HiddenRestore | None) -> None:
@@ -133,8 +132,7 @@ class SwapIn:
             else:
                 self.tiers.device.free([block])
                 c.assign(state, slot)
-                for h in self.tiers.sharing.holder_ids([(s, k)]):
-                    self.sessions.mark(h)
+                self.sessions.mark_moved([(s, k)])
                 n = s.chunk_len(k, self.block_size)
                 self.counters.restored_hidden -= n
                 self.counters.restored_hidden_disk -= n if state is DISK_HIDDEN else 0

@@ -236,6 +236,18 @@ class TierOrder:
             if kept[1] not in lst:
                 lst.add(kept[1])
 
+    def moved(self, c: Chunk, k: int, sessions: Mapping[str, Session]) -> None:
+        """Shared chunk `c` (chunk k of its holders) moved to another tier, in place: its tops (unchanged: a
+        move changes no holder's key) are listed there. O(1); O(holders) if it had none."""
+        t = self.tops.get(id(c))
+        if t is None or c.state not in self.order or not shared(c):
+            self._retop(c, k, sessions)
+        elif t.state is not c.state:
+            t.state = c.state
+            for expected, e in enumerate(t.top):
+                if e is not None:
+                    self._list(e[1], (bool(expected), e), {c.state})
+
     def let_go(self, session_id: str, c: Chunk, sessions: Mapping[str, Session]) -> None:
         """`session_id` holds chunk `c` no more: if it topped `c` (or `c` is shared no more, or freed: then
         nobody tops it), `c`'s tops are read anew."""
