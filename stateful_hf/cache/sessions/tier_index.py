@@ -62,8 +62,9 @@ class TierOrder:
     holder's copy of a shared chunk (its usage counts each), so with `per_tenant` every holder is listed.
 
     Written only by `SessionTable` (`mark`: wherever a session may gain a chunk in a tier, or change its
-    last activity or expected time; `forget`); a walk drops who holds nothing it lists there any more (each
-    mark pays for one). `check_integrity` compares every top with its holders'."""
+    last activity or expected time; `moved`: a shared chunk moved; `let_go`: a session let go of a chunk;
+    `forget`); a walk drops who holds nothing it lists there any more (each mark pays for one).
+    `check_integrity` compares every top with its holders'."""
 
     __slots__ = ("order", "ahead", "key", "per_tenant", "soonest", "tops", "topping")
 
