@@ -12,7 +12,6 @@ from ..pools.tier_pools import TierPools, count_chunks, device_room
 from ..prefix.index import PrefixIndex
 from ..sessions.session import SHADOWED, ChunkState, Session, SessionTable
 from ..sessions.tenant import tenant_of
-from ..sessions.tier_index import shared
 
 DEVICE, HOST, DROPPED, LAYERED = ChunkState.DEVICE, ChunkState.HOST, ChunkState.DROPPED, ChunkState.LAYERED
 HIDDEN, DISK, DISK_HIDDEN = ChunkState.HIDDEN, ChunkState.DISK, ChunkState.DISK_HIDDEN
@@ -107,7 +106,7 @@ def check_integrity(sessions: SessionTable, tiers: TierPools, block_size: int) -
         tiers.disk_state.check()
     check_sharing(list(sessions), tiers.sharing.index, block_size, tiers.sharing.epoch)
     unmarked = [s.session_id for s in sessions if s.session_id not in tiers.sharing.sharers
-                and any(c.entry is not None and len(c.entry.holders) > 1 for c in s.chunks)]
+                and any(c.shared for c in s.chunks)]
     assert not unmarked, f"sessions holding shared chunks, not among the sharers: {unmarked[:4]}"
     for tier, owned in owners.items():
         pool = tiers.pool(tier)
@@ -186,12 +185,12 @@ def _check_tiers(sessions: SessionTable) -> None:
     for s in sessions:
         kept = index.key.get(s.session_id)
         for st in index.order:
-            if any(c.state is st and (index.per_tenant or not shared(c)) for c in s.chunks):
+            if any(c.state is st and (index.per_tenant or not c.shared) for c in s.chunks):
                 assert kept is not None and index.listed(st, kept[1], kept[0]), (
                     f"session {s.session_id!r} holds {st.value} chunks, unlisted")
         assert s.busy or kept is None or kept == index.entry(s), f"session {s.session_id!r} listed under {kept}"
         for c in s.chunks:
-            if c.state in index.order and shared(c) and not index.per_tenant:
+            if c.state in index.order and c.shared and not index.per_tenant:
                 h = kept if kept is not None else index.entry(s)
                 best = tops.setdefault(id(c), (c, [None, None]))[1]
                 if best[h[0]] is None or h[1] > best[h[0]]:

@@ -29,7 +29,7 @@ def store_stats(sessions: SessionTable, tiers: TierPools, counters: Counters) ->
     shared, seen = 0, set()
     for s in tiers.sharing.sharing_sessions(sessions.find):
         for c in s.chunks:
-            if c.entry is not None and len(c.entry.holders) > 1 and id(c) not in seen:
+            if c.shared and id(c) not in seen:
                 seen.add(id(c))
                 tot[c.state.value] -= bs * (len(c.entry.holders) - 1)      # shared chunks are full
                 shared += bs

@@ -171,7 +171,7 @@ class PrefixSharing:
         out = []
         for sid in self.sharers:
             s = sessions(sid)
-            if s is not None and any(c.entry is not None and len(c.entry.holders) > 1 for c in s.chunks):
+            if s is not None and any(c.shared for c in s.chunks):
                 out.append(s)
         if len(out) < len(self.sharers):      # a new set: one that shrank by discards is iterated at its peak size
             self.sharers = {s.session_id for s in out}
@@ -390,13 +390,3 @@ class PrefixSharing:
                 out.update(e.holders)
         return out
 
-    # ---- reading --------------------------------------------------------------------------------
-
-    def physical(self, sessions: Iterable[Session]) -> Iterable[tuple[Session, int, Chunk]]:
-        """Every chunk object of these sessions once: (a holding session, k, chunk)."""
-        seen = set()
-        for s in sessions:
-            for k, c in enumerate(s.chunks):
-                if id(c) not in seen:
-                    seen.add(id(c))
-                    yield s, k, c

@@ -89,6 +89,11 @@ class Chunk:
         """Whether it holds a device block: DEVICE, a LAYERED chunk's residue, or a cached shadow."""
         return self.state is ChunkState.DEVICE or self.shadow is not None or self.residue_block is not None
 
+    @property
+    def shared(self) -> bool:
+        """Whether 2+ sessions hold it (one object in each holder's table, `prefix/sharing.py`)."""
+        return self.entry is not None and len(self.entry.holders) > 1
+
     def on_device(self, layer: int) -> bool:
         """Whether this chunk's KV of `layer` is in a device block (DEVICE, or a kept layer of LAYERED)."""
         if self.state is ChunkState.DEVICE:
@@ -137,11 +142,6 @@ class Session:
         """When its next turn is estimated: the expected time while that is ahead, else as far from now as
         its last activity is (LRU's guess). Eviction takes the furthest first (`policy.py`)."""
         return self.expected_at if self.expected_at > now else 2 * now - self.last_active
-
-    @property
-    def holds_device(self) -> bool:
-        """Whether a chunk of it holds a device block: DEVICE, a LAYERED chunk's residue, a cached shadow."""
-        return any(c.holds_device for c in self.chunks)
 
     @property
     def num_tokens(self) -> int:
@@ -309,15 +309,12 @@ class SessionTable:
         for s, k in items:
             named.add(s.session_id)
             c = s.chunks[k]
-            if c.entry is None or len(c.entry.holders) <= 1:
+            if not c.shared:
                 continue
             others.update(c.entry.holders)
             if not self._tiers.per_tenant:
                 self._tiers.moved(c, k, self._sessions)
-                if c.holds_device:
-                    self._device_shared[id(c)] = (c, s.session_id, k)
-                if c.shadow is not None:
-                    self._shadows[id(c)] = (c, s.session_id, k)
+                self._note(s, k, c)
         if self._tiers.per_tenant:
             named |= others
         for sid in named:
@@ -343,15 +340,27 @@ class SessionTable:
         """`s` may hold device blocks now: it, or the shared chunk holding one, joins the marks."""
         own = False
         for k, c in enumerate(s.chunks):
-            if c.shadow is not None:
-                self._shadows[id(c)] = (c, s.session_id, k)
-            if c.holds_device:
-                if c.entry is not None and len(c.entry.holders) > 1:
-                    self._device_shared[id(c)] = (c, s.session_id, k)
-                else:
-                    own = True
+            own |= self._note(s, k, c)
         if own:
             self._device.add(s.session_id)
+
+    def _note(self, s: Session, k: int, c: Chunk) -> bool:
+        """Chunk k of `s` may keep a shadow or, shared, hold a device block: it joins those maps, named by
+        `s`. True when it is a device block of `s`'s own (the caller marks `s`)."""
+        if c.shadow is not None:
+            self._shadows[id(c)] = (c, s.session_id, k)
+        if c.holds_device and c.shared:
+            self._device_shared[id(c)] = (c, s.session_id, k)
+            return False
+        return c.holds_device
+
+    def _holder(self, c: Chunk, sid: str, k: int) -> Session | None:
+        """A session holding `c` as its chunk k: `sid`'s, else (it let go) another holder's; None if none."""
+        s = self._sessions.get(sid)
+        if s is not None and k < len(s.chunks) and s.chunks[k] is c:
+            return s
+        return next((self._sessions[h] for h in (c.entry.holders if c.entry is not None else ())
+                     if h in self._sessions), None)
 
     def shadow_chunks(self) -> list[tuple[Session, int]]:
         """Every HOST / HIDDEN chunk keeping a device shadow, once: (a session holding it, k), in no particular
@@ -359,15 +368,11 @@ class SessionTable:
         Mutates: the marks only (`check_integrity` proves the result)."""
         out: list[tuple[Session, int]] = []
         for cid, (c, sid, k) in list(self._shadows.items()):
-            s = self._sessions.get(sid)
-            if c.shadow is not None and (s is None or k >= len(s.chunks) or s.chunks[k] is not c) \
-                    and c.entry is not None:       # that holder let go of it: another one names it
-                s = next((self._sessions[h] for h in c.entry.holders if h in self._sessions), None)
-                if s is not None:
-                    self._shadows[cid] = (c, s.session_id, k)
-            if c.shadow is None or s is None or k >= len(s.chunks) or s.chunks[k] is not c:
+            s = self._holder(c, sid, k) if c.shadow is not None else None
+            if s is None:
                 del self._shadows[cid]
                 continue
+            self._shadows[cid] = (c, s.session_id, k)
             out.append((s, k))
         return out
 
@@ -379,18 +384,15 @@ class SessionTable:
         is every chunk holding a block)."""
         out: list[tuple[Session, int]] = []
         for cid, (c, sid, k) in list(self._device_shared.items()):
-            if not c.holds_device or c.entry is None or len(c.entry.holders) <= 1:
+            if not c.holds_device or not c.shared:
                 del self._device_shared[cid]       # off the device, or private now: its holder's own (marked)
                 if c.holds_device and c.entry is not None:
                     self._device.update(c.entry.holders)
                 continue
-            s = self._sessions.get(sid)
-            if s is None or k >= len(s.chunks) or s.chunks[k] is not c:     # that holder let go of it
-                sid = next(iter(c.entry.holders))
-                s = self._sessions.get(sid)
-                if s is None:
-                    continue
-                self._device_shared[cid] = (c, sid, k)
+            s = self._holder(c, sid, k)
+            if s is None:
+                continue
+            self._device_shared[cid] = (c, s.session_id, k)
             out.append((s, k))
         keep: set[str] = set()
         for sid in self._device:
@@ -399,7 +401,7 @@ class SessionTable:
                 continue
             for k, c in enumerate(s.chunks):
                 if c.holds_device:
-                    if c.entry is not None and len(c.entry.holders) > 1:
+                    if c.shared:
                         if id(c) not in self._device_shared:
                             self._device_shared[id(c)] = (c, sid, k)
                             out.append((s, k))

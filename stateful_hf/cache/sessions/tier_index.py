@@ -36,11 +36,6 @@ class Tops:
         return sum(e is not None for e in self.top)
 
 
-def shared(c: Chunk) -> bool:
-    """Whether 2+ sessions hold `c` (one object in each holder's table, `prefix/sharing.py`)."""
-    return c.entry is not None and len(c.entry.holders) > 1
-
-
 class TierOrder:
     """Per tier (`session.INDEXED`; and per tenant when `per_tenant`), the sessions that may hold a chunk
     there, in the session-ordered policies' order (`EvictionPolicy.by_session`: furthest
@@ -125,7 +120,7 @@ class TierOrder:
         for k, c in enumerate(s.chunks):
             if c.state is not state:
                 continue
-            if self.per_tenant or not shared(c):
+            if self.per_tenant or not c.shared:
                 out.append(k)
             else:
                 t = self.tops.get(id(c))
@@ -135,7 +130,7 @@ class TierOrder:
 
     def entries(self, c: Chunk) -> int:
         """How many entries of `c` (one with a prefix entry) a walk of its tier's holders reads."""
-        if self.per_tenant or not shared(c):
+        if self.per_tenant or not c.shared:
             return len(c.entry.holders)
         t = self.tops.get(id(c))
         return 0 if t is None else t.count
@@ -158,7 +153,7 @@ class TierOrder:
                 self._retop(t.chunk, t.k, sessions)     # it let go, changed list or fell behind: read anew
         states = set()
         for k, c in enumerate(s.chunks):
-            if c.state not in self.order or not shared(c) or self.per_tenant:
+            if c.state not in self.order or not c.shared or self.per_tenant:
                 if id(c) in self.tops:          # in no indexed tier, or shared no more (its holder lists it)
                     self._drop_tops(id(c))
                 if c.state in self.order:
@@ -189,7 +184,7 @@ class TierOrder:
         self._drop_tops(id(c))
         if self.per_tenant or c.state not in self.order or c.entry is None:
             return None
-        if not shared(c):
+        if not c.shared:
             for h in c.entry.holders:
                 hs = sessions.get(h)
                 if hs is not None and k < len(hs.chunks) and hs.chunks[k] is c:
@@ -241,7 +236,7 @@ class TierOrder:
         """Shared chunk `c` (chunk k of its holders) moved to another tier, in place: its tops (unchanged: a
         move changes no holder's key) are listed there. O(1); O(holders) if it had none."""
         t = self.tops.get(id(c))
-        if t is None or c.state not in self.order or not shared(c):
+        if t is None or c.state not in self.order or not c.shared:
             self._retop(c, k, sessions)
         elif t.state is not c.state:
             t.state = c.state
@@ -253,7 +248,7 @@ class TierOrder:
         """`session_id` holds chunk `c` no more: if it topped `c` (or `c` is shared no more, or freed: then
         nobody tops it), `c`'s tops are read anew."""
         t = self.tops.get(id(c))
-        if t is not None and (t.names(session_id) or not shared(c)):
+        if t is not None and (t.names(session_id) or not c.shared):
             self._retop(c, t.k, sessions)
 
     def forget(self, session_id: str, sessions: Mapping[str, Session]) -> None:
