@@ -16,7 +16,7 @@ from conftest import FAMILIES, engine_round_ids, greedy, store_turn
 
 import stateful_hf
 from stateful_hf import Engine, SamplingParams
-from stateful_hf.cache import CostProfile
+from stateful_hf.cache import CostProfile, FairSharePolicy
 from stateful_hf.engine.request import RequestFailed
 
 BS = 8
@@ -329,22 +329,23 @@ def test_a_format_2_directory_is_upgraded_in_place(models, tmp_path):
 
 def test_crash_at_the_durability_points_with_shared_chunks(tmp_path):
     """The shared scripted worker (benchmarks/disk_faults.py `scripted_shared`, fresh interpreters)
-    killed at durability points around shared chunks: s1 to disk reusing s0's freed slot (8-10),
-    s2 (adopted from disk) to disk (13-14), the commit after s0 let go of the shared slots (15),
-    the relocation copying each shared slot once (17, 19). `python -m benchmarks.disk_faults points
+    killed at durability points around shared chunks: s1 to disk reusing s0's freed slot (8-9; the shared
+    chunks it brought up kept their slots as copies: no write), s2 adopting the prefix from disk (10) and
+    to disk (12-13), the commit after s0 let go of the shared slots (14), the relocation copying each shared
+    slot once (16, 18). `python -m benchmarks.disk_faults points
     --script shared` kills it at every one. Each reopened directory serves every saved session,
     and a new session opening with the shared prompt, exactly (check_dir, integrity included)."""
     from benchmarks.disk_faults import crash_sweep, finish_worker, start_worker
     from stateful_hf.testing import tiny_llama
 
     whole = start_worker(tmp_path / "whole", script="shared")        # the whole run, beside the sweep's
-    points = (8, 9, 10, 13, 14, 15, 17, 19)
+    points = (8, 9, 10, 12, 13, 14, 16, 18)
     results = crash_sweep(tiny_llama(seed=0), points, tmp_path, script="shared")
     code, lines = finish_worker(whole)
     assert code == 0 and lines[-1] == "done" and not any("WRONG" in line for line in lines)
     assert max(int(line.split()[-1]) for line in lines if line.startswith("shared on disk")) == 3
     names = [line.split()[2] for line in lines if line.startswith("point")]
-    assert len(names) == 23, names          # the points named in the docstring
+    assert len(names) == 24, names          # the points named in the docstring
     assert {name for _, name, _, _ in results} == {names[n - 1] for n in points} == {
         "data-flush", "index-commit", "relocate-copied", "relocate-committed"}, results
     assert all(turns > 1 for _, _, turns, _ in results) and all(wrong == 0 for *_, wrong in results), results
@@ -383,4 +384,56 @@ def test_rows_that_cannot_be_one_chunk_keep_the_first_claimant(models, tmp_path,
         else:
             assert last.recomputed_tokens == dropped[sid]
     assert store.stats().disk_checksum_failures == 0
+    store.close()
+
+
+@pytest.mark.parametrize("fair", [False, True])
+def test_a_chunk_read_up_from_disk_keeps_its_slot_as_its_copy(models, tmp_path, fair):
+    """A returning session's disk chunks come up to the device and keep their slots as their disk copies
+    (`DiskCopies.keep`): no holder's committed rows change (the commit after the turn computes the mover's rows
+    only, not those of the other holder of its shared chunks, also under the fair share, whose per-tenant order
+    lists every holder), evicting them back to disk writes only the chunk that grew, and a restart serves both
+    sessions from disk, exactly."""
+    model, oracle = models
+    d = tmp_path / "d"
+
+    def opened():
+        store = open_store(model, d, write_behind_delay=3600)
+        if fair:
+            store.policy = FairSharePolicy(store.policy)
+        return store
+
+    store = opened()
+    convs = shared_on_disk(model, oracle, store)
+    with store.lock:
+        assert store.disk_state.sync(force=True)
+    before = set(disk_rows(d))
+    full = store.session("a").num_tokens // BS                  # a's full chunks: their copies stay valid
+    computed, commit = [], store.tiers.disk.commit            # the sessions whose rows each commit computed
+    store.tiers.disk.commit = lambda sessions, rows: computed.extend(rows if sessions is None else sessions) or \
+        commit(sessions, rows)
+    convs["a"] = turn(model, oracle, store, "a", torch.cat([convs["a"], user(3)], 1))
+    assert store.stats("a").last_turn.swapped_in_disk == store.session("a").num_tokens - 9 - 6
+    with store.lock:
+        assert store.disk_state.sync(force=True)
+    assert set(computed) == {"a"}, computed           # b's rows: not even recomputed
+    after = set(disk_rows(d))
+    assert {r for r in after if r[0] == "b"} == {r for r in before if r[0] == "b"}
+    assert {r for r in after if r[0] == "a"} == {r for r in before if r[0] == "a" and r[1] < full}
+    assert all(store.disk_state.copies.of(store.session("a").chunks[k]) is not None for k in range(full))
+    store.check_integrity()
+
+    writes, written = [], store.disk_state.written
+    store.disk_state.written = lambda items, target, slots: writes.extend(items) or written(items, target, slots)
+    store.move("a", all_chunks(store, "a"), "disk")             # onto the copies: the grown chunks only are written
+    assert sorted(k for _, k in writes) == list(range(full, len(store.session("a").chunks))), writes
+    store.check_integrity()
+    store.close(flush=False)
+
+    store = opened()                   # every holder listed in a tier afresh: b in the device's once a's turn ran
+    for i, sid in enumerate("ab"):
+        held = store.session(sid).num_tokens
+        convs[sid] = turn(model, oracle, store, sid, torch.cat([convs[sid], user(4 + i)], 1))
+        last = store.stats(sid).last_turn
+        assert last.reused_tokens == held and last.recomputed_tokens == 0, (sid, last)
     store.close()

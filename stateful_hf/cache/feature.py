@@ -119,6 +119,10 @@ class NoDisk:
     def mark_changed(self, session_ids: Iterable[str] | None = None) -> None:
         """No disk rows to commit."""
 
+    @staticmethod
+    def keep(items: list[tuple[Session, int]]) -> None:
+        assert not items, "no chunk is on disk"
+
 
 class NoLayers:
     """The layered chunks of a store without layerwise_kv (`LayeredChunks`' answers the core asks for):

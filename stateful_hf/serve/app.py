@@ -142,8 +142,16 @@ def _as_chat(e: APIError, kind: str) -> APIError:
     return e
 
 
+@contextlib.asynccontextmanager
+async def _warm(app: FastAPI) -> AsyncIterator[None]:
+    """Before the first request: the worker threads' pool and anyio's backend (imported by the first
+    `run_in_threadpool`, ~0.3 s), so a restarted server's first turn does not pay them."""
+    await run_in_threadpool(lambda: None)
+    yield
+
+
 def create_app(router, config: ServeConfig, access: Access | None = None) -> FastAPI:
-    app = FastAPI(title="stateful-hf", docs_url=None, redoc_url=None)
+    app = FastAPI(title="stateful-hf", docs_url=None, redoc_url=None, lifespan=_warm)
     app.state.router, app.state.config, app.state.access = router, config, access or Access()
     count_error = router.metrics.error                   # every error response, by status and code
     app.add_middleware(ErrorBoundary, on_error=count_error)   # a bug's 500, the connection kept (innermost)

@@ -18,6 +18,9 @@ The rule for a chunk held in two tiers (`check_integrity` asserts the first two)
      committed row stays true (old ids, old bytes);
   4. evicting the chunk to disk takes its copy's slot (no write: `take`); making room on disk frees
      copies first (they are redundant while the chunk is served from above: `release`).
+A copy is made by the writer (a chunk served from above, copied down) or by a swap-in (`keep`: a KV chunk
+read up from disk keeps the slot it was read from, so its rows stay as committed, for every holder of a
+shared one, and evicting it again is free).
 Every method runs with the store lock held.
 """
 
@@ -104,6 +107,18 @@ class DiskCopies:
         assert id(cp.chunk) not in self._by_chunk and cp.slot not in self._by_slot, cp
         self._by_chunk[id(cp.chunk)] = cp
         self._by_slot[cp.slot] = cp
+
+    def keep(self, s: Session, k: int, tag: bytes) -> None:
+        """Chunk k of `s`, a DISK chunk proven for `tag` (its identity tag now), is read up a tier: its slot becomes
+        its copy (rule 1 holds: the slot was the chunk's alone, its checksum kept). Every holder's committed rows
+        name the slot already (`named`). The caller reassigns the chunk without freeing the slot."""
+        c = s.chunks[k]
+        assert c.state in ON_DISK and self.pool.checksums.proven(c.loc), "only a proven disk chunk keeps its slot"
+        if (stale := self.of(c)) is not None:   # a copy it had before it went to disk (invalid since: rule 3)
+            self._free(stale)
+            self.freed += 1
+        self.add(DiskCopy(s.session_id, k, c, tag, c.loc,
+                          set(c.entry.holders) if c.entry is not None else {s.session_id}))
 
     def take(self, c: Chunk) -> int:
         """The chunk is being evicted to disk onto its copy (valid: the caller checked): forget the copy,

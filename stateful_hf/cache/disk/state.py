@@ -170,6 +170,16 @@ class DiskState:
                 tags[s.session_id] = identity_tags(s.token_ids, self.block_size)
         return self.disk.write_done(FORM[target], slots, [tags[s.session_id][k] for s, k in items])
 
+    def keep(self, items: list[tuple[Session, int]]) -> None:
+        """These KV chunks on disk, proven, are being read up a tier: each keeps its slot as its disk copy
+        (`DiskCopies.keep`), so no holder's rows change and evicting it again is free. The caller
+        reassigns them without freeing their slots."""
+        tags: dict[str, list[bytes]] = {}
+        for s, k in items:
+            if s.session_id not in tags:
+                tags[s.session_id] = identity_tags(s.token_ids, self.block_size)
+            self.copies.keep(s, k, tags[s.session_id][k])
+
     def failed(self, s: Session, ks=None) -> list[int]:
         """The session's disk chunks (of `ks`, default all) that do not prove to be what they name;
         the caller must drop them before anything reads them. Mutates nothing here."""

@@ -7,7 +7,9 @@ parts when the store lacks them; hidden and disk chunks exist only where it has 
 placement, the counters (written: swapped_in_*, device_hits, restored_hidden*).
 Mutates: the moved chunks (state, loc, shadow, source) and the pools' slots. A chunk rebuilt from
 hidden states keeps its hidden slot as `source` until `settle` (after its step) frees it or, when
-the rebuild did not finish, puts the chunk back in its hidden form.
+the rebuild did not finish, puts the chunk back in its hidden form. A KV chunk read up from disk keeps
+its disk slot as its copy (`DiskCopies.keep`): the disk index is unchanged, a crash or a restart still
+finds the chunk, and evicting it again writes nothing.
 Every method runs with the store lock held.
 """
 
@@ -78,6 +80,7 @@ class SwapIn:
             self.transfer.copy_hidden(tiers.disk_hidden, [s.chunks[k].loc for _, s, k in up], tiers.hidden,
                                       [slots[i] for i, _, _ in up])
             record(DISK_HIDDEN, HIDDEN, [(s, k) for _, s, k in up], t0)
+            self.disk_state.mark_changed(tiers.sharing.holder_ids([(s, k) for _, s, k in up]))   # their rows go
             for i, s, k in up:
                 tiers.vacate(s.chunks[k])
                 s.chunks[k].assign(HIDDEN, slots[i])
@@ -93,8 +96,11 @@ class SwapIn:
             record(source, target, [(s, k) for _, s, k in group], t0, landed=not ev or wait)
             if ev:
                 events.append(ev)
+            if source is DISK:                 # their slots stay, as their disk copies: no index change
+                self.disk_state.keep([(s, k) for _, s, k in group])
             for i, s, k in group:
-                tiers.vacate(s.chunks[k])
+                if source is HOST:
+                    tiers.vacate(s.chunks[k])
                 s.chunks[k].assign(target, slots[i])
                 if target is DEVICE:
                     self.hidden.computed(slots[i], captured=False)     # K/V only: its hidden states are unknown
@@ -103,8 +109,10 @@ class SwapIn:
                         self.counters.swapped_in_host += n
                     else:
                         self.counters.swapped_in_disk += n
-        # after the chunks are in place (making room above prunes the marks); a shared one moved for every holder
-        self.sessions.mark_moved(items, also=(s.session_id for s in movers))
+        # after the chunks are in place (making room above prunes the marks); a shared one moved for every holder.
+        # No move up changes what the disk index names a chunk by (disk KV keeps its slot as its copy, a rebuild its
+        # source), but disk hidden states to the host (marked above): the other holders' rows are not recomputed
+        self.sessions.mark_moved(items, also=(s.session_id for s in movers), rows=False)
         return events
 
     def finish(self, restore: HiddenRestore | None) -> None:

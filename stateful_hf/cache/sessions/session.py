@@ -299,12 +299,13 @@ class SessionTable:
         runs. Mutates: the marks (pruning), lapsed `expected_at`s."""
         return self._tiers.walk(state, self._sessions, now, tenant)
 
-    def mark_moved(self, items: Iterable[tuple[Session, int]], also: Iterable[str] = ()) -> None:
+    def mark_moved(self, items: Iterable[tuple[Session, int]], also: Iterable[str] = (), rows: bool = True) -> None:
         """These chunks moved (in place: for every holder of a shared one). The sessions they are named by, and
-        `also`, are marked; a shared chunk's other holders are recounted and told to the disk index only, its
-        place kept per chunk (its tops listed in its new tier, the device's and the shadows' maps), so a chunk
-        10^4 sessions share costs O(holders) set updates, not a mark each (a per-tenant order lists every
-        holder: then each is marked). Mutates: the marks."""
+        `also`, are marked; a shared chunk's other holders are recounted and, if `rows` (the move may have changed
+        what the disk index names the chunk by: onto or off disk), told to the disk index, its place kept per
+        chunk (its tops listed in its new tier, the device's and the shadows' maps), so a chunk 10^4 sessions
+        share costs O(holders) set updates, not a mark each (a per-tenant order lists every holder: each is listed
+        in the chunk's new tier, O(log held) a holder). Mutates: the marks."""
         named, others = set(also), set()
         for s, k in items:
             named.add(s.session_id)
@@ -312,17 +313,15 @@ class SessionTable:
             if not c.shared:
                 continue
             others.update(c.entry.holders)
-            if not self._tiers.per_tenant:
-                self._tiers.moved(c, k, self._sessions)
-                self._note(s, k, c)
-        if self._tiers.per_tenant:
-            named |= others
+            self._tiers.moved(c, k, self._sessions)
+            self._note(s, k, c)
         for sid in named:
             self.mark(sid)
         others -= named
         if others:
             self._counts.stale.update(others)
-            self.on_change(others)
+            if rows:
+                self.on_change(others)
 
     def let_go(self, s: Session, c: Chunk) -> None:
         """`s` let go of chunk `c` (`TierPools.release`): if `c` was shared and `s` topped it in its tier's order,

@@ -234,7 +234,12 @@ class TierOrder:
 
     def moved(self, c: Chunk, k: int, sessions: Mapping[str, Session]) -> None:
         """Shared chunk `c` (chunk k of its holders) moved to another tier, in place: its tops (unchanged: a
-        move changes no holder's key) are listed there. O(1); O(holders) if it had none."""
+        move changes no holder's key) are listed there. O(1); O(holders) if it had none. With `per_tenant`
+        every holder is listed there, under the key it has (O(holders log held))."""
+        if self.per_tenant:
+            if c.state in self.order:
+                self._list_all(c, sessions)
+            return
         t = self.tops.get(id(c))
         if t is None or c.state not in self.order or not c.shared:
             self._retop(c, k, sessions)
@@ -243,6 +248,29 @@ class TierOrder:
             for expected, e in enumerate(t.top):
                 if e is not None:
                     self._list(e[1], (bool(expected), e), {c.state})
+
+    def _list_all(self, c: Chunk, sessions: Mapping[str, Session]) -> None:
+        """Every holder of shared chunk `c` listed in its tier under the key it has (`per_tenant`): the lists'
+        new entries added in bulk (one sort each), not one by one."""
+        new: dict[tuple[bool, str], list[Entry]] = {}
+        for h in c.entry.holders:
+            hs = sessions.get(h)
+            if hs is None:
+                continue
+            kept = self.key.get(h)
+            if kept is None:
+                self._list(h, self.entry(hs), {c.state})
+            else:
+                new.setdefault((kept[0], self.group(h)), []).append(kept[1])
+        for (expected, t), entries in new.items():
+            per = (self.ahead if expected else self.order)[c.state]
+            lst = per.get(t)
+            if lst is None:
+                lst = per[t] = SortedList()
+            if expected:
+                self.soonest = min(self.soonest, -max(entries)[0])
+            have = set(lst) if len(lst) < len(entries) * 8 else None     # (a long list: ask it per entry)
+            lst.update(e for e in entries if (e not in have if have is not None else e not in lst))
 
     def let_go(self, session_id: str, c: Chunk, sessions: Mapping[str, Session]) -> None:
         """`session_id` holds chunk `c` no more: if it topped `c` (or `c` is shared no more, or freed: then
