@@ -26,6 +26,7 @@ import time
 import torch
 
 from stateful_hf import Engine, SamplingParams, SessionStore
+from stateful_hf.cache import FairSharePolicy
 from stateful_hf.testing import tiny_llama
 
 
@@ -43,6 +44,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--own", type=int, default=16, help="tokens of each session's own")
     ap.add_argument("--device-tokens", type=int, default=65536)
     ap.add_argument("--disk", action="store_true", help="a disk tier below the host (write-behind on)")
+    ap.add_argument("--fair", action="store_true", help="the fair share over the default policy (the server's default: "
+                    "its per-tenant order lists every holder of a shared chunk)")
     ap.add_argument("--every", type=int, default=1000)
     ap.add_argument("--verify", type=int, default=50, help="answers checked against stateless generate")
     ap.add_argument("--json")
@@ -55,6 +58,8 @@ def main(argv: list[str] | None = None) -> dict:
     held = a.sessions * (a.system + a.own + 32) + 4096
     store = SessionStore(model, a.device_tokens, host_capacity=held if disk is None else 4 * a.device_tokens,
                          **({"disk_dir": disk.name, "disk_capacity": held} if disk is not None else {}))
+    if a.fair:
+        store.policy = FairSharePolicy(store.policy)
     engine = Engine(model, store=store, on_busy="wait").start()
     engine.warm_up()
     sampling = SamplingParams(max_new_tokens=1, ignore_eos=True)

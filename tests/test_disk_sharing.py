@@ -437,3 +437,29 @@ def test_a_chunk_read_up_from_disk_keeps_its_slot_as_its_copy(models, tmp_path, 
         last = store.stats(sid).last_turn
         assert last.reused_tokens == held and last.recomputed_tokens == 0, (sid, last)
     store.close()
+
+
+def test_a_kept_copy_outlives_the_holder_it_was_recorded_for(models, tmp_path):
+    """A shared chunk's disk copy is recorded for one holder (the one whose turn brought it up); when that holder
+    goes (deleted, as a throwaway session is after its turn), the sweep records the copy for another holder
+    instead of freeing it: the others keep their rows, and evicting the chunks again writes nothing."""
+    model, oracle = models
+    store = open_store(model, tmp_path / "d", write_behind_delay=3600)
+    convs = shared_on_disk(model, oracle, store)
+    turn(model, oracle, store, "a", torch.cat([convs["a"], user(3)], 1))   # the shared chunks come up for a
+    shared = store.session("b").chunks[:5]
+    assert [store.disk_state.copies.of(c).session_id for c in shared] == ["a"] * 5
+    store.delete("a")
+    with store.lock:
+        store.disk_state.copies.sweep()
+        assert store.disk_state.sync(force=True)
+    assert [store.disk_state.copies.of(c).session_id for c in shared] == ["b"] * 5
+    store.check_integrity()
+    writes, written = [], store.disk_state.written
+    store.disk_state.written = lambda items, target, slots: writes.extend(items) or written(items, target, slots)
+    store.move("b", all_chunks(store, "b"), "disk")          # b's shared chunks were already there: onto the copies
+    assert writes == [] and store.residency("b")["disk"] == store.session("b").num_tokens
+    store.check_integrity()
+    turn(model, oracle, store, "b", torch.cat([convs["b"], user(4)], 1))
+    assert store.stats("b").last_turn.recomputed_tokens == 0
+    store.close()

@@ -9,8 +9,9 @@ this table is the second place.
 The rule for a chunk held in two tiers (`check_integrity` asserts the first two):
   1. the copy's slot is owned by the copy alone (not free, not in limbo, no other chunk's), with the
      checksum of (the chunk's identity tag when it was copied, its bytes);
-  2. the index names it only while the copy is *valid*: the session that copied it still holds that
-     chunk object at that index, the chunk is not itself on disk, and its identity tag is unchanged
+  2. the index names it only while the copy is *valid*: a session still holds that chunk object at that
+     index (the one it is recorded for, or another holder of a shared chunk: `sweep` then records it for
+     that one), the chunk is not itself on disk, and its identity tag is unchanged
      (the tag chains the prefix's ids up to the chunk's end, so a partial chunk that grew, a cut, or
      another prefix changes it: the KV would differ);
   3. a copy that is no longer valid is freed into limbo (`sweep`), so its slot is rewritten only once
@@ -26,6 +27,7 @@ Every method runs with the store lock held.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -91,12 +93,12 @@ class DiskCopies:
         (integrity: O(copies), tags of their sessions)."""
         out, tags = set(), {}
         for cp in self._by_chunk.values():
-            s = self.sessions.find(cp.session_id)
-            ok = s is not None and cp.k < len(s.chunks) and s.chunks[cp.k] is cp.chunk and cp.chunk.state not in ON_DISK
+            s = self._holder(cp)
+            ok = s is not None and cp.chunk.state not in ON_DISK
             if ok:
-                if cp.session_id not in tags:
-                    tags[cp.session_id] = identity_tags(s.token_ids, self.block_size)
-                ok = cp.k < len(tags[cp.session_id]) and tags[cp.session_id][cp.k] == cp.tag
+                if s.session_id not in tags:
+                    tags[s.session_id] = identity_tags(s.token_ids, self.block_size)
+                ok = cp.k < len(tags[s.session_id]) and tags[s.session_id][cp.k] == cp.tag
             if not ok:
                 out.add(cp.session_id)
                 out.update(cp.chunk.entry.holders if cp.chunk.entry is not None else ())
@@ -134,16 +136,32 @@ class DiskCopies:
         self.pool.free([cp.slot])               # limbo until a committed index no longer names it
         self.mark({cp.session_id, *cp.named, *(cp.chunk.entry.holders if cp.chunk.entry is not None else ())})
 
+    def _holder(self, cp: DiskCopy) -> Session | None:
+        """A session holding the copy's chunk object at its index: its own, or another holder of a shared one."""
+        e = cp.chunk.entry
+        for sid in itertools.chain((cp.session_id,), e.holders if e is not None else ()):
+            s = self.sessions.find(sid)
+            if s is not None and cp.k < len(s.chunks) and s.chunks[cp.k] is cp.chunk:
+                return s
+        return None
+
     def sweep(self, session_ids: set[str] | None = None) -> int:
-        """Free copies no longer valid (rule 3): of every copy, whether its session still holds that chunk
-        object off disk; of the sessions in `session_ids` (None: all), also whether its tag is unchanged.
-        Returns how many were freed."""
+        """Free copies no longer valid (rule 3): of every copy, whether a session still holds that chunk
+        object off disk (its session, or another holder of a shared one: the copy is then recorded for it, so a
+        short-lived holder leaving does not cost the others their copy); of the sessions in `session_ids` (None:
+        all) and of re-recorded copies, also whether its tag is unchanged. Returns how many were freed."""
         stale, tags = [], {}
         for cp in list(self._by_chunk.values()):
             s = self.sessions.find(cp.session_id)
-            if s is None or cp.k >= len(s.chunks) or s.chunks[cp.k] is not cp.chunk or cp.chunk.state in ON_DISK:
+            moved = False
+            if s is None or cp.k >= len(s.chunks) or s.chunks[cp.k] is not cp.chunk:
+                s, moved = self._holder(cp), True
+                if s is not None:
+                    cp = self._by_chunk[id(cp.chunk)] = self._by_slot[cp.slot] = DiskCopy(
+                        s.session_id, cp.k, cp.chunk, cp.tag, cp.slot, cp.named)
+            if s is None or cp.chunk.state in ON_DISK:
                 stale.append(cp)
-            elif session_ids is None or cp.session_id in session_ids:
+            elif moved or session_ids is None or cp.session_id in session_ids:
                 if cp.session_id not in tags:
                     tags[cp.session_id] = identity_tags(s.token_ids, self.block_size)
                 t = tags[cp.session_id]
@@ -155,14 +173,16 @@ class DiskCopies:
         return len(stale)
 
     def release(self, n: int) -> int:
-        """Free up to `n` copies (rule 4: the disk needs room), of the least recently active sessions first.
-        Returns how many; they leave limbo at the next commit."""
+        """Free up to `n` copies (rule 4: the disk needs room): those no longer valid (`sweep`), then of the least
+        recently active sessions first. Returns how many (the sweep may free more than `n`); they leave limbo at the
+        next commit."""
         def last_active(cp) -> float:      # a copy whose session is gone goes first
             s = self.sessions.find(cp.session_id)
             return float("-inf") if s is None else s.last_active
 
+        swept = self.sweep()                   # stale copies first (a grown or cut chunk's)
         order = sorted(self._by_chunk.values(), key=last_active)
-        for cp in order[:max(n, 0)]:
+        for cp in order[:max(n - swept, 0)]:
             self._free(cp)
-        return min(len(order), max(n, 0))
+        return swept + min(len(order), max(n - swept, 0))
 
