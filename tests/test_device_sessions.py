@@ -32,6 +32,8 @@ from stateful_hf.cache.eviction.policy import (
     ReturnAwarePolicy,
     make_policy,
 )
+from stateful_hf.cache.sessions.session import Chunk
+from stateful_hf.cache.sessions.tenant import tenant_of
 
 BS = 8
 SYSTEM = torch.randint(3, 300, (1, 19), generator=torch.Generator().manual_seed(5))    # 2 full chunks + 3
@@ -222,12 +224,13 @@ def test_stats_read_counts_and_a_sharer_left_unmarked_is_caught():
     store.close()
 
 
-def test_a_shared_chunk_is_listed_once_at_its_most_valuable_holder():
+def test_a_shared_chunk_is_listed_once_at_its_most_valuable_holder(monkeypatch):
     """40 sessions share a system prompt's two chunks on the device; the 30 least recently active have moved
     their own chunks to the host. Making room on the device reads 2 holders' floors (the shared chunks are
     listed at their most valuable holder, `TierOrder`'s tops, not by every holder) and takes what a full scan
-    takes; the tops are the last holder to finish a turn. Negative control: listing every holder of a shared
-    chunk (the fair share's per-tenant lists, `regroup(True)`) makes the same walk read 32 holders."""
+    takes; the tops are the last holder to finish a turn; the same with the fair share's per-tenant lists
+    (`regroup(True)`). Negative control: with `Chunk.shared` false (every holder lists the shared chunks as its
+    own, as the per-tenant lists did before) the same walk reads 32 holders."""
     store = SessionStore(MODEL, 4096, host_capacity=4096, chunk_size=BS, clock=Clock())
     for i in range(40):
         ids = torch.cat([SYSTEM, torch.tensor([[5 + i, 6, 7, 8, 9]])], 1)
@@ -242,13 +245,66 @@ def test_a_shared_chunk_is_listed_once_at_its_most_valuable_holder():
     device, policy = ChunkState.DEVICE, store.policy
     read = []
     policy.floor = lambda s, now, bs, floor=policy.floor: read.append(s.session_id) or floor(s, now, bs)
-    for per_tenant, reads in ((False, 2), (True, 32)):
+    for per_tenant, every, reads in ((False, False, 2), (True, False, 2), (False, True, 32)):
+        if every:                            # the control: no chunk is shared for the order, listed anew
+            monkeypatch.setattr(Chunk, "shared", property(lambda c: False))
+            store.sessions.regroup(True)
         store.sessions.regroup(per_tenant)
-        store.check_integrity()
+        if not every:
+            store.check_integrity()
         for _ in range(2):                   # the first walk also drops who holds nothing it lists
             read.clear()
             store.clock.now -= 1.0
             got = [(s.session_id, k) for s, k in store.placement.victims(device, 1, set())]
             assert got == full_scan_victims(store, device, None)[:1] and got[0][0] == "s30"
-        assert len(read) == reads, (per_tenant, read)
+        assert len(read) == reads, (per_tenant, every, read)
+    store.close()
+
+
+def test_the_fair_share_ranks_a_shared_chunk_once_with_every_holders_copy():
+    """Two tenants; six of the default tenant's sessions share a system prompt's two chunks, a seventh and the
+    other tenant's two share nothing. The fair share counts the shared chunks once per holder (usage) and walks
+    them once, at their most valuable holder, where the tenant's tokens not yet walked past fall by all six
+    copies: the ranks are those of a hand-written walk of that rule, and `victims` (one walk per tenant over the
+    tops) takes what the full scan takes. Negative control: counting one copy there gives other ranks."""
+    store = SessionStore(MODEL, 4096, host_capacity=4096, chunk_size=BS, clock=Clock(),
+                         policy=FairSharePolicy(make_policy("lru")))
+    sids = [f"a{i}" for i in range(1, 7)]
+    for i, sid in enumerate(sids):
+        ids = torch.cat([SYSTEM, torch.tensor([[5 + i, 6, 7, 8, 9]])], 1)
+        assert torch.equal(greedy(MODEL, ids, n=3, cache=store.cache(sid)), greedy(ORACLE, ids, n=3))
+    for i, sid in enumerate(("a7", "@acme/b1", "@acme/b2")):
+        ids = torch.tensor([[40 + i] * 24])
+        assert torch.equal(greedy(MODEL, ids, n=3, cache=store.cache(sid)), greedy(ORACLE, ids, n=3))
+    shared = store.session("a1").chunks[:2]
+    assert all(len(c.entry.holders) == 6 for c in shared)
+    store.check_integrity()
+    device, bs, now = ChunkState.DEVICE, store.block_size, store.clock.now
+    policy = store.policy
+    policy.prepare(store.sessions, now)
+    usage = {t: u for (st, t), u in store.sessions.usage().items() if st is device}
+    shares = policy.shares(usage)
+
+    def walked(copies: int) -> dict[tuple[str, int], tuple]:
+        """The rule by hand: each tenant's chunks in LRU order, a shared chunk at its last holder, u falling by
+        its tokens times `copies` there."""
+        out = {}
+        for t, share in shares.items():
+            u = usage[t]
+            chunks = sorted(((policy.inner.key(s, k, bs, now), s, k) for s in store.sessions
+                             if tenant_of(s.session_id) == t for k, c in enumerate(s.chunks)
+                             if c.state is device and (not c.shared or s.session_id == "a6")), key=lambda e: e[0])
+            for _, s, k in chunks:
+                head = policy.rank(u, share)
+                c = s.chunks[k]
+                for h in (c.entry.holders if c.shared else (s.session_id,)):
+                    out[h, k] = head
+                u -= s.chunk_len(k, bs) * (copies if c.shared else 1)
+        return out
+
+    ranks = policy._ranks(bs)
+    assert ranks == walked(6)
+    assert ranks != walked(1)                          # the control: it matters here
+    got = [(s.session_id, k) for s, k in store.placement.victims(device, 10 ** 6, set())]
+    assert got == full_scan_victims(store, device, None) and len(got) == sum(len(s.chunks) for s in store.sessions) - 10
     store.close()

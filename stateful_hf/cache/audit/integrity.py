@@ -178,19 +178,19 @@ def check_sharing(sessions: Sequence[Session], index: PrefixIndex, block_size: i
 def _check_tiers(sessions: SessionTable) -> None:
     """Every session holding a chunk of its own in an indexed tier is listed there (`tier_index.TierOrder`):
     an idle one under its current entry, a busy one (re-keyed when its lease ends) under any; every entry is
-    keyed. A shared chunk there (per tenant: every holder is listed) has its tops, the most valuable of its
-    holders' keys per list, and they are listed there; no tops are kept for any other chunk."""
+    keyed. A shared chunk there has its tops, the most valuable of its holders' keys per list, and they are
+    listed there (per tenant: in its holders' tenant's lists); no tops are kept for any other chunk."""
     index = sessions.tiers
     tops = {}
     for s in sessions:
         kept = index.key.get(s.session_id)
         for st in index.order:
-            if any(c.state is st and (index.per_tenant or not c.shared) for c in s.chunks):
+            if any(c.state is st and not c.shared for c in s.chunks):
                 assert kept is not None and index.listed(st, kept[1], kept[0]), (
                     f"session {s.session_id!r} holds {st.value} chunks, unlisted")
         assert s.busy or kept is None or kept == index.entry(s), f"session {s.session_id!r} listed under {kept}"
         for c in s.chunks:
-            if c.state in index.order and c.shared and not index.per_tenant:
+            if c.state in index.order and c.shared:
                 h = kept if kept is not None else index.entry(s)
                 best = tops.setdefault(id(c), (c, [None, None]))[1]
                 if best[h[0]] is None or h[1] > best[h[0]]:
@@ -200,6 +200,7 @@ def _check_tiers(sessions: SessionTable) -> None:
         t = index.tops[cid]
         assert t.chunk is c and t.state is c.state and t.top == best, (
             f"a shared {c.state.value} chunk's tops {t.top} != its holders' {best}")
+        assert len({tenant_of(h) for h in c.entry.holders}) == 1, f"a chunk shared across tenants: {c.entry.holders}"
         for expected, e in enumerate(best):
             assert e is None or index.listed(c.state, e, bool(expected)), f"{e[1]!r} tops a shared chunk, unlisted"
             assert e is None or cid in index.topping.get(e[1], ()), f"{e[1]!r} tops a shared chunk, not marked so"

@@ -69,7 +69,8 @@ def walk(sessions: SessionTable, sharing: PrefixSharing, policy: EvictionPolicy,
     given. Best first: the holders are read furthest next use first (`TierOrder`) and a chunk is taken
     once its key is below the `floor` of the next holder read, which bounds every key not read yet.
     `rank` is asked for every idle chunk taken, movable or not (busy sessions' chunks are in the fair
-    share's usage but never walked); without it an excluded session is passed over. A shared chunk is
+    share's usage but never walked; a shared chunk once, with all its holders' tokens, when none is busy);
+    without it an excluded session is passed over. A shared chunk is
     taken once, at its holder whose key is the chunk's (its most valuable: the last of its entries the walk
     reads, `TierOrder.entries`), and named by its first holder in table order, as `sharing.unique` names it."""
     holders_walk = sessions.holding(state, now, tenant)
@@ -80,23 +81,23 @@ def walk(sessions: SessionTable, sharing: PrefixSharing, policy: EvictionPolicy,
 
     def take() -> Iterator[tuple[tuple, Session, int]]:
         ikey, _, s, k = heapq.heappop(heap)
-        key = ikey if rank is None else (*rank(s.chunk_len(k, bs)), *ikey)
         c = s.chunks[k]
+        if c.entry is not None:
+            # the walk pushes c at each idle holder listing it (its tops) and takes entries in ascending key
+            # order: the last one taken is its most valuable holder's (c's key); a busy one's is never pushed, so
+            # then the count stays short, as free_to_move would refuse. The fair share ranks c there, once, with
+            # every holder's copy (its usage counts each), and only if no holder is busy (`FairSharePolicy._ranks`)
+            n = popped[id(c)] = popped.get(id(c), 0) + 1
+            if n < order.entries(c) or (rank is not None and not sharing.free_to_move(c, set())):
+                return
+        tokens = s.chunk_len(k, bs) * (1 if c.entry is None else len(c.entry.holders))
+        key = ikey if rank is None else (*rank(tokens), *ikey)
         if s.session_id in exclude or (shadowed is not None and (c.shadow is not None) != shadowed):
             return
         if c.entry is None:
             yield key, s, k
-        elif rank is None:
-            # the walk pushes c at each idle holder listing it (its tops, or every holder per tenant) and takes
-            # entries in ascending key order: the last one taken is its most valuable holder's (c's key); a
-            # busy one's is never pushed, so then the count stays short, as free_to_move would refuse
-            n = popped[id(c)] = popped.get(id(c), 0) + 1
-            if n == order.entries(c) and sharing.free_to_move(c, exclude):
-                yield key, min(sharing.holders(s, k), key=lambda h: h.seq), k
         elif sharing.free_to_move(c, exclude):
-            holders = sharing.holders(s, k)
-            if max((policy.key(h, k, bs, now), h.session_id) for h in holders)[1] == s.session_id:
-                yield key, min(holders, key=lambda h: h.seq), k
+            yield key, min(sharing.holders(s, k), key=lambda h: h.seq), k
 
     try:
         for s, ks in holders_walk:

@@ -239,7 +239,10 @@ class FairSharePolicy(EvictionPolicy):
       needing room (the blocks a step takes are not counted until the step has them) takes it from
       itself before a tenant under its share loses anything.
     With one tenant nothing is excess and u decreases along `inner`'s order: the order is `inner`'s.
-    Busy sessions' chunks count towards usage but are never ranked (they cannot move)."""
+    Busy sessions' chunks count towards usage but are never ranked (they cannot move). A chunk several
+    sessions share (one tenant's: sharing is scoped by tenant) counts once per holder in usage and is
+    walked once, at its most valuable holder, where u falls by every holder's copy (it leaves the tier
+    for all of them at once); a busy holder keeps it from being ranked."""
 
     name = "fair_share"
 
@@ -292,6 +295,7 @@ class FairSharePolicy(EvictionPolicy):
     def _ranks(self, block_size: int) -> dict[tuple[str, int], tuple[int, float]]:
         usage: dict[ChunkState, dict[str, int]] = {}
         idle: dict[tuple[ChunkState, str], list[tuple[tuple, Session, int, int]]] = {}
+        shared: dict[int, list] = {}         # id(shared chunk) -> [max key, tokens, busy?, its holders' ids]
         for s in self._sessions:
             t = self.tenant(s.session_id)
             for k, c in enumerate(s.chunks):
@@ -300,15 +304,26 @@ class FairSharePolicy(EvictionPolicy):
                 n = s.chunk_len(k, block_size)
                 per = usage.setdefault(c.state, {})
                 per[t] = per.get(t, 0) + n
-                if not s.busy:
-                    idle.setdefault((c.state, t), []).append(
-                        (self.inner.key(s, k, block_size, self._now), s, k, n))
+                key = self.inner.key(s, k, block_size, self._now) if not s.busy else None
+                if c.shared:                   # ranked once, at its most valuable holder, with every copy
+                    e = shared.setdefault(id(c), [None, 0, False, (c.state, t), k, []])
+                    e[1] += n
+                    e[2] |= s.busy
+                    e[5].append(s.session_id)
+                    if key is not None and (e[0] is None or key > e[0]):
+                        e[0] = key
+                elif not s.busy:
+                    idle.setdefault((c.state, t), []).append((key, [s.session_id], k, n))
+        for key, n, busy, at, k, holders in shared.values():
+            if not busy:
+                idle.setdefault(at, []).append((key, holders, k, n))
         rank = {}
         for state, per in usage.items():
             for t, share in self.shares(per).items():
                 used = per[t]
-                for _, s, k, n in sorted(idle.get((state, t), ()), key=lambda e: e[0]):
-                    rank[(s.session_id, k)] = self.rank(used, share)
+                for _, ids, k, n in sorted(idle.get((state, t), ()), key=lambda e: e[0]):
+                    head = self.rank(used, share)
+                    rank.update(((sid, k), head) for sid in ids)
                     used -= n
         return rank
 

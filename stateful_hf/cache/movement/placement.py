@@ -152,7 +152,7 @@ class Placement:
         its value counts every holder). Every choice of what moves down is made here. In every tier, a
         policy with a floor (`by_session`) walks the tier's holders best first (`tier_index.TierOrder`;
         the fair share among tenants over one: a walk per tenant, `fair_walk.py`), another ranks every
-        chunk of them; shadows rank those of the sessions holding device blocks; `scan` (the tests'
+        chunk of them; shadows rank those of the sessions holding them; `scan` (the tests'
         oracle) ranks every chunk of every session. Reads only."""
         sharing = self.tiers.sharing
         if shadowed:     # cached on the device: chunks holding device blocks, not the idle ones below
@@ -161,10 +161,9 @@ class Placement:
             found = [(min(sharing.holders(s, k), key=lambda h: h.seq), k) for s, k in self.sessions.shadow_chunks()
                      if s.chunks[k].state is state]
             found.sort(key=lambda sk: (sk[0].seq, sk[1]))      # named and ordered as a scan of the table would
-            ranked = None   # the fair share counts usage over the sessions holding device blocks (all holders)
+            ranked = None   # the fair share counts usage over the sessions holding the shadows (all holders)
             if isinstance(self.policy, FairSharePolicy):
-                ranked = {h.session_id: h for s, k in self.sessions.device_chunks()
-                          for h in sharing.holders(s, k)}.values()
+                ranked = {h.session_id: h for s, k in found for h in sharing.holders(s, k)}.values()
             return self._scan(found, state, n, exclude, shadowed, None, ranked)
         if scan:
             return self._scan(self._chunks(self.sessions), state, n, exclude, shadowed)

@@ -53,8 +53,9 @@ class TierOrder:
     own chunks there and the shared ones it tops, so the thousands of sessions whose only device chunk is
     the shared one cost a walk nothing. Kept on each mark in O(1) a shared chunk (a holder more valuable
     than its top takes its place); read anew from its holders (O(holders)) only when a top lets go of it,
-    leaves, or falls behind (an expected turn that lapsed). The fair share's per-tenant walks rank every
-    holder's copy of a shared chunk (its usage counts each), so with `per_tenant` every holder is listed.
+    leaves, or falls behind (an expected turn that lapsed). Its holders are all of one tenant (sharing is
+    scoped by tenant: `prefix/index.py`), so with `per_tenant` its tops are listed in that tenant's lists,
+    where the fair share's walk of the tenant ranks all its holders' copies at once (`fair_walk.py`).
 
     Written only by `SessionTable` (`mark`: wherever a session may gain a chunk in a tier, or change its
     last activity or expected time; `moved`: a shared chunk moved; `let_go`: a session let go of a chunk;
@@ -69,7 +70,7 @@ class TierOrder:
         self.key: dict[str, tuple[bool, Entry]] = {}   # id -> (expected?, its entry in those lists)
         self.per_tenant = per_tenant
         self.soonest = math.inf     # <= every expected time listed in `ahead`: no lapse is due before it
-        self.tops: dict[int, Tops] = {}          # id(shared chunk in an indexed state) -> its tops (not per_tenant)
+        self.tops: dict[int, Tops] = {}          # id(shared chunk in an indexed state) -> its tops
         self.topping: dict[str, set[int]] = {}   # session id -> ids of the chunks whose `Tops` name it
 
     def group(self, session_id: str) -> str:
@@ -114,13 +115,13 @@ class TierOrder:
 
     def taken_at(self, s: Session, state: ChunkState) -> list[int]:
         """The chunks in `state` a walk takes at `s` (listed under its current key): its own, and the
-        shared ones it tops (every one in `state`, with `per_tenant`). O(its chunks)."""
+        shared ones it tops. O(its chunks)."""
         kept = self.key.get(s.session_id)
         out = []
         for k, c in enumerate(s.chunks):
             if c.state is not state:
                 continue
-            if self.per_tenant or not c.shared:
+            if not c.shared:
                 out.append(k)
             else:
                 t = self.tops.get(id(c))
@@ -130,7 +131,7 @@ class TierOrder:
 
     def entries(self, c: Chunk) -> int:
         """How many entries of `c` (one with a prefix entry) a walk of its tier's holders reads."""
-        if self.per_tenant or not c.shared:
+        if not c.shared:
             return len(c.entry.holders)
         t = self.tops.get(id(c))
         return 0 if t is None else t.count
@@ -153,7 +154,7 @@ class TierOrder:
                 self._retop(t.chunk, t.k, sessions)     # it let go, changed list or fell behind: read anew
         states = set()
         for k, c in enumerate(s.chunks):
-            if c.state not in self.order or not c.shared or self.per_tenant:
+            if c.state not in self.order or not c.shared:
                 if id(c) in self.tops:          # in no indexed tier, or shared no more (its holder lists it)
                     self._drop_tops(id(c))
                 if c.state in self.order:
@@ -182,7 +183,7 @@ class TierOrder:
         """`c`'s tops read anew from its holders (their listed keys; O(holders)) and listed in its tier;
         none when it is shared no more (its one holder, if any, listed as holding it)."""
         self._drop_tops(id(c))
-        if self.per_tenant or c.state not in self.order or c.entry is None:
+        if c.state not in self.order or c.entry is None:
             return None
         if not c.shared:
             for h in c.entry.holders:
@@ -234,12 +235,7 @@ class TierOrder:
 
     def moved(self, c: Chunk, k: int, sessions: Mapping[str, Session]) -> None:
         """Shared chunk `c` (chunk k of its holders) moved to another tier, in place: its tops (unchanged: a
-        move changes no holder's key) are listed there. O(1); O(holders) if it had none. With `per_tenant`
-        every holder is listed there, under the key it has (O(holders log held))."""
-        if self.per_tenant:
-            if c.state in self.order:
-                self._list_all(c, sessions)
-            return
+        move changes no holder's key) are listed there. O(1); O(holders) if it had none."""
         t = self.tops.get(id(c))
         if t is None or c.state not in self.order or not c.shared:
             self._retop(c, k, sessions)
@@ -248,29 +244,6 @@ class TierOrder:
             for expected, e in enumerate(t.top):
                 if e is not None:
                     self._list(e[1], (bool(expected), e), {c.state})
-
-    def _list_all(self, c: Chunk, sessions: Mapping[str, Session]) -> None:
-        """Every holder of shared chunk `c` listed in its tier under the key it has (`per_tenant`): the lists'
-        new entries added in bulk (one sort each), not one by one."""
-        new: dict[tuple[bool, str], list[Entry]] = {}
-        for h in c.entry.holders:
-            hs = sessions.get(h)
-            if hs is None:
-                continue
-            kept = self.key.get(h)
-            if kept is None:
-                self._list(h, self.entry(hs), {c.state})
-            else:
-                new.setdefault((kept[0], self.group(h)), []).append(kept[1])
-        for (expected, t), entries in new.items():
-            per = (self.ahead if expected else self.order)[c.state]
-            lst = per.get(t)
-            if lst is None:
-                lst = per[t] = SortedList()
-            if expected:
-                self.soonest = min(self.soonest, -max(entries)[0])
-            have = set(lst) if len(lst) < len(entries) * 8 else None     # (a long list: ask it per entry)
-            lst.update(e for e in entries if (e not in have if have is not None else e not in lst))
 
     def let_go(self, session_id: str, c: Chunk, sessions: Mapping[str, Session]) -> None:
         """`session_id` holds chunk `c` no more: if it topped `c` (or `c` is shared no more, or freed: then
