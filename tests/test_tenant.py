@@ -129,10 +129,10 @@ def test_tenants_survive_a_restart_in_the_disk_index(tmp_path):
     again.close()
 
 
-def _fair_store(disk: str, inner, weights=None, device: int = 16) -> tuple[KVStore, list[float]]:
+def _fair_store(disk: str, inner, weights=None, device: int = 16, **kw) -> tuple[KVStore, list[float]]:
     t = [0.0]
     return KVStore(SPEC, device_capacity=device, host_capacity=96, disk_dir=disk, disk_capacity=512,
-                   policy=FairSharePolicy(inner(), weights), clock=lambda: t[0]), t
+                   policy=FairSharePolicy(inner(), weights), clock=lambda: t[0], **kw), t
 
 
 def _victims(store: KVStore, state, n: int, exclude: set[str], shadowed=None, scan: bool = False) -> list:
@@ -171,10 +171,12 @@ fair_ops = st.lists(st.tuples(st.sampled_from(SIDS), st.integers(1, 8),
        st.sampled_from([None, {"b": 3.0}]))
 def test_fair_walk_matches_a_full_scan(ops, inner, weights):
     """Over random schedules of three tenants' turns, moves, deletes and expected turns, every tier below
-    the device: the per-tenant walk's victims equal the full scan's (any n, with and without an excluded
-    session), and `check_integrity` (the table's token counts against a full count) holds."""
+    the device and the device's cached shadows of host chunks: the per-tenant walk's victims equal the full
+    scan's (any n, with and without an excluded session), and `check_integrity` (the table's token counts
+    against a full count) holds."""
     with tempfile.TemporaryDirectory() as disk:
-        store, t = _fair_store(disk, inner, weights, device=256)
+        # swapped out ahead as soon as idle: host chunks keep device shadows (the shadows' victims are checked)
+        store, t = _fair_store(disk, inner, weights, device=256, swap_out_threshold=0.9)
         for sid, n, op in ops:
             t[0] += 1
             if op == "turn":
@@ -187,7 +189,8 @@ def test_fair_walk_matches_a_full_scan(ops, inner, weights):
             elif op == "expect" and sid in store.session_ids():
                 store.expect(sid, n)
             store.check_integrity()
-            for state, shadowed in ((ChunkState.HOST, None), (ChunkState.HOST, False), (ChunkState.DISK, None)):
+            for state, shadowed in ((ChunkState.HOST, None), (ChunkState.HOST, False), (ChunkState.HOST, True),
+                                    (ChunkState.DISK, None)):
                 want = _victims(store, state, 10 ** 6, set(), shadowed, scan=True)
                 for n_ in (1, 3, 10 ** 6):
                     assert _victims(store, state, n_, set(), shadowed) == want[:n_], (state, n_)

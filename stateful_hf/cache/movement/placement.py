@@ -132,16 +132,16 @@ class Placement:
 
     # ---- making room ---------------------------------------------------------------------------
 
-    def _ranking(self, now: float | None = None, ranked=None):
-        """The policy's key of (session, chunk) for one ranking at `now` (None: the clock's), smaller first
-        (the policy is prepared with every session first, and `ranked`: the sessions holding every chunk
-        of the state ranked). The one place `policy.key` is asked."""
-        now, bs = self.sessions.clock() if now is None else now, self.block_size
-        if isinstance(self.policy, FairSharePolicy):
-            self.policy.prepare(self.sessions, now, ranked)
+    def _ranking(self, now: float | None = None, ranked=None, policy: EvictionPolicy | None = None):
+        """The key of (session, chunk) of `policy` (None: the store's) for one ranking at `now` (None: the
+        clock's), smaller first (the policy is prepared with every session first, and `ranked`: the sessions
+        holding every chunk of the state ranked). The one place `policy.key` is asked."""
+        now, bs, policy = self.sessions.clock() if now is None else now, self.block_size, policy or self.policy
+        if isinstance(policy, FairSharePolicy):
+            policy.prepare(self.sessions, now, ranked)
         else:
-            self.policy.prepare(self.sessions, now)
-        return lambda s, k: self.policy.key(s, k, bs, now)
+            policy.prepare(self.sessions, now)
+        return lambda s, k: policy.key(s, k, bs, now)
 
     def victims(self, state: ChunkState, n: int, exclude: set[str], shadowed: bool | None = None,
                 scan: bool = False) -> Items:
@@ -152,21 +152,29 @@ class Placement:
         its value counts every holder). Every choice of what moves down is made here. In every tier, a
         policy with a floor (`by_session`) walks the tier's holders best first (`tier_index.TierOrder`;
         the fair share among tenants over one: a walk per tenant, `fair_walk.py`), another ranks every
-        chunk of them; shadows rank those of the sessions holding them; `scan` (the tests'
+        chunk of them; shadows rank those of the sessions holding them (the fair share: with one tenant by
+        its inner policy, whose order it is; with several by its walk per tenant of the tier); `scan` (the tests'
         oracle) ranks every chunk of every session. Reads only."""
         sharing = self.tiers.sharing
+        if scan:
+            return self._scan(self._chunks(self.sessions), state, n, exclude, shadowed)
         if shadowed:     # cached on the device: chunks holding device blocks, not the idle ones below
             if self.tiers.pool(state) is None:      # no such tier (no host tier: no shadows): read no session
                 return []
             found = [(min(sharing.holders(s, k), key=lambda h: h.seq), k) for s, k in self.sessions.shadow_chunks()
                      if s.chunks[k].state is state]
             found.sort(key=lambda sk: (sk[0].seq, sk[1]))      # named and ordered as a scan of the table would
-            ranked = None   # the fair share counts usage over the sessions holding the shadows (all holders)
-            if isinstance(self.policy, FairSharePolicy):
-                ranked = {h.session_id: h for s, k in found for h in sharing.holders(s, k)}.values()
-            return self._scan(found, state, n, exclude, shadowed, None, ranked)
-        if scan:
-            return self._scan(self._chunks(self.sessions), state, n, exclude, shadowed)
+            if not isinstance(self.policy, FairSharePolicy):
+                return self._scan(found, state, n, exclude, shadowed)
+            if self.sessions.tenants <= 1:    # one tenant: the fair order is the inner policy's
+                return self._scan(found, state, n, exclude, shadowed, policy=self.policy.inner)
+            inner = self.policy.inner.by_session(1) if self.sessions.tiers.per_tenant else None
+            if inner is not None:             # several: the tier's walk per tenant, its shadowed chunks taken
+                now = self.sessions.clock()
+                inner.prepare(self.sessions, now)
+                return fair_victims(self.sessions, sharing, self.policy, inner, state, n, exclude, shadowed, now,
+                                    self.block_size)
+            return self._scan(found, state, n, exclude, shadowed)      # every session's usage
         walker, now = self.policy.by_session(self.sessions.tenants), self.sessions.clock()
         inner = self.policy.inner.by_session(1) if isinstance(self.policy, FairSharePolicy) \
             and self.sessions.tiers.per_tenant else None
@@ -186,11 +194,11 @@ class Placement:
         return [(s, k) for s in sessions for k in range(len(s.chunks))]
 
     def _scan(self, items: Items, state: ChunkState, n: int, exclude: set[str], shadowed: bool | None,
-              now: float | None = None, ranked=None) -> Items:
+              now: float | None = None, ranked=None, policy: EvictionPolicy | None = None) -> Items:
         """`victims` by ranking every one of `items` in `state` (at `now`: the clock's; `ranked`: the sessions
-        whose chunks the fair share counts, None: every session's)."""
+        whose chunks the fair share counts, None: every session's; `policy`: None, the store's)."""
         sharing = self.tiers.sharing
-        key = self._ranking(now, ranked)
+        key = self._ranking(now, ranked, policy)
         found = sharing.unique((s, k) for s, k in items if not s.busy and s.session_id not in exclude
                                and (c := s.chunks[k]).state is state
                                and (shadowed is None or (c.shadow is not None) == shadowed)
