@@ -44,8 +44,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--own", type=int, default=16, help="tokens of each session's own")
     ap.add_argument("--device-tokens", type=int, default=65536)
     ap.add_argument("--disk", action="store_true", help="a disk tier below the host (write-behind on)")
-    ap.add_argument("--fair", action="store_true", help="the fair share over the default policy (the server's default: "
-                    "its per-tenant order lists every holder of a shared chunk)")
+    ap.add_argument("--fair", action="store_true", help="the fair share over the default policy (the server's default)")
     ap.add_argument("--every", type=int, default=1000)
     ap.add_argument("--verify", type=int, default=50, help="answers checked against stateless generate")
     ap.add_argument("--json")

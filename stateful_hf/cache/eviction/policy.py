@@ -294,8 +294,10 @@ class FairSharePolicy(EvictionPolicy):
 
     def _ranks(self, block_size: int) -> dict[tuple[str, int], tuple[int, float]]:
         usage: dict[ChunkState, dict[str, int]] = {}
-        idle: dict[tuple[ChunkState, str], list[tuple[tuple, Session, int, int]]] = {}
-        shared: dict[int, list] = {}         # id(shared chunk) -> [max key, tokens, busy?, its holders' ids]
+        idle: dict[tuple[ChunkState, str], list[tuple[tuple, list[str], int, int]]] = {}   # (key, holders, k, tokens)
+        # id(shared chunk) -> [max key over idle holders, tokens of every copy, a holder busy?, (state, tenant), k,
+        # its holders' ids]
+        shared: dict[int, list] = {}
         for s in self._sessions:
             t = self.tenant(s.session_id)
             for k, c in enumerate(s.chunks):

@@ -304,8 +304,7 @@ class SessionTable:
         `also`, are marked; a shared chunk's other holders are recounted and, if `rows` (the move may have changed
         what the disk index names the chunk by: onto or off disk), told to the disk index, its place kept per
         chunk (its tops listed in its new tier, the device's and the shadows' maps), so a chunk 10^4 sessions
-        share costs O(holders) set updates, not a mark each (a per-tenant order lists every holder: each is listed
-        in the chunk's new tier, O(log held) a holder). Mutates: the marks."""
+        share costs O(holders) set updates, not a mark each. Mutates: the marks."""
         named, others = set(also), set()
         for s, k in items:
             named.add(s.session_id)
