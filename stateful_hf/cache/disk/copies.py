@@ -152,13 +152,11 @@ class DiskCopies:
         all) and of re-recorded copies, also whether its tag is unchanged. Returns how many were freed."""
         stale, tags = [], {}
         for cp in list(self._by_chunk.values()):
-            s = self.sessions.find(cp.session_id)
-            moved = False
-            if s is None or cp.k >= len(s.chunks) or s.chunks[cp.k] is not cp.chunk:
-                s, moved = self._holder(cp), True
-                if s is not None:
-                    cp = self._by_chunk[id(cp.chunk)] = self._by_slot[cp.slot] = DiskCopy(
-                        s.session_id, cp.k, cp.chunk, cp.tag, cp.slot, cp.named)
+            s = self._holder(cp)
+            moved = s is not None and s.session_id != cp.session_id
+            if moved:
+                cp = self._by_chunk[id(cp.chunk)] = self._by_slot[cp.slot] = DiskCopy(
+                    s.session_id, cp.k, cp.chunk, cp.tag, cp.slot, cp.named)
             if s is None or cp.chunk.state in ON_DISK:
                 stale.append(cp)
             elif moved or session_ids is None or cp.session_id in session_ids:

@@ -161,20 +161,20 @@ class Placement:
         if shadowed:     # cached on the device: chunks holding device blocks, not the idle ones below
             if self.tiers.pool(state) is None:      # no such tier (no host tier: no shadows): read no session
                 return []
+            fair, policy = isinstance(self.policy, FairSharePolicy), None
+            if fair and self.sessions.tenants > 1:      # several tenants: the fair share's walk per tenant of
+                inner = self.policy.inner.by_session(1) if self.sessions.tiers.per_tenant else None   # the tier,
+                if inner is not None:                   # its shadowed chunks taken
+                    now = self.sessions.clock()
+                    inner.prepare(self.sessions, now)
+                    return fair_victims(self.sessions, sharing, self.policy, inner, state, n, exclude, shadowed,
+                                        now, self.block_size)
+            elif fair:                        # one tenant: the fair order is the inner policy's
+                policy = self.policy.inner
             found = [(min(sharing.holders(s, k), key=lambda h: h.seq), k) for s, k in self.sessions.shadow_chunks()
                      if s.chunks[k].state is state]
             found.sort(key=lambda sk: (sk[0].seq, sk[1]))      # named and ordered as a scan of the table would
-            if not isinstance(self.policy, FairSharePolicy):
-                return self._scan(found, state, n, exclude, shadowed)
-            if self.sessions.tenants <= 1:    # one tenant: the fair order is the inner policy's
-                return self._scan(found, state, n, exclude, shadowed, policy=self.policy.inner)
-            inner = self.policy.inner.by_session(1) if self.sessions.tiers.per_tenant else None
-            if inner is not None:             # several: the tier's walk per tenant, its shadowed chunks taken
-                now = self.sessions.clock()
-                inner.prepare(self.sessions, now)
-                return fair_victims(self.sessions, sharing, self.policy, inner, state, n, exclude, shadowed, now,
-                                    self.block_size)
-            return self._scan(found, state, n, exclude, shadowed)      # every session's usage
+            return self._scan(found, state, n, exclude, shadowed, policy=policy)   # (else every session's usage)
         walker, now = self.policy.by_session(self.sessions.tenants), self.sessions.clock()
         inner = self.policy.inner.by_session(1) if isinstance(self.policy, FairSharePolicy) \
             and self.sessions.tiers.per_tenant else None
