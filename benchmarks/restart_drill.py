@@ -19,9 +19,11 @@ Rounds, on one --disk-dir:
 3. SIGTERM: `--streams` long streams (`--stream-tokens` each, ignore_eos) and one client that disconnects after
    a few chunks run when SIGTERM comes; the streams' end (cancel) and the process's exit are timed, and the
    server's shutdown lines split the time into drain (cancel + connections closed), the flush and the rest.
-   Restart; time from the process's start to its first served returning turn, that turn's TTFT against the
-   same session's previous returning turn (before), then every session's next turn: sessions kept and tokens
-   reused / held (target 100 % and >= 99 %).
+   Restart; time from the process's start to its first served returning turn; `--probes` sessions' next turns
+   one at a time (the process's first, then the others), each TTFT against the same session's previous
+   returning turn, also taken alone before the SIGTERM (before); then every session's next turn: sessions kept
+   and tokens reused / held (target 100 % and >= 99 %). One turn's TTFT swings 2-3x on a 2-core host with the
+   server's OpenMP team of 2 (docs/durability.md): the medians over the probes are the comparison.
 Wrong answers: every returning turn after a restart is compared, token for token, with stateless greedy
 `generate` (transformers, float32) on the same ids in this process, after the servers are down (`--verify`
 limits the sessions that send a turn after the SIGTERM restart: a random sample, for `--sessions 10000`).
@@ -37,6 +39,7 @@ import os
 import random
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -202,7 +205,7 @@ def ttft_of(server: Server) -> dict[str, list[dict]]:
 
 
 def returning(server: Server, name: str, sessions: list[Session], tok, answer: int, pool, record: list,
-              probes: int = 2) -> dict:
+              probes: int = 8) -> dict:
     """After a restart: the first `probes` sessions' next turns one at a time (the first timed from the process's
     start; each one's TTFT against its turn served alone before), then every other session's next turn in a
     burst. Returns the figures, per session too."""
@@ -225,6 +228,11 @@ def returning(server: Server, name: str, sessions: list[Session], tok, answer: i
     out["probe_turns"] = [{"session": s.sid, "ttft_after_s": ends[s.sid][0]["ttft_s"], "ttft_before_s": s.ttft_before,
                            "ratio": None if not s.ttft_before else ends[s.sid][0]["ttft_s"] / s.ttft_before,
                            "reused": cached[s.sid], "held": held[s.sid]} for s in sessions[:probes]]
+    timed = [x for x in out["probe_turns"] if x["ttft_before_s"]]
+    if timed:
+        after, before = (statistics.median(x[k] for x in timed) for k in ("ttft_after_s", "ttft_before_s"))
+        out["probe_median"] = {"turns": len(timed), "ttft_after_s": after, "ttft_before_s": before,
+                               "ratio": after / before}
     out["per_session"] = {s.sid: {"held": held[s.sid], "reused": cached[s.sid]} for s in sessions}
     return out
 
@@ -357,6 +365,8 @@ def main(argv=None) -> None:
     p.add_argument("--stream-seconds", type=float, default=2.0, help="the streams run this long before SIGTERM")
     p.add_argument("--verify", type=int, help="sessions sending a turn after the SIGTERM restart (none: all)")
     p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--probes", type=int, default=8, help="sessions whose returning turn is timed alone before the "
+                   "SIGTERM and after the restart (the first of them: the process's first turn)")
     p.add_argument("--write-behind-delay", type=float, default=1.0)
     p.add_argument("--drain", type=float, default=1.0, help="the queue drain allowed on top of the delay")
     p.add_argument("--shutdown-flush-timeout", type=float, default=4.0)
@@ -416,12 +426,13 @@ def main(argv=None) -> None:
                                    for sid in state}, "restart": {k: v for k, v in back.items() if k != "per_session"}})
     result["kill9"] = kills
 
-    sample = sessions if args.verify is None else sessions[:2] + rng.sample(sessions[2:], max(args.verify - 2, 0))
-    for s in sample[:2]:
+    p = min(args.probes, len(sessions))
+    sample = sessions if args.verify is None else sessions[:p] + rng.sample(sessions[p:], max(args.verify - p, 0))
+    for s in sample[:p]:
         alone(server, args.name, s, tok, args.answer)        # the TTFTs before, of the turns timed after
     result["sigterm"] = sigterm_round(args, server, tok)
     server = Server(args, disk, logs / "server_term.log")
-    back = returning(server, args.name, sample, tok, args.answer, pool, record)
+    back = returning(server, args.name, sample, tok, args.answer, pool, record, p)
     back.pop("per_session")
     result["sigterm"]["restart"] = back
     t_sig, t_exit = server.term()
@@ -449,6 +460,10 @@ def summary(r: dict) -> None:
     for x in b["probe_turns"]:
         print(f"  returning turn alone: {x['session']} TTFT {x['ttft_after_s']:.3f} s after, {x['ttft_before_s']:.3f} "
               f"s before ({x['ratio']:.2f}x), reused {x['reused']}/{x['held']}")
+    if "probe_median" in b:
+        m = b["probe_median"]
+        print(f"  median of {m['turns']} returning turns alone: TTFT {m['ttft_after_s']:.3f} s after, "
+              f"{m['ttft_before_s']:.3f} s before ({m['ratio']:.2f}x)")
     for k in r["kill9"]:
         print(f"kill -9: {k['eligible_kept_whole']}/{k['eligible']} eligible kept whole (> {k['threshold_s']} s), "
               f"in flight {k['in_flight_at_kill']}, youngest kept {k['youngest_kept_whole_s']}, "

@@ -141,7 +141,7 @@ def _assemble(spec: KVSpec, c: StoreConfig) -> StoreParts:
     sessions = SessionTable(c.clock, TierOrder(INDEXED), TierUsage(spec.block_size))
     sharing = PrefixSharing(spec.block_size, sessions.find,
                             c.prefix_sharing is not False and c.layout is Layout.PAGED and not c.layerwise_kv,
-                            sessions.recount)
+                            sessions.recount, sessions.recount_chunk)
     try:
         hidden_tier = None if c.hidden_states is HiddenStates.NEVER else open_hidden_tier(
             c.hidden_states, c.hidden_spec, c.project, spec, device_pool.num_blocks, c.hidden_capacity,

@@ -84,8 +84,12 @@ class Placement:
         `landed`: its copy had landed by now (`MoveBatch.landed`)."""
         if not items:
             return
-        for sid in self.tiers.sharing.holder_ids(items):    # their tokens per tier change
-            self.sessions.recount(sid)
+        for s, k in items:                     # their tokens per tier change: a shared chunk's once, for all holders
+            c = s.chunks[k]
+            if c.entry is None:
+                self.sessions.recount(s.session_id)
+            else:
+                self.sessions.recount_chunk(c)
         pool = None if dst is DROPPED else self.tiers.pool(dst)
         per_slot = 0 if pool is None else pool.bytes_per_slot
         per_session: dict[str, int] = {}

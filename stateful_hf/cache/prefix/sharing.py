@@ -52,11 +52,13 @@ class PrefixSharing:
     indexed, so no chunk is ever shared and the other methods find no entries to act on."""
 
     def __init__(self, block_size: int, session: Callable[[str], Session | None], enabled: bool = True,
-                 changed: Callable[[str], None] = lambda sid: None):
+                 changed: Callable[[str], None] = lambda sid: None,
+                 chunk_changed: Callable[[Chunk], None] = lambda c: None):
         self.index = PrefixIndex(block_size)
         self.block_size, self.enabled = block_size, enabled
         self._session = session      # session id -> Session (None if gone)
         self._changed = changed      # a session whose chunks this changed for it (`SessionTable.recount`)
+        self._chunk_changed = chunk_changed   # a chunk whose entry or holders this changed (`recount_chunk`)
         # Bumped whenever a chunk may leave a session's indexed run: an entry leaves the index
         # (`_remove`) or a session lets go of a shared chunk (`detach`). A `Session.index_cursor` of
         # an older epoch is void (register walks from chunk 0 again).
@@ -142,7 +144,9 @@ class PrefixSharing:
                 keys = keys if keys is not None else list(self.index.keys(scope, parent.token_ids[: n * bs]))
                 c.entry = PrefixEntry(keys[k], scope, k, tuple(parent.token_ids[k * bs:(k + 1) * bs]), None, c,
                                       {parent.session_id})
+                self._changed(parent.session_id)
             child.chunks.append(c)
+            self._chunk_changed(c)
             if c.entry in self.index:
                 self.index.acquire(c.entry, child.session_id)
             else:
@@ -157,6 +161,8 @@ class PrefixSharing:
         s.chunks[k] = e.payload
         self.index.acquire(e, s.session_id)
         self._joined(e, s.session_id)
+        self._chunk_changed(e.payload)
+        self._changed(s.session_id)
 
     def _joined(self, e: PrefixEntry, session_id: str) -> None:
         """`session_id` holds `e` now: it and, when it is the second, the first holder become sharers."""
@@ -225,6 +231,8 @@ class PrefixSharing:
                 c.entry = e
             self.index.acquire(e, s.session_id)
             self._joined(e, s.session_id)
+            self._chunk_changed(e.payload)
+            self._changed(s.session_id)
             parent = e
         return n
 
@@ -238,6 +246,8 @@ class PrefixSharing:
             return False
         self.epoch += 1
         left = self.index.release(e, s.session_id)
+        self._chunk_changed(c)
+        self._changed(s.session_id)
         if left:
             s.chunks[k] = Chunk()
             return True
@@ -258,6 +268,8 @@ class PrefixSharing:
             self._remove(e)
         self.index.release(e, s.session_id)
         s.chunks[k].entry = None
+        self._chunk_changed(s.chunks[k])
+        self._changed(s.session_id)
         return True
 
     def unshare(self, items: Items) -> Items:
@@ -279,6 +291,8 @@ class PrefixSharing:
                 self._remove(e)
             self.index.release(e, s.session_id)
             c.entry = None
+            self._chunk_changed(c)
+            self._changed(s.session_id)
         return items
 
     def withdraw(self, s: Session, k: int) -> None:
@@ -309,6 +323,9 @@ class PrefixSharing:
                 s.chunks[k].entry = PrefixEntry(key, s.scope, k, tuple(s.token_ids[k * bs:(k + 1) * bs]), None,
                                                 s.chunks[k], {h.session_id for h, _ in group})
                 self.sharers.update(h.session_id for h, _ in group)
+                self._chunk_changed(s.chunks[k])
+                for h, _ in group:
+                    self._changed(h.session_id)
         for s, scope in loaded if self.enabled else ():
             parent = None
             for k in range(len(s.token_ids) // bs if scope is not None else 0):
@@ -324,6 +341,8 @@ class PrefixSharing:
                     c.entry = e
                     self.index.acquire(e, s.session_id)
                     self._joined(e, s.session_id)
+                    self._chunk_changed(c)
+                    self._changed(s.session_id)
                 parent = c.entry
 
     def _remove(self, top: PrefixEntry) -> None:
@@ -334,6 +353,7 @@ class PrefixSharing:
         for e in self.index.remove(top):
             if not e.holders:
                 e.payload.entry = None
+                self._chunk_changed(e.payload)
 
     def retainable(self, s: Session) -> int:
         """Chunks of `s` worth keeping when it is deleted with `keep_shared`: its leading indexed chunks

@@ -260,18 +260,23 @@ class SessionTable:
         read of `usage` / `live_usage`. O(1)."""
         self._counts.stale.add(session_id)
 
+    def recount_chunk(self, c: Chunk) -> None:
+        """A chunk with a prefix entry moved, or its entry or holders changed (for every holder): counted
+        again at the next read, once. O(1)."""
+        self._counts.stale_chunks[id(c)] = c
+
     def usage(self) -> Mapping[tuple[ChunkState, str], int]:
         """Tokens per (chunk state, tenant) of every session (retained ones too), each holder of a shared
         chunk counting it (`FairSharePolicy`'s usage). O(sessions changed since the last read)."""
-        return self._counts.usage(self._sessions)
+        return self._counts.usage(self._sessions, self._retained)
 
     def totals(self) -> Mapping[ChunkState, int]:
         """`usage` summed over tenants: tokens per chunk state (`stats()`). O(sessions changed since)."""
-        return self._counts.totals(self._sessions)
+        return self._counts.totals(self._sessions, self._retained)
 
     def live_usage(self) -> Mapping[tuple[ChunkState, str], int]:
         """`usage` of the sessions not retained (`History.tenant_usage`)."""
-        return self._counts.live(self._sessions)
+        return self._counts.live(self._sessions, self._retained)
 
     def live_sessions_per_tenant(self) -> Counter[str]:
         """Sessions not retained, per tenant. O(tenants + retained sessions)."""
@@ -301,26 +306,28 @@ class SessionTable:
 
     def mark_moved(self, items: Iterable[tuple[Session, int]], also: Iterable[str] = (), rows: bool = True) -> None:
         """These chunks moved (in place: for every holder of a shared one). The sessions they are named by, and
-        `also`, are marked; a shared chunk's other holders are recounted and, if `rows` (the move may have changed
-        what the disk index names the chunk by: onto or off disk), told to the disk index, its place kept per
-        chunk (its tops listed in its new tier, the device's and the shadows' maps), so a chunk 10^4 sessions
-        share costs O(holders) set updates, not a mark each. Mutates: the marks."""
+        `also`, are marked; a chunk with a prefix entry is counted again once (`TierUsage`), its place kept per
+        chunk (its tops listed in its new tier, the device's and the shadows' maps), and, if `rows` (the move may
+        have changed what the disk index names the chunk by: onto or off disk), its other holders are told to
+        the disk index: a chunk 10^4 sessions share costs O(1), or O(holders) set updates with `rows`, not a
+        mark each. Mutates: the marks."""
         named, others = set(also), set()
         for s, k in items:
             named.add(s.session_id)
             c = s.chunks[k]
+            if c.entry is not None:
+                self._counts.stale_chunks[id(c)] = c
             if not c.shared:
                 continue
-            others.update(c.entry.holders)
+            if rows:
+                others.update(c.entry.holders)
             self._tiers.moved(c, k, self._sessions)
             self._note(s, k, c)
         for sid in named:
             self.mark(sid)
         others -= named
         if others:
-            self._counts.stale.update(others)
-            if rows:
-                self.on_change(others)
+            self.on_change(others)
 
     def let_go(self, s: Session, c: Chunk) -> None:
         """`s` let go of chunk `c` (`TierPools.release`): if `c` was shared and `s` topped it in its tier's order,

@@ -8,6 +8,7 @@ import heapq
 import math
 from collections import Counter
 from collections.abc import Iterator, Mapping
+from collections.abc import Set as AbstractSet
 
 from sortedcontainers import SortedList
 
@@ -341,58 +342,89 @@ STATES = tuple(ChunkState)          # a state's index in `Session.counted`
 
 class TierUsage:
     """Tokens per (chunk state, tenant), every holder of a shared chunk counting it: of every session
-    (`usage`) and of those not retained (`live`), as of each session's last count (`Session.counted`:
-    (retained, state index, tokens, ...), written only here; a flat tuple, ~64 bytes a session). `stale`:
-    sessions to count again at the next read, added by the table (`SessionTable.recount`: wherever a
-    session's chunks, token ids or retained flag may have changed); a removed session is subtracted at
-    once (`drop`). A read costs O(the stale sessions' chunks); `check_integrity` compares a full count."""
+    (`usage`) and of those not retained (`live`). A session's own chunks are counted per session, as of its
+    last count (`Session.counted`: (retained, state index, tokens, ...), written only here; a flat tuple,
+    ~64 bytes a session); a chunk with a prefix entry (shared, or indexed to be) once, as its tokens times its
+    holders (`_chunks`), so a move of a chunk 10^4 sessions share is one recount, not 10^4. `stale`: sessions
+    to count again at the next read (`SessionTable.recount`: wherever a session's chunks, token ids or
+    retained flag may have changed), each re-marking its entry chunks; `stale_chunks`: chunks whose place,
+    entry or holders changed (`SessionTable.recount_chunk`: a move, the prefix sharing's changes of holders).
+    A removed session is subtracted at once (`drop`). A read costs O(the stale sessions' chunks + the stale
+    chunks + the retained sessions per stale chunk); `check_integrity` compares a full count."""
 
-    __slots__ = ("block_size", "stale", "_usage", "_retained", "_totals")
+    __slots__ = ("block_size", "stale", "stale_chunks", "_chunks", "_usage", "_retained", "_totals")
 
     def __init__(self, block_size: int):
         self.block_size = block_size
         self.stale: set[str] = set()
+        self.stale_chunks: dict[int, Chunk] = {}                      # id -> chunk, to count again
+        # id -> (entry chunk, tenant, (state index, tokens) of its holders not retained, of the retained ones)
+        self._chunks: dict[int, tuple[Chunk, str, tuple, tuple]] = {}
         self._usage: Counter[tuple[ChunkState, str]] = Counter()      # every session
         self._retained: Counter[tuple[ChunkState, str]] = Counter()   # of which retained ones (few)
         self._totals: Counter[ChunkState] = Counter()                  # `_usage` summed over tenants
 
-    def usage(self, sessions: Mapping[str, Session]) -> Mapping[tuple[ChunkState, str], int]:
-        self._flush(sessions)
+    def usage(self, sessions: Mapping[str, Session], retained: AbstractSet[str]
+              ) -> Mapping[tuple[ChunkState, str], int]:
+        self._flush(sessions, retained)
         return self._usage
 
-    def totals(self, sessions: Mapping[str, Session]) -> Mapping[ChunkState, int]:
+    def totals(self, sessions: Mapping[str, Session], retained: AbstractSet[str]) -> Mapping[ChunkState, int]:
         """`usage` per chunk state, over every tenant: O(the stale sessions' chunks), not O(tenants)."""
-        self._flush(sessions)
+        self._flush(sessions, retained)
         return self._totals
 
-    def live(self, sessions: Mapping[str, Session]) -> Mapping[tuple[ChunkState, str], int]:
-        self._flush(sessions)
+    def live(self, sessions: Mapping[str, Session], retained: AbstractSet[str]
+             ) -> Mapping[tuple[ChunkState, str], int]:
+        self._flush(sessions, retained)
         out = {k: n - self._retained.get(k, 0) for k, n in self._usage.items()}
         return {k: n for k, n in out.items() if n}
 
     def drop(self, s: Session) -> None:
-        """`s` leaves the table: its last count is taken back."""
-        self._add(s, -1)
+        """`s` leaves the table: its last count is taken back (its entry chunks were let go: `stale_chunks`)."""
+        if s.counted:
+            self._add(s.counted[0], s.counted[1:], tenant_of(s.session_id), -1)
         s.counted = ()
         self.stale.discard(s.session_id)
 
-    def _flush(self, sessions: Mapping[str, Session]) -> None:
-        if not self.stale:
-            return
+    def _flush(self, sessions: Mapping[str, Session], retained: AbstractSet[str]) -> None:
+        bs = self.block_size
         for sid in self.stale:
             s = sessions.get(sid)
             if s is None:
                 continue
-            self._add(s, -1)
-            by = s.tokens_by_state(self.block_size)
+            t = tenant_of(sid)
+            if s.counted:
+                self._add(s.counted[0], s.counted[1:], t, -1)
+            by: dict[ChunkState, int] = {}
+            for k, c in enumerate(s.chunks):
+                if c.entry is None:
+                    by[c.state] = by.get(c.state, 0) + s.chunk_len(k, bs)
+                else:
+                    self.stale_chunks[id(c)] = c
             s.counted = (s.retained, *(x for st, n in by.items() for x in (STATES.index(st), n)))
-            self._add(s, 1)
+            self._add(s.retained, s.counted[1:], t, 1)
         self.stale.clear()
+        for cid, c in self.stale_chunks.items():
+            old = self._chunks.pop(cid, None)
+            if old is not None:
+                _, t, live, kept = old
+                self._add(False, live, t, -1)
+                self._add(True, kept, t, -1)
+            e = c.entry
+            if e is None or not e.holders:
+                continue
+            held = e.holders
+            r = sum(h in held for h in retained) if len(retained) < len(held) else sum(h in retained for h in held)
+            n, st, t = len(e.ids), STATES.index(c.state), tenant_of(next(iter(held)))     # holders: one tenant
+            live, kept = (st, n * (len(held) - r)) if r < len(held) else (), (st, n * r) if r else ()
+            self._chunks[cid] = (c, t, live, kept)
+            self._add(False, live, t, 1)
+            self._add(True, kept, t, 1)
+        self.stale_chunks.clear()
 
-    def _add(self, s: Session, sign: int) -> None:
-        if not s.counted:
-            return
-        t, retained, flat = tenant_of(s.session_id), s.counted[0], s.counted[1:]
+    def _add(self, retained: bool, flat: tuple, t: str, sign: int) -> None:
+        """Add (sign 1) or take back (-1) tokens of tenant `t`: `flat` = (state index, tokens, ...)."""
         for i in range(0, len(flat), 2):
             key = (STATES[flat[i]], t)
             self._totals[key[0]] += sign * flat[i + 1]
