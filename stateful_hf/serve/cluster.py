@@ -24,6 +24,7 @@ from . import logs
 from .app import ServeConfig, create_app
 from .directory import SessionDirectory
 from .protocol import APIError
+from .replica import freeze_heap
 from .router import Router
 from .server import EngineOptions, context_length, load_model
 
@@ -40,6 +41,7 @@ class EngineReplica:
         logs.configure_from_env()
         model, tokenizer, _ = load_model(model_path, dtype, device, **(load or {}))
         self.replica = EngineOptions(**options).replica(model, tokenizer, name)
+        freeze_heap()
 
     async def stream(self, session_id, prompt, sampling: dict, cache_salt=None, tenant=None,
                      fork=None, continues=None) -> AsyncIterator[dict]:

@@ -19,7 +19,7 @@ from .app import ServeConfig, create_app
 from .auth import Access
 from .flags import SERVER_DEFAULTS
 from .local_client import LocalClient
-from .replica import Replica
+from .replica import Replica, freeze_heap
 from .router import Router
 
 log = logging.getLogger(__name__)
@@ -209,4 +209,6 @@ def serve(app, router: Router, host: str, port: int, log_level: str = "info") ->
     replicas = [c.replica for c in router.clients if isinstance(c, LocalClient)]
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, log_config=None,
                             timeout_graceful_shutdown=DRAIN_TIMEOUT)
+    frozen = freeze_heap()
+    logging.getLogger("stateful_hf.serve").debug("froze %d objects of the startup heap", frozen)
     SignalledServer(config, replicas).run()
