@@ -134,6 +134,34 @@ def test_restart_rebuilds_sharing_and_a_new_session_adopts_from_disk(models, tmp
     store.close()
 
 
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_a_restart_brings_the_shared_prefix_up_before_the_first_turn(models, tmp_path, prefetch):
+    """After a restart every chunk is on disk; `prefetch_shared` (a server's replica calls it before /health)
+    brings the chunks both sessions share up to the device, proven as read, once: the first returning turn then
+    reads only its own chunks from disk, exact. Control (no prefetch): that turn reads the shared ones too."""
+    model, oracle = models
+    d = tmp_path / "d"
+    store = open_store(model, d)
+    convs = shared_on_disk(model, oracle, store)
+    store.close()
+
+    store = open_store(model, d, disk_write="evict")
+    a = store.session("a")
+    assert all(a.chunks[k].state.value == "disk" for k in range(5))
+    if prefetch:
+        assert store.prefetch_shared(fraction=1.0) == SHARED
+        store.check_integrity()
+        assert all(a.chunks[k].state.value == "device" and a.chunks[k] is store.session("b").chunks[k]
+                   for k in range(5))
+        assert store.prefetch_shared() == 0                   # nothing shared is left below the device
+    own = store.session("a").num_tokens - SHARED
+    turn(model, oracle, store, "a", torch.cat([convs["a"], user(5)], 1))
+    last = store.stats("a").last_turn
+    assert last.recomputed_tokens == 0 and last.swapped_in_disk == (own if prefetch else own + SHARED)
+    assert store.stats().disk_checksum_failures == 0
+    store.close()
+
+
 def test_restart_keeps_the_scope_of_what_it_shares(models, tmp_path):
     """A prefix saved under a cache_salt is adopted after a restart by a new session with that salt
     only; a saved session continues under its salt, and another salt is refused for it."""

@@ -338,6 +338,19 @@ class KVStore:
             self.relocation.move(self.sessions.get(session_id), chunks, target)
             self._sync()
 
+    def prefetch_shared(self, fraction: float = 0.5) -> int:
+        """Ahead of the first turns after a restart (a server's replica calls it before /health): the chunks that
+        several sessions share and that sit on the host or disk (a chat template's system prompt, held by every
+        session) move up to the device, most holders first, into at most `fraction` of its free blocks, so no
+        returning turn reads them; each disk chunk's proof is checked as it is read (one that fails is dropped:
+        the next turn recomputes it). Returns the tokens moved, each shared chunk counted once."""
+        if not 0 <= fraction <= 1:
+            raise ValueError(f"fraction must be in [0, 1], got {fraction}")
+        with self.lock, self.placement.moving("ahead"):
+            moved = self.relocation.prefetch_shared(int(self.tiers.device.num_free * fraction))
+            self._sync()
+            return moved
+
     def evict(self, session_id: str) -> int:
         """The session's device chunks one tier down, also when busy; device blocks freed (`Relocation.evict`)."""
         with self.lock, self.placement.moving("evict"):

@@ -104,10 +104,11 @@ class Replica:
     def __init__(self, engine: Engine, name: str = "0", session_wait_timeout: float = 30.0,
                  shutdown_flush_timeout: float = 4.0):
         self.engine, self.name = engine.start(), name
-        engine.warm_up()          # the loop's first step's set-up, before /health (docs/durability.md)
+        self.store: ServerStore = engine.store
+        self.store.prefetch_shared()   # a restart's shared prefixes up from disk, before /health (docs/durability.md)
+        engine.warm_up()          # the loop's first step's set-up, before /health
         self.shutdown_flush_timeout = shutdown_flush_timeout
         self.cancelled = 0                             # turns cancelled by `cancel_turns` (the shutdown's)
-        self.store: ServerStore = engine.store
         self.metrics = ReplicaMetrics(self.store, engine)
         # tokens brought up to the device by steps, per session with a turn here, by source tier (for logs)
         self._restored: dict[str, dict[str, int]] = {}

@@ -78,6 +78,11 @@ class ServerStore(MigrationStore, Protocol):
         ValueError if it is another tenant's or the session itself."""
         ...
 
+    def prefetch_shared(self, fraction: float = 0.5) -> int:
+        """Changes: moves the shared chunks on the host or disk up to the device, most holders first, into at most
+        `fraction` of its free blocks; returns the tokens moved."""
+        ...
+
     def flush(self, timeout: float = 10.0) -> FlushReport | None:
         """Changes: writes to disk, within `timeout` seconds, the idle sessions' chunks not on disk yet and
         commits the index. None without a disk tier."""

@@ -103,6 +103,30 @@ class Relocation:
             self.swap_in.finish(restore)
             self.transfer.synchronize()
 
+    def prefetch_shared(self, blocks: int) -> int:
+        """`KVStore.prefetch_shared`: the chunks that several sessions share and that sit on the host or disk
+        move up to the device, most holders first, at most `blocks` of them; none whose holders are busy.
+        Returns the tokens moved (each counted once)."""
+        seen, found = set(), []
+        for s in self.tiers.sharing.sharing_sessions(self.placement.sessions.find):
+            for k, c in enumerate(s.chunks):
+                if c.shared and c.state in (HOST, DISK) and id(c) not in seen:
+                    seen.add(id(c))
+                    found.append((-len(c.entry.holders), s.session_id, k, s))
+        found.sort(key=operator.itemgetter(0, 1, 2))
+        chosen: dict[str, tuple[Session, list[int]]] = {}
+        for _, sid, k, s in found[:max(blocks, 0)]:
+            chosen.setdefault(sid, (s, []))[1].append(k)
+        moved = 0
+        for s, ks in chosen.values():
+            try:
+                self.move(s, ks, DEVICE)
+            except SessionBusyError:
+                continue
+            moved += sum(len(s.chunks[k].entry.ids) for k in ks if s.chunks[k].state is DEVICE
+                         and s.chunks[k].entry is not None)
+        return moved
+
     def evict(self, s: Session) -> int:
         """`KVStore.evict`: the device chunks of `s` (not those a busy co-holder runs on) one tier down
         (host if present, else dropped), its layered chunks settled to the host, its cached shadows
