@@ -164,21 +164,22 @@ class DiskState:
         copy lands first (transfer.py rule 2: the checksum and the flush read the destination)."""
         self.transfer.settle(self.disk.pool)
         self.urgent = True                     # new disk chunks: named by the next commit, at once
-        tags = {}
-        for s, _ in items:
-            if s.session_id not in tags:
-                tags[s.session_id] = identity_tags(s.token_ids, self.block_size)
-        return self.disk.write_done(FORM[target], slots, [tags[s.session_id][k] for s, k in items])
+        return self.disk.write_done(FORM[target], slots, self._tags(items))
 
     def keep(self, items: list[tuple[Session, int]]) -> None:
         """These KV chunks on disk, proven, are being read up a tier: each keeps its slot as its disk copy
         (`DiskCopies.keep`), so no holder's rows change and evicting it again is free. The caller
         reassigns them without freeing their slots."""
-        tags: dict[str, list[bytes]] = {}
-        for s, k in items:
-            if s.session_id not in tags:
-                tags[s.session_id] = identity_tags(s.token_ids, self.block_size)
-            self.copies.keep(s, k, tags[s.session_id][k])
+        for (s, k), tag in zip(items, self._tags(items), strict=True):
+            self.copies.keep(s, k, tag)
+
+    def _tags(self, items: list[tuple[Session, int]]) -> list[bytes]:
+        """The identity tag of each item's chunk, in order (one `identity_tags` per session)."""
+        per: dict[str, list[bytes]] = {}
+        for s, _ in items:
+            if s.session_id not in per:
+                per[s.session_id] = identity_tags(s.token_ids, self.block_size)
+        return [per[s.session_id][k] for s, k in items]
 
     def failed(self, s: Session, ks=None) -> list[int]:
         """The session's disk chunks (of `ks`, default all) that do not prove to be what they name;

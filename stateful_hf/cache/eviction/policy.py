@@ -225,6 +225,18 @@ class ReturnAwarePolicy(EvictionPolicy):
         return (value, now - session.next_use(now), session.session_id, cost, k)
 
 
+@dataclass(slots=True)
+class _SharedRank:
+    """`FairSharePolicy._ranks`' running record of one shared chunk over its holders."""
+
+    at: tuple[ChunkState, str]     # (its state, its tenant)
+    k: int                         # its index in every holder
+    key: tuple | None = None       # the max of the inner policy's keys over its idle holders
+    tokens: int = 0                # tokens of every holder's copy
+    busy: bool = False             # a holder is busy: not ranked
+    holders: list[str] = field(default_factory=list)
+
+
 class FairSharePolicy(EvictionPolicy):
     """`inner`'s order, except that tenants above their fair share of a tier lose chunks first.
 
@@ -295,9 +307,7 @@ class FairSharePolicy(EvictionPolicy):
     def _ranks(self, block_size: int) -> dict[tuple[str, int], tuple[int, float]]:
         usage: dict[ChunkState, dict[str, int]] = {}
         idle: dict[tuple[ChunkState, str], list[tuple[tuple, list[str], int, int]]] = {}   # (key, holders, k, tokens)
-        # id(shared chunk) -> [max key over idle holders, tokens of every copy, a holder busy?, (state, tenant), k,
-        # its holders' ids]
-        shared: dict[int, list] = {}
+        shared: dict[int, _SharedRank] = {}           # id(shared chunk) -> its ranking, over its holders
         for s in self._sessions:
             t = self.tenant(s.session_id)
             for k, c in enumerate(s.chunks):
@@ -308,17 +318,19 @@ class FairSharePolicy(EvictionPolicy):
                 per[t] = per.get(t, 0) + n
                 key = self.inner.key(s, k, block_size, self._now) if not s.busy else None
                 if c.shared:                   # ranked once, at its most valuable holder, with every copy
-                    e = shared.setdefault(id(c), [None, 0, False, (c.state, t), k, []])
-                    e[1] += n
-                    e[2] |= s.busy
-                    e[5].append(s.session_id)
-                    if key is not None and (e[0] is None or key > e[0]):
-                        e[0] = key
+                    e = shared.get(id(c))
+                    if e is None:
+                        e = shared[id(c)] = _SharedRank((c.state, t), k)
+                    e.tokens += n
+                    e.busy |= s.busy
+                    e.holders.append(s.session_id)
+                    if key is not None and (e.key is None or key > e.key):
+                        e.key = key
                 elif not s.busy:
                     idle.setdefault((c.state, t), []).append((key, [s.session_id], k, n))
-        for key, n, busy, at, k, holders in shared.values():
-            if not busy:
-                idle.setdefault(at, []).append((key, holders, k, n))
+        for e in shared.values():
+            if not e.busy:
+                idle.setdefault(e.at, []).append((e.key, e.holders, e.k, e.tokens))
         rank = {}
         for state, per in usage.items():
             for t, share in self.shares(per).items():
