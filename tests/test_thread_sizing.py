@@ -130,3 +130,16 @@ def test_spin_switch_holds_and_frees_a_ballast_pool():
     while threads() != held - 2 and time.monotonic() < deadline:     # the OS thread exits just after join
         time.sleep(0.01)
     assert threads() == held - 2
+
+
+@pytest.mark.skipif(not openmp.can_release() or torch.get_num_threads() < 2, reason="needs libgomp and >= 2 threads")
+def test_a_spin_switch_is_applied_before_set_returns():
+    """The step that asks for a mode runs in it: `set` returns once the switch's thread has taken or freed its
+    ballast pool (bounded by `wait`), not while it still does so beside the step."""
+    switch = openmp.SpinSwitch()
+    try:
+        for want in (True, False, True, False):
+            switch.set(want, wait=10.0)
+            assert switch.throttled is want
+    finally:
+        switch.close()

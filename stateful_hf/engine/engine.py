@@ -234,10 +234,14 @@ class Engine:
     def warm_up(self, tokens: int = 8, new_tokens: int = 2) -> None:
         """One throwaway turn of `tokens` ids and `new_tokens` generated through the running loop, then its totals
         forgotten: the loop thread's first step pays its one-time set-up (~20-40 ms on the tiny model, 4-7 ms
-        later: allocations, kernel plans, the thread team) before a request does. A server calls it before it
-        answers /health, so a restarted process's first returning turn does not pay it."""
-        prompt = list(range(3, 3 + tokens))
-        self.submit(None, prompt, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)).result()
+        later: allocations, kernel plans, the thread team) before a request does. With a thread sizer, the team is
+        then decided from the host (`ThreadSizer.settle`) and the turn runs again in it. A server calls it before
+        it answers /health, so a restarted process's first returning turn does not pay it."""
+        prompt, sp = list(range(3, 3 + tokens)), SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+        self.submit(None, prompt, sp).result()
+        if self.thread_sizer is not None:      # the team decided from the host now, its first steps paid here
+            self.thread_sizer.settle()
+            self.submit(None, prompt, sp).result()
         self.stepper.forget_totals()
 
     def _listen_to_moves(self) -> None:

@@ -90,12 +90,16 @@ class SpinSwitch:
     def __init__(self):
         self._cv = threading.Condition()
         self._want: bool | None = None          # True: throttled (ballast held); None: nothing asked
+        self._asked = self._applied = 0         # requests made, requests applied (the switch's thread's)
         self._closing = False
         self.throttled = False
         self._thread: threading.Thread | None = None
 
-    def set(self, throttled: bool) -> None:
-        """Ask for throttled (True) or spinning (False) waits; applied on the switch's thread soon."""
+    def set(self, throttled: bool, wait: float = 0.05) -> None:
+        """Ask for throttled (True) or spinning (False) waits, applied on the switch's thread (the ballast's pool
+        is that thread's); waits up to `wait` seconds until it is, so the step that asked runs in the mode it
+        asked for, not beside the switch taking or freeing its pool (a restarted server's first turn ran 17-20
+        ms instead of 5-7 while the warm-up's throttle was being undone beside it)."""
         if throttled == self.throttled and self._want is None:
             return
         with self._cv:
@@ -103,7 +107,10 @@ class SpinSwitch:
                 self._thread = threading.Thread(target=self._run, name="stateful-hf-omp-ballast", daemon=True)
                 self._thread.start()
             self._want = throttled
+            self._asked += 1
+            asked = self._asked
             self._cv.notify_all()
+            self._cv.wait_for(lambda: self._applied >= asked, timeout=wait)
 
     def close(self) -> None:
         """Free the ballast (spinning waits again) and end the switch's thread."""
@@ -120,11 +127,14 @@ class SpinSwitch:
             with self._cv:
                 self._cv.wait_for(lambda: self._want is not None)
                 want, self._want = self._want, None
-                closing = self._closing
+                closing, asked = self._closing, self._asked
             if want and not self.throttled:
                 ballast @ ballast                 # a parallel region: this thread now holds a pool
                 self.throttled = True
             elif not want and self.throttled:
                 self.throttled = not release_thread_pool()
+            with self._cv:
+                self._applied = asked
+                self._cv.notify_all()             # applied: a `set` waiting for it goes on
             if closing:
                 return
