@@ -227,5 +227,16 @@ def _check_usage(sessions: SessionTable, block_size: int) -> None:
         by_state[st] += n
     assert +Counter(sessions.totals()) == +by_state, f"token totals {dict(sessions.totals())} != {dict(by_state)}"
     assert dict(sessions.live_usage()) == dict(+live), f"live usage {dict(sessions.live_usage())} != {dict(+live)}"
+    extra: Counter[ChunkState] = Counter()       # what `stats()` subtracts for the shared chunks, by a full walk
+    shared, seen = 0, set()
+    for s in sessions:
+        for k, c in enumerate(s.chunks):
+            if c.shared and id(c) not in seen:
+                seen.add(id(c))
+                extra[c.state] += s.chunk_len(k, block_size) * (len(c.entry.holders) - 1)
+                shared += s.chunk_len(k, block_size)
+    got_extra, got_shared = sessions.shared_tokens()
+    assert (+Counter(got_extra), got_shared) == (+extra, shared), (
+        f"shared chunks' extra holders {dict(got_extra)}, {got_shared} tokens != {dict(extra)}, {shared}")
     per_tenant = Counter(tenant_of(s.session_id) for s in sessions if not s.retained)
     assert sessions.live_sessions_per_tenant() == per_tenant, "live sessions per tenant"

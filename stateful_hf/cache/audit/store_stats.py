@@ -18,21 +18,17 @@ def session_stats(s: Session, block_size: int) -> SessionStats:
 
 def store_stats(sessions: SessionTable, tiers: TierPools, counters: Counters) -> StoreStats:
     """Tokens per tier are physical: a chunk shared by several sessions counts once (its holders'
-    tokens are `logical_tokens`; `prefix/sharing.py`). O(the sessions holding device blocks or shared
-    chunks), not O(sessions held) nor O(tenants): the table's counts (every holder counting a shared chunk) less
-    the shared chunks' extra holders."""
+    tokens are `logical_tokens`; `prefix/sharing.py`). O(the device's shadows and what changed since the last
+    read), not O(sessions held), O(a shared chunk's holders) nor O(tenants): the table's counts (every holder
+    counting a shared chunk) less the shared chunks' extra holders, both kept by `TierUsage`."""
     device, host, disk = tiers.device, tiers.host, tiers.disk
     bs = device.spec.block_size
     totals = sessions.totals()
     tot = {t.value: totals.get(t, 0) for t in ChunkState}
     logical = sum(tot.values()) - tot[ChunkState.DROPPED.value]
-    shared, seen = 0, set()
-    for s in tiers.sharing.sharing_sessions(sessions.find):
-        for c in s.chunks:
-            if c.shared and id(c) not in seen:
-                seen.add(id(c))
-                tot[c.state.value] -= bs * (len(c.entry.holders) - 1)      # shared chunks are full
-                shared += bs
+    extra, shared = sessions.shared_tokens()
+    for st, n in extra.items():
+        tot[st.value] -= n
     cached = sum(s.chunk_len(k, bs) for s, k in sessions.shadow_chunks())
     used = tiers.used_bytes
 

@@ -274,6 +274,11 @@ class SessionTable:
         """`usage` summed over tenants: tokens per chunk state (`stats()`). O(sessions changed since)."""
         return self._counts.totals(self._sessions, self._retained)
 
+    def shared_tokens(self) -> tuple[Mapping[ChunkState, int], int]:
+        """(per chunk state, the tokens `totals` counts for a shared chunk's extra holders; the tokens of the
+        shared chunks, each once) (`stats()`). O(sessions and chunks changed since the last read)."""
+        return self._counts.physical(self._sessions, self._retained)
+
     def live_usage(self) -> Mapping[tuple[ChunkState, str], int]:
         """`usage` of the sessions not retained (`History.tenant_usage`)."""
         return self._counts.live(self._sessions, self._retained)

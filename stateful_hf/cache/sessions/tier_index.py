@@ -352,7 +352,8 @@ class TierUsage:
     A removed session is subtracted at once (`drop`). A read costs O(the stale sessions' chunks + the stale
     chunks + the retained sessions per stale chunk); `check_integrity` compares a full count."""
 
-    __slots__ = ("block_size", "stale", "stale_chunks", "_chunks", "_usage", "_retained", "_totals")
+    __slots__ = ("block_size", "stale", "stale_chunks", "_chunks", "_usage", "_retained", "_totals", "_extra",
+                 "_shared")
 
     def __init__(self, block_size: int):
         self.block_size = block_size
@@ -363,6 +364,8 @@ class TierUsage:
         self._usage: Counter[tuple[ChunkState, str]] = Counter()      # every session
         self._retained: Counter[tuple[ChunkState, str]] = Counter()   # of which retained ones (few)
         self._totals: Counter[ChunkState] = Counter()                  # `_usage` summed over tenants
+        self._extra: Counter[ChunkState] = Counter()   # per state, entry chunks' tokens x (holders - 1)
+        self._shared = 0                               # tokens of the chunks 2+ sessions hold, each once
 
     def usage(self, sessions: Mapping[str, Session], retained: AbstractSet[str]
               ) -> Mapping[tuple[ChunkState, str], int]:
@@ -379,6 +382,13 @@ class TierUsage:
         self._flush(sessions, retained)
         out = {k: n - self._retained.get(k, 0) for k, n in self._usage.items()}
         return {k: n for k, n in out.items() if n}
+
+    def physical(self, sessions: Mapping[str, Session], retained: AbstractSet[str]
+                 ) -> tuple[Mapping[ChunkState, int], int]:
+        """(per chunk state, the tokens `totals` counts more than once: a shared chunk's extra holders; the tokens
+        of the chunks 2+ sessions hold, each once), so `stats()` reads physical tokens without walking them."""
+        self._flush(sessions, retained)
+        return self._extra, self._shared
 
     def drop(self, s: Session) -> None:
         """`s` leaves the table: its last count is taken back (its entry chunks were let go: `stale_chunks`)."""
@@ -411,6 +421,7 @@ class TierUsage:
                 _, t, live, kept = old
                 self._add(False, live, t, -1)
                 self._add(True, kept, t, -1)
+                self._share(live, kept, -1)
             e = c.entry
             if e is None or not e.holders:
                 continue
@@ -421,7 +432,16 @@ class TierUsage:
             self._chunks[cid] = (c, t, live, kept)
             self._add(False, live, t, 1)
             self._add(True, kept, t, 1)
+            self._share(live, kept, 1)
         self.stale_chunks.clear()
+
+    def _share(self, live: tuple, kept: tuple, sign: int) -> None:
+        """An entry chunk's part of `_extra` and `_shared`, from its counts ((state index, tokens x holders))."""
+        st, total = (live or kept)[0], (live[1] if live else 0) + (kept[1] if kept else 0)
+        n = self.block_size
+        if total > n:                        # 2+ holders (entry chunks are full: `total` is n x holders)
+            self._extra[STATES[st]] += sign * (total - n)
+            self._shared += sign * n
 
     def _add(self, retained: bool, flat: tuple, t: str, sign: int) -> None:
         """Add (sign 1) or take back (-1) tokens of tenant `t`: `flat` = (state index, tokens, ...)."""
