@@ -359,8 +359,9 @@ class TierUsage:
         self.block_size = block_size
         self.stale: set[str] = set()
         self.stale_chunks: dict[int, Chunk] = {}                      # id -> chunk, to count again
-        # id -> (entry chunk, tenant, (state index, tokens) of its holders not retained, of the retained ones)
-        self._chunks: dict[int, tuple[Chunk, str, tuple, tuple]] = {}
+        # id -> (entry chunk, tenant, (state index, tokens) of its holders not retained, of the retained ones,
+        # its tokens x (holders - 1), its tokens if 2+ sessions hold it else 0)
+        self._chunks: dict[int, tuple[Chunk, str, tuple, tuple, int, int]] = {}
         self._usage: Counter[tuple[ChunkState, str]] = Counter()      # every session
         self._retained: Counter[tuple[ChunkState, str]] = Counter()   # of which retained ones (few)
         self._totals: Counter[ChunkState] = Counter()                  # `_usage` summed over tenants
@@ -418,10 +419,11 @@ class TierUsage:
         for cid, c in self.stale_chunks.items():
             old = self._chunks.pop(cid, None)
             if old is not None:
-                _, t, live, kept = old
+                _, t, live, kept, extra, shared = old
                 self._add(False, live, t, -1)
                 self._add(True, kept, t, -1)
-                self._share(live, kept, -1)
+                self._extra[STATES[(live or kept)[0]]] -= extra
+                self._shared -= shared
             e = c.entry
             if e is None or not e.holders:
                 continue
@@ -429,19 +431,13 @@ class TierUsage:
             r = sum(h in held for h in retained) if len(retained) < len(held) else sum(h in retained for h in held)
             n, st, t = len(e.ids), STATES.index(c.state), tenant_of(next(iter(held)))     # holders: one tenant
             live, kept = (st, n * (len(held) - r)) if r < len(held) else (), (st, n * r) if r else ()
-            self._chunks[cid] = (c, t, live, kept)
+            extra, shared = n * (len(held) - 1), n if len(held) > 1 else 0
+            self._chunks[cid] = (c, t, live, kept, extra, shared)
             self._add(False, live, t, 1)
             self._add(True, kept, t, 1)
-            self._share(live, kept, 1)
+            self._extra[c.state] += extra
+            self._shared += shared
         self.stale_chunks.clear()
-
-    def _share(self, live: tuple, kept: tuple, sign: int) -> None:
-        """An entry chunk's part of `_extra` and `_shared`, from its counts ((state index, tokens x holders))."""
-        st, total = (live or kept)[0], (live[1] if live else 0) + (kept[1] if kept else 0)
-        n = self.block_size
-        if total > n:                        # 2+ holders (entry chunks are full: `total` is n x holders)
-            self._extra[STATES[st]] += sign * (total - n)
-            self._shared += sign * n
 
     def _add(self, retained: bool, flat: tuple, t: str, sign: int) -> None:
         """Add (sign 1) or take back (-1) tokens of tenant `t`: `flat` = (state index, tokens, ...)."""
