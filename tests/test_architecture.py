@@ -471,6 +471,42 @@ def test_the_mutator_call_check_sees_calls():
     assert mutator_calls(tree, "x.py", request_mutators()) == ["x.py:2 r.asked", "x.py:3 item.request.set_factor"]
 
 
+# The engine's LayerKV scheduling plugs in as one part (`LayerScheduling`: `AllLayers` or `LayerwiseScheduling`, chosen
+# where the engine is made); the scheduler's loop and admission call it without knowing which.
+LAYER_CLIENTS = ("stateful_hf/engine/scheduler.py", "stateful_hf/engine/admission.py")
+LAYERKV_NAMES = {"LayerwiseScheduling", "LayerwisePolicy", "layerwise", "layered"}
+
+
+def layerkv_branches(tree: ast.Module, rel: str) -> list[str]:
+    """`rel:line what` for each use of LayerKV's own classes or names, and each `is None` test of the part."""
+    found = []
+    for n in ast.walk(tree):
+        name = n.id if isinstance(n, ast.Name) else n.attr if isinstance(n, ast.Attribute) else \
+            n.arg if isinstance(n, ast.arg) else None
+        if name in LAYERKV_NAMES:
+            found.append(f"{rel}:{n.lineno} {name}")
+        elif isinstance(n, ast.ImportFrom):
+            found += [f"{rel}:{n.lineno} imports {a.name}" for a in n.names if a.name in LAYERKV_NAMES]
+        elif isinstance(n, ast.Compare) and any(isinstance(op, (ast.Is, ast.IsNot)) for op in n.ops) \
+                and "layers" in ast.unparse(n.left):
+            found.append(f"{rel}:{n.lineno} {ast.unparse(n)}")
+    return found
+
+
+def test_the_scheduler_takes_layerkv_decisions_through_one_part():
+    found = [f for rel in LAYER_CLIENTS for f in layerkv_branches(parse(ROOT / rel), rel)]
+    assert not found, "the scheduler or admission branches on LayerKV:\n  " + "\n  ".join(found)
+
+
+def test_the_layerkv_branch_check_sees_branches():
+    """The negative control: the scheduler's loop as it was (a None check of the part, the policy named)."""
+    tree = ast.parse("from .layer_offload import LayerwiseScheduling\n"
+                     "def f(self, layerwise):\n    if self.layers is not None:\n        pass\n"
+                     "    x = self.layered.committed([])\n")
+    assert layerkv_branches(tree, "x.py") == ["x.py:1 imports LayerwiseScheduling", "x.py:2 layerwise",
+                                              "x.py:3 self.layers is not None", "x.py:5 layered"]
+
+
 # ---- the store's feature packages ---------------------------------------------------------------------------
 
 # Optional features of the store, each a package of stateful_hf/cache/ that runs only when its option is on.

@@ -1,8 +1,9 @@
 """The scheduler's rules without a model: it is driven over the fake store (tests/fake_store.py, held to the real
 store's contract by tests/test_store_contract.py), each step planned and committed through the door as the runner
 does, the sampled token a fixed one. Admission order, suspension and resumption, warm-ups yielding, SLO deferral,
-the reserve and the lease; admission's verdicts, which the scheduler alone applies. (LayerKV's admission needs a
-host tier, which the fake has not: tests/test_layerwise.py.)"""
+the reserve and the lease; admission's verdicts, which the scheduler alone applies; LayerKV's decisions as the
+scheduler takes them from its layer-wise part (`LayerScheduling`), here a scripted one. (LayerKV's own decisions
+need a host tier, which the fake has not: tests/test_layerwise.py.)"""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import itertools
 from fake_store import FakeStore
 
 from stateful_hf.cache.doors.engine import CapacityError, TurnStats
-from stateful_hf.engine.request import Request, RequestStatus
+from stateful_hf.engine.layer_offload import AllLayers, LayerFit, PushDown
+from stateful_hf.engine.request import Request, RequestStatus, WorkItem
 from stateful_hf.engine.sampling import SamplingParams
 from stateful_hf.engine.scheduler import Scheduler, SchedulerConfig
 from stateful_hf.engine.slo import SloPolicy
@@ -272,3 +274,98 @@ def test_a_busy_sessions_turn_is_skipped_and_keeps_the_stores_latest_answer():
     assert [it.request for it in s2.schedule()] == [a]
     assert [(r, v.item is None, v.skip) for r, v, _, _ in verdicts2.calls] == [(a, False, False), (b, True, False)]
     assert c.status is RequestStatus.WAITING and c.needs is not None and not c.leased
+
+
+# ---- LayerKV's decisions, as the scheduler takes them from its layer-wise part ------------------------------------
+
+class ScriptedLayers(AllLayers):
+    """A layer-wise part whose decisions a test dictates, recording what it was asked; it changes no store (only
+    `schedule()` is checked). `freed`: device blocks each push-down frees; `push_self`: with no later request to
+    push, push the asking one itself (its item then keeps no layer on the device); `factor`: the keep factor of
+    an admission; `starve`: the requests no host slot is left for."""
+
+    room_hint = ""
+
+    def __init__(self, store: FakeStore, freed: int = 0, push_self: bool = False, factor: int = 1,
+                 starve: frozenset[str] = frozenset()):
+        super().__init__(store)
+        self.freed, self.push_self, self.factor, self.starve = freed, push_self, factor, starve
+        self.asked: list[tuple] = []
+
+    def make_room(self, r, item, need, avail, later):
+        self.asked.append((r, need, avail, list(later)))
+        pushed = []
+        for q in reversed(later):
+            if need <= avail:
+                break
+            pushed.append(PushDown(q, self.freed, q.needs, 0))
+            avail += self.freed
+        if need > avail and self.push_self:
+            return dataclasses.replace(item, factor=0), pushed + [PushDown(r, self.freed, r.needs, 0)]
+        return item, pushed
+
+    def fit_host(self, r: Request, item: WorkItem, taken: int) -> WorkItem | None:
+        return None if r.session_id in self.starve else item
+
+    def layer_factor(self, r, needs, rows, keep, held, room, host_avail) -> LayerFit:
+        return LayerFit(self.factor)
+
+
+def decoding_pair(layers: AllLayers | None = None) -> tuple[Scheduler, FakeStore, Request, Request]:
+    """Two sessions of one block each on a 4-block pool, decoding until the pass where both need a third block and
+    none is left: the scheduler is at that pass's schedule()."""
+    store = FakeStore(4, BS)
+    s = Scheduler(store, SchedulerConfig(max_batch_tokens=32, reserve_fraction=0.0), 10_000, layers=layers)
+    a, b = request("a", [1, 2, 3, 4], new=8, arrival=1.0), request("b", [5, 6, 7, 8], new=8, arrival=2.0)
+    s.add(a)
+    s.add(b)
+    while a.length < 8:                               # positions 0..7: two chunks each, the pool full
+        assert {it.request for it in step(s, store)} == {a, b}
+    assert store.free_blocks() == 0 and a.length == b.length == 8
+    return s, store, a, b
+
+
+def test_a_running_request_short_of_blocks_pushes_later_layers_down_before_anyone_is_suspended():
+    """Both decodes open a chunk with no block free: the layer-wise part is asked first (for the older one, with
+    the later one to push), its push-down is applied to the pushed request, and no one is suspended. The control:
+    the default part (every layer on the device) suspends the later one in the same state."""
+    s, _, a, b = decoding_pair()
+    assert [it.request for it in s.schedule()] == [a] and b.suspensions == 1    # the control
+    layers = ScriptedLayers(None, freed=2)              # its store is not read here
+    s, _, a, b = decoding_pair(layers)
+    items = s.schedule()
+    assert [it.request for it in items] == [a, b] and a.suspensions == b.suspensions == 0
+    assert layers.asked == [(a, 1, 0, [b])]             # asked once: b's own need fit in what the push freed
+    assert (a.factor, b.factor) == (1, 0)               # the push-down's keep factor, applied by the scheduler
+
+
+def test_a_request_that_pushes_itself_down_runs_its_item_keeping_no_layer():
+    """Pushing the later one down frees nothing: the part pushes the asking one down too; the scheduler applies
+    both before weighing the cut item again, which then fits (a factor-0 item takes no device block), and the
+    later one's next item keeps no layer either. The control: freeing nothing without pushing itself suspends."""
+    s, _, a, b = decoding_pair(ScriptedLayers(None, freed=0))
+    assert [it.request for it in s.schedule()] == [a] and b.suspensions == 1    # the control
+    layers = ScriptedLayers(None, freed=0, push_self=True)
+    s, _, a, b = decoding_pair(layers)
+    items = s.schedule()
+    assert [(it.request, it.factor) for it in items] == [(a, 0), (b, 0)] and a.suspensions == b.suspensions == 0
+    assert layers.asked == [(a, 1, 0, [b])] and a.factor == b.factor == 0
+
+
+def test_a_layered_admission_takes_the_parts_keep_factor_and_host_starvation_fails_the_oldest_alone():
+    store = FakeStore(16, BS)
+    s = Scheduler(store, SchedulerConfig(max_batch_tokens=32), 10_000, layers=ScriptedLayers(store, factor=2))
+    r = request("a", list(range(1, 10)))
+    s.add(r)
+    [item] = s.schedule()
+    assert item.request is r and item.factor == 2 and r.factor == 2          # the verdict's factor, applied
+    # a running request the host has no slot for waits; with nothing else to run it fails alone
+    store = FakeStore(16, BS)
+    s = Scheduler(store, SchedulerConfig(max_batch_tokens=32), 10_000, layers=ScriptedLayers(store, starve={"b"}))
+    a, b = request("a", [1, 2, 3], arrival=1.0), request("b", [4, 5, 6], arrival=2.0)
+    s.add(a)
+    s.add(b)
+    step(s, store)
+    s.layers.starve = frozenset({"a", "b"})
+    assert s.schedule() == [] and a.status is RequestStatus.FAILED and "host slots" in str(a.error)
+    assert b.status is RequestStatus.RUNNING                                  # the oldest alone

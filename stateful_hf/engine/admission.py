@@ -1,7 +1,7 @@
 """`Admission`: a queued request (WAITING or SUSPENDED) becomes a running one if its first work item
 fits the step's token budget and the device blocks left; a part the `Scheduler` composes.
 
-Collaborators, passed in: the store, the layer-wise part (`LayerwiseScheduling`, or None) and the
+Collaborators, passed in: the store, the layer-wise part (`LayerScheduling`: `AllLayers` or LayerKV's) and the
 scheduler's `running` list (read only: who claims device slots, whether the pool serves anyone
 else). A WAITING request takes two store calls: `turn_needs` (what admitting it would take: unless
 asked in this pass already) and `begin` (lease and turn at once). It changes no request: it returns
@@ -44,7 +44,7 @@ from dataclasses import dataclass, replace
 
 from ..cache.doors.engine import CapacityError, EngineStore, SessionBusyError, StoreError, TurnNeeds, TurnStats
 from ..kernels.blocks import blocks_for
-from .layer_offload import LayerwisePolicy, LayerwiseScheduling, residue_blocks
+from .layer_offload import LayerScheduling
 from .request import Request, RequestStatus, Rows, WorkItem, item_end, next_item
 from .slo import SloPolicy
 
@@ -81,8 +81,8 @@ class Verdict:
 
 
 class Admission:
-    def __init__(self, store: EngineStore, layered: LayerwiseScheduling | None, running: list[Request]):
-        self.store, self.layered, self.running = store, layered, running
+    def __init__(self, store: EngineStore, layers: LayerScheduling, running: list[Request]):
+        self.store, self.layers, self.running = store, layers, running
 
     def ask(self, r: Request, pass_: tuple[int, int]) -> Answer:
         """Ask the store what admitting the WAITING `r` would take. A cache_salt other than the session's
@@ -121,18 +121,17 @@ class Admission:
         item = next_item(r, budget, keep, bs, rows)
         if item is None:
             return Verdict(answer=answer)
-        factor = None
-        if self.layered is not None:
-            fit = self.layered.layer_factor(r, needs, rows or r.rows(), keep, held,
-                                            avail - committed - (0 if alone else reserve), host_avail)
-            if fit.needs is not None:  # it moved the session's own device chunks to the host
-                needs, answer = fit.needs, Answer(fit.needs, pass_)
-                held = needs.held
-            if fit.factor is None:
-                if alone:
-                    return Verdict(skip=True, error=no_layered_fit(r, host_avail), answer=answer)
-                return Verdict(answer=answer)
-            factor = fit.factor
+        fit = self.layers.layer_factor(r, needs, rows or r.rows(), keep, held,
+                                       avail - committed - (0 if alone else reserve), host_avail)
+        if fit.needs is not None:      # it moved the session's own device chunks to the host
+            needs, answer = fit.needs, Answer(fit.needs, pass_)
+            held = needs.held
+        if fit.factor is None:
+            if alone:
+                return Verdict(skip=True, error=no_layered_fit(r, host_avail), answer=answer)
+            return Verdict(answer=answer)
+        factor = fit.factor
+        if factor != item.factor:
             item = replace(item, factor=factor)
         need = needs.blocks(item_end(item), item.factor)
         if slots is not None:          # virtual layout: running sessions not yet placed claim slots first
@@ -142,7 +141,7 @@ class Admission:
         if need + held > avail or (need + held > avail - reserve and not alone):
             if alone and need + held > avail:
                 return Verdict(skip=True, answer=answer, error=no_device_room(
-                    r, need + held, avail, bs, self.layered is not None, more=False))
+                    r, need + held, avail, bs, self.layers.room_hint, more=False))
             return Verdict(answer=answer)
         turn = None
         if rows is not None:           # WAITING
@@ -153,7 +152,7 @@ class Admission:
             except StoreError:         # the session changed since `turn_needs` (another caller): ask again
                 return Verdict(skip=True, answer=Answer(needs, None))
             # a cut shared chunk copied on write keeps its KV: fewer rows to recompute than the item that fitted
-            if rows.missing and self.layered is None:
+            if rows.missing and self.layers.recuts:
                 still = rows.keeping(set(store.missing_positions(r.session_id)))
                 if len(still.missing) < len(rows.missing):
                     rows = still
@@ -205,43 +204,22 @@ def least_chunks(r: Request, block_size: int) -> int:
     return blocks_for(tokens, block_size)
 
 
-def refusal(store: EngineStore, layerwise: LayerwisePolicy | None, r: Request) -> CapacityError | None:
+def refusal(store: EngineStore, layers: LayerScheduling, r: Request) -> CapacityError | None:
     """The CapacityError to fail `r` with at submit, or None if some state of the pools serves it."""
-    sizes = store.pool_sizes
-    bs, device = store.block_size, sizes.device_blocks
+    bs = store.block_size
     chunks = least_chunks(r, bs)
-    if chunks <= device:
+    if chunks <= store.pool_sizes.device_blocks:
         return None
     what = (f"request {r.request_id} (session {r.session_id!r}) can never fit: its {len(r.prompt)} prompt tokens "
             f"and one block of decode need {chunks} chunks of {bs} tokens")
-    if layerwise is None:
-        return CapacityError(
-            f"{what} with all layers on the device, and the device pool holds {device} ({device * bs} tokens). "
-            f"Raise device_capacity, or serve it with layerwise_kv=True (layer-wise KV: the layers that do not "
-            f"fit live on the host tier; host_capacity of at least {chunks * bs} tokens)")
-    host = sizes.host_blocks
-    keep = 0
-    if r.session_id in store:            # the history the turn shares: already on some tier
-        keep = min(store.match_prefix(r.session_id, r.prompt), len(r.prompt) - 1)
-    new = chunks - blocks_for(keep, bs)
-    x_min = layerwise.x_min(len(r.prompt) - keep, keep)
-    sparsest = layerwise.factors(x_min)[-1]
-    on_device = residue_blocks(sparsest, new)
-    if new <= host and on_device <= device and chunks <= host + device - on_device:
-        return None
-    kept = layerwise.num_layers if sparsest == 1 else (0 if sparsest == 0 else layerwise.num_layers // sparsest)
-    return CapacityError(
-        f"{what}, {new} of them new, even with layer-wise KV: keeping {kept} of {layerwise.num_layers} layers on "
-        f"the device (x_min = {x_min}) takes {on_device} of the {device} device blocks, and the rest needs host "
-        f"slots ({host} in the host pool). Raise device_capacity or host_capacity")
+    return layers.refusal(r, what, chunks)
 
 
 # ---- failures while scheduling (the pools are taken by others and nothing more can be freed) ----
 
-def no_device_room(r: Request, need: int, avail: int, block_size: int, layerwise: bool, more: bool) -> CapacityError:
-    """`r` needs `need` (`more`: further) device blocks and only `avail` can be made available."""
-    hint = "" if layerwise else (
-        ", or serve it with layerwise_kv=True (layers that do not fit on the device live on the host tier)")
+def no_device_room(r: Request, need: int, avail: int, block_size: int, hint: str, more: bool) -> CapacityError:
+    """`r` needs `need` (`more`: further) device blocks and only `avail` can be made available; `hint`, what
+    else could serve it (the layer-wise part's `room_hint`)."""
     return CapacityError(f"request {r.request_id} (session {r.session_id!r}) needs {need} {'more ' if more else ''}"
                          f"device blocks of {block_size} tokens and only {avail} can be made available; raise "
                          "device_capacity" + hint)

@@ -28,7 +28,7 @@ from . import frontends
 from .admission import refusal
 from .frontends import Conversations
 from .hints import Hint, Prefetcher
-from .layer_offload import measured_policy
+from .layer_offload import AllLayers, LayerwiseScheduling, measured_policy
 from .openmp import release_thread_pool
 from .request import Request, RequestHandle, RequestOutput
 from .runner import EngineStats, ModelRunner, StepRecord, packed_weights
@@ -86,9 +86,11 @@ class Engine:
         self.release_openmp_pool = c.release_openmp_pool
         self.adapter = self.store.adapter
         self.eos = eos_ids(model)
+        layers = LayerwiseScheduling(door, self.layerwise, c.max_batch_tokens, self.slo) \
+            if self.layerwise is not None else AllLayers(door)
         self.scheduler = Scheduler(door, SchedulerConfig(c.max_batch_tokens, c.max_num_seqs, c.reserve_fraction,
                                                                c.short_prefill_tokens),
-                                   self.adapter.max_positions, self.slo, self.layerwise)
+                                   self.adapter.max_positions, self.slo, layers)
         self.runner = ModelRunner(model, door, packed_weights(model, c.prepack_weights, c.max_batch_tokens,
                                                                     self.store.invariant_split is not None),
                                   compile=c.compile)
@@ -169,7 +171,7 @@ class Engine:
                 constrain(r, self.tokenizer, self.eos, self.config.grammar_compile_timeout)
         except (ValueError, TypeError) as e:
             return self.requests.reject(handle, r, e, self.stepper.output)
-        never = refusal(self.store, self.layerwise, r)      # before it takes anything (admission.py)
+        never = refusal(self.store, self.scheduler.layers, r)      # before it takes anything (admission.py)
         if never is not None:
             return self.requests.reject(handle, r, never, self.stepper.output)
 
@@ -211,8 +213,7 @@ class Engine:
         profile = self.cost.observe(rows, seconds)
         if profile is not None:
             self.store.use_cost_profile(profile)
-            if self.layerwise is not None:
-                self.layerwise.profile = profile
+            self.scheduler.layers.use_cost_profile(profile)
 
     def step(self) -> StepRecord | None:
         """Run one engine iteration (admit, schedule, forward, sample, publish; `stepper.py`). Returns what ran."""
@@ -293,10 +294,10 @@ class Engine:
     # ---- convenience ----------------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
-        lw = self.layerwise
+        layers = self.scheduler.layers
         stats = self.stepper.totals.stats(len(self.scheduler.running), len(self.scheduler.waiting),
                                           self.slo.deferred if self.slo is not None else 0,
-                                          lw.layered_admissions if lw else 0, lw.pushed_blocks if lw else 0,
+                                          layers.layered_admissions, layers.pushed_blocks,
                                           *self.runner.compile_stats())
         quant = self.store.quantization
         return dataclasses.replace(stats, quantization=quant.describe()) if quant is not None else stats

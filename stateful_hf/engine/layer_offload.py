@@ -21,10 +21,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Protocol
 
-from ..cache.doors.engine import CostProfile, EngineStore, Place, StoreError, TurnNeeds, blocks_at_most
+from ..cache.doors.engine import CapacityError, CostProfile, EngineStore, Place, StoreError, TurnNeeds, blocks_at_most
 from ..kernels.blocks import blocks_for
 from .request import Request, RequestStatus, Rows, WorkItem, chunk_needs, item_end, next_item, whole_item
+
+if TYPE_CHECKING:
+    from .slo import SloPolicy
 
 
 def check_min_kept_layers(value, num_layers: int) -> int | None:
@@ -120,16 +124,200 @@ class PushDown:
     factor: int | None
 
 
-class LayerwiseScheduling:
-    """The scheduler's layer-wise decisions, a part the Scheduler composes. Collaborators: the store
-    (chunks are moved to the host and kept layers offloaded through it), the policy (`layerwise`;
-    its counters are written here), the scheduler's config and SLO policy, its `running` list (read
-    only); what an item does with each chunk is its request's `TurnNeeds` (`request.chunk_needs`).
-    Changes no request: its moves come back as verdicts (`LayerFit`, `PushDown`) the scheduler applies."""
+class LayerScheduling(Protocol):
+    """The scheduler's layer-wise part, as the scheduler and admission call it: `AllLayers` (no
+    `layerwise_kv`: every layer on the device; answers from the core and changes nothing) or
+    `LayerwiseScheduling` (LayerKV), chosen once where the scheduler is made. A method changes the store
+    only where its doc says so, and no request: requests change through the verdicts it returns
+    (`LayerFit`, `PushDown`), which the scheduler applies."""
 
-    def __init__(self, store: EngineStore, layerwise: LayerwisePolicy, config, slo, running: list[Request]):
-        self.store, self.layerwise, self.config, self.slo = store, layerwise, config, slo
-        self.running = running
+    room_hint: str          # appended to a "no device room" error: what else could serve the request
+    recuts: bool            # after `begin`, admission may re-cut a WAITING item's rows to fewer recomputed ones
+
+    @property
+    def layered_admissions(self) -> int:
+        """Prefills admitted with fewer than all layers on the device."""
+        ...
+
+    @property
+    def pushed_blocks(self) -> int:
+        """Device blocks freed by pushing kept layers down."""
+        ...
+
+    def refusal(self, r: Request, what: str, chunks: int) -> CapacityError | None:
+        """The error to fail `r` with at submit, needing `chunks` chunks (more than the device pool holds;
+        `what` says so), or None if some state of the pools serves it. Reads the store."""
+        ...
+
+    def project(self, running: list[Request], avail: int, reserve: int) -> list[PushDown]:
+        """As a pass begins with `avail` device blocks: the push-downs that keep the next steps above the
+        `reserve` (eq. 5). Moves the pushed requests' layers to the host."""
+        ...
+
+    def make_room(self, r: Request, item: WorkItem, need: int, avail: int,
+                  later: list[Request]) -> tuple[WorkItem, list[PushDown]]:
+        """Running `r`'s `item` needs `need` device blocks and `avail` are left: push down the running
+        requests `later` than it (latest first), then `r` itself, until it fits. Returns the item to run
+        (cut to keep no layer on the device if `r` was pushed) and the push-downs, in order, for the
+        scheduler to apply before it weighs the item again. Moves their layers to the host."""
+        ...
+
+    def fit_host(self, r: Request, item: WorkItem, taken: int) -> WorkItem | None:
+        """`item` as it fits the host slots left after `taken` by this pass: itself, cut, or None (it waits)."""
+        ...
+
+    def host_needed(self, r: Request, item: WorkItem) -> int:
+        """Host slots `item`'s fills take."""
+        ...
+
+    def host_left(self, taken: int) -> int:
+        """Host slots a step could still fill, less `taken` by this pass."""
+        ...
+
+    def layer_factor(self, r: Request, needs: TurnNeeds, rows: Rows, keep: int, held: int, room: int,
+                     host_avail: int) -> LayerFit:
+        """The keep factor admitting `r` takes (see `LayerwiseScheduling.layer_factor`). May move `r`'s idle
+        session's device chunks to the host."""
+        ...
+
+    def committed(self, running: list[Request], items: list[WorkItem]) -> int:
+        """Device blocks the running prefills will take after this step's `items`."""
+        ...
+
+    def host_committed(self, running: list[Request], items: list[WorkItem]) -> int:
+        """Host slots the running layer-wise requests will fill after this step's `items`."""
+        ...
+
+    def future_blocks(self, r: Request, item: WorkItem) -> int:
+        """Device blocks `r`'s prefill will take after `item`, beyond what `committed` counted."""
+        ...
+
+    def future_host(self, r: Request, item: WorkItem) -> int:
+        """Host slots `r`'s turn will fill after `item`."""
+        ...
+
+    def use_cost_profile(self, profile: CostProfile) -> None:
+        """The engine's corrected cost profile (the prefill time model of x_min)."""
+        ...
+
+
+class AllLayers:
+    """The layer-wise part of an engine without `layerwise_kv`: every chunk keeps all layers on the device
+    (keep factor 1), nothing is pushed down, no host slot is filled, nothing is counted."""
+
+    room_hint = ", or serve it with layerwise_kv=True (layers that do not fit on the device live on the host tier)"
+    recuts = True
+    layered_admissions = 0
+    pushed_blocks = 0
+
+    def __init__(self, store: EngineStore):
+        self.store = store
+
+    def refusal(self, r: Request, what: str, chunks: int) -> CapacityError | None:
+        bs, device = self.store.block_size, self.store.pool_sizes.device_blocks
+        return CapacityError(
+            f"{what} with all layers on the device, and the device pool holds {device} ({device * bs} tokens). "
+            f"Raise device_capacity, or serve it with layerwise_kv=True (layer-wise KV: the layers that do not "
+            f"fit live on the host tier; host_capacity of at least {chunks * bs} tokens)")
+
+    def project(self, running: list[Request], avail: int, reserve: int) -> list[PushDown]:
+        return []
+
+    def make_room(self, r: Request, item: WorkItem, need: int, avail: int,
+                  later: list[Request]) -> tuple[WorkItem, list[PushDown]]:
+        return item, []
+
+    def fit_host(self, r: Request, item: WorkItem, taken: int) -> WorkItem | None:
+        return item
+
+    def host_needed(self, r: Request, item: WorkItem) -> int:
+        return 0
+
+    def host_left(self, taken: int) -> int:
+        return 0
+
+    def layer_factor(self, r: Request, needs: TurnNeeds, rows: Rows, keep: int, held: int, room: int,
+                     host_avail: int) -> LayerFit:
+        return LayerFit(1)
+
+    def committed(self, running: list[Request], items: list[WorkItem]) -> int:
+        return 0
+
+    def host_committed(self, running: list[Request], items: list[WorkItem]) -> int:
+        return 0
+
+    def future_blocks(self, r: Request, item: WorkItem) -> int:
+        return 0
+
+    def future_host(self, r: Request, item: WorkItem) -> int:
+        return 0
+
+    def use_cost_profile(self, profile: CostProfile) -> None:
+        pass
+
+
+class LayerwiseScheduling:
+    """The scheduler's layer-wise decisions (LayerKV), the `LayerScheduling` the engine gives its scheduler with
+    `layerwise_kv`. Collaborators: the store (chunks are moved to the host and kept layers offloaded through it),
+    the policy (`layerwise`; its counters are written here), the step's token budget and the SLO policy; the
+    scheduler passes its `running` list where a decision reads it. What an item does with each chunk is its
+    request's `TurnNeeds` (`request.chunk_needs`). Changes no request: its moves come back as verdicts
+    (`LayerFit`, `PushDown`) the scheduler applies."""
+
+    room_hint = ""
+    recuts = False          # the keep factor was chosen for the rows weighed
+
+    def __init__(self, store: EngineStore, layerwise: LayerwisePolicy, max_batch_tokens: int, slo: SloPolicy | None):
+        self.store, self.layerwise, self.max_batch_tokens, self.slo = store, layerwise, max_batch_tokens, slo
+
+    @property
+    def layered_admissions(self) -> int:
+        return self.layerwise.layered_admissions
+
+    @property
+    def pushed_blocks(self) -> int:
+        return self.layerwise.pushed_blocks
+
+    def use_cost_profile(self, profile: CostProfile) -> None:
+        self.layerwise.profile = profile
+
+    def refusal(self, r: Request, what: str, chunks: int) -> CapacityError | None:
+        """Refused iff even the sparsest keep factor x_min allows does not fit (admission.py's docstring)."""
+        store, lw = self.store, self.layerwise
+        sizes, bs = store.pool_sizes, store.block_size
+        device, host = sizes.device_blocks, sizes.host_blocks
+        keep = 0
+        if r.session_id in store:            # the history the turn shares: already on some tier
+            keep = min(store.match_prefix(r.session_id, r.prompt), len(r.prompt) - 1)
+        new = chunks - blocks_for(keep, bs)
+        x_min = lw.x_min(len(r.prompt) - keep, keep)
+        sparsest = lw.factors(x_min)[-1]
+        on_device = residue_blocks(sparsest, new)
+        if new <= host and on_device <= device and chunks <= host + device - on_device:
+            return None
+        kept = lw.num_layers if sparsest == 1 else (0 if sparsest == 0 else lw.num_layers // sparsest)
+        return CapacityError(
+            f"{what}, {new} of them new, even with layer-wise KV: keeping {kept} of {lw.num_layers} layers on "
+            f"the device (x_min = {x_min}) takes {on_device} of the {device} device blocks, and the rest needs host "
+            f"slots ({host} in the host pool). Raise device_capacity or host_capacity")
+
+    def make_room(self, r: Request, item: WorkItem, need: int, avail: int,
+                  later: list[Request]) -> tuple[WorkItem, list[PushDown]]:
+        pushed: list[PushDown] = []
+        for q in reversed(later):
+            if need <= avail:
+                break
+            pushed.append(self.push_down(q, full=True))
+            avail += pushed[-1].freed
+        if need > avail and r.factor != 0:
+            pushed.append(self.push_down(r, full=True))
+            item = replace(item, factor=0)
+        return item, pushed
+
+    def fit_host(self, r: Request, item: WorkItem, taken: int) -> WorkItem | None:
+        if item.factor == 1 or self.host_needed(r, item) <= self.host_left(taken):
+            return item
+        return self.trim_to_host(r, item, self.host_left(taken))
 
     def host_needed(self, r: Request, item: WorkItem) -> int:
         """Host slots a layer-wise item's fills take (0 for an item keeping all layers)."""
@@ -176,11 +364,11 @@ class LayerwiseScheduling:
         rest = len(r.pending) + len(r.missing) - item.num_tokens
         return residue_blocks(r.factor, blocks_for(max(rest, 0), self.store.block_size))
 
-    def committed(self, items: list[WorkItem]) -> int:
+    def committed(self, running: list[Request], items: list[WorkItem]) -> int:
         """Blocks the running prefills will take after this step's items: not free for admissions."""
         mine = {it.request.request_id: it for it in items}
         total = 0
-        for q in self.running:
+        for q in running:
             it = mine.get(q.request_id)
             rest = len(q.pending) + len(q.missing) - (it.num_tokens if it is not None else 0)
             if not q.decoding and rest > 0:
@@ -195,12 +383,12 @@ class LayerwiseScheduling:
         rest = len(r.pending) + len(r.missing) - item.num_tokens
         return blocks_for(max(rest, 0), self.store.block_size) + 1
 
-    def host_committed(self, items: list[WorkItem]) -> int:
+    def host_committed(self, running: list[Request], items: list[WorkItem]) -> int:
         """Host slots the running layer-wise requests will still fill after this step's items: not
         free for admissions (as `committed` is for device blocks)."""
         mine = {it.request.request_id: it for it in items}
         total = 0
-        for q in self.running:
+        for q in running:
             if q.factor == 1:
                 continue
             it = mine.get(q.request_id)
@@ -229,14 +417,14 @@ class LayerwiseScheduling:
         self.layerwise.pushed_blocks += freed
         return PushDown(q, freed, self.store.turn_needs(q.session_id), 0 if full or q.factor >= 2 else None)
 
-    def project(self, avail: int, reserve: int) -> list[PushDown]:
+    def project(self, running: list[Request], avail: int, reserve: int) -> list[PushDown]:
         """Eq. 5 over `horizon` steps: F = avail + R (blocks of requests predicted to finish) − A
         (blocks the running requests will take). While F < reserve, push down the kept layers of
         the most recently admitted layer-wise requests. Returns what it pushed down."""
         h, bs = self.layerwise.horizon, self.store.block_size
-        budget = self.config.max_batch_tokens
+        budget = self.max_batch_tokens
         released = allocated = 0.0
-        for q in self.running:
+        for q in running:
             n = q.length
             left = q.sampling.max_new_tokens - len(q.output_ids)
             if self.slo is not None:
@@ -247,7 +435,7 @@ class LayerwiseScheduling:
             rows = min(left, h) if q.decoding else min(len(q.pending) + len(q.missing), h * budget)
             allocated += residue_blocks(q.factor, (n + rows - 1) // bs - (n - 1) // bs if n else blocks_for(rows, bs))
         projected, pushed = avail + released - allocated, []
-        for q in reversed(self.running):          # most recently admitted first
+        for q in reversed(running):               # most recently admitted first
             if projected >= reserve:
                 break
             if q.needs is not None and Place.LAYERED in q.needs.places:   # it may hold residue blocks

@@ -4,9 +4,10 @@ Every step it (1) continues running requests oldest first (a decode token each, 
 their prefills and recomputations), suspending the latest-arrived ones when their session blocks
 do not fit; (2) admits queued requests while more than a reserve of device blocks stays available
 and, with an SLO policy, while the queued prefills' predicted time fits in the running decodes'
-smallest TPOT slack (`slo.py`). With layer-wise allocation (`layerwise/chunks.py`) a prefill that does
-not fit with all layers is admitted keeping fewer layers on the device, and a running request short
-of blocks has its layers pushed down to the host before anyone is suspended.
+smallest TPOT slack (`slo.py`). With layer-wise allocation (its part `LayerwiseScheduling`,
+`layer_offload.py`; `AllLayers` without) a prefill that does not fit with all layers is admitted keeping
+fewer layers on the device, and a running request short of blocks has its layers pushed down to the host
+before anyone is suspended.
 
 Order within a step (what keeps a returning turn's first token from waiting behind long prompts):
 decode tokens first; then queued *short* turns (at most `short_prefill_tokens` rows before their first
@@ -25,13 +26,13 @@ import bisect
 import math
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from sortedcontainers import SortedKeyList
 
 from ..cache.doors.engine import Committed, EngineStore, Room
 from .admission import Admission, AdmissionPolicy, Gate, Verdict, no_device_room, no_host_slots
-from .layer_offload import LayerwisePolicy, LayerwiseScheduling, PushDown
+from .layer_offload import AllLayers, LayerScheduling, PushDown
 from .request import Request, RequestStatus, WorkItem, blocks_needed, next_item
 from .slo import SloPolicy
 
@@ -59,12 +60,11 @@ class SchedulerConfig:
 
 class Scheduler:
     def __init__(self, store: EngineStore, config: SchedulerConfig, max_positions: int,
-                 slo: SloPolicy | None = None, layerwise: LayerwisePolicy | None = None):
+                 slo: SloPolicy | None = None, layers: LayerScheduling | None = None):
         if config.max_batch_tokens < store.block_size:
             raise ValueError(f"max_batch_tokens ({config.max_batch_tokens}) must be >= the store's chunk size "
                              f"({store.block_size}): recomputation goes by whole chunks")
         self.store, self.config, self.max_positions, self.slo = store, config, max_positions, slo
-        self.layerwise = layerwise
         # WAITING and SUSPENDED: short turns first, each kind by arrival (`r.short` is fixed while queued)
         self.waiting = SortedKeyList(key=_admit_order)
         self._queued: dict[str, list[Request]] = {}   # per session, its queued turns by arrival
@@ -74,10 +74,9 @@ class Scheduler:
         self.room: Room | None = None       # the store's room as the last commit or end left it; None: ask
         self.passes = 0                     # schedule() calls so far
         self.epoch = 0                      # store changes this scheduler made that can move idle sessions' chunks
-        # the layer-wise part (layer_offload.py); it reads `running`, which is never rebound
-        self.layered = LayerwiseScheduling(store, layerwise, config, slo, self.running) \
-            if layerwise is not None else None
-        self.admission = Admission(store, self.layered, self.running)
+        # the layer-wise part (layer_offload.py): LayerKV's decisions, or every layer on the device
+        self.layers: LayerScheduling = layers or AllLayers(store)
+        self.admission = Admission(store, self.layers, self.running)
         self.policy = AdmissionPolicy(store, slo)   # warm-ups and the SLO, before admission weighs a request
 
     # ---- queue ----------------------------------------------------------------------------------
@@ -175,7 +174,7 @@ class Scheduler:
         budget, bs = self.config.max_batch_tokens, self.store.block_size
         reserve = math.ceil(self.config.reserve_fraction * self.store.pool_sizes.device_blocks)
         room, self.room = self.room or self.store.room(), None      # consumed: a commit or end leaves the next
-        if self.layered is not None and (pushed := self.layered.project(room.device_blocks, reserve)):
+        if pushed := self.layers.project(self.running, room.device_blocks, reserve):
             self._pushed(pushed)
             room = self.store.room()                                 # layers were pushed down
         avail, slots = room.device_blocks, room.device_slots
@@ -195,33 +194,28 @@ class Scheduler:
                 i += 1
                 continue
             need = blocks_needed(item)
-            if need > avail and self.layered is not None:   # push layers down before suspending anyone
-                for q in reversed(self.running[i + 1:]):
-                    if need <= avail:
-                        break
-                    avail += self._pushed([self.layered.push_down(q, full=True)])
-                if need > avail and r.factor != 0:
-                    avail += self._pushed([self.layered.push_down(r, full=True)])
-                    item = replace(item, factor=0)
-                    need = blocks_needed(item)
+            if need > avail:           # push layers down before suspending anyone (LayerKV)
+                cut, pushed = self.layers.make_room(r, item, need, avail, self.running[i + 1:])
+                avail += self._pushed(pushed)
+                if cut is not item:
+                    item, need = cut, blocks_needed(cut)
             while need > avail and self.running[-1] is not r:
                 avail += self._suspend(self.running[-1])
             if need > avail:
                 if i == 0:             # what it held counts for the requests after it in this pass
-                    avail += self._fail(r, no_device_room(r, need, avail, bs, self.layerwise is not None, more=True))
+                    avail += self._fail(r, no_device_room(r, need, avail, bs, self.layers.room_hint, more=True))
                 else:
                     avail += self._suspend(r)
                 continue
-            if item.factor != 1 and self.layered is not None \
-                    and self._host_needed(r, item) > self._host_left(host_taken):
-                trimmed = self.layered.trim_to_host(r, item, self._host_left(host_taken))
-                if trimmed is None:    # waits for host slots; its device blocks stay unspent
-                    starved.append(r)
-                    i += 1
-                    continue
-                item, need = trimmed, blocks_needed(trimmed)
+            fitted = self.layers.fit_host(r, item, host_taken)
+            if fitted is None:         # waits for host slots; its device blocks stay unspent
+                starved.append(r)
+                i += 1
+                continue
+            if fitted is not item:
+                item, need = fitted, blocks_needed(fitted)
             avail -= need
-            host_taken += self._host_needed(r, item)
+            host_taken += self.layers.host_needed(r, item)
             budget -= item.num_tokens
             if not r.decoding and not r.short:
                 prefill_budget -= item.num_tokens
@@ -232,8 +226,8 @@ class Scheduler:
             avail += self._fail(r, no_host_slots(r))
         # (2) admission, short turns first, while more than the reserve stays available and (SLO
         # policy) the admitted prefills' predicted seconds fit in min_i slack_i of the running decodes.
-        committed = self.layered.committed(items) if self.layered is not None else 0
-        host_committed = self.layered.host_committed(items) if self.layered is not None else 0
+        committed = self.layers.committed(self.running, items)
+        host_committed = self.layers.host_committed(self.running, items)
         allowance = self.policy.allowance(self.running)
         after = None                   # the queue in admission order: O(what a pass admits or skips + log queued)
         while (i := 0 if after is None else self.waiting.bisect_key_right(after)) < len(self.waiting):
@@ -251,7 +245,7 @@ class Scheduler:
                 break
             verdict = self.admission.admit(r, budget, avail, reserve, first=not items, pass_=(self.passes, self.epoch),
                                            slots=slots, committed=committed,
-                                           host_avail=self._host_left(host_taken) - host_committed)
+                                           host_avail=self.layers.host_left(host_taken) - host_committed)
             avail += self._apply(r, verdict)   # blocks a request failed in admission gave back
             if verdict.item is None:
                 if not verdict.skip:   # head of line does not fit: strict order, stop here
@@ -260,10 +254,9 @@ class Scheduler:
             item = verdict.item
             avail -= verdict.blocks
             slots = None if slots is None else slots - 1     # its session claims a slot or keeps its own
-            host_taken += self._host_needed(r, item)
-            if self.layered is not None:
-                committed += self.layered.future_blocks(r, item)
-                host_committed += self.layered.future_host(r, item)
+            host_taken += self.layers.host_needed(r, item)
+            committed += self.layers.future_blocks(r, item)
+            host_committed += self.layers.future_host(r, item)
             allowance -= cost
             budget -= item.num_tokens
             items.append(item)
@@ -306,12 +299,6 @@ class Scheduler:
         r.mark_short(self._is_short(r))
         self._queue(r)
         return freed
-
-    def _host_left(self, taken: int) -> int:
-        return self.layered.host_left(taken) if self.layered is not None else 0
-
-    def _host_needed(self, r: Request, item: WorkItem) -> int:
-        return self.layered.host_needed(r, item) if self.layered is not None else 0
 
     # ---- after the forward ----------------------------------------------------------------------
 
