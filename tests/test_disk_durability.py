@@ -580,3 +580,60 @@ def test_a_bulk_import_writes_straight_into_host_or_disk_and_a_failed_flush_make
     store.import_sessions([dataclasses.replace(exp, session_id="f0")], "disk")
     play(store, {"f0": copy.deepcopy(conv)}, oracle)
     store.close()
+
+
+# ---- reads ahead of a move up -------------------------------------------------------------------------------
+
+def _merged(ranges):
+    """Byte ranges [a, b) merged into disjoint sorted ones."""
+    out: list[list[int]] = []
+    for a, b in sorted(ranges):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [tuple(r) for r in out]
+
+
+def test_prefetch_asks_for_exactly_the_named_slots_bytes(tmp_path, monkeypatch):
+    """`DiskFile.prefetch` advises WILLNEED over each run of consecutive slots, part by part, layer by layer:
+    together exactly the slots' bytes, nothing of another slot's (`_madvise` rounds each start to its page)."""
+    from stateful_hf.cache.disk import file as disk_file
+
+    model, _ = models()
+    store = open_store(model, tmp_path / "d", capacity=256)
+    f = store.tiers.disk.files["kv"]
+    calls = []
+    monkeypatch.setattr(disk_file, "_madvise", lambda addr, length, advice: calls.append((addr, length, advice)))
+    f.prefetch([3, 1, 2, 7])
+    layers = sum(part.shape[0] for part in f._bytes)
+    assert len(calls) == 2 * layers and {c[2] for c in calls} == {disk_file.MADV_WILLNEED}   # runs 1-3 and 7
+    want = [(p.ctypes.data, p.ctypes.data + p.nbytes) for slot in (1, 2, 3, 7) for p in f.slot_pieces(slot)]
+    assert _merged((a, a + n) for a, n, _ in calls) == _merged(want)
+    other = [(p.ctypes.data, p.ctypes.data + p.nbytes) for p in f.slot_pieces(4)]
+    assert not any(a < e and s < a + n for a, n, _ in calls for s, e in other)      # the control: slot 4 untouched
+    store.close()
+
+
+def test_a_move_up_from_disk_reads_its_slots_ahead_and_stays_exact(tmp_path, monkeypatch):
+    """A returning session whose chunks are on disk, unproven (as after a restart): the verification and the
+    move up read their slots ahead (every slot it holds, asked before any is checked or copied), and the turn
+    is exact."""
+    from stateful_hf.cache.disk.file import DiskFile
+
+    model, oracle = models()
+    store = open_store(model, tmp_path / "d", capacity=256)
+    convs = conversations(1)
+    play(store, convs, oracle)
+    all_to_disk(store, list(convs))
+    sums = store.tiers.disk.pool.checksums
+    for slot in sums.slots():
+        sums.set(slot, sums[slot])                   # known, not proven: the first read verifies
+    held = {c.loc for c in store.session("s0").chunks if c.state.value == "disk"}
+    assert held
+    asked: list[set[int]] = []
+    real = DiskFile.prefetch
+    monkeypatch.setattr(DiskFile, "prefetch", lambda self, slots: (asked.append(set(slots)), real(self, slots)))
+    play(store, convs, oracle)
+    assert asked and asked[0] == held                # the first ask: every slot the verification reads
+    store.close()

@@ -120,6 +120,10 @@ class NoDisk:
         """No disk rows to commit."""
 
     @staticmethod
+    def prefetch(items: list[tuple[Session, int]]) -> None:
+        """Nothing is on disk to read."""
+
+    @staticmethod
     def keep(items: list[tuple[Session, int]]) -> None:
         assert not items, "no chunk is on disk"
 

@@ -166,6 +166,17 @@ class DiskState:
         self.urgent = True                     # new disk chunks: named by the next commit, at once
         return self.disk.write_done(FORM[target], slots, self._tags(items))
 
+    def prefetch(self, items: list[tuple[Session, int]]) -> None:
+        """These chunks are read up from disk next: start reading their slots (`DiskTier.prefetch`), every form's
+        at once. Items not on disk are passed over."""
+        slots: dict[str, list[int]] = {}
+        for s, k in items:
+            c = s.chunks[k]
+            if c.state in ON_DISK:
+                slots.setdefault(FORM[c.state], []).append(c.loc)
+        for form, at in slots.items():
+            self.disk.prefetch(form, at)
+
     def keep(self, items: list[tuple[Session, int]]) -> None:
         """These KV chunks on disk, proven, are being read up a tier: each keeps its slot as its disk copy
         (`DiskCopies.keep`), so no holder's rows change and evicting it again is free. The caller
@@ -183,10 +194,18 @@ class DiskState:
 
     def failed(self, s: Session, ks=None) -> list[int]:
         """The session's disk chunks (of `ks`, default all) that do not prove to be what they name;
-        the caller must drop them before anything reads them. Mutates nothing here."""
+        the caller must drop them before anything reads them. Mutates nothing here; the slots to verify
+        are read ahead of the checks (`DiskTier.prefetch`)."""
         ks = [k for k in (range(len(s.chunks)) if ks is None else ks) if s.chunks[k].state in ON_DISK]
         if not ks:
             return []
+        unproven: dict[str, list[int]] = {}
+        for k in ks:
+            c, form = s.chunks[k], FORM[s.chunks[k].state]
+            if not self.disk.pool_of(form).checksums.proven(c.loc):
+                unproven.setdefault(form, []).append(c.loc)
+        for form, slots in unproven.items():
+            self.disk.prefetch(form, slots)
         tags = identity_tags(s.token_ids, self.block_size)
         return [k for k in ks if not self.disk.verify(FORM[s.chunks[k].state], s.chunks[k].loc, tags[k])]
 

@@ -139,6 +139,11 @@ class DiskTier:
             pool.checksums.set(slot, f.checksum(tag, slot), proven=True)
         return True
 
+    def prefetch(self, form: str, slots: list[int]) -> None:
+        """Start reading these slots of the `form` file (`DiskFile.prefetch`): they are read next."""
+        if slots:
+            self.files[form].prefetch(slots)
+
     def verify(self, form: str, slot: int, tag: bytes) -> bool:
         """Whether the slot holds the chunk whose identity tag is `tag` (checked once per write/open)."""
         pool, f = self.pool_of(form), self.files[form]

@@ -59,6 +59,7 @@ class SwapIn:
             self.counters.device_hits += s.chunk_len(k, bs)
         flipped = {(id(s), k) for s, k in flips}
         rest = [(s, k) for s, k in items if (id(s), k) not in flipped]
+        self.disk_state.prefetch(rest)         # every disk read of this move queued before the first copy
         slots = self.placement.take(target, len(rest), exclude, [(s.session_id, k) for s, k in rest]) if rest else []
         rebuilt = {st: [(s, k) for s, k in rest if s.chunks[k].state is st] for st in HIDDEN_FORMS}
         for i, (s, k) in enumerate(rest):
