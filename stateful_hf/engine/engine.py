@@ -30,14 +30,18 @@ from .frontends import Conversations
 from .hints import Hint, Prefetcher
 from .layer_offload import AllLayers, LayerwiseScheduling, measured_policy
 from .openmp import release_thread_pool
+from .registry import RequestRegistry
 from .request import Request, RequestHandle, RequestOutput
-from .runner import EngineStats, ModelRunner, StepRecord, packed_weights
+from .runner import ModelRunner, StepRecord, packed_weights
 from .sampling import SamplingParams, eos_ids, make_generator
 from .scheduler import Scheduler, SchedulerConfig
 from .slo import SloPolicy
-from .stepper import RequestRegistry, StepLoop, Stepper, ThrowawaySessions
+from .step_loop import StepLoop
+from .stepper import Stepper
 from .text import OutputText
 from .thread_sizing import ThreadSizer
+from .throwaway import ThrowawaySessions
+from .totals import EngineStats
 from .warmup import WarmUps
 
 
@@ -219,7 +223,7 @@ class Engine:
         """Run one engine iteration (admit, schedule, forward, sample, publish; `stepper.py`). Returns what ran."""
         return self.stepper.step()
 
-    # ---- background loop (stepper.py: StepLoop) -------------------------------------------------------------
+    # ---- background loop (step_loop.py: StepLoop) -------------------------------------------------------------
 
     @property
     def running(self) -> bool:

@@ -354,7 +354,7 @@ class Progress:
 
 
 class Loop(Protocol):
-    """What a handle needs of the engine's step loop (`stepper.StepLoop`)."""
+    """What a handle needs of the engine's step loop (`step_loop.StepLoop`)."""
 
     cv: threading.Condition      # guards handles' published state; notified after every step
 
