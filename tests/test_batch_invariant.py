@@ -373,7 +373,10 @@ def test_seeded_sampling_gives_the_same_tokens_alone_and_batched():
     """temperature 0.7 with a per-request seed: bitwise logits make the draws and their log-probabilities the
     same alone and in a crowd; the stock engine's log-probabilities move with the batch (negative control, on
     the same seeds: its draws may still agree, a flip needs a near tie). SmolLM2's widths, where the BLAS's
-    blocking depends on the row count (the 64-wide fixture's GEMMs happen to be invariant)."""
+    blocking depends on the row count on an AVX2 CPU (the 64-wide fixture's GEMMs happen to be invariant). The
+    control runs `F.linear` (prepack_weights="off"). Where even that does not move with the batch (an AMX CPU:
+    its bf16 GEMMs gave every row the same bits at any row count at these widths), the test could not fail
+    there, and is skipped saying so."""
     model = tiny_llama("llama", hidden_size=576, intermediate_size=1536, num_attention_heads=9,
                        num_key_value_heads=3).to(torch.bfloat16)
     target = prompts(1, seed=5)[0]
@@ -382,7 +385,8 @@ def test_seeded_sampling_gives_the_same_tokens_alone_and_batched():
     def draw(invariant: bool, company: dict, budget: int) -> list[list[int]]:
         got = []
         for seed in range(3):
-            engine = Engine(model, device_capacity=2048, max_batch_tokens=budget, batch_invariant=invariant)
+            engine = Engine(model, device_capacity=2048, max_batch_tokens=budget, batch_invariant=invariant,
+                            prepack_weights="auto" if invariant else "off")
             handles = {sid: engine.submit(sid, ids, SamplingParams(max_new_tokens=NEW, temperature=0.7, seed=seed,
                                                                    logprobs=0))
                        for sid, ids in {**company, "t": target}.items()}
@@ -392,8 +396,10 @@ def test_seeded_sampling_gives_the_same_tokens_alone_and_batched():
             got.append((list(out.token_ids), [lp for _, lp, _ in out.logprobs]))
         return got
 
+    if draw(False, {}, 256) == draw(False, crowd, 40):            # the control first: can the batch move them?
+        pytest.skip("the stock engine's bf16 log-probabilities do not move with the batch on this CPU (its GEMMs "
+                    "give each row the same bits at any row count at these widths): the test could not fail here")
     assert draw(True, {}, 256) == draw(True, crowd, 40)           # alone, one prefill; crowded, chunked
-    assert draw(False, {}, 256) != draw(False, crowd, 40)
 
 
 def test_float32_parameters_go_through_a_packed_copy_that_follows_the_weight():
