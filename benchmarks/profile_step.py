@@ -5,6 +5,7 @@
     python -m benchmarks.profile_step --model smollm2-135m-instruct --dtype bfloat16 --prompts 24 --prompt-len 64
     python -m benchmarks.profile_step --compute-free          # the step's host time: engine vs the model's forward
     python -m benchmarks.profile_step --compute-free --compile   # the same with the engine's compiled step too
+    python -m benchmarks.profile_step --compute-free --attn-backends cpu   # and an engine on the C++ attention kernel
 
 The compute-free mode (`compute_free`): a 30-layer Llama of width 64 (compute ~0, so what a step costs is
 host time: Python, dispatch, launches), ROWS sessions decoding one token a step. Reported at 1 and 2 threads:
@@ -231,11 +232,12 @@ def compute_free_model(seed: int = 0):
     return model
 
 
-def compute_free(threads: int, rows: int = 16, context: int = 64, decode: int = 24, compile: bool = False) -> dict:
+def compute_free(threads: int, rows: int = 16, context: int = 64, decode: int = 24, compile: bool = False,
+                 attn_backends: tuple[str, ...] = ()) -> dict:
     """Median decode step (ms) of the engine and of the model's eager forward, `rows` sequences of `context`
     tokens decoding `decode` tokens, at `threads` torch threads, on this thread. Interleaved: each round is one
-    step of every engine (eager, and compiled with `compile`) then one forward of the model, so a neighbour's
-    burst falls on both sides of the ratio."""
+    step of every engine (eager, compiled with `compile`, and one eager engine per `attn_backends` name, keyed
+    "eager[name]") then one forward of the model, so a neighbour's burst falls on both sides of the ratio."""
     from transformers import DynamicCache
 
     from stateful_hf import Engine, SamplingParams, SessionStore
@@ -245,9 +247,11 @@ def compute_free(threads: int, rows: int = 16, context: int = 64, decode: int = 
     prompts = torch.randint(3, 512, (rows, context), generator=g)
     plain = compute_free_model()
     engines, start_s = {}, {}
-    for name, option in (("eager", False), ("compiled", True)) if compile else (("eager", False),):
+    variants = [("eager", False, "auto")] + ([("compiled", True, "auto")] if compile else []) \
+        + [(f"eager[{b}]", False, b) for b in attn_backends]
+    for name, option, backend in variants:
         model = compute_free_model()
-        store = SessionStore(model, rows * (context + decode + 64))
+        store = SessionStore(model, rows * (context + decode + 64), attn_backend=backend)
         t0 = time.perf_counter()
         engines[name] = Engine(model, store=store, max_batch_tokens=max(rows * context, 64), max_num_seqs=rows,
                                step_threads=None, compile=option, release_openmp_pool=False)
@@ -380,23 +384,27 @@ def main() -> None:
                     "(compile=True: inductor, compiled at engine start)")
     ap.add_argument("--repeats", type=int, default=3, help="compute-free: runs at each thread count (medians)")
     ap.add_argument("--cf-threads", type=int, nargs="+", default=[1, 2], help="compute-free: the thread counts")
+    ap.add_argument("--attn-backends", nargs="+", default=[], choices=("torch", "cpu"),
+                    help="compute-free: an eager engine per paged attention backend too, beside the default's "
+                    "(\"cpu\": the C++ kernel, built on first use)")
     ap.add_argument("--json")
     args = ap.parse_args()
     if args.compute_free:
         out = {"command": "python -m benchmarks.profile_step " + " ".join(sys.argv[1:]), "load_start": os.getloadavg(),
                "cpu": GemmFloor().describe(), "runs": []}
+        names = ("eager", "compiled", *(f"eager[{b}]" for b in args.attn_backends))
         with Neighbours(args.neighbour):
             for _ in range(args.repeats):
                 for threads in args.cf_threads:
-                    r = compute_free(threads, compile=args.compile)
+                    r = compute_free(threads, compile=args.compile, attn_backends=tuple(args.attn_backends))
                     out["runs"].append(r)
                     print(f"compute-free, {threads} thread(s), {r['rows']} rows of {r['context']}+ tokens: model's "
                           f"eager forward {r['forward_ms']:.2f} ms; " + "; ".join(
                               f"engine {k} step {r[k]['step_ms']:.2f} ms = x{r[k]['ratio']:.2f} ({r[k]['compile']}, "
-                              f"engine made in {r[k]['start_s']:.1f} s)" for k in ("eager", "compiled") if k in r),
+                              f"engine made in {r[k]['start_s']:.1f} s)" for k in names if k in r),
                           flush=True)
         out["median_ratio"] = {f"{k}_{t}": statistics.median(r[k]["ratio"] for r in out["runs"] if r["threads"] == t)
-                               for t in args.cf_threads for k in ("eager", "compiled") if k in out["runs"][0]}
+                               for t in args.cf_threads for k in names if k in out["runs"][0]}
         print("median ratios over the repeats: " + ", ".join(f"{k} thread(s) x{v:.2f}"
                                                             for k, v in out["median_ratio"].items()))
         out["load_end"] = os.getloadavg()
