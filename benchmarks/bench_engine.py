@@ -342,6 +342,9 @@ def main() -> None:
                     help="also run (c'), the engine with batch_invariant=True, beside (c): its cost in one run")
     ap.add_argument("--layout", choices=("paged", "virtual"), default="paged",
                     help="the engine's device layout: paged blocks, or vAttention's contiguous slots")
+    ap.add_argument("--attn-backend", choices=("auto", "torch", "cpu"), default="auto",
+                    help="SessionStore(attn_backend=...): the engine's paged attention (cpu: the C++ kernel, built on "
+                    "first use)")
     ap.add_argument("--neighbour", default="quiet",
                     help="comma-separated conditions, each run in full: quiet, busy:N, bursty[:N], joined by '+' "
                          "(benchmarks/harness/neighbours.py)")
@@ -508,6 +511,8 @@ def run_condition(args, models, systems, skip, wl) -> dict:
 def store_options(args) -> dict:
     """The engine store's options from the command line (--disk-dir and what goes with it)."""
     out = {} if args.disk_dir is None else {"disk_dir": args.disk_dir}
+    if args.attn_backend != "auto":
+        out["attn_backend"] = args.attn_backend
     if args.disk_write is not None:
         out["disk_write"] = args.disk_write
     if args.write_behind_delay is not None:
@@ -533,7 +538,7 @@ def _save(args, described, n_params, wl, report) -> None:
            "transformers": transformers.__version__, "threads": torch.get_num_threads(),
            "engine_threads": args.engine_threads, "arrival_window": args.arrival_window,
            "short_prefill": args.short_prefill, "processor": platform.processor() or platform.machine(),
-           "cpus": os.cpu_count(), "quantization": args.quantization,
+           "cpus": os.cpu_count(), "quantization": args.quantization, "attn_backend": args.attn_backend,
            "disk": {"disk_dir": args.disk_dir, "disk_write": args.disk_write or StoreOptions.disk_write.value,
                     "write_behind_delay": StoreOptions.write_behind_delay if args.write_behind_delay is None
                     else args.write_behind_delay} if args.disk_dir else None,
