@@ -14,7 +14,7 @@ Build it from source (no downloaded binary); llama-cpp-python's sdist vendors ll
 
 GGUFs of the project's SmolLM2 checkpoint (`python -m stateful_hf.models fetch` writes it under
 ~/.cache/stateful_hf/models/smollm2-135m-instruct), with the same tree's converter and quantizer (the converter
-needs sentencepiece: install it in another environment than the project's, docs/cpu.md says why):
+needs `pip install sentencepiece`):
 
     M=~/.cache/stateful_hf/models/smollm2-135m-instruct
     python convert_hf_to_gguf.py $M --outtype bf16 --outfile /tmp/lcpp/smollm2-bf16.gguf

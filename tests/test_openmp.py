@@ -12,6 +12,7 @@ from conftest import FAMILIES
 
 from benchmarks.harness.threads import hold_main_pool
 from stateful_hf import Engine, SamplingParams
+from stateful_hf.cache import CostProfile
 from stateful_hf.engine import openmp
 
 
@@ -70,7 +71,8 @@ def test_engine_start_releases_the_callers_pool_and_stays_exact(two_threads):
         ref = model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)[0, len(ids):].tolist()
     hold_main_pool()
     before = _threads()
-    engine = Engine(model, device_capacity=256, chunk_size=16, step_threads=None)
+    # a given cost profile: a first measurement's tqdm bar would start tqdm's monitor thread inside the count
+    engine = Engine(model, device_capacity=256, chunk_size=16, step_threads=None, cost_profile=CostProfile())
     with engine:                                     # + the loop thread, - this thread's idle worker
         assert _settles(before) == before
         out = engine.submit("s", ids, SamplingParams(max_new_tokens=6, ignore_eos=True)).result()
@@ -82,5 +84,19 @@ def test_engine_can_leave_the_callers_pool_alone(two_threads):
     model = FAMILIES["llama"]()
     hold_main_pool()
     before = _threads()
-    with Engine(model, device_capacity=256, chunk_size=16, release_openmp_pool=False, step_threads=None):
+    with Engine(model, device_capacity=256, chunk_size=16, release_openmp_pool=False, step_threads=None,
+                cost_profile=CostProfile()):        # given: no measurement's tqdm monitor thread in the count
         assert _threads() == before + 1              # the loop thread only
+
+
+def test_torchs_own_libgomp_comes_before_a_vendored_copy():
+    """Another package's libgomp (sentencepiece's wheel vendors one) may be listed before torch's: the pause must
+    reach torch's, or it frees none of torch's workers (with sentencepiece installed the two tests above failed, one
+    thread short). The control: without torch's directory the vendored copy would come first."""
+    paths = ["/sp/site-packages/sentencepiece.libs/libgomp-6a29c32d.so.1.0.0",
+             "/sp/site-packages/torch/lib/libgomp.so.1", "/usr/lib/libiomp5.so"]
+    assert openmp._torch_first(paths, "/sp/site-packages/torch") == [1, 0, 2]
+    assert openmp._torch_first(paths, "/elsewhere/torch") == [0, 1, 2]
+    if openmp.can_release():                          # here: the library the pause is called on is torch's
+        torch_dir = os.path.realpath(os.path.dirname(torch.__file__))
+        assert os.path.realpath(openmp._openmp()[0].filepath).startswith(torch_dir)

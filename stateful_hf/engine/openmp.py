@@ -17,14 +17,17 @@ is a per-thread setting in libgomp; torch's parallel ops and its GEMMs size thei
 the engine's loop sizes its own team to the free cores (`thread_sizing.py`) without touching the
 threads of the process that called it.
 
-threadpoolctl finds the OpenMP library torch loaded and sets team sizes; the pause, which it does not
-offer, is called on the library handle it found.
+threadpoolctl finds the OpenMP libraries in the process and sets team sizes; the pause, which it does not
+offer, is called on torch's own libgomp. Another package may bring its own copy (sentencepiece's wheel vendors
+one, `sentencepiece.libs/libgomp-*.so`), listed before torch's: pausing that one would free none of torch's
+workers, so the copy in torch's package directory comes first (`_torch_first`).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import threading
 
 import torch
@@ -33,14 +36,23 @@ from threadpoolctl import ThreadpoolController
 OMP_PAUSE_SOFT = 1
 
 
+def _torch_first(filepaths: list[str], torch_dir: str) -> list[int]:
+    """Indices of `filepaths` (OpenMP libraries) in the order to use them: libgomp under `torch_dir` (torch's own),
+    then other libgomps, then the rest; stable within each."""
+    torch_dir = os.path.join(os.path.realpath(torch_dir), "")
+    return sorted(range(len(filepaths)), key=lambda i: ("libgomp" not in filepaths[i],
+                                                       not os.path.realpath(filepaths[i]).startswith(torch_dir)))
+
+
 @functools.cache
 def _openmp():
-    """threadpoolctl's controllers of the OpenMP libraries in this process (libgomp first), or None
+    """threadpoolctl's controllers of the OpenMP libraries in this process (torch's libgomp first), or None
     when torch's parallel backend is not OpenMP."""
     if "ATen parallel backend: OpenMP" not in torch.__config__.parallel_info():
         return None
     controllers = ThreadpoolController().select(user_api="openmp").lib_controllers
-    return sorted(controllers, key=lambda c: "libgomp" not in c.filepath) or None
+    order = _torch_first([c.filepath for c in controllers], os.path.dirname(torch.__file__))
+    return [controllers[i] for i in order] or None
 
 
 @functools.cache
