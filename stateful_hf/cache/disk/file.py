@@ -26,26 +26,21 @@ import torch
 import xxhash
 
 from ..errors import StoreError
+from ..pools.pool import block_runs, libc
 from . import index
 
 MADV_WILLNEED, MADV_DONTNEED = 3, 4      # madvise(2) advice (the same on Linux and macOS)
-_LIBC: list = []                         # libc, loaded on first use (empty: not yet; [None]: unavailable)
 
 
 def _madvise(addr: int, length: int, advice: int) -> bool:
     """madvise(2) over [addr, addr + length), addr rounded down to its page; False where it fails or libc
     has no madvise."""
-    if not _LIBC:
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            _LIBC.append(libc)
-        except (OSError, AttributeError):
-            _LIBC.append(None)
-    if _LIBC[0] is None:
-        return False
     start = addr - addr % mmap.PAGESIZE
-    return _LIBC[0].madvise(start, addr + length - start, advice) == 0
+    try:
+        return libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(addr + length - start),
+                              ctypes.c_int(advice)) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def identity_tags(token_ids: Sequence[int], block_size: int) -> list[bytes]:
@@ -128,18 +123,14 @@ class DiskFile:
         queue of requests instead of fault by fault, and no fault reads ahead past them into other slots'
         bytes (a file is laid out layer by layer, and a device's readahead window can be MiBs: reading 16
         slots of a 34-slot file read twice their bytes before). Best effort: nothing changes if it fails."""
-        runs, ordered = [], sorted(set(slots))
-        for slot in ordered:
-            if runs and slot == runs[-1][1]:
-                runs[-1][1] = slot + 1
-            else:
-                runs.append([slot, slot + 1])
+        ordered = sorted(set(slots))
+        runs = block_runs(ordered, ordered)                     # (first slot, first slot, slots)
         base = self.flat.data_ptr()
         for part, offset in zip(self._bytes, self._offsets, strict=True):
             layers, count, size = part.shape
             for layer in range(layers):
-                for a, b in runs:
-                    _madvise(base + offset + (layer * count + a) * size, (b - a) * size, MADV_WILLNEED)
+                for a, _, n in runs:
+                    _madvise(base + offset + (layer * count + a) * size, n * size, MADV_WILLNEED)
 
     def checksum(self, tag: bytes, slot: int) -> int:
         """xxh3-64 of (tag, the slot's bytes), as a signed 64-bit integer (an SQLite INTEGER)."""

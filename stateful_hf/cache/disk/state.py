@@ -199,13 +199,8 @@ class DiskState:
         ks = [k for k in (range(len(s.chunks)) if ks is None else ks) if s.chunks[k].state in ON_DISK]
         if not ks:
             return []
-        unproven: dict[str, list[int]] = {}
-        for k in ks:
-            c, form = s.chunks[k], FORM[s.chunks[k].state]
-            if not self.disk.pool_of(form).checksums.proven(c.loc):
-                unproven.setdefault(form, []).append(c.loc)
-        for form, slots in unproven.items():
-            self.disk.prefetch(form, slots)
+        self.prefetch([(s, k) for k in ks
+                       if not self.disk.pool_of(FORM[s.chunks[k].state]).checksums.proven(s.chunks[k].loc)])
         tags = identity_tags(s.token_ids, self.block_size)
         return [k for k in ks if not self.disk.verify(FORM[s.chunks[k].state], s.chunks[k].loc, tags[k])]
 

@@ -13,6 +13,7 @@ its resident pages (mincore). Pinned host pools (CUDA) and device pools on a GPU
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 from dataclasses import dataclass
 
@@ -47,19 +48,15 @@ def resident_bytes(t: torch.Tensor) -> int:
     start = addr // PAGE * PAGE
     n = (addr + length - start + PAGE - 1) // PAGE
     vec = (ctypes.c_ubyte * n)()
-    if _libc().mincore(ctypes.c_void_p(start), ctypes.c_size_t(n * PAGE), vec) != 0:
+    if libc().mincore(ctypes.c_void_p(start), ctypes.c_size_t(n * PAGE), vec) != 0:
         raise OSError(ctypes.get_errno(), "mincore failed")
     return int(torch.frombuffer(vec, dtype=torch.uint8).bitwise_and(1).sum()) * PAGE
 
 
-_LIBC = None
-
-
-def _libc():
-    global _LIBC
-    if _LIBC is None:
-        _LIBC = ctypes.CDLL(None, use_errno=True)
-    return _LIBC
+@functools.cache
+def libc() -> ctypes.CDLL:
+    """The C library of this process (mincore, madvise), loaded once."""
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def host_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu",

@@ -33,6 +33,7 @@ import threading
 import torch
 
 from ...kernels.blocks import blocks_for
+from ..pools.pool import libc
 from ..pools.tier import LazyFree
 from ..spec import KVSpec
 from .reservation import CudaReservation
@@ -299,9 +300,8 @@ def _resident_pages(addr: int, length: int) -> int:
     """Pages of [addr, addr + length) resident in RAM (mincore(2) through ctypes)."""
     import ctypes
 
-    libc = ctypes.CDLL(None, use_errno=True)
     n = (length + PAGE - 1) // PAGE
     vec = (ctypes.c_ubyte * n)()
-    if libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(length), vec) != 0:
+    if libc().mincore(ctypes.c_void_p(addr), ctypes.c_size_t(length), vec) != 0:
         raise OSError(ctypes.get_errno(), "mincore failed")
     return sum(b & 1 for b in bytes(vec))
