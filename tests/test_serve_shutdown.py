@@ -182,10 +182,12 @@ def test_the_server_freezes_its_startup_heap_before_serving():
     try:
         made_before = [object() for _ in range(1000)]
         frozen = freeze_heap()
-        assert frozen == gc.get_freeze_count() and frozen >= len(made_before)
+        # a frozen object freed by reference counting leaves the permanent generation (another thread's
+        # temporaries, pytest's frames): the count may fall a little after the freeze, never rise
+        assert frozen >= len(made_before) and 0 <= frozen - gc.get_freeze_count() < 100
         cycle: list = []
         cycle.append(cycle)                                  # cyclic garbage made after the freeze
         del cycle
-        assert gc.collect() >= 1 and gc.get_freeze_count() == frozen
+        assert gc.collect() >= 1 and len(made_before) <= gc.get_freeze_count() <= frozen
     finally:
         gc.unfreeze()
