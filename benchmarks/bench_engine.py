@@ -505,7 +505,10 @@ def run_condition(args, models, systems, skip, wl) -> dict:
             "engine_over": {b: {"per_round": v, "median": statistics.median(v)} for b, v in ratios.items()},
             "identical": identical, "reference": reference.name, "answers": len(reference.outputs),
             "engine_steps_by_threads": dict(engine.thread_sizer.steps_by_threads)
-            if engine is not None and engine.thread_sizer else None}
+            if engine is not None and engine.thread_sizer else None,
+            "engine_attention": None if engine is None else {
+                "rule": engine.store.step_backends.describe(),
+                "measured_rows_torch_s_cpp_s": engine.store.step_backends.measured}}
 
 
 def store_options(args) -> dict:

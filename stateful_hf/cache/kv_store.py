@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, overload
 
-from ..kernels import select_backend
+from ..kernels import StepBackends, select_backend
 from ..options import KVStoreKwargs, Layout, StoreConfig, TokensOrSize, Unpack
 from .audit.integrity import check_integrity
 from .audit.stats import SessionStats, StoreStats, TurnStats, summary
@@ -49,8 +49,13 @@ class KVStore:
         c = StoreConfig.build(device_capacity=device_capacity, **{"attn_backend": "torch", **options})
         attn_backend = select_backend(c.attn_backend, spec.device, spec.dtype, spec.head_dim, spec.block_size,
                                       layerwise_kv=c.layerwise_kv, layout=c.layout).name
-        self.config = dataclasses.replace(c, attn_backend=attn_backend)
+        backends = c.step_backends if c.step_backends is not None else StepBackends(attn_backend)
+        if backends.long != attn_backend:
+            raise ValueError(f"step_backends {backends.describe()!r} must fall back to the store's backend "
+                             f"{attn_backend!r}")
+        self.config = dataclasses.replace(c, attn_backend=attn_backend, step_backends=backends)
         self.spec, self.block_size, self.layout, self.attn_backend = spec, spec.block_size, c.layout, attn_backend
+        self.step_backends: StepBackends = backends   # which backend attends each step (`StepPlanner.plan`)
         p = self.parts = assemble(spec, self.config)
         self.kernels, self.transfer, self.counters, self.moves = p.kernels, p.transfer, p.counters, p.moves
         self.sessions, self.sharing, self.hidden, self.disk_state = p.sessions, p.sharing, p.hidden, p.disk_state

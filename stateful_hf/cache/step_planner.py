@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..kernels import KernelState, PagedBatch
+from ..kernels import KernelState, PagedBatch, StepBackends
 from ..kernels.blocks import blocks_for
 from ..options import Layout
 from .audit.stats import Counters
@@ -54,10 +54,10 @@ DISK = ChunkState.DISK
 class StepPlanner:
     def __init__(self, sessions: SessionTable, tiers: TierPools, placement: Placement, swap_in: SwapIn,
                  hidden: HiddenTier | NoHiddenStates, layered: LayeredChunks | NoLayers, transfer: Transfer,
-                 counters: Counters, kernels: KernelState, *, layout: Layout, attn_backend: str):
+                 counters: Counters, kernels: KernelState, *, layout: Layout, backends: StepBackends):
         self.sessions, self.tiers, self.placement, self.swap_in = sessions, tiers, placement, swap_in
         self.hidden, self.layered, self.transfer, self.counters = hidden, layered, transfer, counters
-        self.kernels, self.layout, self.attn_backend = kernels, layout, attn_backend
+        self.kernels, self.layout, self.backends = kernels, layout, backends
         self.features: tuple[StoreFeature, ...] = ()      # registered by `store_parts.assemble`
         self.layer_features: tuple[StoreFeature, ...] = ()   # those with per-layer work, carried by each step
         self.spec = tiers.device.spec
@@ -294,7 +294,8 @@ class StepPlanner:
             entries=tuple(entries), paged=paged.to(dev), slots=slot_t, rows=rows,
             input_ids=torch.tensor([ids], dtype=torch.long, device=dev),
             position_ids=torch.tensor([pos], dtype=torch.long, device=dev),
-            pool=device, backend=self.attn_backend, windows=self.spec.windows, layer_events=layer_events,
+            pool=device, backend=self.backends.for_step([len(e.positions) for e in entries]),
+            windows=self.spec.windows, layer_events=layer_events,
             dense_slots=dense_slots, layered=layered, kernels=self.kernels,
             hidden=self.hidden.step_hidden(slots, restore), features=self.layer_features,
         )

@@ -159,9 +159,9 @@ def _assemble(spec: KVSpec, c: StoreConfig) -> StoreParts:
             tiers, placement, transfer, counters, layout=c.layout, attn_backend=c.attn_backend,
             capturing=hidden_tier is not None)
         relocation = Relocation(tiers, placement, swap_in, hidden, transfer)
-        kernels = KernelState()
+        kernels = KernelState(c.step_backends.short_rows)
         planner = StepPlanner(sessions, tiers, placement, swap_in, hidden, layered, transfer, counters, kernels,
-                              layout=c.layout, attn_backend=c.attn_backend)
+                              layout=c.layout, backends=c.step_backends)
         history = History(sessions, tiers, placement, disk_state, planner)
         capacity = Capacity(sessions, tiers, c.layout)
         writer = None if disk is None else DiskWriter(

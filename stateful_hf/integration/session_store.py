@@ -14,6 +14,7 @@ from ..fingerprint import model_fingerprint
 from ..kernels import select_backend
 from ..kernels.quantization import Quantization
 from ..kernels.quantization import detect as detect_quantization
+from ..kernels.step_backends import measure as measure_step_backends
 from ..options import HiddenStates, Layout, SessionStoreKwargs, SessionStoreOptions, StoreOptions, TokensOrSize, Unpack
 from ..profile.cost import measure_cost_profile, measure_offload_bandwidth
 from ..profile.hidden import measure_hidden_costs
@@ -50,6 +51,12 @@ class SessionStore(KVStore):
             pack_weights(model)
         attn_backend = select_backend("cpu" if off is None else o.attn_backend, spec.device, spec.dtype,
                                       spec.head_dim, spec.block_size, layerwise_kv=o.layerwise_kv, layout=o.layout).name
+        backends = None
+        if off is not None and o.attn_backend == "auto" and spec.device.type == "cpu" and not o.layerwise_kv \
+                and o.layout is Layout.PAGED:   # per step, the C++ kernel where it measured faster
+            backends = measure_step_backends(adapter.num_heads, adapter.num_kv_heads, adapter.head_dim,
+                                             spec.block_size, spec.dtype, adapter.num_layers, torch.get_num_threads())
+            attn_backend = backends.long
         policy = DEFAULT_POLICY if o.policy is None else o.policy
         if isinstance(policy, str) and policy in POLICY_NAMES:
             profile = None if policy == "lru" else o.cost_profile or measure_cost_profile(model, spec)
@@ -75,7 +82,7 @@ class SessionStore(KVStore):
         if uses_hidden:
             hidden_spec = HiddenSpec(spec, adapter.hidden_size, hidden_layers)
         shared = {name: getattr(o, name) for name in StoreOptions.names() if name != "device_capacity"}
-        shared.update(policy=policy, attn_backend=attn_backend,
+        shared.update(policy=policy, attn_backend=attn_backend, step_backends=backends,
                       hidden_states=o.hidden_states if uses_hidden else HiddenStates.NEVER,
                       max_context=o.max_context or adapter.max_positions)
         super().__init__(spec, o.device_capacity, **shared, hidden_spec=hidden_spec,

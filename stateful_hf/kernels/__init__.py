@@ -12,6 +12,7 @@ from .kernel_plan import (
     resolve_backend,
     select_backend,
 )
+from .step_backends import StepBackends
 
 __all__ = ["BACKENDS", "BackendChoice", "KernelState", "Overlay", "PagedBatch", "KernelPlan", "available_backends",
-           "paged_attention", "plan", "resolve_backend", "select_backend"]
+           "paged_attention", "plan", "resolve_backend", "select_backend", "StepBackends"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -60,9 +61,11 @@ def unavailable_reason() -> str | None:
 class CpuPlan:
     """Per-step state: the work items and the int64 metadata every layer of the step passes."""
 
-    def __init__(self, batch: PagedBatch, block_size: int, split: int | None = None):
+    def __init__(self, batch: PagedBatch, block_size: int, split: int | None = None,
+                 members: Sequence[int] | None = None):
+        # members: the sub-requests attended (None: all); the others' rows of the output are zero
         cu_q, _ = batch.host
-        items = [(i, a, min(a + ROWS, cu_q[i + 1])) for i in range(batch.num_seqs)
+        items = [(i, a, min(a + ROWS, cu_q[i + 1])) for i in (range(batch.num_seqs) if members is None else members)
                  for a in range(cu_q[i], cu_q[i + 1], ROWS)]
         self.items = torch.tensor(items, dtype=torch.long).reshape(-1, 3)
         self.q_pos = batch.q_pos.to(torch.long).contiguous()

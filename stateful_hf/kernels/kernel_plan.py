@@ -28,8 +28,8 @@ logger = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "torch", "cpu", "triton", "flashinfer", "flash_attn")
 PREFERENCE = ("flashinfer", "flash_attn", "triton", "torch")   # auto's order: fixed, not measured
-# "cpu" (cpu_backend.py) is chosen by name only: its fixed-split kernel is slower than torch's SDPA here
-# (benchmarks/bench_kernels.py), and is what batch invariance builds on.
+# "cpu" (cpu_backend.py) is chosen by name here; a SessionStore's "auto" on the CPU then measures it against torch
+# per run length (`step_backends.py`) and gives it the runs it wins. Batch invariance builds on it.
 LAYOUTS = tuple(Layout)
 # Each compiled backend module's supports(dtype, head_dim, block_size) -> None or why not, and
 # available(device); the torch backend serves every device, dtype, head_dim and block size, and alone
@@ -55,8 +55,8 @@ def select_backend(name: str, device: torch.device | str, dtype: torch.dtype | N
                    layout: Layout | str = Layout.PAGED) -> BackendChoice:
     """The paged-attention backend for `name` serving a store on `device` with this dtype, head_dim,
     block size and features (None: not checked). "auto" walks PREFERENCE and passes over, logging
-    one line each, any backend that cannot serve it (the GPU backends only on CUDA; the CPU gets torch:
-    the C++ kernel of cpu_backend.py is chosen by name only).
+    one line each, any backend that cannot serve it (the GPU backends only on CUDA; the CPU gets torch here, and a
+    SessionStore then measures the C++ kernel of cpu_backend.py against it per run length: step_backends.py).
     A backend forced by name raises: ValueError for an unknown name or one that cannot serve the dtype,
     head_dim, block size or features (naming what it supports), RuntimeError for a missing package or
     device. Features: `layerwise_kv` (LayerKV's host-resident layers are overlays only torch reads);
@@ -132,12 +132,39 @@ class TritonPlan:
                                                      tiles=self.tiles, softcap=softcap)
 
 
+SPLIT = "split"     # a step's backend (`StepBackends`): the C++ kernel for its short runs, torch for the rest
+
+
+class SplitPlan:
+    """A step whose sub-requests of at most `rows` query rows (decodes) the C++ kernel attends, blocks read in
+    place, and the rest (prefills) torch's SDPA: one [T, Hq, D] output, each row computed by one of them."""
+
+    def __init__(self, batch: PagedBatch, block_size: int, rows: int):
+        cu_q, _ = batch.host
+        runs = [cu_q[i + 1] - cu_q[i] for i in range(batch.num_seqs)]
+        short = [i for i, r in enumerate(runs) if 0 < r <= rows]
+        long = [i for i, r in enumerate(runs) if r > rows]
+        if not short or not long:
+            raise ValueError(f"a split step needs runs of at most {rows} query rows and longer ones, got {runs}")
+        self.short = cpu_backend.CpuPlan(batch, block_size, members=short)
+        self.long = TorchPlan(batch, block_size, members=long)
+        self.long_rows = torch.tensor([t for i in long for t in range(cu_q[i], cu_q[i + 1])], dtype=torch.long)
+
+    def run(self, query, key_cache, value_cache, scale: float, window: int | None = None,
+            softcap: float | None = None) -> torch.Tensor:
+        out = self.short.run(query, key_cache, value_cache, scale, window, softcap)     # zero on the long rows
+        long = self.long.run(query, key_cache, value_cache, scale, window, softcap)     # zero on the short rows
+        return out.index_copy_(0, self.long_rows, long.index_select(0, self.long_rows))
+
+
 class KernelState:
     """Kernel state that outlives a step: one per store (or engine), passed to every step's plan.
-    Holds FlashInfer's 128 MiB workspace and its wrapper, made on first use."""
+    Holds FlashInfer's 128 MiB workspace and its wrapper, made on first use, and the longest run of query rows
+    a SPLIT step gives the C++ kernel (`StepBackends.short_rows`; 0: the store makes no split step)."""
 
-    def __init__(self):
+    def __init__(self, split_rows: int = 0):
         self._flashinfer = None
+        self.split_rows = split_rows
 
     def flashinfer(self, device: torch.device | str):
         if self._flashinfer is None:
@@ -153,6 +180,11 @@ class KernelPlan:
                  state: KernelState | None = None, head_dim: int | None = None):
         self.batch, self.block_size = batch, block_size
         self.validated_for: int | None = None      # num_blocks the batch was last validated against
+        if backend == SPLIT:
+            if state is None or not state.split_rows:
+                raise ValueError("a split step needs the store's KernelState with its split_rows")
+            self.backend, self.impl = SPLIT, SplitPlan(batch, block_size, state.split_rows)
+            return
         self.backend = resolve_backend(backend, batch.cu_q.device, dtype, head_dim, block_size)
         if self.backend == "torch":
             self.impl = TorchPlan(batch, block_size)

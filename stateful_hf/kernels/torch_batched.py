@@ -17,6 +17,8 @@ Its cost against contiguous SDPA and the alternatives (`benchmarks/bench_kernels
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -128,10 +130,11 @@ class _SdpaGroup:
 class TorchPlan:
     """Per-step state of the batched torch path; reuse it for every layer of the step."""
 
-    def __init__(self, batch: PagedBatch, block_size: int):
+    def __init__(self, batch: PagedBatch, block_size: int, members: Sequence[int] | None = None):
+        # members: the sub-requests attended (None: all); the others' rows of the output are zero
         cu_q, kv_len = batch.host
         self.batch, self.block_size = batch, block_size
-        live = [i for i in range(batch.num_seqs) if cu_q[i + 1] > cu_q[i]]
+        live = [i for i in (range(batch.num_seqs) if members is None else members) if cu_q[i + 1] > cu_q[i]]
         live.sort(key=lambda i: (cu_q[i + 1] - cu_q[i], kv_len[i]))
         table = batch.block_table.cpu()
         groups, cur = [], []

@@ -55,13 +55,15 @@ class StoreOptions(Options):
     cost_profile: Any = option(None, "Pensieve's Cost(l), a CostProfile, for a named policy; None: SessionStore "
                                "measures it on the model (once per geometry and device) if the policy uses it")
     attn_backend: str = option(
-        "auto", "paged attention backend: auto, torch, cpu, triton, flashinfer, flash_attn; auto takes the first of "
-        "flashinfer, flash_attn, triton, torch that serves the store (not measured: docs/gpu.md; cpu, the C++ "
-        "fixed-split kernel, by name only); resolved when "
-        "the store is made (a forced one that cannot serve it raises then); KVStore's default: torch",
-        flag=("--attention-backend", "--backend"), metavar="NAME", cli="paged attention backend; auto takes the "
-        "first of flashinfer, flash_attn, triton, torch that serves the store (docs/gpu.md); cpu: the C++ "
-        "fixed-split kernel (docs/cpu.md)")
+        "auto", "paged attention backend: auto, torch, cpu, triton, flashinfer, flash_attn; on CUDA auto takes the "
+        "first of flashinfer, flash_attn, triton, torch that serves the store (not measured: docs/gpu.md); on the "
+        "CPU a SessionStore's auto measures cpu (the C++ kernel) against torch once and gives the C++ kernel the "
+        "sub-requests of the run lengths it wins (decodes), torch the rest (docs/cpu.md); resolved when the store "
+        "is made (a forced one that cannot serve it raises then); KVStore's default: torch",
+        flag=("--attention-backend", "--backend"), metavar="NAME", cli="paged attention backend; auto: on CUDA the "
+        "first of flashinfer, flash_attn, triton, torch that serves the store (docs/gpu.md), on the CPU the C++ "
+        "kernel for decodes where it measured faster, torch for the rest (docs/cpu.md); cpu: the C++ kernel for "
+        "every step")
     swap_out_threshold: float = option(0.25, "after a turn, chunks move to the host ahead of time while fewer "
                                        "than this share of device blocks is free")
     hidden_states: HiddenStates = option(
@@ -191,6 +193,9 @@ class StoreConfig(StoreOptions):
                                       "store needs")
     disk_fingerprint: str = option("", "identifies the model whose KV the disk tier holds; a disk_dir made with "
                                    "another is refused")
+    step_backends: Any = option(None, "the backend of each step (a kernels.StepBackends, its `long` the resolved "
+                                "attn_backend) SessionStore measured for 'auto' on the CPU; None: attn_backend attends "
+                                "every step")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -243,3 +248,4 @@ class KVStoreKwargs(StoreKwargs, total=False):
     hidden_spec: Any                # a HiddenSpec
     project: Callable | None        # a Projector
     disk_fingerprint: str
+    step_backends: Any              # a StepBackends
