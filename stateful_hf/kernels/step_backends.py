@@ -21,22 +21,23 @@ import torch
 
 from . import cpu_backend
 from .batch import PagedBatch
-from .kernel_plan import SPLIT
+from .kernel_plan import SPLIT, SplitPlan
 from .torch_batched import TorchPlan
 
 logger = logging.getLogger(__name__)
 
-ROWS = (1, 4, 16, 64, 256)    # query rows of each sub-request of the steps measured (decode .. a prefill chunk)
-QUERY_ROWS = 128              # a measured step's rows: 8 decodes, 8 x 16, 2 x 64, then 1 x 256
+ROWS = (1, 4, 16, 64, 256)    # rows of the long run of the steps measured (a decode step .. a prefill chunk)
+DECODES = 8                   # a measured step: this many decodes, one of them the long run
 CONTEXT = 512                 # tokens of context each sub-request attends to
-MARGIN = 0.9                  # the C++ kernel is taken for a shape only if at most this share of torch's time
+MARGIN = 0.9                  # a kernel takes a run from the other only at most this share of its time
 REPEATS = 5
 
 
 @dataclass(frozen=True, slots=True)
 class StepBackends:
     """`short` (when set) attends the sub-requests of at most `short_rows` query rows, `long` the others.
-    `measured`: (rows a sub-request, torch seconds, C++ seconds) of one step's attention, per shape measured."""
+    `measured`: per step measured, (rows of its long run, seconds of its attention with torch attending that run,
+    with the C++ kernel attending every row): `measure`."""
 
     long: str
     short: str | None = None
@@ -62,9 +63,8 @@ class StepBackends:
 
 
 def _batch(rows: int, block_size: int) -> PagedBatch:
-    """Sub-requests of `rows` new rows each over CONTEXT tokens of context, QUERY_ROWS rows in all (at least one,
-    at most 8 sub-requests)."""
-    runs = [rows] * max(1, min(8, QUERY_ROWS // rows))
+    """DECODES sub-requests over CONTEXT tokens of context each: the first computes `rows` new rows, the others one."""
+    runs = [rows] + [1] * (DECODES - 1)
     blocks = -(-(CONTEXT + rows) // block_size)
     cu = [0]
     pos: list[int] = []
@@ -76,10 +76,10 @@ def _batch(rows: int, block_size: int) -> PagedBatch:
                       torch.tensor([CONTEXT + r for r in runs], dtype=torch.int32), table)
 
 
-def _step_seconds(plan_type, batch: PagedBatch, block_size: int, query, key, value, layers: int) -> float:
+def _step_seconds(make_plan, query, key, value, layers: int) -> float:
     """One step's attention: its plan, then `layers` calls (the fastest of REPEATS, scaled)."""
     start = time.perf_counter()
-    plan = plan_type(batch, block_size)
+    plan = make_plan()
     plan.run(query, key, value, query.shape[-1] ** -0.5)
     made = time.perf_counter() - start
     runs = []
@@ -93,31 +93,34 @@ def _step_seconds(plan_type, batch: PagedBatch, block_size: int, query, key, val
 @functools.cache
 def measure(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype, layers: int,
             threads: int) -> StepBackends:
-    """`attn_backend="auto"` on the CPU for this attention geometry: the C++ kernel for sub-requests of up to the
-    longest measured run at which it takes at most MARGIN of torch's time (and at every shorter one), torch for
-    longer ones; the C++ kernel for all if it wins at every shape, torch alone if it loses at decode or is not built.
-    Once per geometry and thread count in a process (~0.2-0.5 s)."""
+    """`attn_backend="auto"` on the CPU for this attention geometry, from steps of DECODES decodes of which one is a
+    run of r rows, r in ROWS. A decode step (r = 1): the C++ kernel attends decodes if it takes at most MARGIN of
+    torch's time, else torch attends every step. Then for each longer r in turn, the C++ kernel attending the whole
+    step against a split step (torch attending the run): the C++ kernel keeps the runs of every r until the split
+    takes at most MARGIN of its time there; if it never does, it attends every step. Once per geometry and thread
+    count in a process (~0.2-0.5 s); torch alone where the C++ kernel cannot serve or is not built."""
     if cpu_backend.supports(dtype, head_dim, block_size) is not None or not cpu_backend.available("cpu"):
         return StepBackends("torch")
     gen = torch.Generator().manual_seed(0)
-    blocks = 8 * -(-(CONTEXT + max(ROWS)) // block_size)
+    blocks = DECODES * -(-(CONTEXT + max(ROWS)) // block_size)
     key, value = (torch.randn(blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype) for _ in "kv")
     measured = []
     for rows in (ROWS[0], *ROWS):            # the first shape twice: its first round warms both backends up
         batch = _batch(rows, block_size)
         query = torch.randn(batch.q_pos.numel(), num_heads, head_dim, generator=gen).to(dtype)
-        torch_s = _step_seconds(TorchPlan, batch, block_size, query, key, value, layers)
-        cpu_s = _step_seconds(cpu_backend.CpuPlan, batch, block_size, query, key, value, layers)
-        measured.append((rows, torch_s, cpu_s))
+        other = functools.partial(TorchPlan, batch, block_size) if rows == 1 else \
+            functools.partial(SplitPlan, batch, block_size, rows - 1)     # torch attends the run, C++ the decodes
+        other_s = _step_seconds(other, query, key, value, layers)
+        cpu_s = _step_seconds(functools.partial(cpu_backend.CpuPlan, batch, block_size), query, key, value, layers)
+        measured.append((rows, other_s, cpu_s))
     measured = measured[1:]
-    wins = [cpu_s <= MARGIN * torch_s for _, torch_s, cpu_s in measured]
-    short = len(wins) if all(wins) else wins.index(False)
-    if short == len(ROWS):
-        rule = StepBackends("cpu", measured=tuple(measured))
-    elif short == 0:
+    if measured[0][2] > MARGIN * measured[0][1]:
         rule = StepBackends("torch", measured=tuple(measured))
     else:
-        rule = StepBackends("torch", "cpu", ROWS[short - 1], tuple(measured))
-    logger.info("attn_backend='auto' on the CPU (%d threads): %s; measured (rows, torch s, C++ s) a step: %s",
-                threads, rule.describe(), [(r, round(t, 5), round(c, 5)) for r, t, c in measured])
+        split = next((i for i, (_, other_s, cpu_s) in enumerate(measured) if i and other_s <= MARGIN * cpu_s), None)
+        rule = StepBackends("cpu", measured=tuple(measured)) if split is None else \
+            StepBackends("torch", "cpu", ROWS[split - 1], tuple(measured))
+    logger.info("attn_backend='auto' on the CPU (%d threads): %s; measured (rows of the long run, seconds with torch "
+                "attending it, with the C++ kernel) a step: %s", threads, rule.describe(),
+                [(r, round(t, 5), round(c, 5)) for r, t, c in measured])
     return rule

@@ -78,8 +78,8 @@ def _announce(access, host: str) -> None:
 def _describe(store, context: int) -> None:
     """One line: what the store was built with (the flags' effect, resolved: `auto` named)."""
     hidden = "on" if store.hidden_plan is not None else "off"
-    print(f"stateful-hf: context {context} tokens; store: attention backend {store.attn_backend}, eviction policy "
-          f"{store.policy.describe()}, hidden states {hidden}", flush=True)
+    print(f"stateful-hf: context {context} tokens; store: attention backend {store.step_backends.describe()}, "
+          f"eviction policy {store.policy.describe()}, hidden states {hidden}", flush=True)
 
 
 def reload_keys_on_sighup(keys) -> None:
