@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 ROWS = (1, 4, 16, 64, 256)    # rows of the long run of the steps measured (a decode step .. a prefill chunk)
 DECODES = 8                   # a measured step: this many decodes, one of them the long run
 CONTEXT = 512                 # tokens of context each sub-request attends to
-MARGIN = 0.9                  # a kernel takes a run from the other only at most this share of its time
+MARGIN = 0.9                  # torch takes a run from the C++ kernel only in at most this share of its time
 REPEATS = 5
 
 
@@ -94,10 +94,12 @@ def _step_seconds(make_plan, query, key, value, layers: int) -> float:
 def measure(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype, layers: int,
             threads: int) -> StepBackends:
     """`attn_backend="auto"` on the CPU for this attention geometry, from steps of DECODES decodes of which one is a
-    run of r rows, r in ROWS. A decode step (r = 1): the C++ kernel attends decodes if it takes at most MARGIN of
-    torch's time, else torch attends every step. Then for each longer r in turn, the C++ kernel attending the whole
+    run of r rows, r in ROWS. A decode step (r = 1): the C++ kernel attends decodes unless torch takes at most MARGIN
+    of its time (then torch attends every step). Then for each longer r in turn, the C++ kernel attending the whole
     step against a split step (torch attending the run): the C++ kernel keeps the runs of every r until the split
-    takes at most MARGIN of its time there; if it never does, it attends every step. Once per geometry and thread
+    takes at most MARGIN of its time there; if it never does, it attends every step. So torch takes work from the
+    kernel only where it is clearly faster: the kernel reads K/V in place where torch gathers it first, which is
+    what a decode's cost is made of. Once per geometry and thread
     count in a process (~0.2-0.5 s); torch alone where the C++ kernel cannot serve or is not built."""
     if cpu_backend.supports(dtype, head_dim, block_size) is not None or not cpu_backend.available("cpu"):
         return StepBackends("torch")
@@ -114,7 +116,7 @@ def measure(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, d
         cpu_s = _step_seconds(functools.partial(cpu_backend.CpuPlan, batch, block_size), query, key, value, layers)
         measured.append((rows, other_s, cpu_s))
     measured = measured[1:]
-    if measured[0][2] > MARGIN * measured[0][1]:
+    if measured[0][1] <= MARGIN * measured[0][2]:
         rule = StepBackends("torch", measured=tuple(measured))
     else:
         split = next((i for i, (_, other_s, cpu_s) in enumerate(measured) if i and other_s <= MARGIN * cpu_s), None)
