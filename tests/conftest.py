@@ -151,3 +151,21 @@ def stop_server(proc) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(timeout=15)
+
+
+def steady_threads(quiet: float = 0.5, timeout: float = 10.0) -> int:
+    """The process's thread count once it has not changed for `quiet` s: threads an earlier test left (an engine
+    loop thread's OpenMP team, tqdm's monitor) exit on their own time, and one exiting inside a count reads as a
+    worker short."""
+    import gc
+    import os
+    import time
+
+    gc.collect()
+    deadline = time.monotonic() + timeout
+    count, since = len(os.listdir("/proc/self/task")), time.monotonic()
+    while time.monotonic() - since < quiet and time.monotonic() < deadline:
+        time.sleep(0.02)
+        if (now := len(os.listdir("/proc/self/task"))) != count:
+            count, since = now, time.monotonic()
+    return count

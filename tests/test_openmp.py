@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from conftest import FAMILIES
+from conftest import FAMILIES, steady_threads
 
 from benchmarks.harness.threads import hold_main_pool
 from stateful_hf import Engine, SamplingParams
@@ -35,6 +35,7 @@ def two_threads():
         pytest.skip("torch does not run on libgomp here")
     n = torch.get_num_threads()
     torch.set_num_threads(2)
+    steady_threads()
     yield
     torch.set_num_threads(n)
 

@@ -104,3 +104,12 @@ def test_the_engine_is_exact_on_split_steps(make_model, monkeypatch):
             engine.store.check_integrity()
         engine.stop()
         assert bool(made) is splits, len(made)
+
+
+def test_a_model_free_store_attends_every_step_with_its_backend_and_refuses_a_rule_that_does_not_fall_back_to_it():
+    from stateful_hf.cache import KVSpec, KVStore
+    spec = KVSpec(2, 2, 16, block_size=16)
+    assert KVStore(spec, 256).step_backends == StepBackends("torch")
+    assert KVStore(spec, 256, step_backends=StepBackends("torch", "cpu", 4)).planner.backends.short_rows == 4
+    with pytest.raises(ValueError, match="must fall back to the store's backend 'torch'"):
+        KVStore(spec, 256, step_backends=StepBackends("cpu"))

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 import torch
-from conftest import FAMILIES
+from conftest import FAMILIES, steady_threads
 
 from stateful_hf import Engine, SamplingParams
 from stateful_hf.engine import openmp
@@ -113,6 +113,7 @@ def test_spin_switch_holds_and_frees_a_ballast_pool():
     def threads() -> int:
         return len(os.listdir("/proc/self/task"))
 
+    steady_threads()                              # no thread of an earlier test exits inside the counts
     switch = openmp.SpinSwitch()
     switch.set(True)
     deadline = time.monotonic() + 10
