@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import FAMILIES, Conversation, engine_round
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from test_kernels import assert_close_to_reference, ragged_case
 
 from stateful_hf import Engine, SessionStore
@@ -30,6 +30,9 @@ def test_the_rule_gives_short_runs_to_one_kernel_long_ones_to_the_other_and_mixe
         StepBackends("torch", "cpu")               # a short backend without its bound
     with pytest.raises(AssertionError):
         StepBackends("cpu", "cpu", 4)
+    with pytest.raises(AssertionError):
+        StepBackends("cpu", "torch", 4)            # SplitPlan splits the other way round only
+    assert rule.for_step([0, 40]) == "torch" and rule.for_step([0, 1]) == "cpu"   # no rows: on neither side
 
 
 @settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
@@ -39,8 +42,7 @@ def test_a_split_step_gives_each_row_the_result_of_its_kernel(case):
     cu_q = batch.host[0]
     runs = [b - a for a, b in zip(cu_q, cu_q[1:])]
     lengths = sorted(set(r for r in runs if r))
-    if len(lengths) < 2:
-        return                                         # one kind of run only: no split step
+    assume(len(lengths) >= 2)                          # one kind of run only: no split step
     rows = lengths[0]
     out = paged_attention(query, kc, vc, batch, backend=kernel_plan.SPLIT, window=window,
                           state=KernelState(split_rows=rows))
@@ -59,6 +61,7 @@ def test_a_split_step_needs_both_kinds_of_run_and_the_stores_bound():
         kernel_plan.plan(batch, 16, kernel_plan.SPLIT, state=KernelState(split_rows=1))
 
 
+@pytest.mark.measured_backends
 def test_auto_on_the_cpu_measures_its_rule_once_and_features_keep_torch(monkeypatch):
     model = FAMILIES["llama"]()
     store = SessionStore(model, 256, chunk_size=16)
@@ -113,3 +116,32 @@ def test_a_model_free_store_attends_every_step_with_its_backend_and_refuses_a_ru
     assert KVStore(spec, 256, step_backends=StepBackends("torch", "cpu", 4)).planner.backends.short_rows == 4
     with pytest.raises(ValueError, match="must fall back to the store's backend 'torch'"):
         KVStore(spec, 256, step_backends=StepBackends("cpu"))
+    with pytest.raises(ValueError, match="layerwise_kv"):     # a short backend that cannot serve the store
+        KVStore(spec, 256, step_backends=StepBackends("torch", "cpu", 4), layerwise_kv=True, host_capacity=256)
+
+
+@pytest.mark.parametrize("times, want", [
+    # (torch or the split step, the C++ kernel) per measured step: rows 1 (warm-up, dropped), 1, 4, 16, 64, 256
+    ([(1, 1), (0.5, 1), (9, 1), (9, 1), (9, 1), (9, 1)], ("torch", None, 0)),             # torch wins decodes
+    ([(1, 1), (0.95, 1), (0.95, 1), (0.95, 1), (0.95, 1), (0.95, 1)], ("cpu", None, 0)),  # never clearly faster
+    ([(1, 1), (2, 1), (0.5, 1), (2, 1), (2, 1), (2, 1)], ("torch", "cpu", 1)),            # the split wins at 4
+    ([(1, 1), (2, 1), (2, 1), (0.8, 1), (0.1, 1), (0.1, 1)], ("torch", "cpu", 4)),        # at 16
+    ([(1, 1), (2, 1), (2, 1), (2, 1), (2, 1), (0.5, 1)], ("torch", "cpu", 64)),           # at 256 only
+])
+def test_the_rule_follows_the_measured_times(monkeypatch, times, want):
+    seconds = iter(times)
+    monkeypatch.setattr(step_backends, "_step_seconds", lambda *args: list(next(seconds)))
+    step_backends.measure.cache_clear()
+    try:
+        rule = step_backends.measure(4, 2, 16, 16, torch.float32, 2, 1)
+    finally:
+        step_backends.measure.cache_clear()
+    assert (rule.long, rule.short, rule.short_rows) == want
+    assert [r for r, _, _ in rule.measured] == list(step_backends.ROWS)
+
+
+def test_the_suites_stores_split_decodes_from_prefills_by_scripted_times():
+    """conftest's scripted times: every float32 CPU store of the suite gets the same split rule, not a timed one."""
+    store = SessionStore(FAMILIES["llama"](), 256, chunk_size=16)
+    assert (store.step_backends.long, store.step_backends.short, store.step_backends.short_rows) == ("torch", "cpu", 1)
+    assert [c for _, _, c in store.step_backends.measured] == [1.0] * len(step_backends.ROWS)

@@ -53,6 +53,9 @@ class KVStore:
         if backends.long != attn_backend:
             raise ValueError(f"step_backends {backends.describe()!r} must fall back to the store's backend "
                              f"{attn_backend!r}")
+        if backends.short is not None:    # it attends some steps, so it must serve this store too
+            select_backend(backends.short, spec.device, spec.dtype, spec.head_dim, spec.block_size,
+                           layerwise_kv=c.layerwise_kv, layout=c.layout)
         self.config = dataclasses.replace(c, attn_backend=attn_backend, step_backends=backends)
         self.spec, self.block_size, self.layout, self.attn_backend = spec, spec.block_size, c.layout, attn_backend
         self.step_backends: StepBackends = backends   # which backend attends each step (`StepPlanner.plan`)

@@ -39,7 +39,7 @@ def _build():
                                ldflags=["-fopenmp"], key=repr(CpuFeatures.detect()))
         return module, None
     except Exception as e:                                      # noqa: BLE001 - any build failure: not available
-        why = f"the C++ kernel did not build: {type(e).__name__}: {str(e).strip().splitlines()[-1][:200]}"
+        why = f"the C++ kernel did not build: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[-1][:200]}"
         logger.warning("CPU paged attention unavailable: %s", why)
         return None, why
 

@@ -47,12 +47,15 @@ class StepBackends:
     def __post_init__(self) -> None:
         assert (self.short is None) == (self.short_rows == 0), "a short backend needs its row bound, and only it"
         assert self.short != self.long, "a rule picks between two backends"
+        assert self.short is None or (self.short, self.long) == ("cpu", "torch"), \
+            "a split step (`SplitPlan`) gives the short runs to the C++ kernel and the others to torch, only"
 
     def for_step(self, runs: Sequence[int]) -> str:
         """The backend of a step whose sub-requests compute `runs` query rows each: `long`, `short`, or SPLIT when
         it has runs of both kinds."""
         if self.short is None:
             return self.long
+        runs = [r for r in runs if r]            # a sub-request of no query rows has no output row on either side
         short = sum(r <= self.short_rows for r in runs)
         return self.short if short == len(runs) else self.long if short == 0 else SPLIT
 
@@ -76,18 +79,22 @@ def _batch(rows: int, block_size: int) -> PagedBatch:
                       torch.tensor([CONTEXT + r for r in runs], dtype=torch.int32), table)
 
 
-def _step_seconds(make_plan, query, key, value, layers: int) -> float:
-    """One step's attention: its plan, then `layers` calls (the fastest of REPEATS, scaled)."""
-    start = time.perf_counter()
-    plan = make_plan()
-    plan.run(query, key, value, query.shape[-1] ** -0.5)
-    made = time.perf_counter() - start
-    runs = []
-    for _ in range(REPEATS):
+def _step_seconds(make_plans, query, key, value, layers: int) -> list[float]:
+    """Per plan maker, one step's attention: its plan and first call, then `layers` - 1 calls at the fastest of
+    REPEATS. The makers' repeats alternate, so a neighbour's burst falls on each alike."""
+    made, runs = [], [[] for _ in make_plans]
+    plans = []
+    for make in make_plans:
         start = time.perf_counter()
-        plan.run(query, key, value, query.shape[-1] ** -0.5)
-        runs.append(time.perf_counter() - start)
-    return made + (layers - 1) * min(runs)
+        plans.append(make())
+        plans[-1].run(query, key, value, query.shape[-1] ** -0.5)
+        made.append(time.perf_counter() - start)
+    for _ in range(REPEATS):
+        for plan, times in zip(plans, runs):
+            start = time.perf_counter()
+            plan.run(query, key, value, query.shape[-1] ** -0.5)
+            times.append(time.perf_counter() - start)
+    return [m + (layers - 1) * min(times) for m, times in zip(made, runs)]
 
 
 @functools.cache
@@ -112,8 +119,8 @@ def measure(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, d
         query = torch.randn(batch.q_pos.numel(), num_heads, head_dim, generator=gen).to(dtype)
         other = functools.partial(TorchPlan, batch, block_size) if rows == 1 else \
             functools.partial(SplitPlan, batch, block_size, rows - 1)     # torch attends the run, C++ the decodes
-        other_s = _step_seconds(other, query, key, value, layers)
-        cpu_s = _step_seconds(functools.partial(cpu_backend.CpuPlan, batch, block_size), query, key, value, layers)
+        other_s, cpu_s = _step_seconds((other, functools.partial(cpu_backend.CpuPlan, batch, block_size)), query, key,
+                                       value, layers)
         measured.append((rows, other_s, cpu_s))
     measured = measured[1:]
     if measured[0][1] <= MARGIN * measured[0][2]:

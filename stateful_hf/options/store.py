@@ -62,8 +62,8 @@ class StoreOptions(Options):
         "is made (a forced one that cannot serve it raises then); KVStore's default: torch",
         flag=("--attention-backend", "--backend"), metavar="NAME", cli="paged attention backend; auto: on CUDA the "
         "first of flashinfer, flash_attn, triton, torch that serves the store (docs/gpu.md), on the CPU the C++ "
-        "kernel for decodes where it measured faster, torch for the rest (docs/cpu.md); cpu: the C++ kernel for "
-        "every step")
+        "kernel for decodes where it measured faster (every step where torch never clearly was), torch for the "
+        "rest (docs/cpu.md); cpu: the C++ kernel for every step")
     swap_out_threshold: float = option(0.25, "after a turn, chunks move to the host ahead of time while fewer "
                                        "than this share of device blocks is free")
     hidden_states: HiddenStates = option(
