@@ -21,6 +21,7 @@ import torch
 
 from . import cpu_backend
 from .batch import PagedBatch
+from .blocks import blocks_for
 from .kernel_plan import SPLIT, SplitPlan
 from .torch_batched import TorchPlan
 
@@ -68,7 +69,7 @@ class StepBackends:
 def _batch(rows: int, block_size: int) -> PagedBatch:
     """DECODES sub-requests over CONTEXT tokens of context each: the first computes `rows` new rows, the others one."""
     runs = [rows] + [1] * (DECODES - 1)
-    blocks = -(-(CONTEXT + rows) // block_size)
+    blocks = blocks_for(CONTEXT + rows, block_size)
     cu = [0]
     pos: list[int] = []
     for r in runs:
@@ -106,12 +107,12 @@ def measure(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, d
     step against a split step (torch attending the run): the C++ kernel keeps the runs of every r until the split
     takes at most MARGIN of its time there; if it never does, it attends every step. So torch takes work from the
     kernel only where it is clearly faster: the kernel reads K/V in place where torch gathers it first, which is
-    what a decode's cost is made of. Once per geometry and thread
-    count in a process (~0.2-0.5 s); torch alone where the C++ kernel cannot serve or is not built."""
+    what a decode's cost is made of. Once per geometry and thread count in a process (~0.2-0.5 s); torch alone
+    where the C++ kernel cannot serve or is not built."""
     if cpu_backend.supports(dtype, head_dim, block_size) is not None or not cpu_backend.available("cpu"):
         return StepBackends("torch")
     gen = torch.Generator().manual_seed(0)
-    blocks = DECODES * -(-(CONTEXT + max(ROWS)) // block_size)
+    blocks = DECODES * blocks_for(CONTEXT + max(ROWS), block_size)
     key, value = (torch.randn(blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype) for _ in "kv")
     measured = []
     for rows in (ROWS[0], *ROWS):            # the first shape twice: its first round warms both backends up
