@@ -351,6 +351,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1,
                     help="rounds of (b), (b+) and (c), in rotating order; each system's median-throughput run is "
                          "reported, with the per-round throughput ratios of (c) and their medians")
+    ap.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                    help="Engine(compile=...) of system (c): on = compile=True (inductor, compiled when each run's "
+                    "engine is made, before its timed serving), off = False, auto = the engine's default")
     ap.add_argument("--json", help="write every figure, the per-round runs and the environment to this file")
     ap.add_argument("--llama-server", help="llama.cpp's llama-server binary: run the workload through it too")
     ap.add_argument("--gguf", default="", help="comma-separated GGUF files for --llama-server (one run each)")
@@ -435,7 +438,9 @@ def run_condition(args, models, systems, skip, wl) -> dict:
                 res, eng = run_engine(models[system], wl, args.max_batch_tokens, args.layout,
                                       step_threads=args.engine_threads, arrival_window=args.arrival_window,
                                       short_prefill_tokens=None if args.short_prefill < 0 else args.short_prefill,
-                                      batch_invariant=system == "c'", store_options=store_options(args))
+                                      batch_invariant=system == "c'", store_options=store_options(args),
+                                      compile={"on": True, "off": False}.get(args.compile, "auto")
+                                      if system == "c" else "auto")
                 engine = eng if system == "c" else engine
             else:
                 res = run_transformers_cb(models[system], wl, args.max_batch_tokens, release_pool=system == "b+")
@@ -498,7 +503,8 @@ def run_condition(args, models, systems, skip, wl) -> dict:
                   f"the close flushed {fl.get('chunks_written', 0)} chunks in {d['close_s']:.2f} s (untimed)")
         print(f"engine: {st.steps} steps, mean {st.mean_batch_tokens:.1f} rows/step, prompt rows {st.prompt_tokens}, "
               f"recomputed {st.recomputed_tokens}, occupancy {st.mean_occupancy:.0%}"
-              + (f", steps by team size {dict(sorted(sizer.steps_by_threads.items()))}" if sizer else ""))
+              + (f", steps by team size {dict(sorted(sizer.steps_by_threads.items()))}" if sizer else "")
+              + f"; {st.compiled_steps} steps compiled: {st.compile}")
     return {"load_start": load_start, "load_end": load_end, "median_runs": [_figures(r, wl) for r in results],
             "llama_server": [_figures(r, wl) for r in external], "llama_server_agreement": agreement,
             "rounds": {x: [_figures(r, wl) for r in rs] for x, rs in runs.items()},
@@ -508,7 +514,9 @@ def run_condition(args, models, systems, skip, wl) -> dict:
             if engine is not None and engine.thread_sizer else None,
             "engine_attention": None if engine is None else {
                 "rule": engine.store.step_backends.describe(),
-                "measured_rows_torch_s_cpp_s": engine.store.step_backends.measured}}
+                "measured_rows_torch_s_cpp_s": engine.store.step_backends.measured},
+            "engine_compile": None if engine is None else engine.stats().compile,
+            "engine_compiled_steps": None if engine is None else engine.stats().compiled_steps}
 
 
 def store_options(args) -> dict:
@@ -542,6 +550,7 @@ def _save(args, described, n_params, wl, report) -> None:
            "engine_threads": args.engine_threads, "arrival_window": args.arrival_window,
            "short_prefill": args.short_prefill, "processor": platform.processor() or platform.machine(),
            "cpus": os.cpu_count(), "quantization": args.quantization, "attn_backend": args.attn_backend,
+           "compile": args.compile,
            "disk": {"disk_dir": args.disk_dir, "disk_write": args.disk_write or StoreOptions.disk_write.value,
                     "write_behind_delay": StoreOptions.write_behind_delay if args.write_behind_delay is None
                     else args.write_behind_delay} if args.disk_dir else None,

@@ -716,6 +716,10 @@ THIRD_PARTY_PRIVATE: dict[tuple[str, str], str] = {
         "torch's packed-weight GEMM ops (MKL's packed sgemm, oneDNN's packed matmul) have no public name; they are "
         "the ops inductor's own weight prepacking emits, and the engine falls back to F.linear (prepack_weights=off)"
     ),
+    ("stateful_hf/integration/compiled_step.py", "_dynamo"): (
+        "torch has no public way to mark a dimension unbacked (torch.compiler has no mark_unbacked in 2.13); the "
+        "compiled step's one graph needs its token count unbacked, as vLLM marks its compiled models' inputs"
+    ),
     ("stateful_hf/kernels/invariance.py", "_base"): (
         "a view's base has no public accessor; the invariant GEMM packs only a model parameter's weight.t(), "
         "which it recognises by its base"

@@ -14,7 +14,7 @@ from conftest import FAMILIES, Conversation, engine_round
 
 from stateful_hf import Engine
 from stateful_hf.integration import attention
-from stateful_hf.integration.compiled_step import CompileDecision, CompiledStep
+from stateful_hf.integration.compiled_step import CompileDecision, CompiledStep, GraphMode
 from stateful_hf.integration.context import get_step
 from stateful_hf.testing import TINY_FAMILIES
 
@@ -46,8 +46,22 @@ def test_every_step_compiles_fullgraph_and_is_exact(family, make_store):
         rounds(engine, oracle, family)
         compiled, stats = engine.runner.compiled, engine.stats()
     assert compiled.failed == {}, compiled.failed
+    assert compiled.mode is GraphMode.ONE, compiled.guarded_because       # one graph, every token count
     assert compiled.steps == stats.steps > 9 and stats.compiled_steps == stats.steps
     assert stats.compile.startswith("inductor (test")
+
+
+def test_one_graph_serves_every_token_count_only_because_it_is_unbacked(make_store, monkeypatch):
+    """Negative control of the test above: the step's one graph keeps no guards, so nothing would recompile it
+    for another token count; it serves them all only because `CompiledStep._own` marks the token dimension
+    unbacked. Without the mark the graph is specialized to the first count it saw, every other count raises in
+    it and runs eager (recorded, logged once): the tokens stay exact, the compiled steps are lost."""
+    monkeypatch.setattr(CompiledStep, "_own", staticmethod(lambda t: t.clone()))
+    model, oracle = FAMILIES["llama"](), FAMILIES["llama"]()
+    with dynamo_engine(model, make_store(model, device_capacity=2048), max_batch_tokens=40) as engine:
+        rounds(engine, oracle, "llama", turns=2)
+        compiled = engine.runner.compiled
+    assert len(compiled.failed) >= 3 and "is invalid for input of size" in " ".join(compiled.failed.values())
 
 
 @pytest.mark.parametrize("break_kind", ["context_var", "tensor_branch"])

@@ -121,7 +121,9 @@ class ModelRunner:
 
     def compile_stats(self) -> tuple[str, int]:
         """`EngineStats`' compile fields: how the steps run (and why), and how many forwards ran compiled."""
-        return self.compile.describe(), self.compiled.steps if self.compiled is not None else 0
+        if self.compiled is None:
+            return self.compile.describe(), 0
+        return f"{self.compile.describe()}; {self.compiled.describe()}", self.compiled.steps
 
     def record(self, index: int, entries: Sequence[tuple[str, int, int, bool]], seconds: float,
                committed: Committed | None) -> StepRecord:

@@ -13,9 +13,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from ..kernels import paged_attention
 from ..kernels.dense import dense_attention
-from ..kernels.kernel_plan import plan_for
 from ..kernels.torch_batched import softcapped_attention
 from . import step_ops
 from .context import current_step
@@ -64,17 +62,7 @@ def stateful_attention(
                               scale=scaling if scaling is not None else q.shape[-1] ** -0.5,
                               window=window, softcap=softcap)
         return out.unsqueeze(0), None
-    shapes = (q.shape, key_cache.shape, key_cache.stride(), q.dtype)
-    plan = current.plan
-    if plan is not None and overlay is None and shapes == current.shapes:     # checked by an earlier layer
-        out = plan.run(q, key_cache, value_cache, scaling if scaling is not None else q.shape[-1] ** -0.5,
-                       window, None, softcap)
-        return out.unsqueeze(0), None
-    plan = plan_for(step.paged, key_cache.shape[1], step.backend, q.dtype, step.kernels, head_dim=q.shape[-1])
-    out = paged_attention(q, key_cache, value_cache, step.paged, scale=scaling, backend=step.backend, window=window,
-                          validate=False, plan=plan, overlay=overlay, softcap=softcap, state=step.kernels)
-    current.plan, current.shapes = plan, shapes
-    return out.unsqueeze(0), None
+    return current.attend(q, key_cache, value_cache, scaling, window, softcap, overlay).unsqueeze(0), None
 
 
 def _traced(module, query, key, value, scaling, kwargs) -> torch.Tensor:   # [1, T, Hq, D]

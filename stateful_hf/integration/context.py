@@ -20,8 +20,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 
+import torch
+
 from ..cache import StepBatch
-from ..kernels.kernel_plan import KernelPlan
+from ..kernels import paged_attention
+from ..kernels.kernel_plan import KernelPlan, plan_for
 
 
 class CurrentStep:
@@ -34,6 +37,24 @@ class CurrentStep:
         self.step = step
         self.plan: KernelPlan | None = None
         self.shapes: tuple | None = None
+
+    def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+               scale: float | None, window: int | None, softcap: float | None, overlay=None) -> torch.Tensor:
+        """Paged attention of the step's rows of one layer (query [T, Hq, D], the layer's pool views
+        [blocks, block_size, Hkv, D]) -> [T, Hq, D]. The first layer goes through `paged_attention`'s checks
+        with the step's plan; a later layer with the same shapes and no overlay runs the plan directly."""
+        step = self.step
+        shapes = (query.shape, key_cache.shape, key_cache.stride(), query.dtype)
+        if self.plan is not None and overlay is None and shapes == self.shapes:     # checked by an earlier layer
+            return self.plan.run(query, key_cache, value_cache, scale if scale is not None else query.shape[-1] ** -0.5,
+                                 window, None, softcap)
+        plan = plan_for(step.paged, key_cache.shape[1], step.backend, query.dtype, step.kernels,
+                        head_dim=query.shape[-1])
+        out = paged_attention(query, key_cache, value_cache, step.paged, scale=scale, backend=step.backend,
+                              window=window, validate=False, plan=plan, overlay=overlay, softcap=softcap,
+                              state=step.kernels)
+        self.plan, self.shapes = plan, shapes
+        return out
 
 
 _STEP: ContextVar[CurrentStep | None] = ContextVar("stateful_hf_step", default=None)

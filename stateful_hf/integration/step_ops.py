@@ -22,10 +22,8 @@ from contextvars import ContextVar
 
 import torch
 
-from ..cache import StepBatch
-from ..kernels import paged_attention
 from ..kernels.dense import dense_attention
-from .context import get_step
+from .context import CurrentStep, current_step
 
 _WARMING: ContextVar[bool] = ContextVar("stateful_hf_warming", default=False)
 NO_WINDOW_ARG = -1          # `sliding_window` of `attention`: the model passed none (nothing to check)
@@ -41,15 +39,15 @@ def warming() -> Iterator[None]:
         _WARMING.reset(token)
 
 
-def _step(layer: int) -> StepBatch:
-    step = get_step()
-    if step is None:
+def _current(layer: int) -> CurrentStep:
+    current = current_step()
+    if current is None:
         raise RuntimeError(f"stateful_hf::attention of layer {layer} ran outside a stateful step: a compiled forward "
                            "of an enabled model runs only as an engine step (Engine(compile=...))")
-    if step.has_layer_work:
+    if current.step.has_layer_work:
         raise RuntimeError(f"layer {layer}: a step with per-layer work (swap-in, hidden states, LayerKV) reached the "
                            "compiled path; it must run eager")
-    return step
+    return current
 
 
 @torch.library.custom_op("stateful_hf::write_kv", mutates_args=())
@@ -57,7 +55,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, layer: int) -> torch.Tensor
     """Write the step's rows' K/V of `layer` ([T, Hkv, D]) at the step's slots (`StepBatch.write_rows`, the one
     K/V writer). Returns an empty tensor: `attention`'s `dep`, ordering the write before the read."""
     if not _WARMING.get():
-        step = _step(layer)
+        step = _current(layer).step
         key_cache, value_cache = step.pool.layer(layer)
         step.write_rows(layer, key_cache, value_cache, key, value)
     return key.new_empty(0)
@@ -76,7 +74,8 @@ def attention(query: torch.Tensor, dep: torch.Tensor, layer: int, scale: float |
     passed (NO_WINDOW_ARG: none), checked against the window the store was made with."""
     if _WARMING.get():
         return torch.zeros_like(query, memory_format=torch.contiguous_format)
-    step = _step(layer)
+    current = _current(layer)
+    step = current.step
     window = step.window(layer)
     if sliding_window != NO_WINDOW_ARG and sliding_window != window:
         raise RuntimeError(f"layer {layer} attends with sliding_window={sliding_window} but the store was made for "
@@ -88,8 +87,7 @@ def attention(query: torch.Tensor, dep: torch.Tensor, layer: int, scale: float |
                               scale=scale if scale is not None else query.shape[-1] ** -0.5,
                               window=window, softcap=softcap)
     else:
-        out = paged_attention(query, key_cache, value_cache, step.paged, scale=scale, backend=step.backend,
-                              window=window, validate=False, softcap=softcap, state=step.kernels)
+        out = current.attend(query, key_cache, value_cache, scale, window, softcap)
     return out.contiguous()
 
 

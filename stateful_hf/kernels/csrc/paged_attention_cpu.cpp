@@ -197,6 +197,36 @@ void attend_item(const scalar_t* q, int64_t qs0, int64_t qs1, const scalar_t* kc
   }
 }
 
+template <typename scalar_t>
+using ItemFn = decltype(&attend_item<scalar_t, 0, 0>);
+
+// The item function with the block's split and the head dim unrolled where they are the common ones: splits
+// of 16, 32, 64 keys; head dims of the supported families (64, 80, 96, 128, 256) and of small test models (16,
+// 32). Any other shape runs the same arithmetic with both read at run time.
+template <typename scalar_t, int64_t BS_T>
+ItemFn<scalar_t> pick_dim(int64_t D) {
+  switch (D) {
+    case 16: return &attend_item<scalar_t, BS_T, 16>;
+    case 32: return &attend_item<scalar_t, BS_T, 32>;
+    case 64: return &attend_item<scalar_t, BS_T, 64>;
+    case 80: return &attend_item<scalar_t, BS_T, 80>;
+    case 96: return &attend_item<scalar_t, BS_T, 96>;
+    case 128: return &attend_item<scalar_t, BS_T, 128>;
+    case 256: return &attend_item<scalar_t, BS_T, 256>;
+    default: return &attend_item<scalar_t, BS_T, 0>;
+  }
+}
+
+template <typename scalar_t>
+ItemFn<scalar_t> pick_item(int64_t BS, int64_t D) {
+  switch (BS) {
+    case 16: return pick_dim<scalar_t, 16>(D);
+    case 32: return pick_dim<scalar_t, 32>(D);
+    case 64: return pick_dim<scalar_t, 64>(D);
+    default: return &attend_item<scalar_t, 0, 0>;
+  }
+}
+
 torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& key_cache,
                               const torch::Tensor& value_cache, const torch::Tensor& items,
                               const torch::Tensor& q_pos, const torch::Tensor& kv_len,
@@ -225,12 +255,7 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& k
     const scalar_t* kc = key_cache.data_ptr<scalar_t>();
     const scalar_t* vc = value_cache.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
-    auto item = &attend_item<scalar_t, 0, 0>;
-    if (BS == 32 && D == 64) item = &attend_item<scalar_t, 32, 64>;
-    else if (BS == 16 && D == 64) item = &attend_item<scalar_t, 16, 64>;
-    else if (BS == 64 && D == 64) item = &attend_item<scalar_t, 64, 64>;
-    else if (BS == 32 && D == 128) item = &attend_item<scalar_t, 32, 128>;
-    else if (BS == 16 && D == 128) item = &attend_item<scalar_t, 16, 128>;
+    const auto item = pick_item<scalar_t>(BS, D);
     at::parallel_for(0, N * hkv, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> buf;
       for (int64_t w = begin; w < end; ++w) {
