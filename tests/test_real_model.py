@@ -226,3 +226,35 @@ def test_engine_equals_generate_under_batch_invariant():
         assert [lp for _, lp, _ in h.result().logprobs] == [
             float(torch.log_softmax(s.float(), dim=-1)[0, t]) for s, t in zip(out.logits, tokens)]
     engine.store.check_integrity()
+
+
+@pytest.mark.skipif(not (os.environ.get("CI") or os.environ.get("STATEFUL_HF_INDUCTOR")),
+                    reason="an inductor compile of SmolLM2's step takes ~40 s on 2 cores (~8 s from its disk cache): "
+                           "runs in CI or with STATEFUL_HF_INDUCTOR=1")
+def test_compiled_engine_equals_generate(real, oracle):
+    """Engine(compile=True) on the real model: its step compiled by inductor at engine creation (one graph for
+    every token count), two sessions x three turns with a swap-in from the host before each returning turn (on
+    the CPU it lands before the step: no per-layer work, so that step runs compiled too); every step compiled and
+    the float32 tokens equal stateless greedy generate."""
+    from stateful_hf.integration.compiled_step import GraphMode
+
+    model, tok = real
+    store = stateful_hf.SessionStore(model, device_capacity=1024, host_capacity=1024, cost_profile=PROFILE)
+    chats = {"a": [{"role": "system", "content": SYSTEM}], "b": []}
+    with Engine(model, tok, store=store, compile=True) as engine:
+        compiled = engine.runner.compiled
+        assert compiled.mode is GraphMode.ONE and compiled.steps == 0     # compiled before any request
+        for turn in range(3):
+            if turn:
+                store.move("a", [0], "host")
+            for sid, msgs in chats.items():
+                msgs.append({"role": "user", "content": USERS[turn + (2 if sid == "b" else 0)]})
+            prompts = {sid: ids_of(tok, msgs) for sid, msgs in chats.items()}
+            outs = engine.generate(list(chats), [prompts[s] for s in chats], SamplingParams(max_new_tokens=16))
+            for sid, out in zip(chats, outs):
+                assert list(out.token_ids) == stateless(oracle, prompts[sid], 16), (sid, turn)
+                chats[sid].append({"role": "assistant", "content": out.text})
+            store.check_integrity()
+        stats = engine.stats()
+    assert compiled.failed == {} and compiled.mode is GraphMode.ONE
+    assert 0 < compiled.steps == stats.compiled_steps == stats.steps
