@@ -2,7 +2,7 @@
 //
 // Work item = (sub-request s, row tile [r0, r1), KV head h): its G = Hq / Hkv query heads of every row in
 // the tile share each split of BS keys (the split divides the pool's block size PB; default PB),
-// converted to float once per split (K transposed to [D][BS]).
+// converted to float once per split (K transposed to [D][BS]: 16 x 16 tiles in registers with AVX-512).
 // Per query row and head the arithmetic is fixed, whatever else the batch holds: scores over one block
 // (a d-ordered sum per key), an online softmax over blocks in ascending order, all in float32, so a
 // row's output depends neither on the other rows of its tile or step nor on the thread count.
@@ -12,11 +12,16 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -93,6 +98,66 @@ void scores(const float* qf, const float* kt, float* sc, int64_t n, int64_t D, i
   }
 }
 
+// kt[d][j] = float(k[j][d]) for the BS keys of a block (rows ks1 apart): a copy, so any way of doing it gives the
+// same floats. With AVX-512, 16 x 16 tiles are transposed in registers (D and BS multiples of 16); else element
+// by element.
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {              // bf16 -> f32: the 16 bits become the high half
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+template <typename scalar_t>
+constexpr bool kTileable = std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>;
+
+inline void transpose16(__m512* r) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 16; i += 8) {
+    for (int k = 0; k < 4; ++k) {
+      t[i + k] = _mm512_shuffle_f32x4(r[i + k], r[i + k + 4], 0x88);
+      t[i + k + 4] = _mm512_shuffle_f32x4(r[i + k], r[i + k + 4], 0xdd);
+    }
+  }
+  for (int k = 0; k < 8; ++k) {
+    r[k] = _mm512_shuffle_f32x4(t[k], t[k + 8], 0x88);
+    r[k + 8] = _mm512_shuffle_f32x4(t[k], t[k + 8], 0xdd);
+  }
+}
+#endif
+
+template <typename scalar_t>
+void load_keys(const scalar_t* kb, int64_t ks1, int64_t D, int64_t BS, float* kt) {
+#if defined(__AVX512F__)
+  if constexpr (kTileable<scalar_t>) {
+    if (D % 16 == 0 && BS % 16 == 0) {
+      __m512 r[16];
+      for (int64_t j0 = 0; j0 < BS; j0 += 16) {
+        for (int64_t d0 = 0; d0 < D; d0 += 16) {
+          for (int i = 0; i < 16; ++i) r[i] = load16(kb + (j0 + i) * ks1 + d0);
+          transpose16(r);
+          for (int i = 0; i < 16; ++i) _mm512_storeu_ps(kt + (d0 + i) * BS + j0, r[i]);
+        }
+      }
+      return;
+    }
+  }
+#endif
+  for (int64_t j = 0; j < BS; ++j) {
+    const scalar_t* kj = kb + j * ks1;
+    for (int64_t d = 0; d < D; ++d) kt[d * BS + j] = static_cast<float>(kj[d]);
+  }
+}
+
 // BS_T, D_T: the block size and head dim known at compile time (0: read at run time), so the loops over a
 // block's keys and a head's dims unroll and keep their accumulators in registers. Same arithmetic either way.
 template <typename scalar_t, int64_t BS_T, int64_t D_T>
@@ -130,13 +195,10 @@ void attend_item(const scalar_t* q, int64_t qs0, int64_t qs1, const scalar_t* kc
     const int64_t blk = table[b * BS / PB], off = b * BS % PB; // in pool block blk from row off (PB % BS == 0)
     const scalar_t* kb = kc + blk * ks0 + off * ks1 + h * ks2;
     const scalar_t* vb = vc + blk * vs0 + off * vs1 + h * vs2;
+    load_keys(kb, ks1, D, BS, kt);
     for (int64_t j = 0; j < BS; ++j) {
-      const scalar_t* kj = kb + j * ks1;
       const scalar_t* vj = vb + j * vs1;
-      for (int64_t d = 0; d < D; ++d) {
-        kt[d * BS + j] = static_cast<float>(kj[d]);
-        vf[j * D + d] = static_cast<float>(vj[d]);
-      }
+      for (int64_t d = 0; d < D; ++d) vf[j * D + d] = static_cast<float>(vj[d]);
     }
     scores<BS_T>(qf, kt, sc, RG, D, BS);
     for (int64_t r = r0; r < r1; ++r) {
