@@ -389,6 +389,8 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     skip = set(filter(None, args.skip.split(",")))
     systems = [x for x in ("b", "b+", "c'", "c") if x not in skip and (x != "c'" or args.batch_invariant)]
+    if not systems:
+        ap.error(f"--skip {args.skip} leaves no repeated system to run (b, b+, c; c' with --batch-invariant)")
     if args.model:
         from .multiturn.workload import text_ids
         loaded = {x: load_named(args.model, dtype, args.quantization) for x in ["a", *systems]}   # one per system
