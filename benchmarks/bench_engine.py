@@ -296,7 +296,8 @@ def _serving(engine: Engine):
 
 def _close_disk(store: SessionStore) -> dict:
     """What the disk tier got while serving (write-behind's counters, the store's disk counters), then the
-    store closed with its flush (what it wrote, its seconds)."""
+    store closed with its flush (what it wrote, its seconds) and write-behind's counters after the close (its stop
+    lands the copies still queued: counted there, in neither of the others)."""
     o, c = store.options, store.stats().counters
     out = {"disk_write": o.disk_write.value, "write_behind_delay": o.write_behind_delay,
            "write_behind": asdict(store.writer.stats), "swapped_out_disk_tokens": c.swapped_out_disk,
@@ -305,6 +306,7 @@ def _close_disk(store: SessionStore) -> dict:
     report = store.close(flush=True)
     out["close_s"] = time.perf_counter() - start
     out["close_flush"] = asdict(report) if report is not None else None
+    out["write_behind_at_close"] = asdict(store.writer.stats)   # + the copies the close's stop landed
     return out
 
 

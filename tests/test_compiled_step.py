@@ -64,6 +64,27 @@ def test_one_graph_serves_every_token_count_only_because_it_is_unbacked(make_sto
     assert len(compiled.failed) >= 3 and "is invalid for input of size" in " ".join(compiled.failed.values())
 
 
+def test_a_later_failure_keeps_the_one_graph_and_runs_that_count_eager(make_store):
+    """Once the one graph has run (the warm-up), a compiled call that fails at some token count is that count's
+    failure alone: it runs eager from then on (recorded), the graph and its mode stay, the tokens stay exact.
+    Only a failure before any compiled call succeeded switches to GraphMode.GUARDED."""
+    model, oracle = FAMILIES["llama"](), FAMILIES["llama"]()
+    with dynamo_engine(model, make_store(model, device_capacity=2048), max_batch_tokens=40) as engine:
+        compiled = engine.runner.compiled
+        compiled.warm_up()
+        graph = compiled.compiled
+
+        def failing_at_three(ids, pos):
+            if ids.shape[1] == 3:
+                raise RuntimeError("an inductor assert at 3 tokens")
+            return graph(ids, pos)
+        compiled.compiled = failing_at_three
+        rounds(engine, oracle, "llama", turns=2)          # 3 sessions decoding together: steps of 3 rows
+    assert compiled.mode is GraphMode.ONE and compiled.guarded_because == ""
+    assert set(compiled.failed) == {3} and "inductor assert" in compiled.failed[3]
+    assert compiled.steps > 0
+
+
 @pytest.mark.parametrize("break_kind", ["context_var", "tensor_branch"])
 def test_a_graph_break_is_caught_and_the_step_runs_eager(break_kind, make_store, monkeypatch, caplog):
     """Negative controls of the test above: a ContextVar read, or a Python branch on a tensor's value, inserted

@@ -91,9 +91,11 @@ class CompiledStep:
     and evaluating them (every parameter of every layer) cost ~1 ms a step of a 30-layer model. What that asks of
     the caller: the model's parameters keep their shapes, dtypes and device for the life of the engine (an engine
     owns its model), and every call passes int64 ids and positions [1, T] on the model's device (`_own`).
-    A model whose forward branches on T (torchao's int8 dynamic activations ask `T != 1`) cannot trace with T
-    unbacked: its first such failure (the step rerun eager) switches it to `GraphMode.GUARDED` (T backed and
-    dynamic, guards kept), logged once. Calls as the eager forward does; `failed` holds the token counts that run
+    ONE is compiled with `fullgraph=True` (a break would hand the layers' own frames to Dynamo, unguarded). A model
+    that does not compile that way (its forward branches on T, as torchao's int8 dynamic activations ask
+    `T != 1`, or breaks the graph) fails before any ONE call succeeded: that failure (the step rerun eager, or a
+    warm-up count) switches it to `GraphMode.GUARDED` (T backed and dynamic, guards kept, the engine's
+    `fullgraph`), logged once. Calls as the eager forward does; `failed` holds the token counts that run
     eager (their error), `steps` counts compiled forwards."""
 
     def __init__(self, model: torch.nn.Module, backend: str = "inductor", fullgraph: bool = False):
@@ -106,7 +108,8 @@ class CompiledStep:
         self.steps = 0
         self.start_seconds: float | None = None       # the warm-up's seconds
         self.start_cache = ""                          # where the warm-up's graph came from
-        self.guarded_because = ""                      # why ONE did not trace (GUARDED mode)
+        self.guarded_because = ""                      # why ONE did not compile (GUARDED mode)
+        self._traced = False                           # a compiled call of the current mode has succeeded
         self._logged = False
 
     def _compile(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -115,8 +118,11 @@ class CompiledStep:
             options["cpp.dynamic_threads"] = True     # one compile serves every OpenMP team size the engine uses
         if self.mode is GraphMode.ONE:
             options["guard_filter_fn"] = torch.compiler.skip_all_guards_unsafe
-        return torch.compile(_own_code(self.eager), backend=self.backend, fullgraph=self.fullgraph,
-                             dynamic=None if self.mode is GraphMode.ONE else True, options=options)
+        # ONE is always fullgraph: after a graph break Dynamo compiles the called frames (every decoder layer shares
+        # one `forward`) keyed by their code, and without guards one layer's entry would serve them all
+        one = self.mode is GraphMode.ONE
+        return torch.compile(_own_code(self.eager), backend=self.backend, fullgraph=one or self.fullgraph,
+                             dynamic=None if one else True, options=options)
 
     def warm_up(self, tokens: tuple[int, ...] = WARM_UP_TOKENS) -> float:
         """Trace and compile the one graph (the first count), then run it at the others (inert ops: no store
@@ -125,26 +131,42 @@ class CompiledStep:
         compiler's error (the model cannot compile)."""
         start, steps = time.perf_counter(), self.steps
         before = dict(counters["inductor"])
-        with tqdm(tokens, desc="stateful-hf: compiling the step (once per model and process)", unit="shape",
-                  leave=False, disable=None) as bar:
-            for t in bar:
+        with tqdm(total=len(tokens), desc="stateful-hf: compiling the step (once per model and process)",
+                  unit="shape", leave=False, disable=None) as bar:
+            i = 0
+            while i < len(tokens):
+                t, mode = tokens[i], self.mode
                 ids = torch.zeros(1, t, dtype=torch.long, device=self.device)
                 pos = torch.arange(t, device=self.device)[None]
-                mode = self.mode
                 with torch.inference_mode(), step_ops.warming():
                     self._call(ids, pos)
-                    if self.mode is not mode:              # ONE did not trace: the same count, GUARDED
-                        self._call(ids, pos)
+                if self.mode is not mode:                  # ONE's first call failed: GUARDED, the same count again
+                    continue
                 if t in self.failed:
+                    if self.mode is GraphMode.ONE:         # ONE ran at an earlier count, not at this one
+                        self._guard(t, self.failed.pop(t))
+                        self.failed.clear()
+                        i = 0
+                        bar.reset()
+                        continue
                     raise ValueError(f"compile=True: the step of this model does not compile ({t} tokens): "
                                      f"{self.failed[t]}")
+                i += 1
+                bar.update(1)
         self.steps = steps
         self.start_seconds = time.perf_counter() - start
         hits, misses = (counters["inductor"][k] - before.get(k, 0) for k in ("fxgraph_cache_hit", "fxgraph_cache_miss"))
         self.start_cache = ("inductor's disk cache" if hits and not misses else "a cold compile" if misses
-                            else "no inductor graph")
+                            else f"the {self.backend} backend (no inductor graph)")
         logger.info("compiled the step (%s) in %.1f s, from %s", self.backend, self.start_seconds, self.start_cache)
         return self.start_seconds
+
+    def _guard(self, t: int, why: str) -> None:
+        """ONE did not compile (at `t` tokens, for `why`): from now on GUARDED, compiled afresh on the next call."""
+        self.mode, self.guarded_because, self._traced = GraphMode.GUARDED, why.splitlines()[0][:200], False
+        self.compiled = self._compile()
+        logger.warning("the compiled step does not compile as one graph with its token count unbacked (%d tokens: "
+                       "%s); it compiles with guards, one graph for 1 token and one for more", t, self.guarded_because)
 
     def describe(self) -> str:
         """How the engine's compile started, for `EngineStats.compile`."""
@@ -175,11 +197,8 @@ class CompiledStep:
         except Exception as error:
             out = self.eager(input_ids, position_ids)        # a real error of the step raises here
             why = f"{type(error).__name__}: {error}"
-            if self.mode is GraphMode.ONE and self.steps == 0:   # no graph yet: the model cannot trace with T unbacked
-                self.mode, self.guarded_because = GraphMode.GUARDED, why.splitlines()[0][:200]
-                self.compiled = self._compile()
-                logger.warning("the compiled step does not trace with its token count unbacked (%s); it compiles "
-                               "with guards, one graph for 1 token and one for more", self.guarded_because)
+            if self.mode is GraphMode.ONE and not self._traced:     # no graph of this mode ran yet
+                self._guard(t, why)
                 return out
             self.failed[t] = why
             if not self._logged:
@@ -187,6 +206,7 @@ class CompiledStep:
                 logger.warning("the compiled step failed for %d tokens; that shape (and any later failing one) "
                                "runs eager: %s", t, why.splitlines()[0])
             return out
+        self._traced = True
         self.steps += 1
         return out
 

@@ -47,42 +47,31 @@ inline float exp_f(float x) {
 }
 
 // sc[i][j] = sum over d ascending of q[i][d] * kt[d][j], for the n query vectors of a tile and the BS keys
-// of a block. Four vectors at a time (independent chains hide the FMA latency); every sum is the same
-// sequence of operations whether its vector goes alone or in a group of four.
+// of a block. Up to four vectors at a time (independent chains hide the FMA latency: a decode's G = 3 heads of
+// one KV head go together); every sum is the same sequence of operations whether its vector goes alone or in a
+// group.
+template <int64_t BS_T, int N>
+inline void scores_group(const float* qf, const float* kt, float* sc, int64_t i, int64_t D) {
+  float t[N][BS_T] = {};
+  for (int64_t d = 0; d < D; ++d) {
+    const float* kd = kt + d * BS_T;
+    for (int g = 0; g < N; ++g) {
+      const float a = qf[(i + g) * D + d];
+#pragma omp simd
+      for (int64_t j = 0; j < BS_T; ++j) t[g][j] += a * kd[j];
+    }
+  }
+  for (int g = 0; g < N; ++g) std::copy(t[g], t[g] + BS_T, sc + (i + g) * BS_T);
+}
+
 template <int64_t BS_T>
 void scores(const float* qf, const float* kt, float* sc, int64_t n, int64_t D, int64_t BS) {
   int64_t i = 0;
   if constexpr (BS_T > 0) {
-    for (; i + 4 <= n; i += 4) {
-      float t0[BS_T] = {}, t1[BS_T] = {}, t2[BS_T] = {}, t3[BS_T] = {};
-      const float *q0 = qf + i * D, *q1 = q0 + D, *q2 = q1 + D, *q3 = q2 + D;
-      for (int64_t d = 0; d < D; ++d) {
-        const float* kd = kt + d * BS_T;
-        const float a0 = q0[d], a1 = q1[d], a2 = q2[d], a3 = q3[d];
-#pragma omp simd
-        for (int64_t j = 0; j < BS_T; ++j) {
-          t0[j] += a0 * kd[j];
-          t1[j] += a1 * kd[j];
-          t2[j] += a2 * kd[j];
-          t3[j] += a3 * kd[j];
-        }
-      }
-      std::copy(t0, t0 + BS_T, sc + i * BS_T);
-      std::copy(t1, t1 + BS_T, sc + (i + 1) * BS_T);
-      std::copy(t2, t2 + BS_T, sc + (i + 2) * BS_T);
-      std::copy(t3, t3 + BS_T, sc + (i + 3) * BS_T);
-    }
-    for (; i < n; ++i) {
-      float t0[BS_T] = {};
-      const float* q0 = qf + i * D;
-      for (int64_t d = 0; d < D; ++d) {
-        const float* kd = kt + d * BS_T;
-        const float a0 = q0[d];
-#pragma omp simd
-        for (int64_t j = 0; j < BS_T; ++j) t0[j] += a0 * kd[j];
-      }
-      std::copy(t0, t0 + BS_T, sc + i * BS_T);
-    }
+    for (; i + 4 <= n; i += 4) scores_group<BS_T, 4>(qf, kt, sc, i, D);
+    if (n - i == 3) scores_group<BS_T, 3>(qf, kt, sc, i, D);
+    else if (n - i == 2) scores_group<BS_T, 2>(qf, kt, sc, i, D);
+    else if (n - i == 1) scores_group<BS_T, 1>(qf, kt, sc, i, D);
   } else {
     for (; i < n; ++i) {
       float* s = sc + i * BS;
