@@ -13,7 +13,6 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from ..kernels.dense import dense_attention
 from ..kernels.torch_batched import softcapped_attention
 from . import step_ops
 from .context import current_step
@@ -56,13 +55,7 @@ def stateful_attention(
     q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)   # [T, H, D]
     key_cache, value_cache = step.pool.layer(layer)                  # [blocks, block_size, Hkv, D] views
     overlay = step.write_rows(layer, key_cache, value_cache, k, v)
-    if step.dense_slots is not None:   # vAttention layout: contiguous per session, no block table
-        key_slots, value_slots = step.pool.dense(layer)
-        out = dense_attention(q, key_slots, value_slots, step.paged, list(step.dense_slots),
-                              scale=scaling if scaling is not None else q.shape[-1] ** -0.5,
-                              window=window, softcap=softcap)
-        return out.unsqueeze(0), None
-    return current.attend(q, key_cache, value_cache, scaling, window, softcap, overlay).unsqueeze(0), None
+    return current.attend(layer, q, key_cache, value_cache, scaling, window, softcap, overlay).unsqueeze(0), None
 
 
 def _traced(module, query, key, value, scaling, kwargs) -> torch.Tensor:   # [1, T, Hq, D]

@@ -24,6 +24,7 @@ import torch
 
 from ..cache import StepBatch
 from ..kernels import paged_attention
+from ..kernels.dense import dense_attention
 from ..kernels.kernel_plan import KernelPlan, plan_for
 
 
@@ -38,12 +39,19 @@ class CurrentStep:
         self.plan: KernelPlan | None = None
         self.shapes: tuple | None = None
 
-    def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+    def attend(self, layer: int, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                scale: float | None, window: int | None, softcap: float | None, overlay=None) -> torch.Tensor:
-        """Paged attention of the step's rows of one layer (query [T, Hq, D], the layer's pool views
-        [blocks, block_size, Hkv, D]) -> [T, Hq, D]. The first layer goes through `paged_attention`'s checks
-        with the step's plan; a later layer with the same shapes and no overlay runs the plan directly."""
+        """Attention of the step's rows of `layer` (query [T, Hq, D], the layer's pool views
+        [blocks, block_size, Hkv, D]) -> [T, Hq, D], the eager path's and the compiled step's op's. The virtual
+        layout attends its contiguous slots (`dense_attention`); the paged one goes, at the first layer, through
+        `paged_attention`'s checks with the step's plan, and a later layer with the same shapes and no overlay runs
+        the plan directly."""
         step = self.step
+        if step.dense_slots is not None:   # vAttention layout: contiguous per session, no block table
+            key_slots, value_slots = step.pool.dense(layer)
+            return dense_attention(query, key_slots, value_slots, step.paged, list(step.dense_slots),
+                                   scale=scale if scale is not None else query.shape[-1] ** -0.5,
+                                   window=window, softcap=softcap)
         shapes = (query.shape, key_cache.shape, key_cache.stride(), query.dtype)
         if self.plan is not None and overlay is None and shapes == self.shapes:     # checked by an earlier layer
             return self.plan.run(query, key_cache, value_cache, scale if scale is not None else query.shape[-1] ** -0.5,

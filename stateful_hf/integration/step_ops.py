@@ -22,7 +22,6 @@ from contextvars import ContextVar
 
 import torch
 
-from ..kernels.dense import dense_attention
 from .context import CurrentStep, current_step
 
 _WARMING: ContextVar[bool] = ContextVar("stateful_hf_warming", default=False)
@@ -81,14 +80,7 @@ def attention(query: torch.Tensor, dep: torch.Tensor, layer: int, scale: float |
         raise RuntimeError(f"layer {layer} attends with sliding_window={sliding_window} but the store was made for "
                            f"window {window}: the model's adapter is out of date")
     key_cache, value_cache = step.pool.layer(layer)
-    if step.dense_slots is not None:   # vAttention layout: contiguous per session, no block table
-        key_slots, value_slots = step.pool.dense(layer)
-        out = dense_attention(query, key_slots, value_slots, step.paged, list(step.dense_slots),
-                              scale=scale if scale is not None else query.shape[-1] ** -0.5,
-                              window=window, softcap=softcap)
-    else:
-        out = current.attend(query, key_cache, value_cache, scale, window, softcap)
-    return out.contiguous()
+    return current.attend(layer, query, key_cache, value_cache, scale, window, softcap).contiguous()
 
 
 @attention.register_fake
