@@ -92,12 +92,22 @@ def test_engine_two_sessions_exact_with_tier_moves(real, oracle, tmp_path):
     store = stateful_hf.SessionStore(model, device_capacity=1024, host_capacity=1024, disk_dir=str(tmp_path),
                                      disk_capacity=1024, cost_profile=PROFILE)
     engine = Engine(model, tok, store=store)
+
+    def moves():
+        store.move("a", [0], "host")
+        store.move("b", [0], "disk")
+        store.move("b", [1], "dropped")
+    two_sessions_three_turns(engine, store, tok, oracle, moves)
+    store.close()
+
+
+def two_sessions_three_turns(engine, store, tok, oracle, before_returning) -> None:
+    """Sessions "a" (with a system prompt) and "b", three turns through `engine.generate`, `before_returning()`
+    before each returning turn: every reply equals stateless greedy generate, integrity holds after each turn."""
     chats = {"a": [{"role": "system", "content": SYSTEM}], "b": []}
     for turn in range(3):
         if turn:
-            store.move("a", [0], "host")
-            store.move("b", [0], "disk")
-            store.move("b", [1], "dropped")
+            before_returning()
         for sid, msgs in chats.items():
             msgs.append({"role": "user", "content": USERS[turn + (2 if sid == "b" else 0)]})
         prompts = {sid: ids_of(tok, msgs) for sid, msgs in chats.items()}
@@ -106,7 +116,6 @@ def test_engine_two_sessions_exact_with_tier_moves(real, oracle, tmp_path):
             assert list(out.token_ids) == stateless(oracle, prompts[sid], 16), (sid, turn)
             chats[sid].append({"role": "assistant", "content": out.text})
         store.check_integrity()
-    store.close()
 
 
 def test_server_chat_exact_with_tier_moves(real, oracle, tmp_path):
@@ -240,21 +249,10 @@ def test_compiled_engine_equals_generate(real, oracle):
 
     model, tok = real
     store = stateful_hf.SessionStore(model, device_capacity=1024, host_capacity=1024, cost_profile=PROFILE)
-    chats = {"a": [{"role": "system", "content": SYSTEM}], "b": []}
     with Engine(model, tok, store=store, compile=True) as engine:
         compiled = engine.runner.compiled
         assert compiled.mode is GraphMode.ONE and compiled.steps == 0     # compiled before any request
-        for turn in range(3):
-            if turn:
-                store.move("a", [0], "host")
-            for sid, msgs in chats.items():
-                msgs.append({"role": "user", "content": USERS[turn + (2 if sid == "b" else 0)]})
-            prompts = {sid: ids_of(tok, msgs) for sid, msgs in chats.items()}
-            outs = engine.generate(list(chats), [prompts[s] for s in chats], SamplingParams(max_new_tokens=16))
-            for sid, out in zip(chats, outs):
-                assert list(out.token_ids) == stateless(oracle, prompts[sid], 16), (sid, turn)
-                chats[sid].append({"role": "assistant", "content": out.text})
-            store.check_integrity()
+        two_sessions_three_turns(engine, store, tok, oracle, lambda: store.move("a", [0], "host"))
         stats = engine.stats()
     assert compiled.failed == {} and compiled.mode is GraphMode.ONE
     assert 0 < compiled.steps == stats.compiled_steps == stats.steps
