@@ -2,6 +2,7 @@
 one process: their bits compared, then their time per call, interleaved.
 
     python -m benchmarks.ab_cpu_kernel --before 2d55e7b --after HEAD [--threads 1] [--json out.json]
+    python -m benchmarks.ab_cpu_kernel --before HEAD --after worktree     # an edit not yet committed
 
 Each revision's source is read with `git show`, built as the store builds it (`cpu_backend`'s flags, cached by a
 hash of the source: a revision built before loads in milliseconds) and imported under its own name.
@@ -39,9 +40,13 @@ TIMED = (("SmolLM2-135M", 32, 150, 9, 3, 64), ("SmolLM2-135M, long", 32, 600, 9,
 
 
 def build(rev: str):
-    """The kernel of `rev`, built with the store's flags (or loaded from the cache)."""
-    text = subprocess.run(["git", "show", f"{rev}:{SOURCE}"], cwd=REPO, check=True, capture_output=True,
-                          text=True).stdout
+    """The kernel of `rev` ("worktree": the file as it is on disk), built with the store's flags (or loaded from
+    the cache)."""
+    if rev == "worktree":
+        text = (REPO / SOURCE).read_text()
+    else:
+        text = subprocess.run(["git", "show", f"{rev}:{SOURCE}"], cwd=REPO, check=True, capture_output=True,
+                              text=True).stdout
     with tempfile.TemporaryDirectory() as d:
         src = Path(d) / SOURCE.name
         src.write_text(text)

@@ -6,6 +6,9 @@
 // Per query row and head the arithmetic is fixed, whatever else the batch holds: scores over one block
 // (a d-ordered sum per key), an online softmax over blocks in ascending order, all in float32, so a
 // row's output depends neither on the other rows of its tile or step nor on the thread count.
+// Speed without changing a bit: float32 values read in place, the softmax's max and exp on vector lanes (each lane
+// exp_f's operations), up to four heads of a row interleaved in the sums and the value FMAs (independent chains),
+// and the next split's (and next item's) K/V rows prefetched: the pool's blocks are scattered.
 // Shapes: q [T, Hq, D] (strided rows/heads, unit last stride); caches [NB, BS, Hkv, D] (any strides but
 // the last); items [N, 3] int64 (s, r0, r1); q_pos [T], kv_len [S], block_table [S, W] int64.
 
@@ -147,6 +150,150 @@ void load_keys(const scalar_t* kb, int64_t ks1, int64_t D, int64_t BS, float* kt
   }
 }
 
+// Asks the cache for `rows` rows of D elements, `stride` apart (a block's keys or values of one head), ahead of use:
+// the pool's blocks are scattered and each layer's were last read a step ago, so without it every split waits.
+template <typename scalar_t>
+inline void prefetch_rows(const scalar_t* p, int64_t stride, int64_t rows, int64_t D) {
+  const int64_t bytes = D * static_cast<int64_t>(sizeof(scalar_t));
+  for (int64_t j = 0; j < rows; ++j) {
+    const char* r = reinterpret_cast<const char*>(p + j * stride);
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(r + o, 0, 3);
+  }
+}
+
+// vf[j][d] = float(v[j][d]) for the BS values of a block (rows vs1 apart): a copy.
+template <typename scalar_t>
+void load_values(const scalar_t* vb, int64_t vs1, int64_t D, int64_t BS, float* vf) {
+#if defined(__AVX512F__)
+  if constexpr (kTileable<scalar_t>) {
+    if (D % 16 == 0) {
+      for (int64_t j = 0; j < BS; ++j)
+        for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(vf + j * D + d, load16(vb + j * vs1 + d));
+      return;
+    }
+  }
+#endif
+  for (int64_t j = 0; j < BS; ++j)
+    for (int64_t d = 0; d < D; ++d) vf[j * D + d] = static_cast<float>(vb[j * vs1 + d]);
+}
+
+// s[j] = exp_f(s[j] - mn) for j < n: each element alone, so vector lanes give exp_f's scalar bits.
+#if defined(__AVX512F__)
+inline __m512 exp16(__m512 x) {                               // exp_f on 16 lanes, operation for operation
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f),
+                                                        _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
+}
+#endif
+
+inline void exp_shifted(float* s, int64_t n, float mn) {
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  const __m512 m = _mm512_set1_ps(mn);
+  for (; j + 16 <= n; j += 16) _mm512_storeu_ps(s + j, exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), m)));
+#endif
+  for (; j < n; ++j) s[j] = exp_f(s[j] - mn);
+}
+
+// Up to kMaxHeads query heads of one row go through the softmax's sums and the value accumulation together: their
+// chains are independent, so interleaving them hides the add and FMA latency. Each head's sums are the same
+// sequence of operations however many go together (and on any number of rows or threads).
+constexpr int kMaxHeads = 4;
+template <int64_t D_T>
+constexpr int64_t heads_together() {
+#if defined(__AVX512F__)
+  if constexpr (D_T > 0 && D_T % 16 == 0) return D_T <= 64 ? 4 : D_T <= 128 ? 2 : 1;   // t + v in 32 registers
+#endif
+  return 1;
+}
+
+// sum[g] = s[g][j0] + s[g][j0 + 1] + ... + s[g][j1 - 1] (from 0, in ascending order), for the n < kMaxHeads rows
+// of s, BS apart.
+template <int N>
+inline void sums_n(const float* s, int64_t BS, int64_t j0, int64_t j1, float* sum) {
+  float t[N] = {};
+  for (int64_t j = j0; j < j1; ++j)
+    for (int g = 0; g < N; ++g) t[g] += s[g * BS + j];
+  std::copy(t, t + N, sum);
+}
+
+inline void sums(const float* s, int64_t BS, int64_t n, int64_t j0, int64_t j1, float* sum) {
+  switch (n) {
+    case 4: return sums_n<4>(s, BS, j0, j1, sum);
+    case 3: return sums_n<3>(s, BS, j0, j1, sum);
+    case 2: return sums_n<2>(s, BS, j0, j1, sum);
+    default: return sums_n<1>(s, BS, j0, j1, sum);
+  }
+}
+
+// a[g][d] = a[g][d] * corr[g] + sum over j in [j0, j1) ascending of s[g][j] * v[j][d], each term one FMA, for the
+// N heads (a's rows D_T apart, s's BS apart; v's rows vstride apart), in registers.
+#if defined(__AVX512F__)
+template <int64_t D_T, int N>
+inline void accumulate_n(float* a, const float* corr, const float* s, int64_t BS, int64_t j0, int64_t j1,
+                         const float* v, int64_t vstride) {
+  constexpr int K = D_T / 16;
+  __m512 t[N][K];
+  for (int g = 0; g < N; ++g) {
+    const __m512 c = _mm512_set1_ps(corr[g]);
+    for (int k = 0; k < K; ++k) t[g][k] = _mm512_mul_ps(_mm512_loadu_ps(a + g * D_T + 16 * k), c);
+  }
+  for (int64_t j = j0; j < j1; ++j) {
+    const float* vj = v + j * vstride;
+    if constexpr (N == 1) {                                    // D up to 256: t alone fills 16 registers
+      const __m512 p = _mm512_set1_ps(s[j]);
+      for (int k = 0; k < K; ++k) t[0][k] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vj + 16 * k), t[0][k]);
+    } else {                                                   // each value row loaded once for the N heads
+      __m512 vv[K];
+      for (int k = 0; k < K; ++k) vv[k] = _mm512_loadu_ps(vj + 16 * k);
+      for (int g = 0; g < N; ++g) {
+        const __m512 p = _mm512_set1_ps(s[g * BS + j]);
+        for (int k = 0; k < K; ++k) t[g][k] = _mm512_fmadd_ps(p, vv[k], t[g][k]);
+      }
+    }
+  }
+  for (int g = 0; g < N; ++g)
+    for (int k = 0; k < K; ++k) _mm512_storeu_ps(a + g * D_T + 16 * k, t[g][k]);
+}
+#endif
+
+template <int64_t D_T>
+inline void accumulate(float* a, const float* corr, const float* s, int64_t BS, int64_t n, int64_t j0, int64_t j1,
+                       const float* v, int64_t vstride, int64_t D) {
+#if defined(__AVX512F__)
+  if constexpr (D_T > 0 && D_T % 16 == 0) {                  // n <= heads_together<D_T>()
+    constexpr int64_t NG = heads_together<D_T>();
+    if constexpr (NG >= 4) if (n == 4) return accumulate_n<D_T, 4>(a, corr, s, BS, j0, j1, v, vstride);
+    if constexpr (NG >= 3) if (n == 3) return accumulate_n<D_T, 3>(a, corr, s, BS, j0, j1, v, vstride);
+    if constexpr (NG >= 2) if (n == 2) return accumulate_n<D_T, 2>(a, corr, s, BS, j0, j1, v, vstride);
+    return accumulate_n<D_T, 1>(a, corr, s, BS, j0, j1, v, vstride);
+  }
+#endif
+  for (int64_t g = 0; g < n; ++g) {                           // one head at a time, D read at run time
+    float* ag = a + g * D;
+    const float* sg = s + g * BS;
+    for (int64_t d = 0; d < D; ++d) ag[d] *= corr[g];
+    for (int64_t j = j0; j < j1; ++j) {
+      const float p = sg[j];
+      const float* vj = v + j * vstride;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) ag[d] += p * vj[d];
+    }
+  }
+}
+
 // BS_T, D_T: the block size and head dim known at compile time (0: read at run time), so the loops over a
 // block's keys and a head's dims unroll and keep their accumulators in registers. Same arithmetic either way.
 template <typename scalar_t, int64_t BS_T, int64_t D_T>
@@ -184,10 +331,19 @@ void attend_item(const scalar_t* q, int64_t qs0, int64_t qs1, const scalar_t* kc
     const int64_t blk = table[b * BS / PB], off = b * BS % PB; // in pool block blk from row off (PB % BS == 0)
     const scalar_t* kb = kc + blk * ks0 + off * ks1 + h * ks2;
     const scalar_t* vb = vc + blk * vs0 + off * vs1 + h * vs2;
+    if ((b + 1) * BS < hi) {                                   // the next split's keys and values, ahead
+      const int64_t nblk = table[(b + 1) * BS / PB], noff = (b + 1) * BS % PB;
+      prefetch_rows(kc + nblk * ks0 + noff * ks1 + h * ks2, ks1, BS, D);
+      prefetch_rows(vc + nblk * vs0 + noff * vs1 + h * vs2, vs1, BS, D);
+    }
     load_keys(kb, ks1, D, BS, kt);
-    for (int64_t j = 0; j < BS; ++j) {
-      const scalar_t* vj = vb + j * vs1;
-      for (int64_t d = 0; d < D; ++d) vf[j * D + d] = static_cast<float>(vj[d]);
+    const float* vrows = vf;                                   // the block's values as float, rows vstride apart
+    int64_t vstride = D;
+    if constexpr (std::is_same_v<scalar_t, float>) {           // float32: read in place
+      vrows = vb;
+      vstride = vs1;
+    } else {
+      load_values(vb, vs1, D, BS, vf);
     }
     scores<BS_T>(qf, kt, sc, RG, D, BS);
     for (int64_t r = r0; r < r1; ++r) {
@@ -195,46 +351,36 @@ void attend_item(const scalar_t* q, int64_t qs0, int64_t qs1, const scalar_t* kc
       const int64_t start = window > 0 ? std::max<int64_t>(0, q_pos[r] - window + 1) : 0;
       const int64_t j0 = std::max<int64_t>(start - b * BS, 0), j1 = std::min<int64_t>(end - b * BS, BS);
       if (j1 <= j0) continue;                                  // this row reads no key of this block
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t i = (r - r0) * G + g;
-        float* s = sc + i * BS;
-        float bm = -std::numeric_limits<float>::infinity();
-        for (int64_t j = j0; j < j1; ++j) {
-          float x = s[j] * scale;
-          if (softcap > 0.0f) x = softcap * std::tanh(x / softcap);
-          s[j] = x;
-          bm = std::max(bm, x);
-        }
-        const float mn = std::max(m[i], bm);
-        const float corr = m[i] == -std::numeric_limits<float>::infinity() ? 0.0f : exp_f(m[i] - mn);
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = j0; j < j1; ++j) {
-          s[j] = exp_f(s[j] - mn);
-          sum += s[j];
-        }
-        l[i] = l[i] * corr + sum;
-        m[i] = mn;
-        float* a = acc + i * D;
-        if constexpr (D_T > 0) {                               // the same sums, in registers
-          float t[D_T];
-          for (int64_t d = 0; d < D_T; ++d) t[d] = a[d] * corr;
-          for (int64_t j = j0; j < j1; ++j) {
-            const float p = s[j];
-            const float* v = vf + j * D_T;
-#pragma omp simd
-            for (int64_t d = 0; d < D_T; ++d) t[d] += p * v[d];
+      constexpr int64_t NG = heads_together<D_T>();
+      for (int64_t g0 = 0; g0 < G; g0 += NG) {                // heads g0 .. g0 + n - 1 of row r together
+        const int64_t n = std::min(NG, G - g0), i0 = (r - r0) * G + g0;
+        float corr[kMaxHeads], sum[kMaxHeads];
+        for (int64_t k = 0; k < n; ++k) {
+          const int64_t i = i0 + k;
+          float* s = sc + i * BS;
+          float bm = -std::numeric_limits<float>::infinity();
+          if (softcap > 0.0f) {
+            for (int64_t j = j0; j < j1; ++j) {
+              const float x = softcap * std::tanh(s[j] * scale / softcap);
+              s[j] = x;
+              bm = std::max(bm, x);
+            }
+          } else {                                             // a max: the same in any order
+#pragma omp simd reduction(max : bm)
+            for (int64_t j = j0; j < j1; ++j) {
+              const float x = s[j] * scale;
+              s[j] = x;
+              bm = std::max(bm, x);
+            }
           }
-          std::copy(t, t + D_T, a);
-        } else {
-          for (int64_t d = 0; d < D; ++d) a[d] *= corr;
-          for (int64_t j = j0; j < j1; ++j) {
-            const float p = s[j];
-            const float* v = vf + j * D;
-#pragma omp simd
-            for (int64_t d = 0; d < D; ++d) a[d] += p * v[d];
-          }
+          const float mn = std::max(m[i], bm);
+          corr[k] = m[i] == -std::numeric_limits<float>::infinity() ? 0.0f : exp_f(m[i] - mn);
+          exp_shifted(s + j0, j1 - j0, mn);
+          m[i] = mn;
         }
+        sums(sc + i0 * BS, BS, n, j0, j1, sum);
+        for (int64_t k = 0; k < n; ++k) l[i0 + k] = l[i0 + k] * corr[k] + sum[k];
+        accumulate<D_T>(acc + i0 * D, corr, sc + i0 * BS, BS, n, j0, j1, vrows, vstride, D);
       }
     }
   }
@@ -311,6 +457,11 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& k
       std::vector<float> buf;
       for (int64_t w = begin; w < end; ++w) {
         const int64_t n = w / hkv, h = w % hkv, s = it[3 * n];
+        if (w + 1 < end && window <= 0) {                      // the next item's first split, ahead
+          const int64_t n1 = (w + 1) / hkv, h1 = (w + 1) % hkv, blk = tab[it[3 * n1] * W];
+          prefetch_rows(kc + blk * key_cache.stride(0) + h1 * key_cache.stride(2), key_cache.stride(1), BS, D);
+          prefetch_rows(vc + blk * value_cache.stride(0) + h1 * value_cache.stride(2), value_cache.stride(1), BS, D);
+        }
         item(q, query.stride(0), query.stride(1), kc, vc, key_cache.stride(0), key_cache.stride(1),
              key_cache.stride(2), value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), pos, kvl[s],
              tab + s * W, o, out.stride(0), out.stride(1), it[3 * n + 1], it[3 * n + 2], h, G, D, BS, PB,
