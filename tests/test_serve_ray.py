@@ -27,12 +27,21 @@ N = 6
 @pytest.fixture(scope="module")
 def cluster():
     from stateful_hf.serve.cluster import start
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="stateful-hf-test")
     try:
-        start(None, EngineOptions(device_capacity=4096), 2, host="127.0.0.1", port=port, replica_cpus=1)
+        # a free port, picked after Ray's own processes took theirs; one of Ray's workers may still take it before
+        # Serve's proxy binds it ("Failed to bind to address"): then another port
+        for attempt in range(3):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            try:
+                start(None, EngineOptions(device_capacity=4096), 2, host="127.0.0.1", port=port, replica_cpus=1)
+                break
+            except Exception as e:                  # noqa: BLE001 - only the port race is retried
+                if "Failed to bind" not in str(e) or attempt == 2:
+                    raise
+                serve.shutdown()
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
