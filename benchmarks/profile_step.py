@@ -6,6 +6,8 @@
     python -m benchmarks.profile_step --compute-free          # the step's host time: engine vs the model's forward
     python -m benchmarks.profile_step --compute-free --compile   # the same with the engine's compiled step too
     python -m benchmarks.profile_step --compute-free --attn-backends cpu   # and an engine on the C++ attention kernel
+    python -m benchmarks.profile_step --model smollm2-135m-instruct --prompts 24 --turns 4 --prompt-len 48 --user 16 \
+        --decode 31 --no-profile --prepack auto --compile     # the roofline of the eager and the compiled step
 
 The compute-free mode (`compute_free`): a 30-layer Llama of width 64 (compute ~0, so what a step costs is
 host time: Python, dispatch, launches), ROWS sessions decoding one token a step. Reported at 1 and 2 threads:
@@ -178,7 +180,7 @@ def roofline(model, wl: Workload, max_batch_tokens: int, gemm: GemmFloor, bandwi
     engine.store.check_integrity()
     return {"steps_raw": steps, "shapes": shapes, "head_shape": head_shape, "kv_bytes_per_token": kv_bytes_per_token,
             "bandwidth": bandwidth, "kernel": str(packed.kernel) if packed else "stock",
-            "generated": generated}
+            "generated": generated, "compile": engine.stats().compile}
 
 
 def floors(run: dict, gemm: GemmFloor) -> dict:
@@ -216,6 +218,7 @@ def floors(run: dict, gemm: GemmFloor) -> dict:
             per_bucket[f"{lo + 1}-{hi}" if hi < 1 << 30 else f">{lo}"] = summary(sel)
         lo = hi
     return {**summary(rows_out), "read_bandwidth_gbs": run["bandwidth"] / 1e9, "kernel": run["kernel"],
+            "compile": run["compile"],
             "generated": run["generated"], "steps_by_threads": dict(Counter(r[3] for r in run["steps_raw"])),
             "buckets": per_bucket}
 
@@ -380,8 +383,9 @@ def main() -> None:
     ap.add_argument("--no-profile", action="store_true", help="the roofline only (no profiler run, no CB)")
     ap.add_argument("--neighbour", default="quiet")
     ap.add_argument("--compute-free", action="store_true", help="the compute-free mode only (see above)")
-    ap.add_argument("--compile", action="store_true", help="compute-free: the engine's compiled step too "
-                    "(compile=True: inductor, compiled at engine start)")
+    ap.add_argument("--compile", action="store_true", help="the engine's compiled step too (compile=True: "
+                    "inductor, compiled at engine start): beside the eager engines in the compute-free mode, and as "
+                    "one more roofline (\"auto, compiled\") after the --prepack ones")
     ap.add_argument("--repeats", type=int, default=3, help="compute-free: runs at each thread count (medians)")
     ap.add_argument("--cf-threads", type=int, nargs="+", default=[1, 2], help="compute-free: the thread counts")
     ap.add_argument("--attn-backends", nargs="+", default=[], choices=("torch", "cpu"),
@@ -457,8 +461,11 @@ def main() -> None:
                              else "") + "; profiled thread s: " + ", ".join(f"{k} {v:.2f}" for k, v in b.items()),
                       flush=True)
         bandwidth = read_bandwidth()
-        runs = {mode: roofline(model, wl, args.max_batch_tokens, gemm, bandwidth, prepack_weights=mode,
-                               step_threads=args.engine_threads) for mode in args.prepack}
+        variants = {mode: {"prepack_weights": mode} for mode in args.prepack}
+        if args.compile:                           # the compiled step (inductor) beside them, prepacked as auto
+            variants["auto, compiled"] = {"prepack_weights": "auto", "compile": True}
+        runs = {name: roofline(model, wl, args.max_batch_tokens, gemm, bandwidth, step_threads=args.engine_threads,
+                               **options) for name, options in variants.items()}
         for mode, run in runs.items():
             r = floors(run, gemm)
             out.setdefault("roofline", {})[mode] = r

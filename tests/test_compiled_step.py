@@ -25,13 +25,13 @@ def dynamo_engine(model, store, **options) -> Engine:
     """An engine whose steps without per-layer work run through Dynamo alone, fullgraph: a graph break
     raises inside `CompiledStep`, which records it in `failed` and reruns the step eager."""
     engine = Engine(model, store=store, compile=False, **options)
-    engine.runner.compiled = CompiledStep(model, backend="eager", fullgraph=True)
-    engine.runner.compile = CompileDecision(True, "test: Dynamo only, fullgraph")
+    engine.runner.compile_with(CompiledStep(model, backend="eager", fullgraph=True),
+                               CompileDecision(True, "test: Dynamo only, fullgraph"))
     return engine
 
 
-def rounds(engine, oracle, family: str, turns: int = 3) -> None:
-    convs = {f"{family}{i}": Conversation(seed=70 + i, first=25 + 9 * i, turn=7) for i in range(3)}
+def rounds(engine, oracle, family: str, turns: int = 3, seed: int = 70) -> None:
+    convs = {f"{family}{i}": Conversation(seed=seed + i, first=25 + 9 * i, turn=7) for i in range(3)}
     for _ in range(turns):
         engine_round(engine, convs, oracle, n=5)
 
@@ -49,6 +49,38 @@ def test_every_step_compiles_fullgraph_and_is_exact(family, make_store):
     assert compiled.mode is GraphMode.ONE, compiled.guarded_because       # one graph, every token count
     assert compiled.steps == stats.steps > 9 and stats.compiled_steps == stats.steps
     assert stats.compile.startswith("inductor (test")
+
+
+@pytest.mark.parametrize("refresh", [True, False])
+def test_packed_weights_in_the_graph_follow_their_weights(refresh, make_store, monkeypatch):
+    """With packed weights (MKL's, float32) the graph's linear layers multiply by the packed copies
+    (`stateful_hf::packed_linear`): exact; after the weights change in place, fresh sessions equal stateless
+    generate on the changed model, because the op finds its layer's copy when it runs and repacks it if the weight
+    changed. Negative control (`refresh=False`: the op's check sees every copy as current): the graph multiplies
+    by the old copies and the replies no longer equal the changed model's."""
+    from stateful_hf.kernels.linear import LinearKernel, _PackedForward
+
+    model, oracle = FAMILIES["llama"](), FAMILIES["llama"]()
+    store = make_store(model, device_capacity=2048)
+    with dynamo_engine(model, store, max_batch_tokens=40, prepack_weights="on") as engine:
+        packed = engine.runner.packed
+        if packed is None or packed.kernel is not LinearKernel.MKL_PACKED:
+            pytest.skip(f"no MKL packed sgemm here ({packed and packed.kernel})")
+        assert "linear layers on MKL's packed weights" in engine.stats().compile
+        rounds(engine, oracle, "before", turns=2)
+        if not refresh:
+            monkeypatch.setattr(_PackedForward, "_current", lambda self, w: True)
+        with torch.no_grad():
+            for m in (model, oracle):
+                for layer in m.model.layers:
+                    layer.mlp.down_proj.weight.mul_(-4.0)
+        if refresh:
+            rounds(engine, oracle, "after", turns=2, seed=90)     # new prompts: no prefix computed before
+        else:
+            with pytest.raises(AssertionError):
+                rounds(engine, oracle, "after", turns=2, seed=90)
+        compiled = engine.runner.compiled
+    assert compiled.failed == {} and compiled.steps == engine.stats().steps
 
 
 def test_one_graph_serves_every_token_count_only_because_it_is_unbacked(make_store, monkeypatch):

@@ -256,3 +256,6 @@ def test_compiled_engine_equals_generate(real, oracle):
         stats = engine.stats()
     assert compiled.failed == {} and compiled.mode is GraphMode.ONE
     assert 0 < compiled.steps == stats.compiled_steps == stats.steps
+    packed = engine.runner.packed      # where prepack_weights="auto" packed for MKL, the graph multiplies by them
+    in_graph = packed is not None and packed.graph_layers > 0
+    assert ("linear layers on MKL's packed weights" in stats.compile) == in_graph

@@ -80,9 +80,17 @@ class ModelRunner:
             compile, next(model.parameters()).device, invariant=store.invariant_split is not None,
             hidden_states=store.keeps_hidden)
         self.compiled: CompiledStep | None = None
+        self._packed_in_graph = False   # the compiled graph's linear layers on MKL's packed copies
         if self.compile.enabled:
-            self.compiled = CompiledStep(model)
-            self.compiled.warm_up()
+            compiled = CompiledStep(model)
+            self.compile_with(compiled, self.compile)
+            compiled.warm_up()
+
+    def compile_with(self, compiled: CompiledStep, decision: CompileDecision) -> None:
+        """Run the steps without per-layer work through `compiled` (traced at its warm-up or first call), its
+        graph's linear layers on the packed copies where MKL packed them (`PackedWeights.in_graph`)."""
+        self._packed_in_graph = self.packed is not None and self.packed.in_graph()
+        self.compile, self.compiled = decision, compiled
 
     def execute(self, items: Sequence[WorkItem]) -> tuple[StepBatch, list[int], Committed]:
         """Plan, run and commit one step; returns the step, one sampled token per item that needs
@@ -123,7 +131,8 @@ class ModelRunner:
         """`EngineStats`' compile fields: how the steps run (and why), and how many forwards ran compiled."""
         if self.compiled is None:
             return self.compile.describe(), 0
-        return f"{self.compile.describe()}; {self.compiled.describe()}", self.compiled.steps
+        packed = "; linear layers on MKL's packed weights" if self._packed_in_graph else ""
+        return f"{self.compile.describe()}; {self.compiled.describe()}{packed}", self.compiled.steps
 
     def record(self, index: int, entries: Sequence[tuple[str, int, int, bool]], seconds: float,
                committed: Committed | None) -> StepRecord:

@@ -24,11 +24,21 @@ oracle included, runs exactly as before. A quantized weight (a tensor subclass, 
 keeps its own kernels: its layer is not packed. The model's classes, parameters and state dict are untouched.
 A packed copy follows its weight: a weight replaced, moved, cast or changed in place (a new
 `data_ptr`, dtype or version) is packed again before its next use, so a stale copy is never read.
+
+The engine's compiled step (`integration/compiled_step.py`) cannot read `active()` (a ContextVar) in its graph:
+`PackedWeights.in_graph()` gives each MKL-packed layer a slot, and a traced call of that layer is
+`torch.ops.stateful_hf.packed_linear(rows, weight, bias, slot)`: an op of its own, whose body finds the layer's
+packed copy by its slot when it runs, repacks it if the weight changed (the eager path's check), and calls MKL's
+packed GEMM. The copy is never a graph constant (a graph traced over it would keep a stale copy: a test shows it),
+and MKL's own op cannot be traced directly (it takes the call's row count as a plain int, which the graph's
+unbacked token count cannot be).
 """
 
 from __future__ import annotations
 
+import itertools
 import time
+import weakref
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -112,6 +122,33 @@ def apply(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: tor
 _ATTR = "_stateful_hf_packed"
 _ACTIVE: ContextVar[bool] = ContextVar("stateful_hf_packed", default=False)
 
+# the packed forwards a compiled graph calls, by slot (`PackedWeights.in_graph`); weak: a dropped model's go
+_SLOTS: dict[int, weakref.ref] = {}
+_next_slot = itertools.count()
+_LIB = torch.library.Library("stateful_hf", "FRAGMENT")
+_LIB.define("packed_linear(Tensor rows, Tensor weight, Tensor? bias, int slot) -> Tensor")
+
+
+def _packed_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, slot: int) -> torch.Tensor:
+    """rows [M, in] @ weight.T + bias through MKL's packed copy of the float32 `weight` held by the packed
+    forward in `slot`, repacked first if its weight changed (as the eager path does on every call): [M, out]."""
+    forward = _SLOTS[slot]()
+    if forward is None:
+        raise RuntimeError(f"stateful_hf::packed_linear: slot {slot}'s layer is gone (its model was dropped)")
+    w = forward.module.weight
+    if not forward._current(w):
+        forward.repack()
+    return torch.ops.mkl._mkl_linear(rows, forward.packed, w, bias, rows.shape[0])
+
+
+def _packed_linear_fake(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        slot: int) -> torch.Tensor:
+    return rows.new_empty(rows.shape[0], weight.shape[0])
+
+
+_LIB.impl("packed_linear", _packed_linear, "CPU")
+torch.library.register_fake("stateful_hf::packed_linear", _packed_linear_fake, lib=_LIB)
+
 
 def sums(rows: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """rows [M, in] @ weight.T + bias in float32 through MKL's `packed` copy of `weight` (a float32 or a
@@ -144,12 +181,13 @@ class _PackedForward:
     object, storage and in-place version: `weight_key`'s facts, read without building the key), the CPU, the rows."""
 
     __slots__ = ("module", "kernel", "dtype", "rows", "packed", "key", "weight", "ptr", "version", "min_numel",
-                 "shape", "out_features", "op")
+                 "shape", "out_features", "op", "graph", "__weakref__")
 
     def __init__(self, module: torch.nn.Linear, kernel: LinearKernel, rows: int):
         self.module, self.kernel, self.dtype, self.rows = module, kernel, kernel.dtype, rows
         self.min_numel = MIN_ROWS * module.in_features
         self.op = torch.ops.mkl._mkl_linear.default if kernel is LinearKernel.MKL_PACKED else None
+        self.graph: int | None = None       # the slot a traced call names (`PackedWeights.in_graph`); None: F.linear
         self.packed, self.key = None, None
         self.repack()
 
@@ -168,7 +206,11 @@ class _PackedForward:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m = self.module
         w = m.weight
-        if torch.compiler.is_compiling():   # a compiled step: the compiler's own GEMM of the weight, no ContextVar
+        if torch.compiler.is_compiling():   # a compiled step: no ContextVar; the packed op, or the compiler's GEMM
+            if self.graph is not None:
+                rows = x.reshape(-1, x.shape[-1])
+                return torch.ops.stateful_hf.packed_linear(rows, w, m.bias, self.graph).view(*x.shape[:-1],
+                                                                                              self.out_features)
             return F.linear(x, w, m.bias)
         if (not _ACTIVE.get() or x.dtype != self.dtype or w.dtype != self.dtype or x.device.type != "cpu"
                 or x.numel() < self.min_numel):
@@ -216,6 +258,21 @@ class PackedWeights:
             yield
         finally:
             _ACTIVE.reset(token)
+
+    def in_graph(self) -> bool:
+        """Make a traced (compiled) call of each MKL-packed layer `stateful_hf::packed_linear` on its slot,
+        whatever the ContextVar; returns whether any layer is (the other kernels keep the compiler's GEMM). Before
+        a trace: a graph traced earlier keeps what it traced."""
+        for f in self.forwards:
+            if f.op is not None and f.graph is None:
+                f.graph = next(_next_slot)
+                _SLOTS[f.graph] = weakref.ref(f, lambda _, slot=f.graph: _SLOTS.pop(slot, None))
+        return any(f.graph is not None for f in self.forwards)
+
+    @property
+    def graph_layers(self) -> int:
+        """How many layers a traced call multiplies by their packed copies (`in_graph`)."""
+        return sum(f.graph is not None for f in self.forwards)
 
     @property
     def nbytes(self) -> int:
