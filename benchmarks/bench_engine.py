@@ -508,7 +508,7 @@ def run_condition(args, models, systems, skip, wl) -> dict:
         print(f"engine: {st.steps} steps, mean {st.mean_batch_tokens:.1f} rows/step, prompt rows {st.prompt_tokens}, "
               f"recomputed {st.recomputed_tokens}, occupancy {st.mean_occupancy:.0%}"
               + (f", steps by team size {dict(sorted(sizer.steps_by_threads.items()))}" if sizer else "")
-              + f"; {st.compiled_steps} steps compiled: {st.compile}")
+              + f"; {st.compiled_steps} steps compiled: {st.compile}; linear layers: {st.linear}")
     return {"load_start": load_start, "load_end": load_end, "median_runs": [_figures(r, wl) for r in results],
             "llama_server": [_figures(r, wl) for r in external], "llama_server_agreement": agreement,
             "rounds": {x: [_figures(r, wl) for r in rs] for x, rs in runs.items()},
@@ -520,6 +520,7 @@ def run_condition(args, models, systems, skip, wl) -> dict:
                 "rule": engine.store.step_backends.describe(),
                 "measured_rows_torch_s_cpp_s": engine.store.step_backends.measured},
             "engine_compile": None if engine is None else engine.stats().compile,
+            "engine_linear": None if engine is None else engine.stats().linear,
             "engine_compiled_steps": None if engine is None else engine.stats().compiled_steps}
 
 

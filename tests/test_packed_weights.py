@@ -80,6 +80,7 @@ def test_engine_on_packed_weights_exact(family):
     model, oracle = FAMILIES[family](), FAMILIES[family]()
     engine = Engine(model, device_capacity=512, chunk_size=16, max_batch_tokens=64, prepack_weights="on")
     assert engine.runner.packed is not None and engine.runner.packed.kernel is LinearKernel.MKL_PACKED
+    assert engine.stats().linear == "mkl-packed (prepack_weights='on')"
     convs = {f"s{i}": Conversation(seed=300 + i, first=12 + 3 * i) for i in range(6)}
     for _ in range(2):                                                             # a first and a returning turn
         engine_round(engine, convs, oracle, 5)
@@ -88,3 +89,13 @@ def test_engine_on_packed_weights_exact(family):
     x = convs["s0"].ids
     assert torch.equal(greedy(model, x, 4, attention_mask=torch.ones_like(x)),
                        greedy(oracle, x, 4, attention_mask=torch.ones_like(x)))
+
+
+def test_engine_says_which_linear_kernel_its_steps_use():
+    """`Engine.stats().linear` names the steps' linear kernel and the reason: off, or auto's measurement
+    (packed or not, the trial's figures either way)."""
+    model = FAMILIES["llama"]()
+    assert Engine(model, device_capacity=512, prepack_weights="off").stats().linear == \
+        "F.linear (prepack_weights='off')"
+    auto = Engine(FAMILIES["llama"](), device_capacity=512).stats().linear     # prepack_weights="auto"
+    assert "(auto: " in auto and "F.linear's speed" in auto, auto

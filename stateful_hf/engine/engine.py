@@ -95,9 +95,9 @@ class Engine:
         self.scheduler = Scheduler(door, SchedulerConfig(c.max_batch_tokens, c.max_num_seqs, c.reserve_fraction,
                                                                c.short_prefill_tokens),
                                    self.adapter.max_positions, self.slo, layers)
-        self.runner = ModelRunner(model, door, packed_weights(model, c.prepack_weights, c.max_batch_tokens,
-                                                                    self.store.invariant_split is not None),
-                                  compile=c.compile)
+        packed, self.linear = packed_weights(model, c.prepack_weights, c.max_batch_tokens,
+                                             self.store.invariant_split is not None)
+        self.runner = ModelRunner(model, door, packed, compile=c.compile)
         self.thread_sizer = ThreadSizer.for_option(c.step_threads)
         self.loop = StepLoop(self.step, self.has_work, self._fail_in_flight,
                              release_thread_pool if c.release_openmp_pool else None,
@@ -304,7 +304,8 @@ class Engine:
                                           layers.layered_admissions, layers.pushed_blocks,
                                           *self.runner.compile_stats())
         quant = self.store.quantization
-        return dataclasses.replace(stats, quantization=quant.describe()) if quant is not None else stats
+        return dataclasses.replace(stats, linear=self.linear,
+                                   quantization=quant.describe() if quant is not None else "")
 
     def hint(self, session_id: str, expected_arrival: float | None = None, priority: int | None = None) -> Hint:
         """Tell the engine that `session_id` will send a turn soon (e.g. its user started typing;

@@ -47,26 +47,31 @@ class StepRecord:
 
 
 def packed_weights(model: torch.nn.Module, mode: PrepackWeights, rows: int,
-                   invariant: bool = False) -> PackedWeights | None:
-    """The model's packed linear weights for the engine's steps (option prepack_weights), or None. A
-    batch-invariant store's steps multiply by the model's own weights (the invariant GEMM). "auto" packs where
-    this CPU has a packed kernel for the model's dtype (capability) and that kernel measured faster than F.linear
-    on the model's own weights here (`measure`; never by vendor); "on" packs wherever a kernel exists."""
+                   invariant: bool = False) -> tuple[PackedWeights | None, str]:
+    """The model's packed linear weights for the engine's steps (option prepack_weights), or None, and what was
+    decided and why (`EngineStats.linear`). A batch-invariant store's steps multiply by the model's own weights
+    (the invariant GEMM). "auto" packs where this CPU has a packed kernel for the model's dtype (capability) and
+    that kernel measured faster than F.linear on the model's own weights here (`measure`; never by vendor); "on"
+    packs wherever a kernel exists."""
     if invariant and mode is PrepackWeights.ON:
         raise ValueError("prepack_weights='on' with a batch_invariant store: its steps run the invariant GEMM on "
                          "the model's own weights; use prepack_weights='auto' or 'off'")
-    if mode is PrepackWeights.OFF or invariant:
-        return None
+    if mode is PrepackWeights.OFF:
+        return None, "F.linear (prepack_weights='off')"
+    if invariant:
+        return None, "the batch-invariant GEMM (a batch-invariant store)"
     p = next(model.parameters())
     kernel = choose(p.dtype, p.device, CpuFeatures.detect(), required=mode is PrepackWeights.ON)
     if kernel is LinearKernel.STOCK:
-        return None
+        return None, f"F.linear (no packed kernel for {str(p.dtype).removeprefix('torch.')} on {p.device.type})"
+    why = f"{kernel} (prepack_weights='on')"
     if mode is PrepackWeights.AUTO:
         trial = measure(model, kernel, rows)
         logger.info("prepack_weights='auto': %s", trial.describe())
         if not trial.pays:
-            return None
-    return PackedWeights.install(model, kernel, rows)
+            return None, f"F.linear (auto: {trial.describe()})"
+        why = f"{kernel} (auto: {trial.describe()})"
+    return PackedWeights.install(model, kernel, rows), why
 
 
 class ModelRunner:

@@ -38,6 +38,7 @@ class EngineStats:
     compile: str = ""                          # how the steps run: "inductor (...)" or "eager (the reason)"
     compiled_steps: int = 0                    # steps whose forward ran compiled
     quantization: str = ""                     # the model's quantized linear layers ("": none)
+    linear: str = ""                           # the steps' linear kernel and why (prepack_weights' decision)
 
 
 class StepTotals:
