@@ -7,7 +7,7 @@
     python -m benchmarks.profile_step --compute-free --compile   # the same with the engine's compiled step too
     python -m benchmarks.profile_step --compute-free --attn-backends cpu   # and an engine on the C++ attention kernel
     python -m benchmarks.profile_step --model smollm2-135m-instruct --prompts 24 --turns 4 --prompt-len 48 --user 16 \
-        --decode 31 --no-profile --prepack auto --compile     # the roofline of the eager and the compiled step
+        --decode 31 --no-profile --prepack on --compile     # the roofline of the eager and the compiled step
 
 The compute-free mode (`compute_free`): a 30-layer Llama of width 64 (compute ~0, so what a step costs is
 host time: Python, dispatch, launches), ROWS sessions decoding one token a step. Reported at 1 and 2 threads:
@@ -385,7 +385,7 @@ def main() -> None:
     ap.add_argument("--compute-free", action="store_true", help="the compute-free mode only (see above)")
     ap.add_argument("--compile", action="store_true", help="the engine's compiled step too (compile=True: "
                     "inductor, compiled at engine start): beside the eager engines in the compute-free mode, and as "
-                    "one more roofline (\"auto, compiled\") after the --prepack ones")
+                    "one more roofline after the --prepack ones (prepacked as the first of them)")
     ap.add_argument("--repeats", type=int, default=3, help="compute-free: runs at each thread count (medians)")
     ap.add_argument("--cf-threads", type=int, nargs="+", default=[1, 2], help="compute-free: the thread counts")
     ap.add_argument("--attn-backends", nargs="+", default=[], choices=("torch", "cpu"),
@@ -462,8 +462,8 @@ def main() -> None:
                       flush=True)
         bandwidth = read_bandwidth()
         variants = {mode: {"prepack_weights": mode} for mode in args.prepack}
-        if args.compile:                           # the compiled step (inductor) beside them, prepacked as auto
-            variants["auto, compiled"] = {"prepack_weights": "auto", "compile": True}
+        if args.compile:                           # the compiled step (inductor) beside them, prepacked as the first
+            variants[f"{args.prepack[0]}, compiled"] = {"prepack_weights": args.prepack[0], "compile": True}
         runs = {name: roofline(model, wl, args.max_batch_tokens, gemm, bandwidth, step_threads=args.engine_threads,
                                **options) for name, options in variants.items()}
         for mode, run in runs.items():
